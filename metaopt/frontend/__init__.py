@@ -1,0 +1,1 @@
+"""Import: torch.nn.Module or ONNX file -> Program."""

@@ -1,0 +1,76 @@
+"""Standard-ops definitions of our own op types, saved as ONNX model-local functions.
+
+They let ONNX Runtime (and any ONNX consumer) run a saved training program that
+uses metaopt ops. Only ops with an exact standard-ops equivalent appear here.
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnx import helper
+
+DOMAIN = "metaopt"
+
+
+def _ref(name: str, ref: str, kind: int) -> onnx.AttributeProto:
+    a = onnx.AttributeProto()
+    a.name, a.ref_attr_name, a.type = name, ref, kind
+    return a
+
+
+def _const(out: str, **kw) -> onnx.NodeProto:
+    return helper.make_node("Constant", [], [out], **kw)
+
+
+def batch_norm_training() -> onnx.FunctionProto:
+    """torch's training batch norm: batch stats; running var updated with the unbiased variance."""
+    n = helper.make_node
+    m = _const("m")
+    m.attribute.append(_ref("value_float", "momentum", onnx.AttributeProto.FLOAT))
+    eps = n("BatchNormalization", ["X", "scale", "B", "bmean", "bvar"], ["Y"])
+    eps.attribute.append(_ref("epsilon", "epsilon", onnx.AttributeProto.FLOAT))
+    nodes = [
+        n("Shape", ["X"], ["shape"]),
+        n("Size", ["shape"], ["rank"]),
+        _const("zero", value=helper.make_tensor("", onnx.TensorProto.INT64, [1], [0])),
+        _const("two", value=helper.make_tensor("", onnx.TensorProto.INT64, [], [2])),
+        _const("one_i", value=helper.make_tensor("", onnx.TensorProto.INT64, [], [1])),
+        n("Range", ["two", "rank", "one_i"], ["rest"]),
+        n("Concat", ["zero", "rest"], ["axes"], axis=0),
+        n("ReduceMean", ["X", "axes"], ["bmean_k"], keepdims=1),
+        n("Sub", ["X", "bmean_k"], ["d"]),
+        n("Mul", ["d", "d"], ["d2"]),
+        n("ReduceMean", ["d2", "axes"], ["bvar"], keepdims=0),
+        n("ReduceMean", ["X", "axes"], ["bmean"], keepdims=0),
+        eps,
+        n("Size", ["X"], ["numel"]),
+        n("Size", ["bmean"], ["channels"]),
+        n("Div", ["numel", "channels"], ["count_i"]),
+        n("CastLike", ["count_i", "X"], ["count"]),
+        _const("one", value_float=1.0),
+        n("CastLike", ["one", "X"], ["one_x"]),
+        n("Sub", ["count", "one_x"], ["count_m1"]),
+        n("Div", ["count", "count_m1"], ["bessel"]),
+        n("Mul", ["bvar", "bessel"], ["uvar"]),
+        m,
+        n("CastLike", ["m", "X"], ["m_x"]),
+        n("Sub", ["one_x", "m_x"], ["keep"]),
+        n("Mul", ["mean", "keep"], ["old_mean"]),
+        n("Mul", ["bmean", "m_x"], ["new_mean_part"]),
+        n("Add", ["old_mean", "new_mean_part"], ["running_mean"]),
+        n("Mul", ["var", "keep"], ["old_var"]),
+        n("Mul", ["uvar", "m_x"], ["new_var_part"]),
+        n("Add", ["old_var", "new_var_part"], ["running_var"]),
+    ]
+    return helper.make_function(
+        DOMAIN, "BatchNormTraining", ["X", "scale", "B", "mean", "var"], ["Y", "running_mean", "running_var"],
+        nodes, [helper.make_opsetid("", 20)], attributes=["epsilon", "momentum"],
+    )
+
+
+_FUNCTIONS = {"BatchNormTraining": batch_norm_training}
+
+
+def for_ops(op_types: set[str]) -> list[onnx.FunctionProto]:
+    """Functions for the given metaopt op types; an op without one cannot be saved runnable."""
+    return [_FUNCTIONS[t]() for t in sorted(op_types) if t in _FUNCTIONS]

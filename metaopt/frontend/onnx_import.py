@@ -1,0 +1,202 @@
+"""ONNX ModelProto -> Program.
+
+The importer keeps the exporter's structure and adds what training needs: a
+kind per initializer (param / buffer / constant), a module scope per op, shape
+and dtype per value, Constant nodes as constant vars. Readable names, training
+repairs and folding are separate steps (`naming`, `repair`, passes.fold_constants)
+that `import_model` runs in a fixed order.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+
+import onnx
+
+from metaopt.frontend.attrs import attr_value, tensor_value, torch_dtype
+from metaopt.ir import Op, Program, Var, dtype_name
+from metaopt.ops import registry
+
+CONTROL_FLOW = frozenset({"If", "Loop", "Scan", "SequenceMap"})
+_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
+_KIND_KEY = "pkg.torch.export.graph_signature.InputSpec.kind"
+_NO_MODULE = "_empty_nn_module_stack_from_metadata_hook"
+
+
+class ImportError_(ValueError):
+    """The model cannot become a metaopt Program; the message names the op or value."""
+
+
+@dataclass
+class ImportOptions:
+    """What the caller knows beyond the ONNX file (the torch export wrapper fills it)."""
+
+    # initializer name -> "param" | "buffer" | "constant"; otherwise from the
+    # exporter's metadata, else floating initializers are params.
+    kinds: dict[str, str] = field(default_factory=dict)
+    frozen: set[str] = field(default_factory=set)  # params with requires_grad=False
+    rename: dict[str, str] = field(default_factory=dict)  # initializer -> state_dict name
+    symbolic_dims: dict[str, str] = field(default_factory=dict)  # exporter dim name -> ours
+
+
+def _meta(proto: onnx.NodeProto | onnx.ValueInfoProto) -> dict[str, str]:
+    return {p.key: p.value for p in proto.metadata_props}
+
+
+def node_scope(node: onnx.NodeProto) -> tuple[str, list[str]]:
+    """(innermost module path, all enclosing module paths outermost first, FX name last).
+
+    The exporter records ``['', 'layer.0', 'layer.0.fc', 'linear']``: module
+    paths from the root down, then the FX node's name.
+    """
+    raw = _meta(node).get(_SCOPES_KEY)
+    if not raw:
+        return "", []
+    try:
+        parts = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        return "", []
+    if not isinstance(parts, list) or not parts or parts[0] == _NO_MODULE:
+        return "", [str(p) for p in parts[-1:]] if parts else []
+    mods = [str(p) for p in parts[1:-1]]
+    return (mods[-1] if mods else ""), [*mods, str(parts[-1])]
+
+
+def _shape_of(t: onnx.TypeProto, dims: dict[str, str]) -> tuple | None:
+    tt = t.tensor_type
+    if not tt.HasField("shape"):
+        return None
+    out: list[int | str] = []
+    for d in tt.shape.dim:
+        if d.HasField("dim_value"):
+            out.append(int(d.dim_value))
+        elif d.HasField("dim_param"):
+            out.append(dims.get(d.dim_param, d.dim_param))
+        else:
+            return None
+    return tuple(out)
+
+
+def _value_types(graph: onnx.GraphProto, dims: dict[str, str]) -> dict[str, tuple[str, tuple | None]]:
+    out: dict[str, tuple[str, tuple | None]] = {}
+    for vi in [*graph.input, *graph.value_info, *graph.output]:
+        tt = vi.type.tensor_type
+        if vi.type.HasField("tensor_type") and tt.elem_type:
+            out[vi.name] = (dtype_name(torch_dtype(tt.elem_type, what=f"value {vi.name!r}")), _shape_of(vi.type, dims))
+    return out
+
+
+def _with_inferred_types(model: onnx.ModelProto) -> onnx.ModelProto:
+    # The exporter leaves some helper values (shape arithmetic) untyped; ONNX's
+    # own inference fills them in, keeping the exporter's symbolic dim names.
+    known = {vi.name for vi in [*model.graph.value_info, *model.graph.input, *model.graph.output]}
+    known |= {t.name for t in model.graph.initializer}
+    if all(o in known for node in model.graph.node for o in node.output if o and node.op_type != "Constant"):
+        return model
+    try:
+        return onnx.shape_inference.infer_shapes(model, data_prop=True)
+    except onnx.shape_inference.InferenceError as e:
+        raise ImportError_(f"ONNX shape inference failed: {e}") from e
+
+
+def _describe(node: onnx.NodeProto) -> str:
+    scope, _ = node_scope(node)
+    where = f" in module {scope!r}" if scope else ""
+    return f"op {node.op_type} (node {node.name or '?'}, outputs {list(node.output)}){where}"
+
+
+def check_supported(graph: onnx.GraphProto) -> None:
+    """Refuse control flow and op types without a kernel, naming op and scope."""
+    for node in graph.node:
+        if node.op_type in CONTROL_FLOW:
+            raise ImportError_(f"{_describe(node)}: control flow is not supported (one block only)")
+        if node.op_type == "Constant":
+            continue
+        row = registry.get(node.op_type)
+        if row is None or (node.domain not in ("", "ai.onnx") and node.domain != row.domain):
+            dom = f"{node.domain}::" if node.domain else ""
+            raise ImportError_(f"{_describe(node)}: unknown op type {dom}{node.op_type} (no kernel in the op table)")
+
+
+def to_program(
+    model: onnx.ModelProto, opts: ImportOptions | None = None, *, name: str = "main"
+) -> tuple[Program, dict[str, list[str]]]:
+    """The raw import: one Op per node, vars for every value, no renaming.
+
+    Also returns each op's scope chain (enclosing module paths, then the FX node
+    name), keyed by the op's first output name (stable through folding), for
+    the naming step.
+    """
+    opts = opts or ImportOptions()
+    check_supported(model.graph)
+    model = _with_inferred_types(model)
+    g = model.graph
+    types = _value_types(g, opts.symbolic_dims)
+    meta_kinds = {vi.name: _meta(vi).get(_KIND_KEY, "") for vi in g.value_info}
+    p = Program(name)
+    chains: dict[str, list[str]] = {}
+    rn = opts.rename.get
+
+    init_names = set()
+    for t in g.initializer:
+        value = tensor_value(t)
+        kind = opts.kinds.get(t.name) or {"PARAMETER": "param", "BUFFER": "buffer"}.get(
+            meta_kinds.get(t.name, ""), "param" if value.is_floating_point() else "constant"
+        )
+        vname = rn(t.name, t.name)
+        init_names.add(t.name)
+        if vname in p.vars:  # two initializers for one tied parameter
+            continue
+        trainable = kind == "param" and t.name not in opts.frozen and value.is_floating_point()
+        p.add_var(Var(vname, dtype_name(value.dtype), tuple(value.shape), kind=kind, trainable=trainable), value)
+
+    for vi in g.input:
+        if vi.name in init_names:
+            continue
+        dtype, shape = types.get(vi.name, (None, None))
+        if dtype is None:
+            raise ImportError_(f"graph input {vi.name!r} has no tensor type")
+        p.add_var(Var(vi.name, dtype, shape, kind="input"))
+        p.inputs.append(vi.name)
+
+    for node in g.node:
+        scope, chain = node_scope(node)
+        if node.op_type == "Constant":
+            value = _constant_value(node)
+            p.add_var(Var(node.output[0], dtype_name(value.dtype), tuple(value.shape), kind="constant"), value)
+            continue
+        attrs = {a.name: attr_value(a) for a in node.attribute}
+        for o in node.output:
+            if not o:
+                continue
+            dtype, shape = types.get(o, (None, None))
+            if dtype is None:
+                raise ImportError_(f"{_describe(node)}: output {o!r} has no inferred type")
+            p.add_var(Var(o, dtype, shape))
+        op = Op(node.op_type, [rn(x, x) for x in node.input], list(node.output), attrs, scope=scope)
+        chains[node.output[0]] = chain
+        p.ops.append(op)
+
+    p.outputs = [o.name for o in g.output]
+    if len(p.outputs) == 1 and p.vars[p.outputs[0]].shape == () and p.vars[p.outputs[0]].dtype.startswith("float"):
+        p.loss_name = p.outputs[0]
+    return p, chains
+
+
+def _constant_value(node: onnx.NodeProto):
+    import torch
+
+    if len(node.attribute) != 1:
+        raise ImportError_(f"{_describe(node)}: a Constant needs exactly one value attribute")
+    a = node.attribute[0]
+    v = attr_value(a)
+    if a.name in ("value", "sparse_value"):
+        if not isinstance(v, torch.Tensor):
+            raise ImportError_(f"{_describe(node)}: sparse constants are not supported")
+        return v
+    dtype = {"value_float": torch.float32, "value_floats": torch.float32,
+             "value_int": torch.int64, "value_ints": torch.int64}.get(a.name)
+    if dtype is None:
+        raise ImportError_(f"{_describe(node)}: Constant attribute {a.name!r} is not supported")
+    return torch.tensor(v, dtype=dtype)

@@ -1,0 +1,116 @@
+"""Program -> ONNX ModelProto / file: Netron-readable, ONNX Runtime-runnable where ops allow.
+
+Persistables become initializers (current values from an executor's scope when
+given), every var gets its value_info, each op keeps its fields as node
+metadata (role, stage, scope, origin). Our own op types live in the
+``metaopt`` domain; those with a standard-ops definition are saved with a
+model-local function so ONNX Runtime can run the file. State updates
+(``Program.updates``) become extra graph outputs named by the new values.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+from onnx import helper
+
+from metaopt.frontend.attrs import TORCH_TO_ONNX
+from metaopt.ir import Program, torch_dtype
+from metaopt.ops import registry
+
+OPSET = 20
+IR_VERSION = 10  # onnxruntime rejects IR 14; 10 is what torch 2.13 writes
+DOMAIN = "metaopt"
+
+
+def _tensor(name: str, t: torch.Tensor) -> onnx.TensorProto:
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        bits = t.view(torch.int16).numpy().view(np.uint16)
+        tp = helper.make_tensor(name, onnx.TensorProto.BFLOAT16, list(t.shape), bits.tobytes(), raw=True)
+        return tp
+    return onnx.numpy_helper.from_array(t.numpy(), name)
+
+
+def _value_info(p: Program, name: str) -> onnx.ValueInfoProto:
+    v = p.vars[name]
+    elem = TORCH_TO_ONNX[torch_dtype(v.dtype)]
+    shape = None if v.shape is None else list(v.shape)
+    return helper.make_tensor_value_info(name, elem, shape)
+
+
+def _attr(key: str, value: Any) -> onnx.AttributeProto:
+    if isinstance(value, torch.Tensor):
+        return helper.make_attribute(key, _tensor("", value))
+    if isinstance(value, bool):
+        value = int(value)
+    return helper.make_attribute(key, value)
+
+
+def to_model_proto(p: Program, values: Mapping[str, torch.Tensor] | None = None) -> onnx.ModelProto:
+    """`values` (e.g. an executor's scope) override the program's initial values."""
+    values = values or {}
+    inits = []
+    for v in p.vars.values():
+        if v.persistable:
+            t = values.get(v.name, p.values.get(v.name))
+            if t is None:
+                raise ValueError(f"cannot save {p.name!r}: persistable {v.name!r} has no value")
+            inits.append(_tensor(v.name, t))
+    nodes, used_domains = [], set()
+    for i, op in enumerate(p.ops):
+        row = registry.get(op.type)
+        domain = row.domain if row is not None else ""
+        used_domains.add(domain)
+        node = helper.make_node(op.type, list(op.inputs), list(op.outputs), name=f"op{i}", domain=domain)
+        node.attribute.extend(_attr(k, a) for k, a in op.attrs.items())
+        meta = {"role": op.role, "scope": op.scope}
+        if op.stage is not None:
+            meta["stage"] = str(op.stage)
+        if op.origin is not None:
+            meta["origin"] = op.origin
+        for k, val in meta.items():
+            node.metadata_props.add(key=f"metaopt.{k}", value=val)
+        nodes.append(node)
+    outputs = list(dict.fromkeys([*p.outputs, *p.updates.values()]))
+    graph = helper.make_graph(
+        nodes, p.name,
+        [_value_info(p, x) for x in p.inputs],
+        [_value_info(p, x) for x in outputs],
+        initializer=inits,
+        value_info=[_value_info(p, n) for n, v in p.vars.items()
+                    if not v.persistable and n not in p.inputs and n not in outputs],
+    )
+    opsets = [helper.make_opsetid("", OPSET)]
+    functions = []
+    if DOMAIN in used_domains:
+        opsets.append(helper.make_opsetid(DOMAIN, 1))
+        from metaopt.frontend import onnx_functions
+
+        functions = onnx_functions.for_ops({op.type for op in p.ops if registry.get(op.type).domain == DOMAIN})
+    model = helper.make_model(graph, opset_imports=opsets, functions=functions, producer_name="metaopt")
+    model.ir_version = IR_VERSION
+    for target, new in p.updates.items():
+        model.metadata_props.add(key=f"metaopt.update.{target}", value=new)
+    return model
+
+
+def save(p: Program, path: str | os.PathLike, values: Mapping[str, torch.Tensor] | None = None) -> None:
+    """Write `p` as an ONNX file, atomically (temp file + rename)."""
+    model = to_model_proto(p, values)
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".metaopt-", suffix=".onnx", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(model.SerializeToString())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

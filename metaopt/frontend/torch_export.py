@@ -1,0 +1,123 @@
+"""`metaopt.export(module, args)`: torch.onnx.export, then import as a training program.
+
+Export settings that matter for training (DESIGN.md, "Known traps"):
+``dynamo=True, optimize=False`` keeps every parameter an initializer under its
+state_dict name (the default optimization folds weights into constants and
+merges equal initializers); a symbolic ``batch`` dim on dim 0 of every tensor
+argument makes one program run any batch size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+import logging
+import warnings
+from typing import Any
+
+import torch
+
+from metaopt.frontend.importer import import_model
+from metaopt.frontend.onnx_import import ImportOptions
+from metaopt.ir import Program, Var, dtype_name
+
+BATCH = "batch"
+
+
+class ExportError(RuntimeError):
+    pass
+
+
+def export(
+    module: torch.nn.Module,
+    args: tuple | torch.Tensor,
+    kwargs: dict[str, Any] | None = None,
+    dynamic_batch: bool = True,
+    *,
+    name: str | None = None,
+) -> Program:
+    """Export `module` (whose forward returns the loss, or any outputs) to a Program.
+
+    The module's mode decides the program's: in train mode Dropout stays random
+    and BatchNorm uses batch statistics and updates its running stats. Feed
+    names are forward's argument names.
+    """
+    if isinstance(args, torch.Tensor):
+        args = (args,)
+    kwargs = dict(kwargs or {})
+    dynamic_shapes = _batch_dims(module, args, kwargs) if dynamic_batch else None
+    try:
+        onnx_program = _run_exporter(module, args, kwargs, dynamic_shapes)
+    except Exception as e:  # the exporter raises many types; say which setting to change
+        hint = " (a batch-dependent shape? try dynamic_batch=False)" if dynamic_batch else ""
+        raise ExportError(f"torch.onnx.export failed for {type(module).__name__}{hint}: {e}") from e
+    opts = _options(module)
+    bn = {n: m.momentum for n, m in module.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)}
+    for path, m in bn.items():
+        if m is None and module.training:
+            raise NotImplementedError(f"BatchNorm {path!r} with momentum=None (cumulative average) in train mode")
+    program = import_model(
+        onnx_program.model_proto, options=opts, training=module.training, bn_momentum=bn,
+        name=name or type(module).__name__.lower(),
+    )
+    _add_unused_params(program, module)
+    return program
+
+
+def _batch_dims(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+    batch = torch.export.Dim(BATCH)
+    bound = inspect.signature(module.forward).bind(*args, **kwargs)
+    shapes: dict[str, Any] = {}
+    for pname, value in bound.arguments.items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 1:
+            if value.shape[0] < 2:
+                raise ExportError(
+                    f"argument {pname!r} has batch size {value.shape[0]}: torch.export specializes "
+                    "batch sizes 0 and 1; export with a batch of at least 2 (or dynamic_batch=False)"
+                )
+            shapes[pname] = {0: batch}
+        else:
+            shapes[pname] = None
+    return shapes
+
+
+def _run_exporter(module: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any):
+    # The exporter prints progress lines and warns about train mode; a training
+    # export is intended here, and the progress belongs to torch, not our users.
+    quiet = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # "torchvision is not installed" on every export
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            return torch.onnx.export(
+                module, args, kwargs=kwargs or None, dynamo=True, optimize=False,
+                dynamic_shapes=dynamic_shapes, verbose=False, report=False,
+            )
+    finally:
+        quiet.setLevel(level)
+
+
+def _options(module: torch.nn.Module) -> ImportOptions:
+    canonical = {id(p): n for n, p in module.named_parameters()}
+    opts = ImportOptions(symbolic_dims={BATCH: BATCH})
+    for sd_name, p in module.named_parameters(remove_duplicate=False):
+        opts.rename[sd_name] = canonical[id(p)]
+        opts.kinds[sd_name] = "param"
+        if not p.requires_grad:
+            opts.frozen.add(sd_name)
+    for b_name, _ in module.named_buffers(remove_duplicate=False):
+        opts.kinds[b_name] = "buffer"
+    return opts
+
+
+def _add_unused_params(program: Program, module: torch.nn.Module) -> None:
+    # The exporter drops parameters the forward never reads; users still find
+    # every named_parameters() entry (their grads are zero / absent).
+    for n, p in module.named_parameters():
+        if n not in program.vars:
+            program.add_var(
+                Var(n, dtype_name(p.dtype), tuple(p.shape), kind="param", trainable=p.requires_grad),
+                p.detach().clone(),
+            )

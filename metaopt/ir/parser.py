@@ -1,0 +1,270 @@
+"""Reads the golden text format back into a Program (exact inverse of `printer`)."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import torch
+
+from metaopt.ir.printer import RESERVED_WORDS
+from metaopt.ir.program import Op, Program, Var, torch_dtype
+
+
+class ParseError(ValueError):
+    def __init__(self, lineno: int, line: str, msg: str) -> None:
+        super().__init__(f"line {lineno}: {msg}\n  {line.strip()}")
+
+
+_TOKEN_RE = re.compile(
+    r"""\s*(?:
+        (?P<str>"(?:[^"\\]|\\.)*")
+      | (?P<num>[-+]?(?:\d+\.\d*(?:[eE][-+]?\d+)?|\d+[eE][-+]?\d+|\.\d+(?:[eE][-+]?\d+)?|\d+|inf)(?![A-Za-z0-9_.@/]))
+      | (?P<name>[A-Za-z0-9_.@/\-]+|~)
+      | (?P<punct><-|[()\[\],=:?])
+    )""",
+    re.VERBOSE,
+)
+
+
+class _Tokens:
+    def __init__(self, text: str) -> None:
+        self.toks: list[tuple[str, str]] = []
+        pos = 0
+        text = text.rstrip()
+        while pos < len(text):
+            m = _TOKEN_RE.match(text, pos)
+            if not m or m.end() == pos:
+                raise ValueError(f"unexpected character at column {pos + 1}: {text[pos:pos + 10]!r}")
+            kind = m.lastgroup
+            assert kind is not None
+            self.toks.append((kind, m.group(kind)))
+            pos = m.end()
+        self.i = 0
+
+    def peek(self) -> tuple[str, str] | None:
+        return self.toks[self.i] if self.i < len(self.toks) else None
+
+    def next(self) -> tuple[str, str]:
+        t = self.peek()
+        if t is None:
+            raise ValueError("unexpected end of line")
+        self.i += 1
+        return t
+
+    def expect(self, value: str) -> None:
+        t = self.next()
+        if t[1] != value:
+            raise ValueError(f"expected {value!r}, found {t[1]!r}")
+
+    def at(self, value: str) -> bool:
+        t = self.peek()
+        return t is not None and t[0] == "punct" and t[1] == value
+
+    def done(self) -> bool:
+        return self.i >= len(self.toks)
+
+
+def _name(tok: tuple[str, str]) -> str:
+    kind, text = tok
+    if kind == "str":
+        return json.loads(text)
+    if kind == "name":
+        return "" if text == "~" else text
+    if kind == "num":  # names like "0" or "3" (Sequential children) tokenize as numbers
+        return text
+    raise ValueError(f"expected a name, found {text!r}")
+
+
+def _number(text: str) -> int | float:
+    if re.fullmatch(r"[-+]?\d+", text):
+        return int(text)
+    return float(text)
+
+
+def _value(t: _Tokens) -> Any:
+    kind, text = t.next()
+    if kind == "str":
+        return json.loads(text)
+    if kind == "num":
+        return _number(text)
+    if kind == "punct" and text == "[":
+        items = []
+        while not t.at("]"):
+            items.append(_value(t))
+            if not t.at("]"):
+                t.expect(",")
+        t.next()
+        return items
+    if kind == "name":
+        if text in ("True", "False"):
+            return text == "True"
+        if text == "None":
+            return None
+        if text == "nan":
+            return float("nan")
+        if text == "-inf":
+            return float("-inf")
+        if text == "tensor":
+            t.expect("(")
+            dtype = torch_dtype(_name(t.next()))
+            t.expect(",")
+            shape = _value(t)
+            t.expect(",")
+            flat = _value(t)
+            t.expect(")")
+            return torch.tensor(flat, dtype=dtype).reshape(shape)
+        if text not in RESERVED_WORDS:
+            return text
+    raise ValueError(f"expected a value, found {text!r}")
+
+
+def _shape(t: _Tokens) -> tuple | None:
+    t.expect("[")
+    if t.at("?"):
+        t.next()
+        t.expect("]")
+        return None
+    dims: list[int | str] = []
+    while not t.at("]"):
+        kind, text = t.next()
+        dims.append(int(text) if kind == "num" else text)
+        if not t.at("]"):
+            t.expect(",")
+    t.next()
+    return tuple(dims)
+
+
+def _parse_var(text: str) -> tuple[Var, torch.Tensor | None]:
+    t = _Tokens(text)
+    name = _name(t.next())
+    t.expect(":")
+    dtype = _name(t.next())
+    shape = _shape(t)
+    kind, trainable, value = "activation", False, None
+    if not t.done() and not t.at("="):
+        kind = _name(t.next())
+        trainable = kind == "param"
+        if t.peek() == ("name", "frozen"):
+            t.next()
+            trainable = False
+    if t.at("="):
+        t.next()
+        value = torch.tensor(_value(t), dtype=torch_dtype(dtype))
+    if not t.done():
+        raise ValueError(f"unexpected {t.peek()[1]!r}")  # type: ignore[index]
+    return Var(name, dtype, shape, kind=kind, trainable=trainable), value
+
+
+def _parse_op(text: str) -> Op:
+    code, _, comment = text.partition("  # ")
+    t = _Tokens(code)
+    outputs: list[str] = []
+    # Outputs precede "=", the call follows; a call with no outputs starts at its type.
+    if any(tok == ("punct", "=") for tok in t.toks[: _call_start(t)]):
+        while not t.at("="):
+            outputs.append(_name(t.next()))
+            if t.at(","):
+                t.next()
+        t.next()
+    op_type = t.next()[1]
+    t.expect("(")
+    inputs: list[str] = []
+    attrs: dict[str, Any] = {}
+    while not t.at(")"):
+        tok = t.next()
+        if t.at("="):
+            t.next()
+            attrs[tok[1]] = _value(t)
+        else:
+            if attrs:
+                raise ValueError("positional input after an attribute")
+            inputs.append(_name(tok))
+        if not t.at(")"):
+            t.expect(",")
+    t.next()
+    if not t.done():
+        raise ValueError(f"unexpected {t.peek()[1]!r} after the call")  # type: ignore[index]
+    fields = _fields(comment)
+    return Op(
+        op_type, inputs, outputs, attrs,
+        role=fields.get("role", "forward"),
+        stage=int(fields["stage"]) if "stage" in fields else None,
+        scope=fields.get("scope", ""),
+        origin=fields.get("origin"),
+    )
+
+
+def _call_start(t: _Tokens) -> int:
+    for i, tok in enumerate(t.toks):
+        if tok == ("punct", "("):
+            return i
+    raise ValueError("no call found")
+
+
+def _fields(comment: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    t = _Tokens(comment)
+    while not t.done():
+        key = _name(t.next())
+        t.expect("=")
+        out[key] = _name(t.next())
+    return out
+
+
+def _names(text: str) -> list[str]:
+    t = _Tokens(text)
+    out = []
+    while not t.done():
+        out.append(_name(t.next()))
+        if not t.done():
+            t.expect(",")
+    return out
+
+
+def parse_program(text: str) -> Program:
+    """Parse the golden text format; errors name the line number and the line."""
+    p = Program()
+    section = None
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            if not line.startswith("  "):
+                head, _, rest = line.partition(":")
+                if line.startswith("program "):
+                    p.name = _name(_Tokens(line[len("program "):]).next())
+                elif head in ("inputs", "outputs"):
+                    setattr(p, head, _names(rest))
+                elif head == "loss":
+                    p.loss_name = _names(rest)[0]
+                elif head in ("vars", "modules", "updates", "ops") and not rest.strip():
+                    section = head
+                else:
+                    raise ValueError("unknown header")
+            elif section == "vars":
+                var, value = _parse_var(line.strip())
+                p.add_var(var, value)
+            elif section == "modules":
+                t = _Tokens(line.strip())
+                mod = _name(t.next())
+                t.expect(":")
+                outs = []
+                while not t.done():
+                    outs.append(_name(t.next()))
+                    if not t.done():
+                        t.expect(",")
+                p.modules[mod] = outs
+            elif section == "updates":
+                t = _Tokens(line.strip())
+                target = _name(t.next())
+                t.expect("<-")
+                p.updates[target] = _name(t.next())
+            elif section == "ops":
+                p.ops.append(_parse_op(line.strip()))
+            else:
+                raise ValueError("indented line outside a section")
+        except (ValueError, KeyError, IndexError) as e:
+            raise ParseError(lineno, line, str(e)) from e
+    return p

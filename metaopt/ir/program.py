@@ -1,0 +1,194 @@
+"""metaopt's IR: Var, Op, Program.
+
+One block, SSA (one producer per name), ops in semantic order. Meaning lives in
+fields (kind, role, stage, scope, origin), never in names. Persistable values
+(params, buffers, optimizer state, constants) have their initial tensors in
+`Program.values`; the executor copies them into its scope on first use.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+Dim = int | str  # a str is a symbolic dim such as "batch"
+Shape = tuple[Dim, ...]
+
+VAR_KINDS = ("input", "param", "buffer", "activation", "grad", "opt_state", "constant")
+PERSISTABLE_KINDS = frozenset({"param", "buffer", "opt_state", "constant"})
+ROLES = (
+    "forward", "loss", "backward", "optimize", "lr-sched",
+    "recompute", "offload", "prefetch", "comm",
+)
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+    "bfloat16": torch.bfloat16, "int8": torch.int8, "uint8": torch.uint8,
+    "int16": torch.int16, "uint16": torch.uint16, "int32": torch.int32, "uint32": torch.uint32,
+    "int64": torch.int64, "uint64": torch.uint64, "bool": torch.bool,
+    "complex64": torch.complex64, "complex128": torch.complex128,
+}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES[dtype]
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; known: {', '.join(_DTYPES)}") from None
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """' (did you mean 'x'?)' or '' — appended to errors about unknown names."""
+    close = difflib.get_close_matches(word, list(choices), n=3, cutoff=0.6)
+    if not close:
+        return ""
+    return " (did you mean " + " or ".join(repr(c) for c in close) + "?)"
+
+
+@dataclass
+class Var:
+    name: str
+    dtype: str
+    shape: Shape | None
+    kind: str = "activation"
+    trainable: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in VAR_KINDS:
+            raise ValueError(f"var {self.name!r}: unknown kind {self.kind!r}{did_you_mean(self.kind, VAR_KINDS)}")
+        torch_dtype(self.dtype)
+
+    @property
+    def persistable(self) -> bool:
+        return self.kind in PERSISTABLE_KINDS
+
+    def nbytes(self, dims: dict[str, int] | None = None) -> int | None:
+        """Bytes of this var with symbolic dims bound by `dims`; None if unknown."""
+        if self.shape is None:
+            return None
+        n = torch_dtype(self.dtype).itemsize
+        for d in self.shape:
+            if isinstance(d, str):
+                if not dims or d not in dims:
+                    return None
+                d = dims[d]
+            n *= d
+        return n
+
+
+@dataclass
+class Op:
+    type: str
+    inputs: list[str]
+    outputs: list[str]
+    attrs: dict[str, Any] = field(default_factory=dict)
+    role: str = "forward"
+    stage: int | None = None
+    scope: str = ""
+    origin: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"op {self.type}: unknown role {self.role!r}{did_you_mean(self.role, ROLES)}")
+
+
+class Program:
+    """A training or inference program: vars, ordered ops, inputs/outputs, loss."""
+
+    def __init__(self, name: str = "main") -> None:
+        self.name = name
+        self.vars: dict[str, Var] = {}
+        self.ops: list[Op] = []
+        self.inputs: list[str] = []
+        self.outputs: list[str] = []
+        self.loss_name: str | None = None
+        self.values: dict[str, torch.Tensor] = {}
+        # module path -> the var names that leave that module (its outputs).
+        self.modules: dict[str, list[str]] = {}
+        # persistable name -> the var whose value replaces it after the op producing
+        # that var (SSA keeps one producer per name; state is updated through this
+        # map, e.g. BatchNorm running stats, optimizer state, params).
+        self.updates: dict[str, str] = {}
+        # Bumped by every rewrite that goes through `replace_with`; executors
+        # key their per-program plans (liveness, bound kernels) on it.
+        self.version = 0
+
+    # --- lookup -------------------------------------------------------------
+    def var(self, name: str) -> Var:
+        try:
+            return self.vars[name]
+        except KeyError:
+            raise KeyError(f"program {self.name!r} has no var {name!r}{did_you_mean(name, self.vars)}") from None
+
+    @property
+    def loss(self) -> Var:
+        if self.loss_name is None:
+            raise ValueError(f"program {self.name!r} has no loss")
+        return self.vars[self.loss_name]
+
+    def params(self, trainable_only: bool = True) -> list[Var]:
+        return [v for v in self.vars.values() if v.kind == "param" and (v.trainable or not trainable_only)]
+
+    def persistables(self) -> list[Var]:
+        return [v for v in self.vars.values() if v.persistable]
+
+    def producers(self) -> dict[str, int]:
+        """var name -> index of the op producing it."""
+        return {o: i for i, op in enumerate(self.ops) for o in op.outputs if o}
+
+    def consumers(self) -> dict[str, list[int]]:
+        """var name -> indices of the ops reading it, in order."""
+        out: dict[str, list[int]] = {}
+        for i, op in enumerate(self.ops):
+            for x in op.inputs:
+                if x:
+                    out.setdefault(x, []).append(i)
+        return out
+
+    def ops_with_role(self, *roles: str) -> Iterator[Op]:
+        return (op for op in self.ops if op.role in roles)
+
+    # --- building -----------------------------------------------------------
+    def add_var(self, var: Var, value: torch.Tensor | None = None) -> Var:
+        if var.name in self.vars:
+            raise ValueError(f"program {self.name!r} already has a var {var.name!r}")
+        self.vars[var.name] = var
+        if value is not None:
+            self.values[var.name] = value
+        return var
+
+    def clone(self) -> Program:
+        """A deep copy of the structure; initial value tensors are shared (read-only)."""
+        p = Program(self.name)
+        p.vars = {k: copy.copy(v) for k, v in self.vars.items()}
+        p.ops = [copy.deepcopy(op) for op in self.ops]
+        p.inputs, p.outputs = list(self.inputs), list(self.outputs)
+        p.loss_name = self.loss_name
+        p.values = dict(self.values)
+        p.modules = {k: list(v) for k, v in self.modules.items()}
+        p.updates = dict(self.updates)
+        return p
+
+    def replace_with(self, other: Program) -> None:
+        """Take `other`'s contents in place (Fleet's minimize rewrites the user's program)."""
+        version = self.version
+        self.__dict__.update(other.clone().__dict__)
+        self.version = version + 1
+
+    def __str__(self) -> str:
+        from metaopt.ir.printer import print_program
+
+        return print_program(self)
+
+    def __repr__(self) -> str:
+        return f"<Program {self.name!r}: {len(self.ops)} ops, {len(self.vars)} vars>"

@@ -1,0 +1,103 @@
+"""`verify(program)`: the IR's invariants, each failure naming the printed line at fault."""
+
+from __future__ import annotations
+
+from metaopt.ir.printer import fmt_op
+from metaopt.ir.program import Op, Program
+
+# Once an op of a later phase has run, no op of an earlier phase may follow.
+# Roles not listed (offload, comm, lr-sched) may appear in any phase.
+_PHASE = {"forward": 0, "loss": 0, "backward": 1, "recompute": 1, "prefetch": 1, "optimize": 2}
+
+
+class VerifyError(ValueError):
+    pass
+
+
+def _fail(p: Program, i: int, op: Op, msg: str) -> VerifyError:
+    # Line number as printed: header lines, one per var, modules block, "ops:".
+    header = 3 + (p.loss_name is not None) + 1 + len(p.vars) + (len(p.modules) + 1 if p.modules else 0)
+    header += (len(p.updates) + 1 if p.updates else 0) + 1
+    return VerifyError(f"{p.name}: line {header + i + 1} (op {i}): {msg}\n  {fmt_op(op)}")
+
+
+def verify(p: Program) -> None:
+    """Raise VerifyError on the first broken invariant."""
+    for name in [*p.inputs, *p.outputs]:
+        if name not in p.vars:
+            raise VerifyError(f"{p.name}: input/output {name!r} is not a declared var")
+    for name in p.inputs:
+        if p.vars[name].kind != "input":
+            raise VerifyError(f"{p.name}: program input {name!r} has kind {p.vars[name].kind!r}, not 'input'")
+    defined = set(p.inputs) | {v.name for v in p.persistables()}
+    for v in p.vars.values():
+        if v.kind == "constant" and v.name not in p.values:
+            raise VerifyError(f"{p.name}: constant {v.name!r} has no value")
+    producer: dict[str, int] = {}
+    phase = 0
+    stage_of: dict[str, int | None] = {}
+    for i, op in enumerate(p.ops):
+        for x in op.inputs:
+            if not x:
+                continue
+            if x not in p.vars:
+                raise _fail(p, i, op, f"input {x!r} is not a declared var")
+            if x not in defined:
+                raise _fail(p, i, op, f"input {x!r} is used before it is defined")
+            src = stage_of.get(x)
+            if op.stage is not None and src is not None and src != op.stage:
+                raise _fail(p, i, op, f"input {x!r} comes from stage {src} without a Send/Recv pair")
+        for o in op.outputs:
+            if not o:
+                continue
+            if o not in p.vars:
+                raise _fail(p, i, op, f"output {o!r} is not a declared var")
+            if o in producer:
+                raise _fail(p, i, op, f"output {o!r} is already produced by op {producer[o]} (SSA: one producer)")
+            if p.vars[o].persistable:
+                raise _fail(p, i, op, f"output {o!r} is persistable ({p.vars[o].kind}); write it through program.updates")
+            if o in p.inputs:
+                raise _fail(p, i, op, f"output {o!r} is a program input")
+            producer[o] = i
+            defined.add(o)
+            stage_of[o] = op.stage
+        ph = _PHASE.get(op.role)
+        if ph is not None:
+            if ph < phase:
+                raise _fail(p, i, op, f"role {op.role} after a later phase has begun (roles out of order)")
+            phase = ph
+    _check_offloads(p)
+    _check_updates(p, defined)
+    for name in p.outputs:
+        if name not in defined:
+            raise VerifyError(f"{p.name}: output {name!r} is never produced")
+    if p.loss_name is not None:
+        loss = p.vars.get(p.loss_name)
+        if loss is None or p.loss_name not in defined:
+            raise VerifyError(f"{p.name}: loss {p.loss_name!r} is not produced by the program")
+        if loss.shape not in (None, ()):
+            raise VerifyError(f"{p.name}: loss {p.loss_name!r} must be a scalar, has shape {list(loss.shape)}")
+
+
+def _check_offloads(p: Program) -> None:
+    consumers = p.consumers()
+    for i, op in enumerate(p.ops):
+        if op.role != "offload":
+            continue
+        for o in op.outputs:
+            if not any(p.ops[j].role == "prefetch" for j in consumers.get(o, [])):
+                raise _fail(p, i, op, f"offloaded {o!r} is never fetched back by a prefetch op")
+
+
+def _check_updates(p: Program, defined: set[str]) -> None:
+    for target, new in p.updates.items():
+        t, n = p.vars.get(target), p.vars.get(new)
+        if t is None or not t.persistable:
+            raise VerifyError(f"{p.name}: update target {target!r} is not a persistable var")
+        if n is None or new not in defined or n.persistable:
+            raise VerifyError(f"{p.name}: update {target!r} <- {new!r}: {new!r} is not produced by an op")
+        if (t.dtype, t.shape) != (n.dtype, n.shape):
+            raise VerifyError(
+                f"{p.name}: update {target!r} <- {new!r}: {t.dtype}{list(t.shape or [])} "
+                f"vs {n.dtype}{list(n.shape or [])}"
+            )

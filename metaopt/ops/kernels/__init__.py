@@ -1,0 +1,15 @@
+"""Torch kernels for the op table: importing this package registers every row.
+
+One module per family; each registers its ops at import with `@register`.
+"""
+
+from metaopt.ops.kernels import (  # noqa: F401
+    activation,
+    elementwise,
+    loss,
+    nn,
+    norm,
+    random,
+    reduce,
+    tensor,
+)

@@ -1,0 +1,159 @@
+"""Elementwise ONNX ops: arithmetic, comparison, logic, bitwise and parameter-free math.
+
+Where an ONNX op is exactly a torch function, the torch function itself is the kernel:
+no Python frame sits between the executor and ATen.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metaopt.ops.registry import register
+
+# ONNX op type -> torch function with identical semantics (same dtypes, broadcasting, NaN rules).
+_DIRECT = {
+    # arithmetic
+    "Add": torch.add,
+    "Sub": torch.sub,
+    "Mul": torch.mul,
+    "Neg": torch.neg,
+    "Abs": torch.abs,
+    "Sign": torch.sign,
+    "Floor": torch.floor,
+    "Ceil": torch.ceil,
+    "Round": torch.round,  # half to even, as ONNX
+    "Reciprocal": torch.reciprocal,
+    "Sqrt": torch.sqrt,
+    "Exp": torch.exp,
+    "Log": torch.log,
+    "Erf": torch.erf,
+    # trigonometric / hyperbolic
+    "Sin": torch.sin,
+    "Cos": torch.cos,
+    "Tan": torch.tan,
+    "Asin": torch.asin,
+    "Acos": torch.acos,
+    "Atan": torch.atan,
+    "Sinh": torch.sinh,
+    "Cosh": torch.cosh,
+    "Asinh": torch.asinh,
+    "Acosh": torch.acosh,
+    "Atanh": torch.atanh,
+    # parameter-free activations
+    "Relu": torch.relu,
+    "Sigmoid": torch.sigmoid,
+    "Tanh": torch.tanh,
+    # comparison
+    "Equal": torch.eq,
+    "Less": torch.lt,
+    "LessOrEqual": torch.le,
+    "Greater": torch.gt,
+    "GreaterOrEqual": torch.ge,
+    # logic (inputs are bool)
+    "Not": torch.logical_not,
+    "And": torch.logical_and,
+    "Or": torch.logical_or,
+    "Xor": torch.logical_xor,
+    # bitwise
+    "BitwiseNot": torch.bitwise_not,
+    "BitwiseAnd": torch.bitwise_and,
+    "BitwiseOr": torch.bitwise_or,
+    "BitwiseXor": torch.bitwise_xor,
+    "IsNaN": torch.isnan,
+    "Where": torch.where,
+}
+for _type, _fn in _DIRECT.items():
+    register(_type)(_fn)
+
+
+@register("Div")
+def div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if a.is_floating_point():
+        return torch.div(a, b)
+    # ONNX integer division truncates toward zero (C semantics), torch's `//` floors.
+    return torch.div(a, b, rounding_mode="trunc")
+
+
+@register("Pow")
+def pow_(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    out = torch.pow(x, y)
+    # ONNX allows a differently typed exponent; the result keeps the base's type.
+    return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+@register("Mod")
+def mod(a: torch.Tensor, b: torch.Tensor, fmod: int = 0) -> torch.Tensor:
+    # fmod=0 is Python/numpy `%` (sign of the divisor), fmod=1 is C fmod (sign of the dividend).
+    return torch.fmod(a, b) if fmod else torch.remainder(a, b)
+
+
+# torch lacks shifts for uint16/32/64; those run in int64, where the result's low bits are identical.
+_SHIFT_WIDE = {torch.uint16: 16, torch.uint32: 32, torch.uint64: 64}
+
+
+@register("BitShift")
+def bit_shift(x: torch.Tensor, y: torch.Tensor, direction: str = "") -> torch.Tensor:
+    dtype = x.dtype
+    bits = _SHIFT_WIDE.get(dtype)
+    if bits is None:
+        return torch.bitwise_left_shift(x, y) if direction == "LEFT" else torch.bitwise_right_shift(x, y)
+    if bits == 64:
+        xs, ys = x.view(torch.int64), y.view(torch.int64)
+        if direction == "LEFT":
+            return torch.bitwise_left_shift(xs, ys).view(dtype)
+        # A logical right shift of the signed view: mask off the copies of the sign bit.
+        out = torch.bitwise_right_shift(xs, ys)
+        keep = torch.where(ys > 0, torch.bitwise_left_shift(torch.ones_like(xs), 64 - ys) - 1, -1)
+        return torch.bitwise_and(out, keep).view(dtype)
+    xs, ys = x.to(torch.int64), y.to(torch.int64)
+    if direction == "LEFT":
+        out = torch.bitwise_and(torch.bitwise_left_shift(xs, ys), (1 << bits) - 1)
+    else:
+        out = torch.bitwise_right_shift(xs, ys)
+    return out.to(dtype)
+
+
+@register("IsInf")
+def is_inf(x: torch.Tensor, detect_negative: int = 1, detect_positive: int = 1) -> torch.Tensor:
+    if detect_negative and detect_positive:
+        return torch.isinf(x)
+    if detect_positive:
+        return torch.isposinf(x)
+    if detect_negative:
+        return torch.isneginf(x)
+    return torch.zeros_like(x, dtype=torch.bool)
+
+
+@register("Clip")
+def clip(x: torch.Tensor, min=None, max=None) -> torch.Tensor:  # noqa: A002 (ONNX names)
+    # `min`/`max` are optional tensor inputs (opset >= 11) or float attributes (opset < 11).
+    if min is None and max is None:
+        return x
+    return torch.clamp(x, min, max)
+
+
+def _fold(fn, xs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    out = xs[0]
+    for x in xs[1:]:
+        out = fn(out, x)
+    return out
+
+
+@register("Max")
+def max_(*xs: torch.Tensor) -> torch.Tensor:
+    return _fold(torch.maximum, xs)
+
+
+@register("Min")
+def min_(*xs: torch.Tensor) -> torch.Tensor:
+    return _fold(torch.minimum, xs)
+
+
+@register("Sum")
+def sum_(*xs: torch.Tensor) -> torch.Tensor:
+    return _fold(torch.add, xs)
+
+
+@register("Mean")
+def mean(*xs: torch.Tensor) -> torch.Tensor:
+    return _fold(torch.add, xs) / len(xs) if len(xs) > 1 else xs[0]

@@ -1,0 +1,111 @@
+"""Ops that draw from the RNG.
+
+They all draw from torch's global generator (of the executor's device), never from
+their ONNX `seed` attribute: `torch.manual_seed(n)` then fixes every mask, and recompute
+replays a mask by restoring the generator state it recorded (rows are ``random=True``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metaopt.frontend.attrs import ONNX_TO_TORCH
+from metaopt.ops.registry import register
+
+_FLOAT = 1  # ONNX TensorProto.FLOAT, the default dtype of the random generators
+_INT32 = 6  # ONNX TensorProto.INT32, Multinomial's default output dtype
+
+
+def _ratio(ratio) -> float:
+    if ratio is None:
+        return 0.5
+    return ratio if isinstance(ratio, float) else float(ratio)
+
+
+@register("Dropout", needs_outputs=True, random=True)
+def dropout(
+    data: torch.Tensor,
+    ratio: torch.Tensor | float | None = None,
+    training_mode: torch.Tensor | None = None,
+    seed: int | None = None,
+    is_test: int | None = None,
+    _nout: int = 1,
+):
+    """ONNX Dropout: identity (mask all true) unless `training_mode` is given and true.
+
+    `ratio` is an input since opset 12 and an attribute before; both arrive here.
+    """
+    if training_mode is not None and bool(training_mode):
+        p = _ratio(ratio)
+        if p > 0.0:
+            out, mask = torch.native_dropout(data, p, True)
+            return (out, mask) if _nout > 1 else out
+    if _nout > 1:
+        return data, torch.ones_like(data, dtype=torch.bool)
+    return data
+
+
+@register("RandomNormal", needs_device=True, random=True)
+def random_normal(
+    dtype: int = _FLOAT,
+    mean: float = 0.0,
+    scale: float = 1.0,
+    seed: float | None = None,
+    shape: list[int] | None = None,
+    _device: torch.device | None = None,
+) -> torch.Tensor:
+    return torch.normal(mean, scale, shape, dtype=ONNX_TO_TORCH[dtype], device=_device)
+
+
+@register("RandomNormalLike", random=True)
+def random_normal_like(
+    input: torch.Tensor,  # noqa: A002
+    dtype: int | None = None,
+    mean: float = 0.0,
+    scale: float = 1.0,
+    seed: float | None = None,
+) -> torch.Tensor:
+    out_dtype = ONNX_TO_TORCH[dtype] if dtype is not None else input.dtype
+    return torch.normal(mean, scale, input.shape, dtype=out_dtype, device=input.device)
+
+
+@register("RandomUniform", needs_device=True, random=True)
+def random_uniform(
+    dtype: int = _FLOAT,
+    high: float = 1.0,
+    low: float = 0.0,
+    seed: float | None = None,
+    shape: list[int] | None = None,
+    _device: torch.device | None = None,
+) -> torch.Tensor:
+    return torch.empty(shape, dtype=ONNX_TO_TORCH[dtype], device=_device).uniform_(low, high)
+
+
+@register("RandomUniformLike", random=True)
+def random_uniform_like(
+    input: torch.Tensor,  # noqa: A002
+    dtype: int | None = None,
+    high: float = 1.0,
+    low: float = 0.0,
+    seed: float | None = None,
+) -> torch.Tensor:
+    out_dtype = ONNX_TO_TORCH[dtype] if dtype is not None else input.dtype
+    return torch.empty(input.shape, dtype=out_dtype, device=input.device).uniform_(low, high)
+
+
+@register("Bernoulli", random=True)
+def bernoulli(input: torch.Tensor, dtype: int | None = None, seed: float | None = None) -> torch.Tensor:  # noqa: A002
+    out = torch.bernoulli(input)
+    return out.to(ONNX_TO_TORCH[dtype]) if dtype is not None else out
+
+
+@register("Multinomial", random=True)
+def multinomial(
+    input: torch.Tensor,  # noqa: A002
+    dtype: int = _INT32,
+    sample_size: int = 1,
+    seed: float | None = None,
+) -> torch.Tensor:
+    # ONNX's input holds unnormalized log-probabilities; torch samples from probabilities.
+    probs = torch.softmax(input.float(), -1)
+    return torch.multinomial(probs, sample_size, replacement=True).to(ONNX_TO_TORCH[dtype])

@@ -1,0 +1,86 @@
+"""The op table: one row per op type holds everything metaopt knows about that op.
+
+A row carries the forward kernel (torch), and the slots later capabilities fill in
+(gradient rule, cost, whether a recompute may re-run it). Adding an op means adding
+one `OpDef` via `register`; nothing else in metaopt switches on op types.
+
+Kernel calling convention (what the executor does once per op, not per run):
+
+    kernel(*inputs, **attrs) -> Tensor | tuple[Tensor | None, ...]
+
+* ``inputs`` are torch tensors in ONNX input order; an omitted optional input
+  (ONNX's empty name) arrives as ``None``.
+* ``attrs`` are the op's attributes as plain Python values (int, float, str,
+  lists, or a torch tensor for tensor attributes); kernels supply ONNX defaults.
+* ``needs_outputs=True`` rows also get ``_nout`` (how many outputs the op
+  declares), for variadic or optional outputs (Split, Dropout's mask, ...).
+* ``needs_device=True`` rows also get ``_device`` (the executor's torch.device),
+  for ops that create tensors from nothing (ConstantOfShape, Range, random ops).
+
+Shape-like int64 tensors (what Shape, Concat of dims, ... produce) may be on the
+CPU while data is on the device; kernels that read such a tensor call
+``.tolist()`` on it rather than assuming a device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+Kernel = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class OpDef:
+    """One row of the op table."""
+
+    type: str
+    kernel: Kernel
+    needs_outputs: bool = False
+    needs_device: bool = False
+    random: bool = False  # consumes the RNG: recompute must replay its seed
+    recomputable: bool = True
+    # Filled by later capabilities (backward, cost model); None = not known yet.
+    grad: Callable[..., Any] | None = None
+    cost: Callable[..., Any] | None = None
+    domain: str = ""  # "" = the ONNX default domain; ours use "metaopt"
+    notes: str = field(default="", compare=False)
+
+
+_TABLE: dict[str, OpDef] = {}
+
+
+def register(type: str, **row: Any) -> Callable[[Kernel], Kernel]:
+    """Decorator: ``@register("Relu")`` above the kernel adds the op's row."""
+
+    def deco(fn: Kernel) -> Kernel:
+        if type in _TABLE:
+            raise ValueError(f"op type {type!r} is registered twice")
+        _TABLE[type] = OpDef(type=type, kernel=fn, **row)
+        return fn
+
+    return deco
+
+
+def get(type: str) -> OpDef | None:
+    _ensure_loaded()
+    return _TABLE.get(type)
+
+
+def table() -> dict[str, OpDef]:
+    """All rows, keyed by op type (read-only use)."""
+    _ensure_loaded()
+    return dict(_TABLE)
+
+
+_loaded = False
+
+
+def _ensure_loaded() -> None:
+    # Kernel modules register on import; importing them lazily keeps
+    # `metaopt.ops.registry` importable from anywhere without cycles.
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        from metaopt.ops import kernels  # noqa: F401

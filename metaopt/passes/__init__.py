@@ -1,0 +1,1 @@
+"""Program -> Program rewrites, one per file (DESIGN.md, Passes)."""

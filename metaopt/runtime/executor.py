@@ -1,0 +1,147 @@
+"""metaopt.Executor: runs a Program with torch kernels on one device.
+
+Persistables (params, buffers, optimizer state, constants) live in `scope`
+across runs; every other var is freed right after its last use (see `plan`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from metaopt.ir import Program, Var, did_you_mean, torch_dtype
+from metaopt.runtime.memory import MemoryTracker
+from metaopt.runtime.place import Place, resolve
+from metaopt.runtime.plan import Plan, build_plan
+
+
+class Scope(dict):
+    """name -> tensor of every persistable the executor has materialised."""
+
+
+class Executor:
+    def __init__(self, place: Place = "cpu", *, track_memory: bool = True) -> None:
+        self.device = resolve(place)
+        self.scope = Scope()
+        self.track_memory = track_memory
+        self._tracker = MemoryTracker()
+        self._plans: dict[tuple, Plan] = {}
+
+    # --- running ---------------------------------------------------------------
+    def run(
+        self,
+        program: Program,
+        feed: Mapping[str, Any] | None = None,
+        fetch_list: Iterable[str | Var] | None = None,
+        return_numpy: bool = True,
+    ) -> list[Any]:
+        """Run `program` once; returns the fetched values in `fetch_list` order."""
+        fetches = [f.name if isinstance(f, Var) else f for f in (fetch_list or [])]
+        key = (id(program), program.version, len(program.ops), tuple(fetches))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = build_plan(program, fetches, self.device, self.track_memory)
+            self._plans[key] = plan
+        self._materialise(program, plan.persistables)
+        feeds = self._feeds(program, feed or {}, plan.feeds)
+        self._tracker.start_run()
+        out = plan.fn(self.scope, feeds, self._tracker)
+        self._tracker.end_run()
+        if return_numpy:
+            return [_to_numpy(t) for t in out]
+        return list(out)
+
+    def _materialise(self, p: Program, names: Sequence[str]) -> None:
+        for name in names:
+            if name in self.scope:
+                continue
+            value = p.values.get(name)
+            if value is None:
+                raise ValueError(f"persistable var {name!r} has no value in program {p.name!r} or the scope")
+            t = value.detach().to(self.device, copy=True)
+            self.scope[name] = t
+            if self.track_memory:
+                self._tracker.acquire(t)
+
+    def _feeds(self, p: Program, feed: Mapping[str, Any], needed: list[str]) -> dict[str, torch.Tensor]:
+        unknown = [k for k in feed if k not in p.vars or p.vars[k].kind != "input"]
+        if unknown:
+            k = unknown[0]
+            raise KeyError(f"feed {k!r} is not an input of program {p.name!r} (inputs: {p.inputs}){did_you_mean(k, p.inputs)}")
+        out: dict[str, torch.Tensor] = {}
+        bound: dict[str, tuple[int, str]] = {}
+        for name in needed:
+            if name not in feed:
+                raise KeyError(f"program {p.name!r} needs feed {name!r} (inputs: {p.inputs})")
+            var = p.vars[name]
+            t = torch.as_tensor(feed[name])
+            want = torch_dtype(var.dtype)
+            if t.dtype != want:
+                raise TypeError(f"feed {name!r} has dtype {t.dtype}, the program expects {want}")
+            _check_shape(name, tuple(t.shape), var.shape, bound)
+            out[name] = t.to(self.device, non_blocking=True)
+        return out
+
+    # --- inspection ------------------------------------------------------------
+    def memory_stats(self) -> dict[str, int]:
+        """Peak live bytes counted by the executor (persistables included), and more."""
+        t = self._tracker
+        persist = sum(_storage_bytes(x) for x in _unique_storages(self.scope.values()))
+        stats = {
+            "peak_bytes": max(t.peak, t.live),
+            "last_run_peak_bytes": t.run_peak,
+            "persistable_bytes": persist,
+            "host_peak_bytes": t.host_peak,
+        }
+        if self.device.type == "cuda":
+            stats["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.device)
+        return stats
+
+    def reset_memory_stats(self) -> None:
+        self._tracker.peak = self._tracker.live
+        self._tracker.host_peak = self._tracker.host_live
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def plan_source(self, program: Program, fetch_list: Iterable[str | Var] = ()) -> str:
+        """The generated Python of `program` (for debugging what the executor does)."""
+        fetches = [f.name if isinstance(f, Var) else f for f in fetch_list]
+        return build_plan(program, fetches, self.device, self.track_memory).source
+
+
+def _check_shape(name: str, got: tuple, want: tuple | None, bound: dict[str, tuple[int, str]]) -> None:
+    if want is None:
+        return
+    if len(got) != len(want):
+        raise ValueError(f"feed {name!r} has shape {list(got)}, the program expects {list(want)}")
+    for g, w in zip(got, want, strict=True):
+        if isinstance(w, str):
+            if w in bound and bound[w][0] != g:
+                raise ValueError(
+                    f"feed {name!r} has {w}={g} but feed {bound[w][1]!r} has {w}={bound[w][0]}"
+                )
+            bound.setdefault(w, (g, name))
+        elif g != w:
+            raise ValueError(f"feed {name!r} has shape {list(got)}, the program expects {list(want)}")
+
+
+def _unique_storages(ts: Iterable[torch.Tensor]) -> list[torch.UntypedStorage]:
+    seen: dict[int, torch.UntypedStorage] = {}
+    for t in ts:
+        s = t.untyped_storage()
+        seen.setdefault(s.data_ptr(), s)
+    return list(seen.values())
+
+
+def _storage_bytes(s: torch.UntypedStorage) -> int:
+    return s.nbytes()
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        t = t.float()
+    return t.cpu().numpy()

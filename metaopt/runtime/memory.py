@@ -1,0 +1,64 @@
+"""The executor's own accounting of live bytes (so memory savings are measurable on CPU).
+
+Bytes are counted per storage, not per tensor: a view (Reshape, Transpose,
+slices) shares its base's storage and adds nothing; a storage is released when
+the last var holding it is freed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class MemoryTracker:
+    __slots__ = ("refs", "live", "peak", "host_live", "host_peak", "run_peak")
+
+    def __init__(self) -> None:
+        self.refs: dict[int, list[int]] = {}  # storage ptr -> [refcount, nbytes, is_host]
+        self.live = 0
+        self.peak = 0
+        self.run_peak = 0
+        self.host_live = 0
+        self.host_peak = 0
+
+    def acquire(self, t: torch.Tensor | None, host: bool = False) -> None:
+        if t is None:
+            return
+        s = t.untyped_storage()
+        key = s.data_ptr()
+        r = self.refs.get(key)
+        if r is not None:
+            r[0] += 1
+            return
+        n = s.nbytes()
+        self.refs[key] = [1, n, host]
+        if host:
+            self.host_live += n
+            if self.host_live > self.host_peak:
+                self.host_peak = self.host_live
+        else:
+            self.live += n
+
+    def mark(self) -> None:
+        """Record the peak: called after an op's outputs exist, before its dead inputs go."""
+        if self.live > self.run_peak:
+            self.run_peak = self.live
+
+    def release(self, t: torch.Tensor | None) -> None:
+        if t is None:
+            return
+        key = t.untyped_storage().data_ptr()
+        r = self.refs[key]
+        r[0] -= 1
+        if r[0] == 0:
+            del self.refs[key]
+            if r[2]:
+                self.host_live -= r[1]
+            else:
+                self.live -= r[1]
+
+    def start_run(self) -> None:
+        self.run_peak = self.live
+
+    def end_run(self) -> None:
+        self.peak = max(self.peak, self.run_peak)

@@ -1,0 +1,133 @@
+"""Compile a Program into a straight-line Python function (once per program version).
+
+Like torch.fx's codegen: each var is a local, each op one call of its bound
+kernel, and a non-persistable var is dropped (``del``) right after its last
+use, so the interpreter frees it exactly when torch.fx's Interpreter would.
+Memory accounting calls are emitted next to allocations and frees.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from metaopt.ir import Program, did_you_mean
+from metaopt.ir.printer import fmt_op
+from metaopt.ops import registry
+
+
+@dataclass
+class Plan:
+    fn: object  # fn(S, F, T) -> tuple of fetched tensors
+    source: str
+    persistables: list[str]  # scope names the program reads or updates
+    feeds: list[str]
+    fetches: list[str]
+
+
+def _bind(op, device: torch.device):
+    row = registry.get(op.type)
+    if row is None:
+        raise NotImplementedError(f"no kernel for op type {op.type!r}: {fmt_op(op)}")
+    kw = dict(op.attrs)
+    if row.needs_outputs:
+        kw["_nout"] = len(op.outputs)
+    if row.needs_device:
+        kw["_device"] = device
+    return functools.partial(row.kernel, **kw) if kw else row.kernel
+
+
+def build_plan(p: Program, fetches: list[str], device: torch.device, track: bool) -> Plan:
+    for f in fetches:
+        if f not in p.vars:
+            raise KeyError(f"fetch {f!r} is not a var of program {p.name!r}{did_you_mean(f, p.vars)}")
+    produced = {o for op in p.ops for o in op.outputs if o}
+    persist = [v.name for v in p.vars.values() if v.persistable]
+    pset = set(persist)
+    for f in fetches:
+        if f not in produced and f not in pset and f not in p.inputs:
+            raise ValueError(f"fetch {f!r} is never computed by program {p.name!r}")
+
+    slot: dict[str, str] = {}
+
+    def local(name: str) -> str:
+        if name not in slot:
+            slot[name] = f"v{len(slot)}"
+        return slot[name]
+
+    # Last use of every var: fetches and update sources live to their sink.
+    n = len(p.ops)
+    last: dict[str, int] = {}
+    for i, op in enumerate(p.ops):
+        for x in op.inputs:
+            if x:
+                last[x] = i
+        for o in op.outputs:
+            if o:
+                last.setdefault(o, i)
+    update_at: dict[int, list[tuple[str, str]]] = {}
+    prod_idx = {o: i for i, op in enumerate(p.ops) for o in op.outputs if o}
+    for target, new in p.updates.items():
+        at = max(prod_idx[new], last.get(target, -1))
+        update_at.setdefault(at, []).append((target, new))
+        last[new] = max(last.get(new, -1), at)
+    for f in fetches:
+        last[f] = n
+    frees: dict[int, list[str]] = {}
+    for name, i in last.items():
+        if name not in pset:
+            frees.setdefault(i, []).append(name)
+
+    g: dict[str, object] = {}
+    lines = ["def run(S, F, T):"]
+    used_persist = [x for x in persist if x in last or x in p.updates]
+    for name in used_persist:
+        lines.append(f"    {local(name)} = S[{name!r}]")
+    for name in p.inputs:
+        if name in last:
+            lines.append(f"    {local(name)} = F[{name!r}]")
+            if track:
+                lines.append(f"    T.acquire({local(name)})")
+    for i, op in enumerate(p.ops):
+        k = f"k{i}"
+        g[k] = _bind(op, device)
+        args = ", ".join(local(x) if x else "None" for x in op.inputs)
+        outs = list(op.outputs)
+        if len(outs) == 1:
+            o = local(outs[0])
+            lines.append(f"    {o} = {k}({args})")
+            lines.append(f"    if type({o}) is tuple: {o} = {o}[0]")
+        else:
+            tmp = "_t"
+            lines.append(f"    {tmp} = {k}({args})")
+            for j, o in enumerate(outs):
+                if o:
+                    lines.append(f"    {local(o)} = {tmp}[{j}]")
+            lines.append(f"    del {tmp}")
+        if track:
+            for o in outs:
+                if o:
+                    lines.append(f"    T.acquire({local(o)})")
+            lines.append("    T.mark()")
+        for target, new in update_at.get(i, []):
+            lines.append(f"    S[{target!r}] = {local(new)}")
+            if track:
+                lines.append(f"    T.acquire({local(new)}); T.release({local(target)})")
+        for name in frees.get(i, []):
+            if name in fetches:
+                continue
+            if track:
+                lines.append(f"    T.release({local(name)})")
+            lines.append(f"    del {local(name)}")
+    out = ", ".join(local(f) for f in fetches)
+    lines.append(f"    return ({out}{',' if len(fetches) == 1 else ''})")
+    if track:
+        for f in fetches:
+            if f not in pset:
+                lines.insert(-1, f"    T.release({local(f)})")
+    source = "\n".join(lines) + "\n"
+    code = compile(source, f"<metaopt plan {p.name}>", "exec")
+    exec(code, g)
+    return Plan(g["run"], source, used_persist, [x for x in p.inputs if x in last], list(fetches))
