@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import onnx
 
+from metaopt.frontend.sequences import split_sequences
 from metaopt.frontend.attrs import attr_value, tensor_value, torch_dtype
 from metaopt.ir import Op, Program, Var, dtype_name
 from metaopt.ops import registry
@@ -129,6 +130,7 @@ def to_program(
     the naming step.
     """
     opts = opts or ImportOptions()
+    model = split_sequences(model)
     check_supported(model.graph)
     model = _with_inferred_types(model)
     g = model.graph

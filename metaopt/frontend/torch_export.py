@@ -20,6 +20,7 @@ import torch
 
 from metaopt.frontend.importer import import_model
 from metaopt.frontend.onnx_import import ImportOptions
+from metaopt.frontend.shape_probe import probe_shapes
 from metaopt.ir import Program, Var, dtype_name
 
 BATCH = "batch"
@@ -62,6 +63,8 @@ def export(
         name=name or type(module).__name__.lower(),
     )
     _add_unused_params(program, module)
+    if dynamic_batch:
+        probe_shapes(program, BATCH)
     return program
 
 

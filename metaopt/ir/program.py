@@ -8,7 +8,9 @@ fields (kind, role, stage, scope, origin), never in names. Persistable values
 
 from __future__ import annotations
 
+import ast
 import copy
+import operator
 import difflib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -55,6 +57,39 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     return " (did you mean " + " or ".join(repr(c) for c in close) + "?)"
 
 
+_DIM_OPS = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+    ast.FloorDiv: operator.floordiv, ast.Div: operator.floordiv, ast.Mod: operator.mod,
+}
+
+
+def eval_dim(dim: Dim, dims: dict[str, int]) -> int | None:
+    """A dim's value: an int, a symbol bound in `dims`, or an expression the
+    exporter wrote ("4*batch", "batch - 1"); None when it cannot be known."""
+    if isinstance(dim, int):
+        return dim
+    if dim in dims:
+        return dims[dim]
+    try:
+        tree = ast.parse(dim, mode="eval").body
+    except SyntaxError:
+        return None
+    return _eval_node(tree, dims)
+
+
+def _eval_node(node: ast.AST, dims: dict[str, int]) -> int | None:
+    if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        return node.value
+    if isinstance(node, ast.Name):
+        return dims.get(node.id)
+    if isinstance(node, ast.BinOp) and type(node.op) in _DIM_OPS:
+        a, b = _eval_node(node.left, dims), _eval_node(node.right, dims)
+        if a is None or b is None or (b == 0 and not isinstance(node.op, (ast.Add, ast.Sub, ast.Mult))):
+            return None
+        return _DIM_OPS[type(node.op)](a, b)
+    return None
+
+
 @dataclass
 class Var:
     name: str
@@ -78,11 +113,10 @@ class Var:
             return None
         n = torch_dtype(self.dtype).itemsize
         for d in self.shape:
-            if isinstance(d, str):
-                if not dims or d not in dims:
-                    return None
-                d = dims[d]
-            n *= d
+            v = eval_dim(d, dims or {})
+            if v is None:
+                return None
+            n *= v
         return n
 
 

@@ -41,6 +41,9 @@ class OpDef:
     needs_device: bool = False
     random: bool = False  # consumes the RNG: recompute must replay its seed
     recomputable: bool = True
+    # Inputs read only for their dtype (CastLike's target): constant folding
+    # may evaluate the op while such an input is still a run-time value.
+    meta_inputs: tuple[int, ...] = ()
     # Filled by later capabilities (backward, cost model); None = not known yet.
     grad: Callable[..., Any] | None = None
     cost: Callable[..., Any] | None = None

@@ -3,7 +3,9 @@
 * An op whose inputs are all constants is evaluated with its kernel and its
   outputs become constants (unless an output is large: folding must not turn a
   cheap Expand into megabytes of program data).
-* ``Shape``/``Size`` of a var whose (selected) dims are all static is a constant.
+* ``Shape``/``Size`` of a var whose (selected) dims are all static is a constant;
+  a shape with symbolic dims is tracked as a list of dims through Gather, Slice,
+  Concat, Squeeze and Unsqueeze, so picking its static dims folds too.
 * A ``Reshape`` whose target is computed at run time but whose output shape has
   exactly one symbolic dim gets a constant target with ``-1`` there; an
   ``Expand`` whose symbolic output dims come from the input gets ``1`` there.
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from metaopt.ir import Op, Program, Var, dtype_name, names
+from metaopt.ir import Op, Program, Var, dtype_name, names, torch_dtype
 from metaopt.ops import registry
 
 MAX_FOLDED_NUMEL = 1 << 12
@@ -25,9 +27,12 @@ MAX_FOLDED_NUMEL = 1 << 12
 def fold_constants(p: Program, *, max_numel: int = MAX_FOLDED_NUMEL) -> Program:
     q = p.clone()
     consts = {v.name: q.values[v.name] for v in q.vars.values() if v.kind == "constant"}
+    shapes: dict[str, tuple[list, bool]] = {}  # var -> (dims, is_scalar) of a shape value
     ops: list[Op] = []
     for op in q.ops:
-        folded = _fold(q, op, consts, max_numel)
+        folded = _fold_shape_value(q, op, consts, shapes)
+        if folded is None:
+            folded = _fold(q, op, consts, max_numel)
         if folded is None:
             _static_target(q, op, consts)
             ops.append(op)
@@ -47,18 +52,70 @@ def _fold(q: Program, op: Op, consts: dict[str, torch.Tensor], max_numel: int) -
         return None
     if op.type in ("Shape", "Size"):
         return _fold_shape(q, op)
-    if not all(x in consts for x in op.inputs if x):
-        return None
+    args = []
+    for i, x in enumerate(op.inputs):
+        if not x:
+            args.append(None)
+        elif x in consts:
+            args.append(consts[x])
+        elif i in row.meta_inputs:
+            args.append(torch.empty(0, dtype=torch_dtype(q.vars[x].dtype)))
+        else:
+            return None
     kw = dict(op.attrs)
     if row.needs_outputs:
         kw["_nout"] = len(op.outputs)
     if row.needs_device:
         kw["_device"] = torch.device("cpu")
-    out = row.kernel(*[consts[x] if x else None for x in op.inputs], **kw)
+    out = row.kernel(*args, **kw)
     outs = list(out) if isinstance(out, (tuple, list)) else [out]
     if any(t is not None and t.numel() > max_numel for t in outs):
         return None
     return [t.clone() if t is not None else None for t in outs]
+
+
+def _fold_shape_value(
+    q: Program, op: Op, consts: dict[str, torch.Tensor], shapes: dict[str, tuple[list, bool]]
+) -> list[torch.Tensor] | None:
+    """Track shape values with symbolic dims; fold once the selected dims are static."""
+
+    def dims_of(name: str) -> tuple[list, bool] | None:
+        if name in shapes:
+            return shapes[name]
+        c = consts.get(name)
+        if c is not None and c.dtype == torch.int64 and c.dim() <= 1:
+            return c.reshape(-1).tolist(), c.dim() == 0
+        return None
+
+    ins = [dims_of(x) if x else None for x in op.inputs]
+    result: tuple[list, bool] | None = None
+    if op.type == "Shape":
+        shape = q.vars[op.inputs[0]].shape
+        if shape is not None:
+            start, end = op.attrs.get("start", 0), op.attrs.get("end", len(shape))
+            result = (list(shape)[slice(start, end)], False)
+    elif not op.inputs or any(x is None for x in ins[:1]) or op.inputs[0] not in shapes:
+        return None
+    elif op.type == "Gather" and op.attrs.get("axis", 0) == 0 and ins[1] is not None:
+        idx, scalar = ins[1]
+        result = ([ins[0][0][i] for i in idx], scalar)
+    elif op.type == "Slice" and all(x is not None for x in ins[1:]):
+        starts, ends = ins[1][0], ins[2][0]
+        step = ins[4][0][0] if len(ins) > 4 else 1
+        if len(starts) == 1:
+            result = (ins[0][0][slice(starts[0], ends[0], step)], False)
+    elif op.type == "Concat" and all(x is not None and not x[1] for x in ins):
+        result = ([d for x in ins for d in x[0]], False)
+    elif op.type in ("Squeeze", "Unsqueeze") and len(ins[0][0]) == 1:
+        result = (ins[0][0], op.type == "Squeeze")
+    if result is None:
+        return None
+    dims, scalar = result
+    if all(isinstance(d, int) for d in dims):
+        t = torch.tensor(dims[0] if scalar else dims, dtype=torch.int64)
+        return [t]
+    shapes[op.outputs[0]] = result
+    return None
 
 
 def _fold_shape(q: Program, op: Op) -> list[torch.Tensor] | None:

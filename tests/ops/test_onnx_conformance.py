@@ -87,8 +87,10 @@ def run_graph(model: onnx.ModelProto, inputs: Sequence[np.ndarray]) -> list[torc
     for init in graph.initializer:
         env[init.name] = tensor_value(init)
     feeds = [i.name for i in graph.input if i.name not in env]
-    for name, arr in zip(feeds, inputs):
-        env[name] = tensor_value(numpy_helper.from_array(np.asarray(arr), name))
+    for name, value in zip(feeds, inputs):
+        # Special element types (bfloat16, float8, int4, ...) come as TensorProtos.
+        proto = value if isinstance(value, onnx.TensorProto) else numpy_helper.from_array(np.asarray(value), name)
+        env[name] = tensor_value(proto)
     device = torch.device("cpu")
     for node in graph.node:
         row = _row(_domain(node.domain), node.op_type)
@@ -112,13 +114,18 @@ def check_case(case: TestCase) -> None:
         got = run_graph(model, inputs)
         assert len(got) == len(expected)
         for i, (g, e) in enumerate(zip(got, expected)):
-            _compare(g, np.asarray(e), case, i)
+            _compare(g, e, case, i)
 
 
-def _compare(got: torch.Tensor, want: np.ndarray, case: TestCase, i: int) -> None:
+def _compare(got: torch.Tensor, want, case: TestCase, i: int) -> None:
     what = f"{case.name} output {i}"
-    want_dtype = ONNX_TO_TORCH.get(onnx.helper.np_dtype_to_tensor_dtype(want.dtype))
-    assert got.dtype == want_dtype, f"{what}: dtype {got.dtype}, expected {want.dtype}"
+    if isinstance(want, onnx.TensorProto):
+        want_dtype = tensor_value(want).dtype
+        want = numpy_helper.to_array(want)
+    else:
+        want = np.asarray(want)
+        want_dtype = ONNX_TO_TORCH.get(onnx.helper.np_dtype_to_tensor_dtype(want.dtype))
+    assert got.dtype == want_dtype, f"{what}: dtype {got.dtype}, expected {want_dtype}"
     assert tuple(got.shape) == want.shape, f"{what}: shape {tuple(got.shape)}, expected {want.shape}"
     if got.dtype == torch.bfloat16:
         got, want = got.float(), want.astype(np.float32)

@@ -13,8 +13,6 @@ from metaopt.ops.registry import register
 # ONNX op type -> torch function with identical semantics (same dtypes, broadcasting, NaN rules).
 _DIRECT = {
     # arithmetic
-    "Add": torch.add,
-    "Sub": torch.sub,
     "Mul": torch.mul,
     "Neg": torch.neg,
     "Abs": torch.abs,
@@ -45,17 +43,12 @@ _DIRECT = {
     "Tanh": torch.tanh,
     # comparison
     "Equal": torch.eq,
-    "Less": torch.lt,
-    "LessOrEqual": torch.le,
-    "Greater": torch.gt,
-    "GreaterOrEqual": torch.ge,
     # logic (inputs are bool)
     "Not": torch.logical_not,
     "And": torch.logical_and,
     "Or": torch.logical_or,
     "Xor": torch.logical_xor,
     # bitwise
-    "BitwiseNot": torch.bitwise_not,
     "BitwiseAnd": torch.bitwise_and,
     "BitwiseOr": torch.bitwise_or,
     "BitwiseXor": torch.bitwise_xor,
@@ -66,12 +59,80 @@ for _type, _fn in _DIRECT.items():
     register(_type)(_fn)
 
 
+# torch has almost no CPU kernels for uint16/32/64 (add, compare, divide, ... raise
+# NotImplementedError). The kernels below call torch first, zero-cost while it works, and only
+# on that error redo the op in int64, where the result is exact.
+_WIDE = (torch.uint16, torch.uint32, torch.uint64)
+_SIGN_BIT = -(2**63)
+_RING, _ORDER, _ORDER_VALUE, _DIVIDE = range(4)
+
+
+def _unsigned(fn, kind: int, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    dtype = a.dtype
+    if dtype not in _WIDE:
+        raise NotImplementedError(f"{fn.__name__} is not implemented for {dtype}")
+    if dtype != torch.uint64:  # every uint16/32 value fits int64
+        out = fn(a.to(torch.int64), b.to(torch.int64))
+        return out if kind == _ORDER else out.to(dtype)
+    sa, sb = a.view(torch.int64), b.view(torch.int64)
+    if kind == _RING:  # two's complement wraps exactly like unsigned arithmetic
+        return fn(sa, sb).view(dtype)
+    if kind == _DIVIDE:
+        if bool((sa < 0).any()) or bool((sb < 0).any()):
+            raise NotImplementedError(f"{fn.__name__} of uint64 values >= 2**63 is not supported")
+        return fn(sa, sb).view(dtype)
+    # Flipping the sign bit maps unsigned order onto signed order.
+    out = fn(sa ^ _SIGN_BIT, sb ^ _SIGN_BIT)
+    return out if kind == _ORDER else (out ^ _SIGN_BIT).view(dtype)
+
+
+def _binary(fn, kind: int):
+    def kernel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        try:
+            return fn(a, b)
+        except NotImplementedError:
+            return _unsigned(fn, kind, a, b)
+
+    kernel.__name__ = fn.__name__
+    return kernel
+
+
+def _div_trunc(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.div(a, b, rounding_mode="trunc")
+
+
+add = register("Add")(_binary(torch.add, _RING))
+register("Sub")(_binary(torch.sub, _RING))
+register("Less")(_binary(torch.lt, _ORDER))
+register("LessOrEqual")(_binary(torch.le, _ORDER))
+register("Greater")(_binary(torch.gt, _ORDER))
+register("GreaterOrEqual")(_binary(torch.ge, _ORDER))
+_maximum = _binary(torch.maximum, _ORDER_VALUE)
+_minimum = _binary(torch.minimum, _ORDER_VALUE)
+_int_div = _binary(_div_trunc, _DIVIDE)
+_remainder = _binary(torch.remainder, _DIVIDE)
+_fmod = _binary(torch.fmod, _DIVIDE)
+
+
 @register("Div")
 def div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.is_floating_point():
         return torch.div(a, b)
     # ONNX integer division truncates toward zero (C semantics), torch's `//` floors.
-    return torch.div(a, b, rounding_mode="trunc")
+    return _int_div(a, b)
+
+
+@register("BitwiseNot")
+def bitwise_not(x: torch.Tensor) -> torch.Tensor:
+    try:
+        return torch.bitwise_not(x)
+    except NotImplementedError:
+        if x.dtype not in _WIDE:
+            raise
+        # ~x in int64 then wrapped to the unsigned width is the unsigned complement.
+        if x.dtype == torch.uint64:
+            return torch.bitwise_not(x.view(torch.int64)).view(x.dtype)
+        return torch.bitwise_not(x.to(torch.int64)).to(x.dtype)
 
 
 @register("Pow")
@@ -84,7 +145,7 @@ def pow_(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 @register("Mod")
 def mod(a: torch.Tensor, b: torch.Tensor, fmod: int = 0) -> torch.Tensor:
     # fmod=0 is Python/numpy `%` (sign of the divisor), fmod=1 is C fmod (sign of the dividend).
-    return torch.fmod(a, b) if fmod else torch.remainder(a, b)
+    return _fmod(a, b) if fmod else _remainder(a, b)
 
 
 # torch lacks shifts for uint16/32/64; those run in int64, where the result's low bits are identical.
@@ -141,17 +202,17 @@ def _fold(fn, xs: tuple[torch.Tensor, ...]) -> torch.Tensor:
 
 @register("Max")
 def max_(*xs: torch.Tensor) -> torch.Tensor:
-    return _fold(torch.maximum, xs)
+    return _fold(_maximum, xs)
 
 
 @register("Min")
 def min_(*xs: torch.Tensor) -> torch.Tensor:
-    return _fold(torch.minimum, xs)
+    return _fold(_minimum, xs)
 
 
 @register("Sum")
 def sum_(*xs: torch.Tensor) -> torch.Tensor:
-    return _fold(torch.add, xs)
+    return _fold(add, xs)
 
 
 @register("Mean")

@@ -364,10 +364,11 @@ def depth_to_space(input: torch.Tensor, blocksize: int, mode: str = "DCR") -> to
 
 
 @register("SpaceToDepth")
-def space_to_depth(input: torch.Tensor, blocksize: int) -> torch.Tensor:  # noqa: A002
+def space_to_depth(input: torch.Tensor, blocksize: int, mode: str = "DCR") -> torch.Tensor:  # noqa: A002
     n, c, h, w = input.shape
     b = blocksize
-    x = input.reshape(n, c, h // b, b, w // b, b).permute(0, 3, 5, 1, 2, 4)
+    x = input.reshape(n, c, h // b, b, w // b, b)
+    x = x.permute(0, 3, 5, 1, 2, 4) if mode == "DCR" else x.permute(0, 1, 3, 5, 2, 4)
     return x.reshape(n, c * b * b, h // b, w // b)
 
 
