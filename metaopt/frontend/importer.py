@@ -25,12 +25,17 @@ def import_model(
     bn_momentum: dict[str, float] | None = None,
     name: str = "main",
 ) -> Program:
-    """raw import -> training repairs -> fold constants -> dead code -> names -> verify."""
+    """raw import -> training repairs -> fold constants -> dead code -> names -> verify.
+
+    Names are rewritten only for torch exports (recognised by their module-scope
+    metadata); any other file keeps the names its author chose.
+    """
     p, chains = to_program(model, options, name=name)
     if training:
         repair_training(p, bn_momentum=bn_momentum or {})
     p = dead_code(fold_constants(p))
-    readable_names(p, chains)
+    if any(chains.values()):  # a torch export: its FX names mean nothing to users
+        readable_names(p, chains)
     _order_vars(p)
     verify(p)
     return p

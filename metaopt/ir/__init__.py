@@ -3,10 +3,10 @@
 from metaopt.ir import names
 from metaopt.ir.parser import ParseError, parse_program
 from metaopt.ir.printer import print_program
-from metaopt.ir.program import Op, Program, Var, did_you_mean, dtype_name, torch_dtype
+from metaopt.ir.program import Op, Program, Var, did_you_mean, dtype_name, eval_dim, torch_dtype
 from metaopt.ir.verify import VerifyError, verify
 
 __all__ = [
-    "Op", "ParseError", "Program", "Var", "VerifyError", "did_you_mean", "dtype_name", "names",
+    "Op", "ParseError", "Program", "Var", "VerifyError", "did_you_mean", "dtype_name", "eval_dim", "names",
     "parse_program", "print_program", "torch_dtype", "verify",
 ]

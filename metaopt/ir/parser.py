@@ -20,8 +20,8 @@ class ParseError(ValueError):
 _TOKEN_RE = re.compile(
     r"""\s*(?:
         (?P<str>"(?:[^"\\]|\\.)*")
-      | (?P<num>[-+]?(?:\d+\.\d*(?:[eE][-+]?\d+)?|\d+[eE][-+]?\d+|\.\d+(?:[eE][-+]?\d+)?|\d+|inf)(?![A-Za-z0-9_.@/]))
-      | (?P<name>[A-Za-z0-9_.@/\-]+|~)
+      | (?P<num>[-+]?(?:\d+\.\d*(?:[eE][-+]?\d+)?|\d+[eE][-+]?\d+|\.\d+(?:[eE][-+]?\d+)?|\d+|inf)(?![A-Za-z0-9_.@/*+\-]))
+      | (?P<name>[A-Za-z0-9_.@/*+\-]+|~)
       | (?P<punct><-|[()\[\],=:?])
     )""",
     re.VERBOSE,
@@ -129,7 +129,7 @@ def _shape(t: _Tokens) -> tuple | None:
     dims: list[int | str] = []
     while not t.at("]"):
         kind, text = t.next()
-        dims.append(int(text) if kind == "num" else text)
+        dims.append(int(text) if kind == "num" else json.loads(text) if kind == "str" else text)
         if not t.at("]"):
             t.expect(",")
     t.next()
@@ -152,13 +152,33 @@ def _parse_var(text: str) -> tuple[Var, torch.Tensor | None]:
     if t.at("="):
         t.next()
         value = torch.tensor(_value(t), dtype=torch_dtype(dtype))
+        if shape is not None and all(isinstance(d, int) for d in shape):
+            value = value.reshape(shape)  # keeps zero-size dims ("= []" of a [0,3] constant)
     if not t.done():
         raise ValueError(f"unexpected {t.peek()[1]!r}")  # type: ignore[index]
     return Var(name, dtype, shape, kind=kind, trainable=trainable), value
 
 
+def _split_comment(text: str) -> tuple[str, str]:
+    """Code and comment of an op line: the first "  # " outside a quoted name."""
+    quoted = escaped = False
+    for i, ch in enumerate(text):
+        if quoted:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                quoted = False
+        elif ch == '"':
+            quoted = True
+        elif text.startswith("  # ", i):
+            return text[:i], text[i + 4:]
+    return text, ""
+
+
 def _parse_op(text: str) -> Op:
-    code, _, comment = text.partition("  # ")
+    code, comment = _split_comment(text)
     t = _Tokens(code)
     outputs: list[str] = []
     # Outputs precede "=", the call follows; a call with no outputs starts at its type.

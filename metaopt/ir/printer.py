@@ -15,8 +15,8 @@
     ops:
       h = Gemm(x, fc1.weight, fc1.bias, transB=1)  # role=forward scope=fc1
 
-One op per line; the comment holds the op's fields. Names outside
-``[A-Za-z0-9_.@/-]`` are JSON-quoted; an omitted optional input is ``~``.
+One op per line; the comment holds the op's fields. Names (and dims)
+outside ``[A-Za-z0-9_.@/*+-]`` are JSON-quoted; an omitted optional input is ``~``.
 Constants with at most `INLINE_VALUES` elements show their value; larger
 values (weights) are not part of the text.
 """
@@ -34,7 +34,7 @@ from metaopt.ir.program import Op, Program, Var, dtype_name
 
 INLINE_VALUES = 8
 COMMENT_COLUMN = 44
-_NAME_RE = re.compile(r"[A-Za-z0-9_.@/\-]+")
+_NAME_RE = re.compile(r"[A-Za-z0-9_.@/*+\-]+")
 _WORD_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 RESERVED_WORDS = frozenset({"True", "False", "None", "inf", "nan", "tensor"})
 
@@ -50,7 +50,8 @@ def fmt_name(name: str) -> str:
 def fmt_shape(shape: tuple | None) -> str:
     if shape is None:
         return "[?]"
-    return "[" + ",".join(str(d) for d in shape) + "]"
+    return "[" + ",".join(str(d) if isinstance(d, int) or _NAME_RE.fullmatch(d) else json.dumps(d)
+                          for d in shape) + "]"
 
 
 def fmt_value(v: Any) -> str:

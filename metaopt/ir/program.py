@@ -51,7 +51,9 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """' (did you mean 'x'?)' or '' — appended to errors about unknown names."""
-    close = difflib.get_close_matches(word, list(choices), n=3, cutoff=0.6)
+    choices = list(choices)
+    close = [c for c in choices if c.lower() == word.lower() and c != word]
+    close += [c for c in difflib.get_close_matches(word, choices, n=3, cutoff=0.6) if c not in close]
     if not close:
         return ""
     return " (did you mean " + " or ".join(repr(c) for c in close) + "?)"

@@ -30,11 +30,122 @@ from onnx.backend.test.case.test_case import TestCase
 from metaopt.frontend.attrs import ONNX_TO_TORCH, attr_value, tensor_value
 from metaopt.ops import registry
 
-_RANDOM = "draws from numpy's RNG; our random ops use torch's generator by design"
-_FLOAT8 = "float8/float4/int4/uint4 element types are not supported"
+# Cases our kernels cannot pass on principle, by reason. Each name is listed explicitly: when
+# one starts passing, its strict xfail fails and the entry must be removed.
+_NARROW_TYPE = (
+    "float8/float4/int4/uint4/int2/uint2 element types are not supported "
+    "(not in metaopt.frontend.attrs.ONNX_TO_TORCH; torch has no kernels for most of them)"
+)
+_RANDOM = "expected values were drawn from numpy's RNG; our random ops draw from torch's by design"
 _STRING = "string tensors are not supported"
+_LOW_PRECISION = (
+    "the expanded function rounds every intermediate to bf16/fp16; 1-ulp differences from the "
+    "reference (computed unexpanded) exceed the case's rtol=1e-3, below the type's epsilon"
+)
 
-KNOWN_UNSUPPORTED: dict[str, str] = {}
+_NARROW_TYPE_CASES = (
+    "test_cast_FLOAT_to_FLOAT8E4M3FN", "test_cast_FLOAT16_to_FLOAT8E4M3FN",
+    "test_cast_FLOAT_to_FLOAT8E4M3FNUZ", "test_cast_FLOAT16_to_FLOAT8E4M3FNUZ",
+    "test_cast_FLOAT8E4M3FN_to_FLOAT", "test_cast_FLOAT8E4M3FN_to_FLOAT16",
+    "test_cast_FLOAT8E4M3FNUZ_to_FLOAT", "test_cast_FLOAT8E4M3FNUZ_to_FLOAT16",
+    "test_cast_FLOAT_to_FLOAT8E5M2", "test_cast_FLOAT16_to_FLOAT8E5M2", "test_cast_FLOAT_to_FLOAT8E5M2FNUZ",
+    "test_cast_FLOAT16_to_FLOAT8E5M2FNUZ", "test_cast_FLOAT8E5M2_to_FLOAT",
+    "test_cast_FLOAT8E5M2_to_FLOAT16", "test_cast_FLOAT8E5M2FNUZ_to_FLOAT",
+    "test_cast_FLOAT8E5M2FNUZ_to_FLOAT16", "test_cast_FLOAT_to_UINT4", "test_cast_FLOAT16_to_UINT4",
+    "test_cast_FLOAT_to_INT4", "test_cast_FLOAT16_to_INT4", "test_cast_UINT4_to_FLOAT",
+    "test_cast_UINT4_to_FLOAT16", "test_cast_UINT4_to_UINT8", "test_cast_INT4_to_FLOAT",
+    "test_cast_INT4_to_FLOAT16", "test_cast_INT4_to_INT8", "test_cast_FLOAT4E2M1_to_FLOAT",
+    "test_cast_FLOAT4E2M1_to_FLOAT16", "test_cast_FLOAT_to_FLOAT4E2M1", "test_cast_FLOAT16_to_FLOAT4E2M1",
+    "test_cast_FLOAT_to_UINT2", "test_cast_FLOAT16_to_UINT2", "test_cast_FLOAT_to_INT2",
+    "test_cast_FLOAT16_to_INT2", "test_cast_UINT2_to_FLOAT", "test_cast_UINT2_to_FLOAT16",
+    "test_cast_UINT2_to_UINT8", "test_cast_INT2_to_FLOAT", "test_cast_INT2_to_FLOAT16",
+    "test_cast_INT2_to_INT8", "test_cast_no_saturate_FLOAT_to_FLOAT8E4M3FN",
+    "test_cast_no_saturate_FLOAT_to_FLOAT8E4M3FNUZ", "test_cast_no_saturate_FLOAT_to_FLOAT8E5M2",
+    "test_cast_no_saturate_FLOAT_to_FLOAT8E5M2FNUZ", "test_cast_no_saturate_FLOAT16_to_FLOAT8E4M3FN",
+    "test_cast_no_saturate_FLOAT16_to_FLOAT8E4M3FNUZ", "test_cast_no_saturate_FLOAT16_to_FLOAT8E5M2",
+    "test_cast_no_saturate_FLOAT16_to_FLOAT8E5M2FNUZ", "test_cast_e8m0_FLOAT_to_FLOAT8E8M0",
+    "test_cast_e8m0_FLOAT16_to_FLOAT8E8M0", "test_cast_e8m0_FLOAT8E8M0_to_FLOAT",
+    "test_cast_e8m0_FLOAT8E8M0_to_FLOAT16", "test_castlike_FLOAT_to_FLOAT8E4M3FN",
+    "test_castlike_FLOAT_to_FLOAT8E4M3FN_expanded", "test_castlike_FLOAT16_to_FLOAT8E4M3FN",
+    "test_castlike_FLOAT16_to_FLOAT8E4M3FN_expanded", "test_castlike_FLOAT_to_FLOAT8E4M3FNUZ",
+    "test_castlike_FLOAT_to_FLOAT8E4M3FNUZ_expanded", "test_castlike_FLOAT16_to_FLOAT8E4M3FNUZ",
+    "test_castlike_FLOAT16_to_FLOAT8E4M3FNUZ_expanded", "test_castlike_FLOAT8E4M3FN_to_FLOAT",
+    "test_castlike_FLOAT8E4M3FN_to_FLOAT_expanded", "test_castlike_FLOAT8E4M3FN_to_FLOAT16",
+    "test_castlike_FLOAT8E4M3FN_to_FLOAT16_expanded", "test_castlike_FLOAT8E4M3FNUZ_to_FLOAT",
+    "test_castlike_FLOAT8E4M3FNUZ_to_FLOAT_expanded", "test_castlike_FLOAT8E4M3FNUZ_to_FLOAT16",
+    "test_castlike_FLOAT8E4M3FNUZ_to_FLOAT16_expanded", "test_castlike_FLOAT_to_FLOAT8E5M2",
+    "test_castlike_FLOAT_to_FLOAT8E5M2_expanded", "test_castlike_FLOAT16_to_FLOAT8E5M2",
+    "test_castlike_FLOAT16_to_FLOAT8E5M2_expanded", "test_castlike_FLOAT_to_FLOAT8E5M2FNUZ",
+    "test_castlike_FLOAT_to_FLOAT8E5M2FNUZ_expanded", "test_castlike_FLOAT16_to_FLOAT8E5M2FNUZ",
+    "test_castlike_FLOAT16_to_FLOAT8E5M2FNUZ_expanded", "test_castlike_FLOAT8E5M2_to_FLOAT",
+    "test_castlike_FLOAT8E5M2_to_FLOAT_expanded", "test_castlike_FLOAT8E5M2_to_FLOAT16",
+    "test_castlike_FLOAT8E5M2_to_FLOAT16_expanded", "test_castlike_FLOAT8E5M2FNUZ_to_FLOAT",
+    "test_castlike_FLOAT8E5M2FNUZ_to_FLOAT_expanded", "test_castlike_FLOAT8E5M2FNUZ_to_FLOAT16",
+    "test_castlike_FLOAT8E5M2FNUZ_to_FLOAT16_expanded", "test_castlike_FLOAT_to_UINT4",
+    "test_castlike_FLOAT_to_UINT4_expanded", "test_castlike_FLOAT16_to_UINT4",
+    "test_castlike_FLOAT16_to_UINT4_expanded", "test_castlike_FLOAT_to_INT4",
+    "test_castlike_FLOAT_to_INT4_expanded", "test_castlike_FLOAT16_to_INT4",
+    "test_castlike_FLOAT16_to_INT4_expanded", "test_castlike_UINT4_to_FLOAT",
+    "test_castlike_UINT4_to_FLOAT_expanded", "test_castlike_UINT4_to_FLOAT16",
+    "test_castlike_UINT4_to_FLOAT16_expanded", "test_castlike_UINT4_to_UINT8",
+    "test_castlike_UINT4_to_UINT8_expanded", "test_castlike_INT4_to_FLOAT",
+    "test_castlike_INT4_to_FLOAT_expanded", "test_castlike_INT4_to_FLOAT16",
+    "test_castlike_INT4_to_FLOAT16_expanded", "test_castlike_INT4_to_INT8",
+    "test_castlike_INT4_to_INT8_expanded", "test_castlike_FLOAT4E2M1_to_FLOAT",
+    "test_castlike_FLOAT4E2M1_to_FLOAT_expanded", "test_castlike_FLOAT4E2M1_to_FLOAT16",
+    "test_castlike_FLOAT4E2M1_to_FLOAT16_expanded", "test_castlike_FLOAT_to_FLOAT4E2M1",
+    "test_castlike_FLOAT_to_FLOAT4E2M1_expanded", "test_castlike_FLOAT16_to_FLOAT4E2M1",
+    "test_castlike_FLOAT16_to_FLOAT4E2M1_expanded", "test_castlike_FLOAT_to_UINT2",
+    "test_castlike_FLOAT_to_UINT2_expanded", "test_castlike_FLOAT16_to_UINT2",
+    "test_castlike_FLOAT16_to_UINT2_expanded", "test_castlike_FLOAT_to_INT2",
+    "test_castlike_FLOAT_to_INT2_expanded", "test_castlike_FLOAT16_to_INT2",
+    "test_castlike_FLOAT16_to_INT2_expanded", "test_castlike_UINT2_to_FLOAT",
+    "test_castlike_UINT2_to_FLOAT_expanded", "test_castlike_UINT2_to_FLOAT16",
+    "test_castlike_UINT2_to_FLOAT16_expanded", "test_castlike_UINT2_to_UINT8",
+    "test_castlike_UINT2_to_UINT8_expanded", "test_castlike_INT2_to_FLOAT",
+    "test_castlike_INT2_to_FLOAT_expanded", "test_castlike_INT2_to_FLOAT16",
+    "test_castlike_INT2_to_FLOAT16_expanded", "test_castlike_INT2_to_INT8",
+    "test_castlike_INT2_to_INT8_expanded", "test_castlike_no_saturate_FLOAT_to_FLOAT8E4M3FN",
+    "test_castlike_no_saturate_FLOAT_to_FLOAT8E4M3FN_expanded",
+    "test_castlike_no_saturate_FLOAT_to_FLOAT8E4M3FNUZ",
+    "test_castlike_no_saturate_FLOAT_to_FLOAT8E4M3FNUZ_expanded",
+    "test_castlike_no_saturate_FLOAT_to_FLOAT8E5M2",
+    "test_castlike_no_saturate_FLOAT_to_FLOAT8E5M2_expanded",
+    "test_castlike_no_saturate_FLOAT_to_FLOAT8E5M2FNUZ",
+    "test_castlike_no_saturate_FLOAT_to_FLOAT8E5M2FNUZ_expanded",
+    "test_castlike_no_saturate_FLOAT16_to_FLOAT8E4M3FN",
+    "test_castlike_no_saturate_FLOAT16_to_FLOAT8E4M3FN_expanded",
+    "test_castlike_no_saturate_FLOAT16_to_FLOAT8E4M3FNUZ",
+    "test_castlike_no_saturate_FLOAT16_to_FLOAT8E4M3FNUZ_expanded",
+    "test_castlike_no_saturate_FLOAT16_to_FLOAT8E5M2",
+    "test_castlike_no_saturate_FLOAT16_to_FLOAT8E5M2_expanded",
+    "test_castlike_no_saturate_FLOAT16_to_FLOAT8E5M2FNUZ",
+    "test_castlike_no_saturate_FLOAT16_to_FLOAT8E5M2FNUZ_expanded",
+)
+
+_RANDOM_CASES = (
+    "test_bernoulli", "test_bernoulli_expanded", "test_bernoulli_double", "test_bernoulli_double_expanded",
+    "test_bernoulli_seed", "test_bernoulli_seed_expanded", "test_training_dropout_default",
+    "test_training_dropout_default_mask", "test_training_dropout", "test_training_dropout_mask",
+)
+
+_STRING_CASES = (
+    "test_equal_string", "test_equal_string_broadcast",
+)
+
+_LOW_PRECISION_CASES = (
+    "test_attention_4d_causal_bf16_expanded", "test_attention_4d_causal_fp16_expanded",
+    "test_attention_4d_padded_kv_bf16_expanded", "test_attention_4d_causal_padded_kv_bf16_expanded",
+    "test_attention_4d_attn_mask_causal_bf16_expanded", "test_attention_3d_causal_bf16_expanded",
+)
+
+
+KNOWN_UNSUPPORTED: dict[str, str] = {
+    **dict.fromkeys(_NARROW_TYPE_CASES, _NARROW_TYPE),
+    **dict.fromkeys(_RANDOM_CASES, _RANDOM),
+    **dict.fromkeys(_STRING_CASES, _STRING),
+    **dict.fromkeys(_LOW_PRECISION_CASES, _LOW_PRECISION),
+}
 
 
 # --------------------------------------------------------------------------- cases
@@ -80,17 +191,17 @@ def table_cases() -> tuple[TestCase, ...]:
 # --------------------------------------------------------------------------- runner
 
 
-def run_graph(model: onnx.ModelProto, inputs: Sequence[np.ndarray]) -> list[torch.Tensor]:
-    """Run `model`'s graph node by node through the kernel table on the CPU."""
+def run_graph(model: onnx.ModelProto, feeds: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Run `model`'s graph node by node through the kernel table on the CPU.
+
+    `feeds` are the graph's non-initializer inputs, in order.
+    """
     graph = model.graph
     env: dict[str, torch.Tensor | None] = {"": None}
     for init in graph.initializer:
         env[init.name] = tensor_value(init)
-    feeds = [i.name for i in graph.input if i.name not in env]
-    for name, value in zip(feeds, inputs):
-        # Special element types (bfloat16, float8, int4, ...) come as TensorProtos.
-        proto = value if isinstance(value, onnx.TensorProto) else numpy_helper.from_array(np.asarray(value), name)
-        env[name] = tensor_value(proto)
+    names = [i.name for i in graph.input if i.name not in env]
+    env.update(zip(names, feeds))
     device = torch.device("cpu")
     for node in graph.node:
         row = _row(_domain(node.domain), node.op_type)
@@ -108,10 +219,24 @@ def run_graph(model: onnx.ModelProto, inputs: Sequence[np.ndarray]) -> list[torc
     return [env[o.name] for o in graph.output]
 
 
+def _to_tensor(value) -> torch.Tensor:
+    # Special element types (bfloat16, float8, int4, ...) come as TensorProtos.
+    proto = value if isinstance(value, onnx.TensorProto) else numpy_helper.from_array(np.asarray(value))
+    return tensor_value(proto)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8) if t.dtype != torch.bool else t
+
+
 def check_case(case: TestCase) -> None:
     model = _model(case)
     for inputs, expected in case.data_sets:
-        got = run_graph(model, inputs)
+        feeds = [_to_tensor(v) for v in inputs]
+        before = [f.clone() for f in feeds]
+        got = run_graph(model, feeds)
+        for f, b in zip(feeds, before):  # kernels must not write into their inputs
+            assert torch.equal(_bits(f), _bits(b)), f"{case.name}: a kernel mutated a graph input"
         assert len(got) == len(expected)
         for i, (g, e) in enumerate(zip(got, expected)):
             _compare(g, e, case, i)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from metaopt.frontend.attrs import ONNX_TO_TORCH
+from metaopt.frontend.attrs import torch_dtype
 from metaopt.ops.registry import register
 
 _FLOAT = 1  # ONNX TensorProto.FLOAT, the default dtype of the random generators
@@ -54,7 +54,7 @@ def random_normal(
     shape: list[int] | None = None,
     _device: torch.device | None = None,
 ) -> torch.Tensor:
-    return torch.normal(mean, scale, shape, dtype=ONNX_TO_TORCH[dtype], device=_device)
+    return torch.normal(mean, scale, shape, dtype=torch_dtype(dtype, what="random op"), device=_device)
 
 
 @register("RandomNormalLike", random=True)
@@ -65,7 +65,7 @@ def random_normal_like(
     scale: float = 1.0,
     seed: float | None = None,
 ) -> torch.Tensor:
-    out_dtype = ONNX_TO_TORCH[dtype] if dtype is not None else input.dtype
+    out_dtype = torch_dtype(dtype, what="random op") if dtype is not None else input.dtype
     return torch.normal(mean, scale, input.shape, dtype=out_dtype, device=input.device)
 
 
@@ -78,7 +78,7 @@ def random_uniform(
     shape: list[int] | None = None,
     _device: torch.device | None = None,
 ) -> torch.Tensor:
-    return torch.empty(shape, dtype=ONNX_TO_TORCH[dtype], device=_device).uniform_(low, high)
+    return torch.empty(shape, dtype=torch_dtype(dtype, what="random op"), device=_device).uniform_(low, high)
 
 
 @register("RandomUniformLike", random=True)
@@ -89,14 +89,14 @@ def random_uniform_like(
     low: float = 0.0,
     seed: float | None = None,
 ) -> torch.Tensor:
-    out_dtype = ONNX_TO_TORCH[dtype] if dtype is not None else input.dtype
+    out_dtype = torch_dtype(dtype, what="random op") if dtype is not None else input.dtype
     return torch.empty(input.shape, dtype=out_dtype, device=input.device).uniform_(low, high)
 
 
 @register("Bernoulli", random=True)
 def bernoulli(input: torch.Tensor, dtype: int | None = None, seed: float | None = None) -> torch.Tensor:  # noqa: A002
     out = torch.bernoulli(input)
-    return out.to(ONNX_TO_TORCH[dtype]) if dtype is not None else out
+    return out.to(torch_dtype(dtype, what="random op")) if dtype is not None else out
 
 
 @register("Multinomial", random=True)
@@ -108,4 +108,4 @@ def multinomial(
 ) -> torch.Tensor:
     # ONNX's input holds unnormalized log-probabilities; torch samples from probabilities.
     probs = torch.softmax(input.float(), -1)
-    return torch.multinomial(probs, sample_size, replacement=True).to(ONNX_TO_TORCH[dtype])
+    return torch.multinomial(probs, sample_size, replacement=True).to(torch_dtype(dtype, what="random op"))

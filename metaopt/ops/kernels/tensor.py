@@ -12,7 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from metaopt.frontend.attrs import ONNX_TO_TORCH
+from metaopt.frontend.attrs import torch_dtype
 from metaopt.ops.registry import register
 
 
@@ -139,8 +139,8 @@ def transpose(data: torch.Tensor, perm: list[int] | None = None) -> torch.Tensor
 
 @register("Cast")
 def cast(input: torch.Tensor, to: int, saturate: int = 1, round_mode: str = "up") -> torch.Tensor:  # noqa: A002
-    # saturate/round_mode only concern float8 targets, which ONNX_TO_TORCH does not have.
-    return input.to(ONNX_TO_TORCH[to])
+    # saturate/round_mode only concern float8/float4 targets, which torch_dtype refuses.
+    return input.to(torch_dtype(to, what="Cast"))
 
 
 @register("CastLike")
@@ -346,7 +346,7 @@ def non_zero(x: torch.Tensor) -> torch.Tensor:
 
 @register("EyeLike")
 def eye_like(input: torch.Tensor, dtype: int | None = None, k: int = 0) -> torch.Tensor:  # noqa: A002
-    out_dtype = ONNX_TO_TORCH[dtype] if dtype is not None else input.dtype
+    out_dtype = torch_dtype(dtype, what="EyeLike") if dtype is not None else input.dtype
     out = torch.zeros(input.shape, dtype=out_dtype, device=input.device)
     out.diagonal(k).fill_(1)  # a fresh tensor: filling it in place is safe
     return out

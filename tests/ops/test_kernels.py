@@ -1,0 +1,312 @@
+"""Targeted kernel tests beyond ONNX conformance: torch parity, RNG, mutation, shape operands."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from metaopt.ops import registry
+
+
+def kernel(op_type: str):
+    row = registry.get(op_type)
+    assert row is not None, f"{op_type} is not in the op table"
+    return row.kernel
+
+
+def snapshot(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+    return [t.clone() if t is not None else None for t in tensors]
+
+
+def assert_unchanged(before: list, after: tuple) -> None:
+    for b, a in zip(before, after):
+        if b is not None:
+            assert torch.equal(b, a) or (b.isnan() == a.isnan()).all(), "a kernel mutated its input"
+
+
+# --------------------------------------------------------------------------- the table
+
+
+def test_table_rows_flags() -> None:
+    table = registry.table()
+    for op in ("Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
+               "Bernoulli", "Multinomial"):
+        assert table[op].random, op
+    assert not any(row.random for op, row in table.items() if op not in {
+        "Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
+        "Bernoulli", "Multinomial"})
+    for op in ("Dropout", "Split", "BatchNormalization", "LayerNormalization", "MaxPool",
+               "SoftmaxCrossEntropyLoss", "BatchNormTraining"):
+        assert table[op].needs_outputs, op
+    for op in ("ConstantOfShape", "Range", "RandomNormal", "RandomUniform", "Constant"):
+        assert table[op].needs_device, op
+    assert table["BatchNormTraining"].domain == "metaopt"
+    assert table["Add"].domain == ""
+
+
+# --------------------------------------------------------------------------- Dropout
+
+
+def test_dropout_reproducible_under_manual_seed() -> None:
+    x = torch.randn(64, 32)
+    ratio, training = torch.tensor(0.3), torch.tensor(True)
+    drop = kernel("Dropout")
+    torch.manual_seed(7)
+    y1, m1 = drop(x, ratio, training, _nout=2)
+    torch.manual_seed(7)
+    y2, m2 = drop(x, ratio, training, _nout=2)
+    assert torch.equal(y1, y2) and torch.equal(m1, m2)
+    torch.manual_seed(8)
+    _, m3 = drop(x, ratio, training, _nout=2)
+    assert not torch.equal(m1, m3)
+    # The same mask and values as torch's own dropout under the same seed.
+    torch.manual_seed(7)
+    assert torch.equal(y1, F.dropout(x, 0.3, training=True))
+
+
+def test_dropout_mask_and_scale() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(200, 100)
+    y, mask = kernel("Dropout")(x, torch.tensor(0.25), torch.tensor(True), _nout=2)
+    assert mask.dtype == torch.bool and mask.shape == x.shape
+    assert torch.allclose(y, x * mask / 0.75, rtol=1e-6, atol=0)
+    assert torch.equal(y[~mask], torch.zeros_like(y[~mask]))
+    assert abs(mask.float().mean().item() - 0.75) < 0.02
+    # A single output (no mask requested) draws the same mask.
+    torch.manual_seed(0)
+    x2 = torch.randn(200, 100)
+    y2 = kernel("Dropout")(x2, torch.tensor(0.25), torch.tensor(True), _nout=1)
+    assert torch.equal(y, y2)
+
+
+@pytest.mark.parametrize("args", [(), (torch.tensor(0.5),), (torch.tensor(0.5), torch.tensor(False)),
+                                  (None, torch.tensor(False)), (torch.tensor(0.0), torch.tensor(True))])
+def test_dropout_identity_without_training_mode(args) -> None:
+    x = torch.randn(4, 5)
+    state = torch.get_rng_state()
+    y, mask = kernel("Dropout")(x, *args, _nout=2)
+    assert torch.equal(y, x)
+    assert mask.dtype == torch.bool and bool(mask.all())
+    assert torch.equal(torch.get_rng_state(), state), "identity dropout must not consume the RNG"
+    assert kernel("Dropout")(x, *args) is x
+
+
+def test_dropout_old_ratio_attribute() -> None:
+    x = torch.randn(8, 8)
+    assert kernel("Dropout")(x, ratio=0.2) is x  # opset < 12: ratio attribute, inference
+
+
+# --------------------------------------------------------------------------- batch norm
+
+
+@pytest.mark.parametrize("shape", [(8, 4), (6, 4, 5), (4, 4, 3, 3)])
+@pytest.mark.parametrize("momentum,eps", [(0.1, 1e-5), (0.3, 1e-3)])
+def test_batch_norm_training_is_torch_bitwise(shape, momentum, eps) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(shape) * 3 + 1
+    c = shape[1]
+    w, b = torch.randn(c), torch.randn(c)
+    rm, rv = torch.randn(c), torch.rand(c) + 0.5
+    before = snapshot(x, w, b, rm, rv)
+    y, new_rm, new_rv = kernel("BatchNormTraining")(x, w, b, rm, rv, epsilon=eps, momentum=momentum, _nout=3)
+    assert_unchanged(before, (x, w, b, rm, rv))
+    ref_rm, ref_rv = rm.clone(), rv.clone()
+    ref_y = F.batch_norm(x, ref_rm, ref_rv, w, b, training=True, momentum=momentum, eps=eps)
+    assert torch.equal(y, ref_y)
+    assert torch.equal(new_rm, ref_rm)
+    assert torch.equal(new_rv, ref_rv)
+    assert not torch.equal(new_rv, rv)
+
+
+def test_batch_norm_training_defaults_match_torch_module() -> None:
+    torch.manual_seed(1)
+    bn = torch.nn.BatchNorm2d(3).train()
+    x = torch.randn(5, 3, 4, 4)
+    rm, rv = bn.running_mean.clone(), bn.running_var.clone()
+    y, new_rm, new_rv = kernel("BatchNormTraining")(x, bn.weight.detach(), bn.bias.detach(), rm, rv, _nout=3)
+    with torch.no_grad():
+        ref = bn(x)
+    assert torch.equal(y, ref)
+    assert torch.equal(new_rm, bn.running_mean) and torch.equal(new_rv, bn.running_var)
+
+
+def test_onnx_batch_normalization_training_semantics() -> None:
+    torch.manual_seed(2)
+    x = torch.randn(6, 3, 4)
+    w, b, rm, rv = torch.randn(3), torch.randn(3), torch.randn(3), torch.rand(3) + 0.5
+    before = snapshot(x, w, b, rm, rv)
+    y, new_rm, new_rv = kernel("BatchNormalization")(x, w, b, rm, rv, momentum=0.9, training_mode=1, _nout=3)
+    assert_unchanged(before, (x, w, b, rm, rv))
+    mean = x.mean((0, 2))
+    var = x.var((0, 2), unbiased=False)  # ONNX blends in the population variance
+    torch.testing.assert_close(new_rm, rm * 0.9 + mean * 0.1)
+    torch.testing.assert_close(new_rv, rv * 0.9 + var * 0.1)
+    ref = F.batch_norm(x, None, None, w, b, training=True, eps=1e-5)
+    assert torch.equal(y, ref)
+
+
+def test_onnx_batch_normalization_inference() -> None:
+    x = torch.randn(2, 3, 4)
+    w, b, rm, rv = torch.randn(3), torch.randn(3), torch.randn(3), torch.rand(3) + 0.5
+    y = kernel("BatchNormalization")(x, w, b, rm, rv)
+    assert torch.equal(y, F.batch_norm(x, rm, rv, w, b, training=False, eps=1e-5))
+
+
+# --------------------------------------------------------------------------- layer norm
+
+
+@pytest.mark.parametrize("axis", [-1, -2, 1])
+def test_layer_norm_is_torch_bitwise(axis) -> None:
+    torch.manual_seed(3)
+    x = torch.randn(4, 6, 8) * 2 + 0.5
+    shape = x.shape[axis:]
+    w, b = torch.randn(shape), torch.randn(shape)
+    before = snapshot(x, w, b)
+    y = kernel("LayerNormalization")(x, w, b, axis=axis, epsilon=1e-5)
+    assert_unchanged(before, (x, w, b))
+    assert torch.equal(y, F.layer_norm(x, shape, w, b, 1e-5))
+    y3, mean, inv_std = kernel("LayerNormalization")(x, w, b, axis=axis, epsilon=1e-5, _nout=3)
+    assert torch.equal(y3, y)
+    dims = tuple(range(x.dim() + axis if axis < 0 else axis, x.dim()))
+    assert mean.shape == x.mean(dims, keepdim=True).shape
+    torch.testing.assert_close(mean, x.mean(dims, keepdim=True))
+    torch.testing.assert_close(inv_std, torch.rsqrt(x.var(dims, unbiased=False, keepdim=True) + 1e-5))
+
+
+def test_layer_norm_without_bias() -> None:
+    x = torch.randn(3, 5)
+    w = torch.randn(5)
+    assert torch.equal(kernel("LayerNormalization")(x, w), F.layer_norm(x, (5,), w, None, 1e-5))
+
+
+# --------------------------------------------------------------------------- torch parity
+
+
+def test_gemm_and_matmul_are_torch_bitwise() -> None:
+    torch.manual_seed(4)
+    x, w, b = torch.randn(7, 16), torch.randn(8, 16), torch.randn(8)
+    assert torch.equal(kernel("Gemm")(x, w, b, transB=1), F.linear(x, w, b))
+    a, c = torch.randn(2, 3, 4, 5), torch.randn(5, 6)
+    assert torch.equal(kernel("MatMul")(a, c), torch.matmul(a, c))
+    torch.testing.assert_close(kernel("Gemm")(x, w.t(), b, alpha=0.5, beta=2.0), 0.5 * x @ w.t() + 2 * b)
+
+
+def test_softmax_cross_entropy_matches_torch() -> None:
+    torch.manual_seed(5)
+    logits, labels = torch.randn(6, 4, 3), torch.tensor([[0, 1, 3], [2, 2, 1], [3, 0, 0],
+                                                        [1, 1, 1], [0, 3, 2], [2, 1, 0]])
+    w = torch.rand(4)
+    loss, log_prob = kernel("SoftmaxCrossEntropyLoss")(logits, labels, w, ignore_index=1, _nout=2)
+    assert torch.equal(loss, F.cross_entropy(logits, labels, w, ignore_index=1))
+    assert torch.equal(log_prob, torch.log_softmax(logits, 1))
+
+
+def test_gelu_variants() -> None:
+    x = torch.randn(100)
+    assert torch.equal(kernel("Gelu")(x), F.gelu(x))
+    assert torch.equal(kernel("Gelu")(x, approximate="tanh"), F.gelu(x, approximate="tanh"))
+
+
+# --------------------------------------------------------------------------- no mutation
+
+
+def _mutation_cases():
+    x = torch.randn(3, 4, 5)
+    idx = torch.tensor([[0, 1], [2, 0]])
+    yield "ScatterND", (x, idx, torch.randn(2, 5)), {}
+    yield "ScatterND", (x, idx, torch.randn(2, 5)), {"reduction": "mul"}
+    yield "ScatterElements", (x, torch.zeros(3, 4, 5, dtype=torch.int64), torch.randn(3, 4, 5)), {"axis": 1}
+    yield "ScatterElements", (x, torch.zeros(1, 4, 5, dtype=torch.int64), torch.randn(1, 4, 5)), {
+        "reduction": "add"}
+    yield "Hardmax", (x,), {}
+    yield "EyeLike", (torch.randn(4, 4),), {"k": 1}
+    yield "Pad", (x, torch.tensor([0, 1, 1, 0, 2, 1])), {"mode": "reflect"}
+    yield "Pad", (x, torch.tensor([1, 0, 0, 1, 0, 1]), torch.tensor(2.0)), {}
+    yield "CumSum", (x, torch.tensor(1)), {"exclusive": 1, "reverse": 1}
+    yield "Clip", (x, torch.tensor(-0.5), torch.tensor(0.5)), {}
+    yield "Slice", (x, torch.tensor([2]), torch.tensor([0]), torch.tensor([1]), torch.tensor([-1])), {}
+    yield "Split", (x, torch.tensor([1, 3])), {"axis": 1, "_nout": 2}
+    yield "Dropout", (x, torch.tensor(0.5), torch.tensor(True)), {"_nout": 2}
+    yield "BatchNormTraining", (x, torch.ones(4), torch.zeros(4), torch.zeros(4), torch.ones(4)), {"_nout": 3}
+    yield "BatchNormalization", (x, torch.ones(4), torch.zeros(4), torch.zeros(4), torch.ones(4)), {
+        "training_mode": 1, "_nout": 3}
+    yield "MaxPool", (torch.randn(1, 2, 5, 5),), {"kernel_shape": [2, 2], "pads": [0, 0, 1, 1], "_nout": 2}
+    yield "TopK", (x, torch.tensor([2])), {}
+    yield "Max", (x, torch.randn(5), torch.randn(4, 1)), {}
+    yield "Sum", (x, torch.randn(5), torch.randn(4, 1)), {}
+    yield "ConvTranspose", (torch.randn(1, 2, 3, 3), torch.randn(2, 3, 2, 2), torch.randn(3)), {
+        "pads": [1, 0, 0, 1], "output_padding": [1, 1], "strides": [2, 2]}
+    yield "SoftmaxCrossEntropyLoss", (torch.randn(4, 3), torch.tensor([0, 2, 1, 0])), {"_nout": 2}
+
+
+@pytest.mark.parametrize("op,args,attrs", list(_mutation_cases()), ids=lambda v: v if isinstance(v, str) else "")
+def test_kernels_do_not_mutate_inputs(op, args, attrs) -> None:
+    before = snapshot(*args)
+    kernel(op)(*args, **attrs)
+    assert_unchanged(before, args)
+
+
+# --------------------------------------------------------------------------- shape operands
+
+
+def _devices() -> list[str]:
+    # "meta" stands in for an accelerator: data there, shape-like operands on the CPU.
+    return ["meta"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _shape_cases():
+    i64 = torch.int64
+    yield "Reshape", (torch.randn(2, 3, 4), torch.tensor([0, -1], dtype=i64)), {}
+    yield "Reshape", (torch.randn(0, 3), torch.tensor([3, 0], dtype=i64)), {"allowzero": 1}
+    yield "Slice", (torch.randn(5, 6), torch.tensor([1, -1]), torch.tensor([4, -6]), torch.tensor([0, 1]),
+                    torch.tensor([2, -2])), {}
+    yield "Expand", (torch.randn(3, 1), torch.tensor([2, 1, 4])), {}
+    yield "Tile", (torch.randn(2, 3), torch.tensor([2, 1])), {}
+    yield "Squeeze", (torch.randn(1, 3, 1), torch.tensor([0, -1])), {}
+    yield "Unsqueeze", (torch.randn(3, 4), torch.tensor([0, -1])), {}
+    yield "Split", (torch.randn(6, 2), torch.tensor([2, 4])), {"_nout": 2}
+    yield "Pad", (torch.randn(2, 3), torch.tensor([1, 0, 0, 2]), torch.tensor(1.5)), {}
+    yield "Pad", (torch.randn(2, 3, 4), torch.tensor([1, 2]), None, torch.tensor([-1])), {"mode": "edge"}
+    yield "ReduceSum", (torch.randn(2, 3, 4), torch.tensor([0, 2])), {"keepdims": 0}
+    yield "ReduceMean", (torch.randn(2, 3, 4), torch.tensor([1])), {}
+    yield "ReduceMax", (torch.randn(2, 3, 4), torch.tensor([-1])), {}
+    yield "TopK", (torch.randn(3, 5), torch.tensor([2])), {}
+    yield "CumSum", (torch.randn(3, 5), torch.tensor(1)), {}
+    yield "Trilu", (torch.randn(4, 4), torch.tensor(-1)), {"upper": 0}
+    yield "ConstantOfShape", (torch.tensor([2, 3]),), {"value": torch.tensor([1.5])}
+    yield "Range", (torch.tensor(1), torch.tensor(9), torch.tensor(3)), {}
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("op,args,attrs", list(_shape_cases()), ids=lambda v: v if isinstance(v, str) else "")
+def test_shape_operands_may_stay_on_cpu(device, op, args, attrs) -> None:
+    row = registry.get(op)
+    extra = {"_device": torch.device(device)} if row.needs_device else {}
+    cpu_extra = {"_device": torch.device("cpu")} if row.needs_device else {}
+    want = row.kernel(*args, **attrs, **cpu_extra)
+    # The data operand moves to `device`; every int64 shape-like operand stays on the CPU.
+    moved = [a.to(device) if i == 0 and a is not None and a.is_floating_point() else a for i, a in enumerate(args)]
+    got = row.kernel(*moved, **attrs, **extra)
+    wants = want if isinstance(want, tuple) else (want,)
+    gots = got if isinstance(got, tuple) else (got,)
+    for w, g in zip(wants, gots):
+        assert g.device.type == device
+        assert g.shape == w.shape and g.dtype == w.dtype
+        if device != "meta":
+            torch.testing.assert_close(g.cpu(), w)
+
+
+def test_shape_and_size_produce_cpu_int64() -> None:
+    x = torch.randn(2, 3, 4, device="meta")
+    s = kernel("Shape")(x, start=1)
+    assert s.device.type == "cpu" and s.dtype == torch.int64 and s.tolist() == [3, 4]
+    n = kernel("Size")(x)
+    assert n.device.type == "cpu" and n.dim() == 0 and int(n) == 24
+
+
+def test_gather_scalar_index_on_cpu_with_data_elsewhere() -> None:
+    x = torch.randn(4, 5, device="meta")
+    assert kernel("Gather")(x, torch.tensor(-1), axis=1).shape == (4,)
+    shape = torch.tensor([2, 3, 4])
+    assert kernel("Gather")(shape, torch.tensor([0, 2])).tolist() == [2, 4]

@@ -1,0 +1,167 @@
+"""Executor: places, feeds and fetches, scope, liveness and the memory accounting."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import metaopt
+from metaopt.ir import Op, Program, Var
+
+
+def chain(n_ops: int = 4, width: int = 256) -> Program:
+    """x -> Relu -> Relu ... -> ReduceSum: each intermediate is width*width float32."""
+    p = Program("chain")
+    p.add_var(Var("x", "float32", ("batch", width), kind="input"))
+    p.add_var(Var("w", "float32", (width, width), kind="param", trainable=True), torch.eye(width))
+    prev = "x"
+    for i in range(n_ops):
+        out = f"h{i}"
+        p.add_var(Var(out, "float32", ("batch", width)))
+        if i == 0:
+            p.ops.append(Op("MatMul", [prev, "w"], [out]))
+        else:
+            p.ops.append(Op("Relu", [prev], [out]))
+        prev = out
+    p.add_var(Var("loss", "float32", ()))
+    p.ops.append(Op("ReduceSum", [prev], ["loss"], {"keepdims": 0}, role="loss"))
+    p.inputs, p.outputs, p.loss_name = ["x"], ["loss"], "loss"
+    metaopt.verify(p)
+    return p
+
+
+def test_places():
+    assert metaopt.Executor("cpu").device == torch.device("cpu")
+    assert metaopt.Executor(metaopt.CPUPlace()).device == torch.device("cpu")
+    if not torch.cuda.is_available():
+        for place in ("cuda", "cuda:1", metaopt.CUDAPlace(0)):
+            with pytest.raises(RuntimeError, match="CUDA is not available"):
+                metaopt.Executor(place)
+    with pytest.raises(ValueError, match="unknown place 'gpu0'"):
+        metaopt.Executor("gpu0")
+
+
+def test_fetch_by_name_or_var_and_numpy_or_tensor():
+    p = chain()
+    exe = metaopt.Executor()
+    x = np.ones((2, 256), np.float32)
+    (a,) = exe.run(p, feed={"x": x}, fetch_list=["loss"])
+    b, h = exe.run(p, feed={"x": x}, fetch_list=[p.loss, "h1"], return_numpy=False)
+    assert isinstance(a, np.ndarray) and isinstance(b, torch.Tensor)
+    assert float(a) == float(b) == 512.0
+    assert h.shape == (2, 256)
+
+
+def test_scope_persists_and_is_the_live_tensor():
+    p = chain()
+    exe = metaopt.Executor()
+    exe.run(p, feed={"x": np.ones((2, 256), np.float32)}, fetch_list=["loss"])
+    exe.scope["w"].mul_(2.0)  # a user (or an optimizer) changing the scope changes the next run
+    (loss,) = exe.run(p, feed={"x": np.ones((2, 256), np.float32)}, fetch_list=["loss"])
+    assert float(loss) == 1024.0
+
+
+def test_intermediates_are_freed_after_last_use():
+    p = chain(n_ops=6)
+    exe = metaopt.Executor()
+    batch = 64
+    exe.run(p, feed={"x": np.ones((batch, 256), np.float32)}, fetch_list=["loss"])
+    stats = exe.memory_stats()
+    act = batch * 256 * 4
+    assert stats["persistable_bytes"] == 256 * 256 * 4
+    # With free-after-last-use only one op's input and output are alive at once
+    # (the feed dies after the MatMul); without it all seven values would be.
+    assert stats["peak_bytes"] - stats["persistable_bytes"] == 2 * act
+
+
+def test_views_share_their_storage_in_the_accounting():
+    p = Program("views")
+    p.add_var(Var("x", "float32", ("batch", 1024), kind="input"))
+    p.add_var(Var("shape", "int64", (2,), kind="constant"), torch.tensor([-1, 32]))
+    for name in ("a", "b", "c"):
+        p.add_var(Var(name, "float32", ("batch", 1024) if name != "b" else ("32*batch", 32)))
+    p.add_var(Var("loss", "float32", ()))
+    p.ops = [
+        Op("Relu", ["x"], ["a"]),
+        Op("Reshape", ["a", "shape"], ["b"]),  # a view of a
+        Op("Add", ["a", "a"], ["c"]),
+        Op("ReduceSum", ["b"], ["loss"], {"keepdims": 0}, role="loss"),
+    ]
+    p.ops[3].inputs = ["b"]
+    p.inputs, p.outputs, p.loss_name = ["x"], ["loss"], "loss"
+    exe = metaopt.Executor()
+    exe.run(p, feed={"x": np.ones((8, 1024), np.float32)}, fetch_list=["loss", "c"])
+    nbytes = 8 * 1024 * 4
+    # x dies after the Relu; then a (= b's storage), c and the 4-byte loss. Counting
+    # the view b as its own buffer would give 3 * nbytes at the Add.
+    assert exe.memory_stats()["peak_bytes"] - exe.memory_stats()["persistable_bytes"] == 2 * nbytes + 4
+
+
+def test_feed_errors_name_the_feed():
+    p = chain()
+    exe = metaopt.Executor()
+    with pytest.raises(KeyError, match=r"feed 'X' is not an input.*did you mean 'x'"):
+        exe.run(p, feed={"X": np.ones((2, 256), np.float32)})
+    with pytest.raises(KeyError, match="needs feed 'x'"):
+        exe.run(p, feed={}, fetch_list=["loss"])
+    with pytest.raises(TypeError, match="feed 'x' has dtype torch.float64"):
+        exe.run(p, feed={"x": np.ones((2, 256))}, fetch_list=["loss"])
+    with pytest.raises(ValueError, match=r"feed 'x' has shape \[2, 255\]"):
+        exe.run(p, feed={"x": np.ones((2, 255), np.float32)}, fetch_list=["loss"])
+    with pytest.raises(KeyError, match=r"fetch 'los' is not a var.*did you mean 'loss'"):
+        exe.run(p, feed={"x": np.ones((2, 256), np.float32)}, fetch_list=["los"])
+
+
+def test_inconsistent_symbolic_dim_across_feeds():
+    p = Program("two")
+    p.add_var(Var("a", "float32", ("batch", 2), kind="input"))
+    p.add_var(Var("b", "float32", ("batch", 2), kind="input"))
+    p.add_var(Var("c", "float32", ("batch", 2)))
+    p.ops = [Op("Add", ["a", "b"], ["c"])]
+    p.inputs, p.outputs = ["a", "b"], ["c"]
+    with pytest.raises(ValueError, match="feed 'b' has batch=3 but feed 'a' has batch=2"):
+        metaopt.Executor().run(p, feed={"a": np.ones((2, 2), np.float32), "b": np.ones((3, 2), np.float32)},
+                               fetch_list=["c"])
+
+
+def test_missing_kernel_names_the_op_line():
+    p = chain()
+    p.ops[1].type = "NoSuchOp"
+    with pytest.raises(NotImplementedError, match=r"NoSuchOp.*h1 = NoSuchOp\(h0\)"):
+        metaopt.Executor().run(p, feed={"x": np.ones((2, 256), np.float32)}, fetch_list=["loss"])
+
+
+def test_plan_is_cached_per_program_version():
+    p = chain()
+    exe = metaopt.Executor()
+    feed = {"x": np.ones((2, 256), np.float32)}
+    exe.run(p, feed=feed, fetch_list=["loss"])
+    exe.run(p, feed=feed, fetch_list=["loss"])
+    assert len(exe._plans) == 1
+    q = p.clone()
+    q.ops[1].type = "Sigmoid"
+    p.replace_with(q)
+    (loss,) = exe.run(p, feed=feed, fetch_list=["loss"])
+    assert len(exe._plans) == 2
+    assert float(loss) != 512.0
+
+
+def test_seed_fixes_dropout_masks():
+    p = Program("drop")
+    p.add_var(Var("x", "float32", ("batch", 64), kind="input"))
+    p.add_var(Var("ratio", "float32", (), kind="constant"), torch.tensor(0.5))
+    p.add_var(Var("train", "bool", (), kind="constant"), torch.tensor(True))
+    p.add_var(Var("y", "float32", ("batch", 64)))
+    p.ops = [Op("Dropout", ["x", "ratio", "train"], ["y"])]
+    p.inputs, p.outputs = ["x"], ["y"]
+    exe = metaopt.Executor()
+    feed = {"x": np.ones((4, 64), np.float32)}
+    metaopt.seed(3)
+    (a,) = exe.run(p, feed=feed, fetch_list=["y"])
+    metaopt.seed(3)
+    (b,) = exe.run(p, feed=feed, fetch_list=["y"])
+    (c,) = exe.run(p, feed=feed, fetch_list=["y"])
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+    assert set(np.unique(a)) == {0.0, 2.0}
