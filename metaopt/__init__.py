@@ -18,5 +18,14 @@ def seed(n: int) -> None:
 
 
 __all__ = [
-    "CPUPlace", "CUDAPlace", "Executor", "Op", "Program", "Var", "export", "load", "seed", "verify",
+    "CPUPlace",
+    "CUDAPlace",
+    "Executor",
+    "Op",
+    "Program",
+    "Var",
+    "export",
+    "load",
+    "seed",
+    "verify",
 ]

@@ -18,7 +18,9 @@ GOLDEN = Path(__file__).resolve().parent / "golden"
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
-        "--update-golden", action="store_true", default=False,
+        "--update-golden",
+        action="store_true",
+        default=False,
         help="rewrite tests/golden/ files from the current output (say why in the commit)",
     )
 
@@ -38,8 +40,11 @@ def golden(request: pytest.FixtureRequest):
             pytest.fail(f"no golden file {path.relative_to(ROOT)}; run pytest --update-golden to create it")
         want = path.read_text()
         if text != want:
-            diff = "".join(difflib.unified_diff(
-                want.splitlines(True), text.splitlines(True), f"golden/{case}.txt", "actual", n=2))
+            diff = "".join(
+                difflib.unified_diff(
+                    want.splitlines(True), text.splitlines(True), f"golden/{case}.txt", "actual", n=2
+                )
+            )
             pytest.fail(f"program differs from golden/{case}.txt:\n{diff[:20000]}")
 
     return check

@@ -35,7 +35,11 @@ def torch_dtype(onnx_type: int, *, what: str = "value") -> torch.dtype:
     try:
         return ONNX_TO_TORCH[onnx_type]
     except KeyError:
-        name = onnx.TensorProto.DataType.Name(onnx_type) if onnx_type in onnx.TensorProto.DataType.values() else onnx_type
+        name = (
+            onnx.TensorProto.DataType.Name(onnx_type)
+            if onnx_type in onnx.TensorProto.DataType.values()
+            else onnx_type
+        )
         raise NotImplementedError(f"{what}: ONNX element type {name} is not supported") from None
 
 

@@ -47,12 +47,17 @@ def _order_vars(p: Program) -> None:
     first_use = {o: i for i, op in reversed(list(enumerate(p.ops))) for o in op.outputs}
     order = sorted(
         p.vars.values(),
-        key=lambda v: (_KIND_ORDER.get(v.kind, 5), first_use.get(v.name, -1) if v.kind == "activation" else 0),
+        key=lambda v: (
+            _KIND_ORDER.get(v.kind, 5),
+            first_use.get(v.name, -1) if v.kind == "activation" else 0,
+        ),
     )
     p.vars = {v.name: v for v in order}
 
 
-def load(source: str | os.PathLike | bytes | onnx.ModelProto, *, training: bool = False, name: str | None = None) -> Program:
+def load(
+    source: str | os.PathLike | bytes | onnx.ModelProto, *, training: bool = False, name: str | None = None
+) -> Program:
     """Import any ONNX model (file path, bytes or ModelProto), validated as untrusted input.
 
     Floating initializers become trainable params unless the file's torch export

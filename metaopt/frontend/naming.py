@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from metaopt.ir import Program, names
 
+
 def module_outputs(p: Program, chains: dict[str, list[str]]) -> dict[str, list[str]]:
     """module path -> vars produced inside it and read outside it (or program outputs)."""
     mods_of = {id(op): chains.get(op.outputs[0], [""])[:-1] if op.outputs else [] for op in p.ops}

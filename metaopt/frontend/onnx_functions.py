@@ -63,8 +63,13 @@ def batch_norm_training() -> onnx.FunctionProto:
         n("Add", ["old_var", "new_var_part"], ["running_var"]),
     ]
     return helper.make_function(
-        DOMAIN, "BatchNormTraining", ["X", "scale", "B", "mean", "var"], ["Y", "running_mean", "running_var"],
-        nodes, [helper.make_opsetid("", 20)], attributes=["epsilon", "momentum"],
+        DOMAIN,
+        "BatchNormTraining",
+        ["X", "scale", "B", "mean", "var"],
+        ["Y", "running_mean", "running_var"],
+        nodes,
+        [helper.make_opsetid("", 20)],
+        attributes=["epsilon", "momentum"],
     )
 
 

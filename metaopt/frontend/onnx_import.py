@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import onnx
 
-from metaopt.frontend.sequences import split_sequences
 from metaopt.frontend.attrs import attr_value, tensor_value, torch_dtype
+from metaopt.frontend.sequences import split_sequences
 from metaopt.ir import Op, Program, Var, dtype_name
 from metaopt.ops import registry
 
@@ -84,7 +84,10 @@ def _value_types(graph: onnx.GraphProto, dims: dict[str, str]) -> dict[str, tupl
     for vi in [*graph.input, *graph.value_info, *graph.output]:
         tt = vi.type.tensor_type
         if vi.type.HasField("tensor_type") and tt.elem_type:
-            out[vi.name] = (dtype_name(torch_dtype(tt.elem_type, what=f"value {vi.name!r}")), _shape_of(vi.type, dims))
+            out[vi.name] = (
+                dtype_name(torch_dtype(tt.elem_type, what=f"value {vi.name!r}")),
+                _shape_of(vi.type, dims),
+            )
     return out
 
 
@@ -117,7 +120,9 @@ def check_supported(graph: onnx.GraphProto) -> None:
         row = registry.get(node.op_type)
         if row is None or (node.domain not in ("", "ai.onnx") and node.domain != row.domain):
             dom = f"{node.domain}::" if node.domain else ""
-            raise ImportError_(f"{_describe(node)}: unknown op type {dom}{node.op_type} (no kernel in the op table)")
+            raise ImportError_(
+                f"{_describe(node)}: unknown op type {dom}{node.op_type} (no kernel in the op table)"
+            )
 
 
 def to_program(
@@ -151,7 +156,9 @@ def to_program(
         if vname in p.vars:  # two initializers for one tied parameter
             continue
         trainable = kind == "param" and t.name not in opts.frozen and value.is_floating_point()
-        p.add_var(Var(vname, dtype_name(value.dtype), tuple(value.shape), kind=kind, trainable=trainable), value)
+        p.add_var(
+            Var(vname, dtype_name(value.dtype), tuple(value.shape), kind=kind, trainable=trainable), value
+        )
 
     for vi in g.input:
         if vi.name in init_names:
@@ -166,7 +173,9 @@ def to_program(
         scope, chain = node_scope(node)
         if node.op_type == "Constant":
             value = _constant_value(node)
-            p.add_var(Var(node.output[0], dtype_name(value.dtype), tuple(value.shape), kind="constant"), value)
+            p.add_var(
+                Var(node.output[0], dtype_name(value.dtype), tuple(value.shape), kind="constant"), value
+            )
             continue
         attrs = {a.name: attr_value(a) for a in node.attribute}
         for o in node.output:
@@ -181,7 +190,11 @@ def to_program(
         p.ops.append(op)
 
     p.outputs = [o.name for o in g.output]
-    if len(p.outputs) == 1 and p.vars[p.outputs[0]].shape == () and p.vars[p.outputs[0]].dtype.startswith("float"):
+    if (
+        len(p.outputs) == 1
+        and p.vars[p.outputs[0]].shape == ()
+        and p.vars[p.outputs[0]].dtype.startswith("float")
+    ):
         p.loss_name = p.outputs[0]
     return p, chains
 
@@ -197,8 +210,12 @@ def _constant_value(node: onnx.NodeProto):
         if not isinstance(v, torch.Tensor):
             raise ImportError_(f"{_describe(node)}: sparse constants are not supported")
         return v
-    dtype = {"value_float": torch.float32, "value_floats": torch.float32,
-             "value_int": torch.int64, "value_ints": torch.int64}.get(a.name)
+    dtype = {
+        "value_float": torch.float32,
+        "value_floats": torch.float32,
+        "value_int": torch.int64,
+        "value_ints": torch.int64,
+    }.get(a.name)
     if dtype is None:
         raise ImportError_(f"{_describe(node)}: Constant attribute {a.name!r} is not supported")
     return torch.tensor(v, dtype=dtype)

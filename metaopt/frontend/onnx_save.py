@@ -80,12 +80,16 @@ def to_model_proto(p: Program, values: Mapping[str, torch.Tensor] | None = None)
         nodes.append(node)
     outputs = list(dict.fromkeys([*p.outputs, *p.updates.values()]))
     graph = helper.make_graph(
-        nodes, p.name,
+        nodes,
+        p.name,
         [_value_info(p, x) for x in p.inputs],
         [_value_info(p, x) for x in outputs],
         initializer=inits,
-        value_info=[_value_info(p, n) for n, v in p.vars.items()
-                    if not v.persistable and n not in p.inputs and n not in outputs],
+        value_info=[
+            _value_info(p, n)
+            for n, v in p.vars.items()
+            if not v.persistable and n not in p.inputs and n not in outputs
+        ],
     )
     opsets = [helper.make_opsetid("", OPSET)]
     functions = []
@@ -93,7 +97,9 @@ def to_model_proto(p: Program, values: Mapping[str, torch.Tensor] | None = None)
         opsets.append(helper.make_opsetid(DOMAIN, 1))
         from metaopt.frontend import onnx_functions
 
-        functions = onnx_functions.for_ops({op.type for op in p.ops if registry.get(op.type).domain == DOMAIN})
+        functions = onnx_functions.for_ops(
+            {op.type for op in p.ops if registry.get(op.type).domain == DOMAIN}
+        )
     model = helper.make_model(graph, opset_imports=opsets, functions=functions, producer_name="metaopt")
     model.ir_version = IR_VERSION
     for target, new in p.updates.items():

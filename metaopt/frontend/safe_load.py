@@ -151,9 +151,7 @@ def _materialize(
             # the trust boundary: everything the model references must live under it.
             folder = os.path.dirname(os.path.abspath(path))
         return model, path, folder
-    raise TypeError(
-        f"load_model_proto expects a path, bytes or onnx.ModelProto, got {type(source).__name__}"
-    )
+    raise TypeError(f"load_model_proto expects a path, bytes or onnx.ModelProto, got {type(source).__name__}")
 
 
 def _read_model_file(path: str) -> bytes:
@@ -313,8 +311,7 @@ def _external_fields(ref: _TensorRef, label: str) -> tuple[str, int, int | None]
 
 def _ref_error(label: str, ref: _TensorRef, location: str, problem: str) -> ModelLoadError:
     return ModelLoadError(
-        f"{label}: external data of tensor {ref.name!r} ({ref.where}) at location "
-        f"{location!r}: {problem}"
+        f"{label}: external data of tensor {ref.name!r} ({ref.where}) at location {location!r}: {problem}"
     )
 
 
@@ -382,7 +379,9 @@ def _check_bounds(
         raise _ref_error(label, ref, location, problem)
     if length is not None and offset + length > file_size:
         raise _ref_error(
-            label, ref, location,
+            label,
+            ref,
+            location,
             f"offset {offset} + length {length} = {offset + length} is past the end of the file "
             f"({file_size} bytes)",
         )

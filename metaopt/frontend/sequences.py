@@ -58,8 +58,10 @@ def split_sequences(model: onnx.ModelProto) -> onnx.ModelProto:
         seq = node.output[0]
         uses = readers.get(seq, [])
         if not uses or any(u.op_type != "SequenceAt" or u.input[1] not in consts for u in uses):
-            raise SequenceError(f"SplitToSequence {node.name!r} (output {seq!r}) is read by something other "
-                                "than SequenceAt at a constant position; sequences are not supported")
+            raise SequenceError(
+                f"SplitToSequence {node.name!r} (output {seq!r}) is read by something other "
+                "than SequenceAt at a constant position; sequences are not supported"
+            )
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         axis = attrs.get("axis", 0)
         sizes = consts.get(node.input[1]) if len(node.input) > 1 and node.input[1] else None

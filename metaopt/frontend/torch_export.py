@@ -54,12 +54,21 @@ def export(
         hint = " (a batch-dependent shape? try dynamic_batch=False)" if dynamic_batch else ""
         raise ExportError(f"torch.onnx.export failed for {type(module).__name__}{hint}: {e}") from e
     opts = _options(module)
-    bn = {n: m.momentum for n, m in module.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)}
+    bn = {
+        n: m.momentum
+        for n, m in module.named_modules()
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+    }
     for path, m in bn.items():
         if m is None and module.training:
-            raise NotImplementedError(f"BatchNorm {path!r} with momentum=None (cumulative average) in train mode")
+            raise NotImplementedError(
+                f"BatchNorm {path!r} with momentum=None (cumulative average) in train mode"
+            )
     program = import_model(
-        onnx_program.model_proto, options=opts, training=module.training, bn_momentum=bn,
+        onnx_program.model_proto,
+        options=opts,
+        training=module.training,
+        bn_momentum=bn,
         name=name or type(module).__name__.lower(),
     )
     _add_unused_params(program, module)
@@ -95,8 +104,14 @@ def _run_exporter(module: torch.nn.Module, args: tuple, kwargs: dict, dynamic_sh
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
             return torch.onnx.export(
-                module, args, kwargs=kwargs or None, dynamo=True, optimize=False,
-                dynamic_shapes=dynamic_shapes, verbose=False, report=False,
+                module,
+                args,
+                kwargs=kwargs or None,
+                dynamo=True,
+                optimize=False,
+                dynamic_shapes=dynamic_shapes,
+                verbose=False,
+                report=False,
             )
     finally:
         quiet.setLevel(level)

@@ -7,6 +7,17 @@ from metaopt.ir.program import Op, Program, Var, did_you_mean, dtype_name, eval_
 from metaopt.ir.verify import VerifyError, verify
 
 __all__ = [
-    "Op", "ParseError", "Program", "Var", "VerifyError", "did_you_mean", "dtype_name", "eval_dim", "names",
-    "parse_program", "print_program", "torch_dtype", "verify",
+    "Op",
+    "ParseError",
+    "Program",
+    "Var",
+    "VerifyError",
+    "did_you_mean",
+    "dtype_name",
+    "eval_dim",
+    "names",
+    "parse_program",
+    "print_program",
+    "torch_dtype",
+    "verify",
 ]

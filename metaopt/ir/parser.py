@@ -20,7 +20,7 @@ class ParseError(ValueError):
 _TOKEN_RE = re.compile(
     r"""\s*(?:
         (?P<str>"(?:[^"\\]|\\.)*")
-      | (?P<num>[-+]?(?:\d+\.\d*(?:[eE][-+]?\d+)?|\d+[eE][-+]?\d+|\.\d+(?:[eE][-+]?\d+)?|\d+|inf)(?![A-Za-z0-9_.@/*+\-]))
+      | (?P<num>[-+]?(?:\d+\.\d*(?:[eE][-+]?\d+)?|\d+[eE][-+]?\d+|\.\d+(?:[eE][-+]?\d+)?|\d+|inf)(?![A-Za-z0-9_.@/*+\-]))  # noqa: E501
       | (?P<name>[A-Za-z0-9_.@/*+\-]+|~)
       | (?P<punct><-|[()\[\],=:?])
     )""",
@@ -36,7 +36,7 @@ class _Tokens:
         while pos < len(text):
             m = _TOKEN_RE.match(text, pos)
             if not m or m.end() == pos:
-                raise ValueError(f"unexpected character at column {pos + 1}: {text[pos:pos + 10]!r}")
+                raise ValueError(f"unexpected character at column {pos + 1}: {text[pos : pos + 10]!r}")
             kind = m.lastgroup
             assert kind is not None
             self.toks.append((kind, m.group(kind)))
@@ -173,7 +173,7 @@ def _split_comment(text: str) -> tuple[str, str]:
         elif ch == '"':
             quoted = True
         elif text.startswith("  # ", i):
-            return text[:i], text[i + 4:]
+            return text[:i], text[i + 4 :]
     return text, ""
 
 
@@ -208,7 +208,10 @@ def _parse_op(text: str) -> Op:
         raise ValueError(f"unexpected {t.peek()[1]!r} after the call")  # type: ignore[index]
     fields = _fields(comment)
     return Op(
-        op_type, inputs, outputs, attrs,
+        op_type,
+        inputs,
+        outputs,
+        attrs,
         role=fields.get("role", "forward"),
         stage=int(fields["stage"]) if "stage" in fields else None,
         scope=fields.get("scope", ""),
@@ -254,7 +257,7 @@ def parse_program(text: str) -> Program:
             if not line.startswith("  "):
                 head, _, rest = line.partition(":")
                 if line.startswith("program "):
-                    p.name = _name(_Tokens(line[len("program "):]).next())
+                    p.name = _name(_Tokens(line[len("program ") :]).next())
                 elif head in ("inputs", "outputs"):
                     setattr(p, head, _names(rest))
                 elif head == "loss":

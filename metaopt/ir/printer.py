@@ -50,8 +50,11 @@ def fmt_name(name: str) -> str:
 def fmt_shape(shape: tuple | None) -> str:
     if shape is None:
         return "[?]"
-    return "[" + ",".join(str(d) if isinstance(d, int) or _NAME_RE.fullmatch(d) else json.dumps(d)
-                          for d in shape) + "]"
+    return (
+        "["
+        + ",".join(str(d) if isinstance(d, int) or _NAME_RE.fullmatch(d) else json.dumps(d) for d in shape)
+        + "]"
+    )
 
 
 def fmt_value(v: Any) -> str:

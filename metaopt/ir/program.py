@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import ast
 import copy
-import operator
 import difflib
+import operator
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,16 +24,33 @@ Shape = tuple[Dim, ...]
 VAR_KINDS = ("input", "param", "buffer", "activation", "grad", "opt_state", "constant")
 PERSISTABLE_KINDS = frozenset({"param", "buffer", "opt_state", "constant"})
 ROLES = (
-    "forward", "loss", "backward", "optimize", "lr-sched",
-    "recompute", "offload", "prefetch", "comm",
+    "forward",
+    "loss",
+    "backward",
+    "optimize",
+    "lr-sched",
+    "recompute",
+    "offload",
+    "prefetch",
+    "comm",
 )
 
 _DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
-    "bfloat16": torch.bfloat16, "int8": torch.int8, "uint8": torch.uint8,
-    "int16": torch.int16, "uint16": torch.uint16, "int32": torch.int32, "uint32": torch.uint32,
-    "int64": torch.int64, "uint64": torch.uint64, "bool": torch.bool,
-    "complex64": torch.complex64, "complex128": torch.complex128,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int16": torch.int16,
+    "uint16": torch.uint16,
+    "int32": torch.int32,
+    "uint32": torch.uint32,
+    "int64": torch.int64,
+    "uint64": torch.uint64,
+    "bool": torch.bool,
+    "complex64": torch.complex64,
+    "complex128": torch.complex128,
 }
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
@@ -60,8 +77,12 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
 
 
 _DIM_OPS = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-    ast.FloorDiv: operator.floordiv, ast.Div: operator.floordiv, ast.Mod: operator.mod,
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.FloorDiv: operator.floordiv,
+    ast.Div: operator.floordiv,
+    ast.Mod: operator.mod,
 }
 
 
@@ -102,7 +123,9 @@ class Var:
 
     def __post_init__(self) -> None:
         if self.kind not in VAR_KINDS:
-            raise ValueError(f"var {self.name!r}: unknown kind {self.kind!r}{did_you_mean(self.kind, VAR_KINDS)}")
+            raise ValueError(
+                f"var {self.name!r}: unknown kind {self.kind!r}{did_you_mean(self.kind, VAR_KINDS)}"
+            )
         torch_dtype(self.dtype)
 
     @property
@@ -164,7 +187,9 @@ class Program:
         try:
             return self.vars[name]
         except KeyError:
-            raise KeyError(f"program {self.name!r} has no var {name!r}{did_you_mean(name, self.vars)}") from None
+            raise KeyError(
+                f"program {self.name!r} has no var {name!r}{did_you_mean(name, self.vars)}"
+            ) from None
 
     @property
     def loss(self) -> Var:

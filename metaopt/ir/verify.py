@@ -53,9 +53,16 @@ def verify(p: Program) -> None:
             if o not in p.vars:
                 raise _fail(p, i, op, f"output {o!r} is not a declared var")
             if o in producer:
-                raise _fail(p, i, op, f"output {o!r} is already produced by op {producer[o]} (SSA: one producer)")
+                raise _fail(
+                    p, i, op, f"output {o!r} is already produced by op {producer[o]} (SSA: one producer)"
+                )
             if p.vars[o].persistable:
-                raise _fail(p, i, op, f"output {o!r} is persistable ({p.vars[o].kind}); write it through program.updates")
+                raise _fail(
+                    p,
+                    i,
+                    op,
+                    f"output {o!r} is persistable ({p.vars[o].kind}); write it through program.updates",
+                )
             if o in p.inputs:
                 raise _fail(p, i, op, f"output {o!r} is a program input")
             producer[o] = i
@@ -76,7 +83,9 @@ def verify(p: Program) -> None:
         if loss is None or p.loss_name not in defined:
             raise VerifyError(f"{p.name}: loss {p.loss_name!r} is not produced by the program")
         if loss.shape not in (None, ()):
-            raise VerifyError(f"{p.name}: loss {p.loss_name!r} must be a scalar, has shape {list(loss.shape)}")
+            raise VerifyError(
+                f"{p.name}: loss {p.loss_name!r} must be a scalar, has shape {list(loss.shape)}"
+            )
 
 
 def _check_offloads(p: Program) -> None:

@@ -70,7 +70,8 @@ class Executor:
         unknown = [k for k in feed if k not in p.vars or p.vars[k].kind != "input"]
         if unknown:
             k = unknown[0]
-            raise KeyError(f"feed {k!r} is not an input of program {p.name!r} (inputs: {p.inputs}){did_you_mean(k, p.inputs)}")
+            hint = did_you_mean(k, p.inputs)
+            raise KeyError(f"feed {k!r} is not an input of program {p.name!r} (inputs: {p.inputs}){hint}")
         out: dict[str, torch.Tensor] = {}
         bound: dict[str, tuple[int, str]] = {}
         for name in needed:
@@ -120,9 +121,7 @@ def _check_shape(name: str, got: tuple, want: tuple | None, bound: dict[str, tup
     for g, w in zip(got, want, strict=True):
         if isinstance(w, str):
             if w in bound and bound[w][0] != g:
-                raise ValueError(
-                    f"feed {name!r} has {w}={g} but feed {bound[w][1]!r} has {w}={bound[w][0]}"
-                )
+                raise ValueError(f"feed {name!r} has {w}={g} but feed {bound[w][1]!r} has {w}={bound[w][0]}")
             bound.setdefault(w, (g, name))
         elif g != w:
             raise ValueError(f"feed {name!r} has shape {list(got)}, the program expects {list(want)}")

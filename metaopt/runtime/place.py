@@ -32,7 +32,9 @@ def resolve(place: Place) -> torch.device:
         try:
             dev = torch.device(place)
         except (RuntimeError, TypeError) as e:
-            raise ValueError(f"unknown place {place!r}: use 'cpu', 'cuda', 'cuda:N', CPUPlace() or CUDAPlace(n)") from e
+            raise ValueError(
+                f"unknown place {place!r}: use 'cpu', 'cuda', 'cuda:N', CPUPlace() or CUDAPlace(n)"
+            ) from e
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"place {place!r}: only cpu and cuda are supported")
     if dev.type == "cuda":

@@ -92,8 +92,9 @@ def test_dropout_stays_random_and_seeded():
     drops = [op for op in program.ops if op.type == "Dropout"]
     # embeddings + per layer (attention probs inside SDPA, attention output, FFN output)
     assert len(drops) == 1 + 3 * 2
-    assert all(program.vars[op.inputs[2]].kind == "constant" and bool(program.values[op.inputs[2]])
-               for op in drops)
+    assert all(
+        program.vars[op.inputs[2]].kind == "constant" and bool(program.values[op.inputs[2]]) for op in drops
+    )
     feed = _feed("bert", programs.get("bert").example_inputs("tiny", 3, seed=2))
     exe = metaopt.Executor("cpu")
     runs = []

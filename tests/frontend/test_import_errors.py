@@ -48,20 +48,29 @@ def test_control_flow_from_torch_is_refused_naming_op_and_module():
 
 def test_loop_in_onnx_file_is_refused():
     body = helper.make_graph(
-        [helper.make_node("Identity", ["c"], ["c_out"]), helper.make_node("Identity", ["v"], ["v_out"])], "body",
+        [helper.make_node("Identity", ["c"], ["c_out"]), helper.make_node("Identity", ["v"], ["v_out"])],
+        "body",
         [_vi("i", [], TensorProto.INT64), _vi("c", [], TensorProto.BOOL), _vi("v", [2])],
         [_vi("c_out", [], TensorProto.BOOL), _vi("v_out", [2])],
     )
     loop = helper.make_node("Loop", ["n", "cond", "v0"], ["v_final"], name="the_loop", body=body)
-    m = _model([loop], [_vi("n", [], TensorProto.INT64), _vi("cond", [], TensorProto.BOOL), _vi("v0", [2])],
-               [_vi("v_final", [2])])
+    m = _model(
+        [loop],
+        [_vi("n", [], TensorProto.INT64), _vi("cond", [], TensorProto.BOOL), _vi("v0", [2])],
+        [_vi("v_final", [2])],
+    )
     with pytest.raises(ImportError_, match=r"op Loop \(node the_loop.*control flow"):
         metaopt.load(m)
 
 
 def test_load_round_trip_and_garbage(tmp_path):
     w = onnx.numpy_helper.from_array(np.ones((3, 2), np.float32), "w")
-    m = _model([helper.make_node("MatMul", ["x", "w"], ["y"])], [_vi("x", ["batch", 3])], [_vi("y", ["batch", 2])], [w])
+    m = _model(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        [_vi("x", ["batch", 3])],
+        [_vi("y", ["batch", 2])],
+        [w],
+    )
     path = tmp_path / "m.onnx"
     onnx.save(m, path)
     p = metaopt.load(path)

@@ -113,8 +113,12 @@ def test_valid_file_loads(tmp_path: Path) -> None:
 def test_valid_external_data_loads_and_weights_equal(tmp_path: Path) -> None:
     path = tmp_path / "m.onnx"
     onnx.save_model(
-        _tiny_model(), path, save_as_external_data=True, all_tensors_to_one_file=True,
-        location="w.bin", size_threshold=0,
+        _tiny_model(),
+        path,
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location="w.bin",
+        size_threshold=0,
     )
     assert (tmp_path / "w.bin").exists()
     model = load_model_proto(path)
@@ -139,8 +143,9 @@ def test_bytes_source_loads() -> None:
 
 
 def test_modelproto_source_is_copied_not_mutated(tmp_path: Path) -> None:
-    onnx.save_model(_tiny_model(), tmp_path / "m.onnx", save_as_external_data=True,
-                    location="w.bin", size_threshold=0)
+    onnx.save_model(
+        _tiny_model(), tmp_path / "m.onnx", save_as_external_data=True, location="w.bin", size_threshold=0
+    )
     source = onnx.load_model(tmp_path / "m.onnx", load_external_data=False)
     before = source.SerializeToString()
     model = load_model_proto(source, base_dir=tmp_path)
@@ -150,8 +155,9 @@ def test_modelproto_source_is_copied_not_mutated(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("as_bytes", [False, True])
 def test_in_memory_source_with_external_data_needs_base_dir(tmp_path: Path, as_bytes: bool) -> None:
-    onnx.save_model(_tiny_model(), tmp_path / "m.onnx", save_as_external_data=True,
-                    location="w.bin", size_threshold=0)
+    onnx.save_model(
+        _tiny_model(), tmp_path / "m.onnx", save_as_external_data=True, location="w.bin", size_threshold=0
+    )
     source = onnx.load_model(tmp_path / "m.onnx", load_external_data=False)
     with pytest.raises(ModelLoadError, match=r"'weight'.*'w\.bin'.*no base folder"):
         load_model_proto(source.SerializeToString() if as_bytes else source)
@@ -182,8 +188,14 @@ def test_torch_export_passes_checker(tmp_path: Path, torch_export, external: boo
 def test_torch_model_proto_saved_as_external_data(tmp_path: Path, torch_export) -> None:
     module, program = torch_export
     path = tmp_path / "torch.onnx"
-    onnx.save_model(program.model_proto, path, save_as_external_data=True, all_tensors_to_one_file=True,
-                    location="w.bin", size_threshold=0)
+    onnx.save_model(
+        program.model_proto,
+        path,
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location="w.bin",
+        size_threshold=0,
+    )
     weights = {t.name: numpy_helper.to_array(t) for t in load_model_proto(path).graph.initializer}
     np.testing.assert_array_equal(weights["0.weight"], module.state_dict()["0.weight"].numpy())
 
@@ -336,7 +348,9 @@ def _place_in_sparse_initializer(model: onnx.ModelProto) -> TensorProto:
 
 def _place_in_subgraph(model: onnx.ModelProto) -> TensorProto:
     branch = helper.make_graph(
-        [helper.make_node("Identity", ["hidden"], ["o"])], "branch", [],
+        [helper.make_node("Identity", ["hidden"], ["o"])],
+        "branch",
+        [],
         [helper.make_tensor_value_info("o", TensorProto.FLOAT, [2, 3])],
         [numpy_helper.from_array(WEIGHT, "hidden")],
     )
@@ -346,8 +360,9 @@ def _place_in_subgraph(model: onnx.ModelProto) -> TensorProto:
 
 
 def _place_in_function(model: onnx.ModelProto) -> TensorProto:
-    function = helper.make_function("custom", "F", [], ["c"], [_constant_node("hidden")],
-                                    [helper.make_opsetid("", 17)])
+    function = helper.make_function(
+        "custom", "F", [], ["c"], [_constant_node("hidden")], [helper.make_opsetid("", 17)]
+    )
     model.functions.append(function)
     return model.functions[0].node[0].attribute[0].t
 
@@ -361,8 +376,13 @@ def _place_in_training_info(model: onnx.ModelProto) -> TensorProto:
 
 @pytest.mark.parametrize(
     "place",
-    [_place_in_constant, _place_in_sparse_initializer, _place_in_subgraph, _place_in_function,
-     _place_in_training_info],
+    [
+        _place_in_constant,
+        _place_in_sparse_initializer,
+        _place_in_subgraph,
+        _place_in_function,
+        _place_in_training_info,
+    ],
 )
 def test_external_tensors_everywhere_are_validated(layout, opened, place) -> None:
     model = _tiny_model()

@@ -30,8 +30,10 @@ def test_derived_names_compose():
 
 
 def test_derived_names_are_distinct():
-    made = {f("x") for f in (names.grad, names.recompute, names.pinned, names.fetch,
-                             names.merged, names.new_state)}
+    made = {
+        f("x")
+        for f in (names.grad, names.recompute, names.pinned, names.fetch, names.merged, names.new_state)
+    }
     assert len(made) == 6
     assert "x" not in made
 

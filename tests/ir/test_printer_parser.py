@@ -118,7 +118,14 @@ def test_design_example_parses_and_prints_back():
     assert p.name == "mlp"
     op = p.ops[2]
     assert (op.type, op.inputs, op.outputs, op.attrs, op.role, op.origin, op.scope) == (
-        "Memcpy", ["a"], ["a@PINNED"], {"dst": "pinned"}, "offload", "a", "")
+        "Memcpy",
+        ["a"],
+        ["a@PINNED"],
+        {"dst": "pinned"},
+        "offload",
+        "a",
+        "",
+    )
     assert p.ops[0].scope == "fc1" and p.ops[0].origin is None
     assert p.vars["x"].shape == ("batch", 16) and p.vars["x"].kind == "input"
     assert p.vars["h"].kind == "activation"
@@ -130,6 +137,7 @@ def test_str_of_program_is_print_program():
 
 
 # --- fmt helpers ----------------------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     ("name", "want"),
@@ -152,10 +160,23 @@ def test_fmt_name(name, want):
 @pytest.mark.parametrize(
     ("value", "want"),
     [
-        (3, "3"), (-2, "-2"), (0.1, "0.1"), (1e-05, "1e-05"), (float("-inf"), "-inf"),
-        (float("inf"), "inf"), (float("nan"), "nan"), (True, "True"), (False, "False"),
-        (None, "None"), ("pinned", "pinned"), ("tensor", '"tensor"'), ("True", '"True"'),
-        ("a b", '"a b"'), ([1, 2], "[1, 2]"), ([], "[]"), ([[1], ["x"]], "[[1], [x]]"),
+        (3, "3"),
+        (-2, "-2"),
+        (0.1, "0.1"),
+        (1e-05, "1e-05"),
+        (float("-inf"), "-inf"),
+        (float("inf"), "inf"),
+        (float("nan"), "nan"),
+        (True, "True"),
+        (False, "False"),
+        (None, "None"),
+        ("pinned", "pinned"),
+        ("tensor", '"tensor"'),
+        ("True", '"True"'),
+        ("a b", '"a b"'),
+        ([1, 2], "[1, 2]"),
+        ([], "[]"),
+        ([[1], ["x"]], "[[1], [x]]"),
     ],
 )
 def test_fmt_value(value, want):
@@ -178,6 +199,7 @@ def test_fmt_op_layout():
 
 # --- round trips ------------------------------------------------------------------------
 
+
 def _base(name: str = "main") -> Program:
     p = Program(name)
     p.add_var(Var("x", "float32", ("batch", 4), "input"))
@@ -187,9 +209,38 @@ def _base(name: str = "main") -> Program:
 
 @pytest.mark.parametrize(
     "name",
-    ["a b", "a,b", 'say "hi"', "ünï©ødé", "日本", "~", "0", "3.weight", "1.5", "-3", ".5", "1e5",
-     "inf", "-inf", "nan", "True", "tensor", "frozen", "x:y", "a=b", "(p)", "[q]", "a\tb",
-     "back\\slash", "new\nline", "<-", "?", "#", "a # b", "layers.0.mlp.fc1.weight@GRAD"],
+    [
+        "a b",
+        "a,b",
+        'say "hi"',
+        "ünï©ødé",
+        "日本",
+        "~",
+        "0",
+        "3.weight",
+        "1.5",
+        "-3",
+        ".5",
+        "1e5",
+        "inf",
+        "-inf",
+        "nan",
+        "True",
+        "tensor",
+        "frozen",
+        "x:y",
+        "a=b",
+        "(p)",
+        "[q]",
+        "a\tb",
+        "back\\slash",
+        "new\nline",
+        "<-",
+        "?",
+        "#",
+        "a # b",
+        "layers.0.mlp.fc1.weight@GRAD",
+    ],
 )
 def test_round_trip_odd_names_everywhere(name):
     """The same odd name as program name, var, input, output, loss, op I/O, scope, origin, module."""
@@ -258,7 +309,12 @@ def test_round_trip_zero_output_and_zero_input_ops():
     ]
     q = round_trip(p)
     assert [(op.inputs, op.outputs) for op in q.ops] == [
-        (["x"], []), ([], ["r"]), ([], ["c"]), ([], []), (["r", "c"], [])]
+        (["x"], []),
+        ([], ["r"]),
+        ([], ["c"]),
+        ([], []),
+        (["r", "c"], []),
+    ]
     assert q.ops[4].attrs == {"msg": "a = b"}
 
 
@@ -272,15 +328,47 @@ def test_round_trip_multi_output_ops():
 
 
 ALL_ATTRS = {
-    "i": 3, "neg": -7, "zero": 0, "big": 2**62, "f": 1.5, "small": 1e-05, "tenth": 0.1,
-    "ninf": float("-inf"), "pinf": float("inf"), "nan": float("nan"), "negzero": -0.0,
-    "huge": 1e300, "tiny": 5e-324, "whole": 2.0, "t": True, "fl": False, "none": None,
-    "word": "pinned", "under": "_x1", "spaced": "hello world", "quoted": 'a "q" b',
-    "empty_s": "", "r_tensor": "tensor", "r_true": "True", "r_false": "False", "r_none": "None",
-    "r_inf": "inf", "r_nan": "nan", "numeric_s": "12", "float_s": "1.5", "tilde": "~",
-    "uni": "héllo ✓", "newline": "a\nb", "infx": "inf_x", "ints": [1, -2, 3], "floats": [0.5, -1e-05, 2.0],
-    "mixed": [1, 2.0, "a", None, True], "strs": ["a", "b c", "True", ""],
-    "nested": [[1, 2], [3, [4, 5]], []], "empty": [], "inf_list": [float("inf"), float("-inf")],
+    "i": 3,
+    "neg": -7,
+    "zero": 0,
+    "big": 2**62,
+    "f": 1.5,
+    "small": 1e-05,
+    "tenth": 0.1,
+    "ninf": float("-inf"),
+    "pinf": float("inf"),
+    "nan": float("nan"),
+    "negzero": -0.0,
+    "huge": 1e300,
+    "tiny": 5e-324,
+    "whole": 2.0,
+    "t": True,
+    "fl": False,
+    "none": None,
+    "word": "pinned",
+    "under": "_x1",
+    "spaced": "hello world",
+    "quoted": 'a "q" b',
+    "empty_s": "",
+    "r_tensor": "tensor",
+    "r_true": "True",
+    "r_false": "False",
+    "r_none": "None",
+    "r_inf": "inf",
+    "r_nan": "nan",
+    "numeric_s": "12",
+    "float_s": "1.5",
+    "tilde": "~",
+    "uni": "héllo ✓",
+    "newline": "a\nb",
+    "infx": "inf_x",
+    "ints": [1, -2, 3],
+    "floats": [0.5, -1e-05, 2.0],
+    "mixed": [1, 2.0, "a", None, True],
+    "strs": ["a", "b c", "True", ""],
+    "nested": [[1, 2], [3, [4, 5]], []],
+    "empty": [],
+    "inf_list": [float("inf"), float("-inf")],
     "f32": torch.tensor([[1.5, -2.25], [0.1, 3.0]], dtype=torch.float32),
     "f32_special": torch.tensor([float("inf"), float("-inf"), -0.0, 1e-40], dtype=torch.float32),
     "i64": torch.tensor([1, -2, 2**40], dtype=torch.int64),
@@ -494,6 +582,7 @@ def test_round_trip_digit_dash_names(name):
 
 # --- parse errors ------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     ("lines", "bad"),
     [
@@ -546,8 +635,9 @@ def _rand_name(rng: random.Random, taken: set[str]) -> str:
         if rng.random() < 0.2:
             n = rng.choice(_ODD_NAMES) + rng.choice(["", "", str(rng.randint(0, 9))])
         else:
-            n = rng.choice("abcdefghw") + "".join(rng.choice(_NAME_CHARS + "0123456789")
-                                                  for _ in range(rng.randint(0, 6)))
+            n = rng.choice("abcdefghw") + "".join(
+                rng.choice(_NAME_CHARS + "0123456789") for _ in range(rng.randint(0, 6))
+            )
         if n not in taken:
             taken.add(n)
             return n
@@ -563,11 +653,21 @@ def _rand_shape(rng: random.Random):
 
 
 def _rand_scalar(rng: random.Random):
-    return rng.choice([
-        rng.randint(-10**6, 10**6), rng.uniform(-1e3, 1e3), rng.random() * 10 ** rng.randint(-30, 30),
-        float("inf"), float("-inf"), float("nan"), -0.0, True, False, None,
-        rng.choice(["pinned", "device", "mean", "x_1", "tensor", "None", "a b", "", "é", "1"]),
-    ])
+    return rng.choice(
+        [
+            rng.randint(-(10**6), 10**6),
+            rng.uniform(-1e3, 1e3),
+            rng.random() * 10 ** rng.randint(-30, 30),
+            float("inf"),
+            float("-inf"),
+            float("nan"),
+            -0.0,
+            True,
+            False,
+            None,
+            rng.choice(["pinned", "device", "mean", "x_1", "tensor", "None", "a b", "", "é", "1"]),
+        ]
+    )
 
 
 def _rand_attr(rng: random.Random, depth: int = 0):
@@ -615,16 +715,18 @@ def _random_program(rng: random.Random) -> Program:
     pick = (lambda: rng.choice(var_names + [""])) if var_names else (lambda: "")
     for _ in range(rng.randint(0, 8)):
         attrs = {f"a{k}": _rand_attr(rng) for k in range(rng.randint(0, 4))}
-        p.ops.append(Op(
-            rng.choice(["Relu", "MatMul", "Memcpy", "Send", "Adam", "Split", "com.ms.Foo"]),
-            [pick() for _ in range(rng.randint(0, 4))],
-            [pick() for _ in range(rng.randint(0, 3))],
-            attrs,
-            role=rng.choice(ROLES),
-            stage=rng.choice([None, None, 0, 1, 7]),
-            scope=rng.choice(["", "", "fc1", "layers.0.attn", "0", "a b", "~"]),
-            origin=rng.choice([None, None, "", *var_names[:3]]),
-        ))
+        p.ops.append(
+            Op(
+                rng.choice(["Relu", "MatMul", "Memcpy", "Send", "Adam", "Split", "com.ms.Foo"]),
+                [pick() for _ in range(rng.randint(0, 4))],
+                [pick() for _ in range(rng.randint(0, 3))],
+                attrs,
+                role=rng.choice(ROLES),
+                stage=rng.choice([None, None, 0, 1, 7]),
+                scope=rng.choice(["", "", "fc1", "layers.0.attn", "0", "a b", "~"]),
+                origin=rng.choice([None, None, "", *var_names[:3]]),
+            )
+        )
     if var_names:
         p.inputs = rng.sample(var_names, rng.randint(0, min(3, len(var_names))))
         p.outputs = rng.sample(var_names, rng.randint(0, min(3, len(var_names))))
@@ -632,7 +734,8 @@ def _random_program(rng: random.Random) -> Program:
             p.loss_name = rng.choice(var_names)
         for _ in range(rng.randint(0, 3)):
             p.modules[rng.choice(["fc1", "0", "a b", "layers.1", ""])] = rng.sample(
-                var_names, rng.randint(0, min(2, len(var_names))))
+                var_names, rng.randint(0, min(2, len(var_names)))
+            )
         for _ in range(rng.randint(0, 2)):
             p.updates[rng.choice(var_names)] = rng.choice(var_names)
     return p

@@ -40,6 +40,7 @@ def _mlp() -> Program:
 
 # --- kinds and roles ---------------------------------------------------------------
 
+
 def test_var_kinds_and_persistable():
     assert set(PERSISTABLE_KINDS) <= set(VAR_KINDS)
     for kind in VAR_KINDS:
@@ -106,6 +107,7 @@ def test_dtype_name_round_trip():
 
 # --- lookup ---------------------------------------------------------------------
 
+
 def test_var_lookup_and_did_you_mean():
     p = _mlp()
     assert p.var("w") is p.vars["w"]
@@ -170,6 +172,7 @@ def test_ops_with_role():
 
 # --- nbytes ------------------------------------------------------------------------
 
+
 def test_nbytes_static():
     assert Var("w", "float32", (4, 3)).nbytes() == 48
     assert Var("w", "bfloat16", (4, 3)).nbytes() == 24
@@ -205,6 +208,7 @@ def test_nbytes_zero_dim():
 
 
 # --- clone / replace_with -----------------------------------------------------------
+
 
 def test_clone_equal_structure():
     p = _mlp()

@@ -20,9 +20,18 @@ def _train() -> Program:
     p.add_var(Var("m", "float32", (4, 3), "opt_state"), torch.zeros(4, 3))
     p.add_var(Var("step", "int64", (), "buffer"), torch.tensor(0))
     p.add_var(Var("base_lr", "float32", (), "constant"), torch.tensor(0.01))
-    for name, shape in [("h", ("batch", 3)), ("a", ("batch", 3)), ("a@PINNED", ("batch", 3)),
-                        ("a@FETCH", ("batch", 3)), ("h@RECOMPUTE", ("batch", 3)), ("loss", ()),
-                        ("loss@GRAD", ()), ("a@GRAD", ("batch", 3)), ("lr", ()), ("step@NEW", ())]:
+    for name, shape in [
+        ("h", ("batch", 3)),
+        ("a", ("batch", 3)),
+        ("a@PINNED", ("batch", 3)),
+        ("a@FETCH", ("batch", 3)),
+        ("h@RECOMPUTE", ("batch", 3)),
+        ("loss", ()),
+        ("loss@GRAD", ()),
+        ("a@GRAD", ("batch", 3)),
+        ("lr", ()),
+        ("step@NEW", ()),
+    ]:
         p.add_var(Var(name, "int64" if name == "step@NEW" else "float32", shape))
     p.add_var(Var("w@GRAD", "float32", (4, 3), "grad"))
     p.add_var(Var("w@NEW", "float32", (4, 3)))
@@ -31,17 +40,17 @@ def _train() -> Program:
     p.outputs = ["loss"]
     p.loss_name = "loss"
     p.ops = [
-        Op("MatMul", ["x", "w"], ["h"], scope="fc1"),                                       # 0
-        Op("Relu", ["h"], ["a"], scope="act"),                                              # 1
-        Op("Memcpy", ["a"], ["a@PINNED"], {"dst": "pinned"}, role="offload", origin="a"),   # 2
-        Op("MseLoss", ["a", "y"], ["loss"], role="loss"),                                   # 3
-        Op("OnesLike", ["loss"], ["loss@GRAD"], role="backward", origin="loss"),            # 4
+        Op("MatMul", ["x", "w"], ["h"], scope="fc1"),  # 0
+        Op("Relu", ["h"], ["a"], scope="act"),  # 1
+        Op("Memcpy", ["a"], ["a@PINNED"], {"dst": "pinned"}, role="offload", origin="a"),  # 2
+        Op("MseLoss", ["a", "y"], ["loss"], role="loss"),  # 3
+        Op("OnesLike", ["loss"], ["loss@GRAD"], role="backward", origin="loss"),  # 4
         Op("Memcpy", ["a@PINNED"], ["a@FETCH"], {"dst": "device"}, role="prefetch", origin="a"),  # 5
-        Op("MatMul", ["x", "w"], ["h@RECOMPUTE"], role="recompute", origin="h"),             # 6
+        Op("MatMul", ["x", "w"], ["h@RECOMPUTE"], role="recompute", origin="h"),  # 6
         Op("MseLossGrad", ["a@FETCH", "y", "loss@GRAD"], ["a@GRAD"], role="backward", origin="a"),  # 7
         Op("MatMulGrad", ["x", "h@RECOMPUTE", "a@GRAD"], ["w@GRAD"], role="backward", origin="w"),  # 8
-        Op("LrSched", ["base_lr", "step"], ["lr", "step@NEW"], role="lr-sched"),            # 9
-        Op("Adam", ["w", "w@GRAD", "m", "lr", ""], ["w@NEW", "m@NEW"], role="optimize"),    # 10
+        Op("LrSched", ["base_lr", "step"], ["lr", "step@NEW"], role="lr-sched"),  # 9
+        Op("Adam", ["w", "w@GRAD", "m", "lr", ""], ["w@NEW", "m@NEW"], role="optimize"),  # 10
     ]
     p.modules = {"fc1": ["h"], "act": ["a"]}
     p.updates = {"w": "w@NEW", "m": "m@NEW", "step": "step@NEW"}
@@ -57,10 +66,10 @@ def _pipeline() -> Program:
     p.inputs = ["x"]
     p.outputs = ["out"]
     p.ops = [
-        Op("Relu", ["x"], ["h"], stage=0),                                      # 0
-        Op("Send", ["h"], [], {"peer": 1}, role="comm", stage=0),               # 1
-        Op("Recv", [], ["h@RECV"], {"peer": 0}, role="comm", stage=1),          # 2
-        Op("Neg", ["h@RECV"], ["out"], stage=1),                                 # 3
+        Op("Relu", ["x"], ["h"], stage=0),  # 0
+        Op("Send", ["h"], [], {"peer": 1}, role="comm", stage=0),  # 1
+        Op("Recv", [], ["h@RECV"], {"peer": 0}, role="comm", stage=1),  # 2
+        Op("Neg", ["h@RECV"], ["out"], stage=1),  # 3
     ]
     return p
 
@@ -86,6 +95,7 @@ def _fails(p: Program, *fragments: str, op: int | None = None) -> str:
 
 
 # --- positive cases --------------------------------------------------------------------
+
 
 def test_valid_training_program_passes():
     verify(_train())
@@ -154,6 +164,7 @@ def test_same_stage_reads_pass():
 
 # --- defined before use / declared ------------------------------------------------------
 
+
 def test_use_before_define():
     p = _train()
     p.ops[0], p.ops[1] = p.ops[1], p.ops[0]  # Relu(h) now precedes h = MatMul(...)
@@ -214,6 +225,7 @@ def test_program_output_never_produced():
 
 # --- SSA and writes -------------------------------------------------------------------
 
+
 def test_two_producers():
     p = _train()
     p.ops.insert(2, Op("Identity", ["a"], ["h"]))
@@ -241,6 +253,7 @@ def test_program_input_written():
 
 
 # --- role order -------------------------------------------------------------------------
+
 
 def test_forward_after_backward():
     p = _train()
@@ -279,6 +292,7 @@ def test_forward_after_optimize():
 
 # --- offload / prefetch -------------------------------------------------------------------
 
+
 def test_offload_never_fetched_back():
     p = _train()
     p.add_var(Var("h@PINNED", "float32", ("batch", 3)))
@@ -301,6 +315,7 @@ def test_offload_fetched_by_one_of_several_readers_passes():
 
 # --- stages -------------------------------------------------------------------------------
 
+
 def test_cross_stage_read_without_send_recv():
     p = _pipeline()
     p.ops[3].inputs = ["h"]  # stage 1 reads stage 0's h directly
@@ -315,6 +330,7 @@ def test_cross_stage_read_backwards_in_stage_numbers():
 
 
 # --- constants, loss ------------------------------------------------------------------------
+
 
 def test_constant_without_value():
     p = _train()
@@ -348,6 +364,7 @@ def test_loss_not_declared():
 
 
 # --- updates ----------------------------------------------------------------------------------
+
 
 def test_update_target_not_persistable():
     p = _train()
@@ -393,6 +410,7 @@ def test_update_dtype_mismatch():
 
 
 # --- the reported line number -----------------------------------------------------------------
+
 
 @pytest.mark.parametrize("with_loss", [True, False])
 @pytest.mark.parametrize("with_modules", [True, False])

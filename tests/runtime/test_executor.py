@@ -121,8 +121,9 @@ def test_inconsistent_symbolic_dim_across_feeds():
     p.ops = [Op("Add", ["a", "b"], ["c"])]
     p.inputs, p.outputs = ["a", "b"], ["c"]
     with pytest.raises(ValueError, match="feed 'b' has batch=3 but feed 'a' has batch=2"):
-        metaopt.Executor().run(p, feed={"a": np.ones((2, 2), np.float32), "b": np.ones((3, 2), np.float32)},
-                               fetch_list=["c"])
+        metaopt.Executor().run(
+            p, feed={"a": np.ones((2, 2), np.float32), "b": np.ones((3, 2), np.float32)}, fetch_list=["c"]
+        )
 
 
 def test_missing_kernel_names_the_op_line():
