@@ -30,14 +30,39 @@ def assert_unchanged(before: list, after: tuple) -> None:
 
 def test_table_rows_flags() -> None:
     table = registry.table()
-    for op in ("Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
-               "Bernoulli", "Multinomial"):
+    for op in (
+        "Dropout",
+        "RandomNormal",
+        "RandomNormalLike",
+        "RandomUniform",
+        "RandomUniformLike",
+        "Bernoulli",
+        "Multinomial",
+    ):
         assert table[op].random, op
-    assert not any(row.random for op, row in table.items() if op not in {
-        "Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
-        "Bernoulli", "Multinomial"})
-    for op in ("Dropout", "Split", "BatchNormalization", "LayerNormalization", "MaxPool",
-               "SoftmaxCrossEntropyLoss", "BatchNormTraining"):
+    assert not any(
+        row.random
+        for op, row in table.items()
+        if op
+        not in {
+            "Dropout",
+            "RandomNormal",
+            "RandomNormalLike",
+            "RandomUniform",
+            "RandomUniformLike",
+            "Bernoulli",
+            "Multinomial",
+        }
+    )
+    for op in (
+        "Dropout",
+        "Split",
+        "BatchNormalization",
+        "LayerNormalization",
+        "MaxPool",
+        "SoftmaxCrossEntropyLoss",
+        "BatchNormTraining",
+    ):
         assert table[op].needs_outputs, op
     for op in ("ConstantOfShape", "Range", "RandomNormal", "RandomUniform", "Constant"):
         assert table[op].needs_device, op
@@ -80,8 +105,16 @@ def test_dropout_mask_and_scale() -> None:
     assert torch.equal(y, y2)
 
 
-@pytest.mark.parametrize("args", [(), (torch.tensor(0.5),), (torch.tensor(0.5), torch.tensor(False)),
-                                  (None, torch.tensor(False)), (torch.tensor(0.0), torch.tensor(True))])
+@pytest.mark.parametrize(
+    "args",
+    [
+        (),
+        (torch.tensor(0.5),),
+        (torch.tensor(0.5), torch.tensor(False)),
+        (None, torch.tensor(False)),
+        (torch.tensor(0.0), torch.tensor(True)),
+    ],
+)
 def test_dropout_identity_without_training_mode(args) -> None:
     x = torch.randn(4, 5)
     state = torch.get_rng_state()
@@ -194,8 +227,10 @@ def test_gemm_and_matmul_are_torch_bitwise() -> None:
 
 def test_softmax_cross_entropy_matches_torch() -> None:
     torch.manual_seed(5)
-    logits, labels = torch.randn(6, 4, 3), torch.tensor([[0, 1, 3], [2, 2, 1], [3, 0, 0],
-                                                        [1, 1, 1], [0, 3, 2], [2, 1, 0]])
+    logits, labels = (
+        torch.randn(6, 4, 3),
+        torch.tensor([[0, 1, 3], [2, 2, 1], [3, 0, 0], [1, 1, 1], [0, 3, 2], [2, 1, 0]]),
+    )
     w = torch.rand(4)
     loss, log_prob = kernel("SoftmaxCrossEntropyLoss")(logits, labels, w, ignore_index=1, _nout=2)
     assert torch.equal(loss, F.cross_entropy(logits, labels, w, ignore_index=1))
@@ -217,8 +252,11 @@ def _mutation_cases():
     yield "ScatterND", (x, idx, torch.randn(2, 5)), {}
     yield "ScatterND", (x, idx, torch.randn(2, 5)), {"reduction": "mul"}
     yield "ScatterElements", (x, torch.zeros(3, 4, 5, dtype=torch.int64), torch.randn(3, 4, 5)), {"axis": 1}
-    yield "ScatterElements", (x, torch.zeros(1, 4, 5, dtype=torch.int64), torch.randn(1, 4, 5)), {
-        "reduction": "add"}
+    yield (
+        "ScatterElements",
+        (x, torch.zeros(1, 4, 5, dtype=torch.int64), torch.randn(1, 4, 5)),
+        {"reduction": "add"},
+    )
     yield "Hardmax", (x,), {}
     yield "EyeLike", (torch.randn(4, 4),), {"k": 1}
     yield "Pad", (x, torch.tensor([0, 1, 1, 0, 2, 1])), {"mode": "reflect"}
@@ -229,18 +267,26 @@ def _mutation_cases():
     yield "Split", (x, torch.tensor([1, 3])), {"axis": 1, "_nout": 2}
     yield "Dropout", (x, torch.tensor(0.5), torch.tensor(True)), {"_nout": 2}
     yield "BatchNormTraining", (x, torch.ones(4), torch.zeros(4), torch.zeros(4), torch.ones(4)), {"_nout": 3}
-    yield "BatchNormalization", (x, torch.ones(4), torch.zeros(4), torch.zeros(4), torch.ones(4)), {
-        "training_mode": 1, "_nout": 3}
+    yield (
+        "BatchNormalization",
+        (x, torch.ones(4), torch.zeros(4), torch.zeros(4), torch.ones(4)),
+        {"training_mode": 1, "_nout": 3},
+    )
     yield "MaxPool", (torch.randn(1, 2, 5, 5),), {"kernel_shape": [2, 2], "pads": [0, 0, 1, 1], "_nout": 2}
     yield "TopK", (x, torch.tensor([2])), {}
     yield "Max", (x, torch.randn(5), torch.randn(4, 1)), {}
     yield "Sum", (x, torch.randn(5), torch.randn(4, 1)), {}
-    yield "ConvTranspose", (torch.randn(1, 2, 3, 3), torch.randn(2, 3, 2, 2), torch.randn(3)), {
-        "pads": [1, 0, 0, 1], "output_padding": [1, 1], "strides": [2, 2]}
+    yield (
+        "ConvTranspose",
+        (torch.randn(1, 2, 3, 3), torch.randn(2, 3, 2, 2), torch.randn(3)),
+        {"pads": [1, 0, 0, 1], "output_padding": [1, 1], "strides": [2, 2]},
+    )
     yield "SoftmaxCrossEntropyLoss", (torch.randn(4, 3), torch.tensor([0, 2, 1, 0])), {"_nout": 2}
 
 
-@pytest.mark.parametrize("op,args,attrs", list(_mutation_cases()), ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize(
+    "op,args,attrs", list(_mutation_cases()), ids=lambda v: v if isinstance(v, str) else ""
+)
 def test_kernels_do_not_mutate_inputs(op, args, attrs) -> None:
     before = snapshot(*args)
     kernel(op)(*args, **attrs)
@@ -259,8 +305,17 @@ def _shape_cases():
     i64 = torch.int64
     yield "Reshape", (torch.randn(2, 3, 4), torch.tensor([0, -1], dtype=i64)), {}
     yield "Reshape", (torch.randn(0, 3), torch.tensor([3, 0], dtype=i64)), {"allowzero": 1}
-    yield "Slice", (torch.randn(5, 6), torch.tensor([1, -1]), torch.tensor([4, -6]), torch.tensor([0, 1]),
-                    torch.tensor([2, -2])), {}
+    yield (
+        "Slice",
+        (
+            torch.randn(5, 6),
+            torch.tensor([1, -1]),
+            torch.tensor([4, -6]),
+            torch.tensor([0, 1]),
+            torch.tensor([2, -2]),
+        ),
+        {},
+    )
     yield "Expand", (torch.randn(3, 1), torch.tensor([2, 1, 4])), {}
     yield "Tile", (torch.randn(2, 3), torch.tensor([2, 1])), {}
     yield "Squeeze", (torch.randn(1, 3, 1), torch.tensor([0, -1])), {}
@@ -286,7 +341,9 @@ def test_shape_operands_may_stay_on_cpu(device, op, args, attrs) -> None:
     cpu_extra = {"_device": torch.device("cpu")} if row.needs_device else {}
     want = row.kernel(*args, **attrs, **cpu_extra)
     # The data operand moves to `device`; every int64 shape-like operand stays on the CPU.
-    moved = [a.to(device) if i == 0 and a is not None and a.is_floating_point() else a for i, a in enumerate(args)]
+    moved = [
+        a.to(device) if i == 0 and a is not None and a.is_floating_point() else a for i, a in enumerate(args)
+    ]
     got = row.kernel(*moved, **attrs, **extra)
     wants = want if isinstance(want, tuple) else (want,)
     gots = got if isinstance(got, tuple) else (got,)

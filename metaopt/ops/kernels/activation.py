@@ -59,7 +59,7 @@ def thresholded_relu(X: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
 
 
 @register("Shrink")
-def shrink(input: torch.Tensor, bias: float = 0.0, lambd: float = 0.5) -> torch.Tensor:  # noqa: A002
+def shrink(input: torch.Tensor, bias: float = 0.0, lambd: float = 0.5) -> torch.Tensor:
     zero = torch.zeros((), dtype=input.dtype, device=input.device)
     if not input.is_floating_point():
         bias = int(bias)
@@ -81,17 +81,17 @@ def swish(X: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
 
 
 @register("Softmax")
-def softmax(input: torch.Tensor, axis: int = -1) -> torch.Tensor:  # noqa: A002
+def softmax(input: torch.Tensor, axis: int = -1) -> torch.Tensor:
     return torch.softmax(input, axis)
 
 
 @register("LogSoftmax")
-def log_softmax(input: torch.Tensor, axis: int = -1) -> torch.Tensor:  # noqa: A002
+def log_softmax(input: torch.Tensor, axis: int = -1) -> torch.Tensor:
     return torch.log_softmax(input, axis)
 
 
 @register("Hardmax")
-def hardmax(input: torch.Tensor, axis: int = -1) -> torch.Tensor:  # noqa: A002
+def hardmax(input: torch.Tensor, axis: int = -1) -> torch.Tensor:
     # argmax picks the first maximum, as ONNX requires on ties.
     idx = torch.argmax(input, axis, keepdim=True)
     return torch.zeros_like(input).scatter_(axis, idx, 1)

@@ -186,7 +186,7 @@ def is_inf(x: torch.Tensor, detect_negative: int = 1, detect_positive: int = 1) 
 
 
 @register("Clip")
-def clip(x: torch.Tensor, min=None, max=None) -> torch.Tensor:  # noqa: A002 (ONNX names)
+def clip(x: torch.Tensor, min=None, max=None) -> torch.Tensor:
     # `min`/`max` are optional tensor inputs (opset >= 11) or float attributes (opset < 11).
     if min is None and max is None:
         return x

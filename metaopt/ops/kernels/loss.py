@@ -32,7 +32,7 @@ def softmax_cross_entropy_loss(
 
 @register("NegativeLogLikelihoodLoss")
 def negative_log_likelihood_loss(
-    input: torch.Tensor,  # noqa: A002
+    input: torch.Tensor,
     target: torch.Tensor,
     weight: torch.Tensor | None = None,
     ignore_index: int | None = None,

@@ -182,9 +182,7 @@ def _pool_geometry(x, kernel_shape, auto_pad, pads, strides, dilations, ceil_mod
 
 def _fits_torch(kernel_shape, dilations, begin, end) -> bool:
     # torch pools pad symmetrically and at most half the (dilated) window.
-    return begin == end and all(
-        2 * p <= (k - 1) * d + 1 for p, k, d in zip(begin, kernel_shape, dilations)
-    )
+    return begin == end and all(2 * p <= (k - 1) * d + 1 for p, k, d in zip(begin, kernel_shape, dilations))
 
 
 def _narrow_to(y: torch.Tensor, out: list[int]) -> torch.Tensor:
@@ -244,7 +242,9 @@ def _onnx_indices(idx, shape, padded_shape, begin, storage_order: int) -> torch.
         for i in order:
             idx = idx * spatial[i] + coords[i]
     plane = math.prod(spatial)
-    base = torch.arange(shape[0] * shape[1], device=idx.device).reshape(shape[0], shape[1], *([1] * len(spatial)))
+    base = torch.arange(shape[0] * shape[1], device=idx.device).reshape(
+        shape[0], shape[1], *([1] * len(spatial))
+    )
     return idx + base * plane
 
 
@@ -266,7 +266,9 @@ def _window_count(x, kernel_shape, strides, dilations, begin, end, extra, out, i
     n = len(kernel_shape)
     sizes = list(x.shape[2:])
     if include_pad:  # padded cells count, ceil-mode overhang does not
-        mask = torch.ones([1, 1] + [i + b + e for i, b, e in zip(sizes, begin, end)], dtype=x.dtype, device=x.device)
+        mask = torch.ones(
+            [1, 1] + [i + b + e for i, b, e in zip(sizes, begin, end)], dtype=x.dtype, device=x.device
+        )
         mask = F.pad(mask, _torch_pad([0] * n, extra))
     else:
         mask = torch.ones([1, 1] + sizes, dtype=x.dtype, device=x.device)
@@ -294,7 +296,9 @@ def average_pool(
         y = _AVG_POOL[n](X, kernel_shape, strides, begin, bool(ceil_mode), bool(count_include_pad))
         return _narrow_to(y, out)
     total, extra = _window_sum(X, kernel_shape, strides, dilations, begin, end, out)
-    count = _window_count(X, kernel_shape, strides, dilations, begin, end, extra, out, bool(count_include_pad))
+    count = _window_count(
+        X, kernel_shape, strides, dilations, begin, end, extra, out, bool(count_include_pad)
+    )
     return total / count
 
 

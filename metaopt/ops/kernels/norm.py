@@ -105,7 +105,7 @@ def group_normalization(
 
 @register("InstanceNormalization")
 def instance_normalization(
-    input: torch.Tensor, scale: torch.Tensor, B: torch.Tensor, epsilon: float = 1e-5  # noqa: A002
+    input: torch.Tensor, scale: torch.Tensor, B: torch.Tensor, epsilon: float = 1e-5
 ) -> torch.Tensor:
     return F.instance_norm(input, None, None, scale, B, True, 0.0, epsilon)
 
@@ -121,7 +121,7 @@ def rms_normalization(
 
 
 @register("LpNormalization")
-def lp_normalization(input: torch.Tensor, axis: int = -1, p: int = 2) -> torch.Tensor:  # noqa: A002
+def lp_normalization(input: torch.Tensor, axis: int = -1, p: int = 2) -> torch.Tensor:
     norm = torch.linalg.vector_norm(input, p, dim=axis, keepdim=True)
     return torch.where(norm == 0, 0.0, input / norm).to(input.dtype)  # ONNX: 0 / 0 -> 0
 
@@ -134,5 +134,7 @@ def mean_variance_normalization(X: torch.Tensor, axes: list[int] | None = None) 
 
 
 @register("LRN")
-def lrn(X: torch.Tensor, size: int, alpha: float = 1e-4, beta: float = 0.75, bias: float = 1.0) -> torch.Tensor:
+def lrn(
+    X: torch.Tensor, size: int, alpha: float = 1e-4, beta: float = 0.75, bias: float = 1.0
+) -> torch.Tensor:
     return F.local_response_norm(X, size, alpha, beta, bias)

@@ -59,7 +59,7 @@ def random_normal(
 
 @register("RandomNormalLike", random=True)
 def random_normal_like(
-    input: torch.Tensor,  # noqa: A002
+    input: torch.Tensor,
     dtype: int | None = None,
     mean: float = 0.0,
     scale: float = 1.0,
@@ -83,7 +83,7 @@ def random_uniform(
 
 @register("RandomUniformLike", random=True)
 def random_uniform_like(
-    input: torch.Tensor,  # noqa: A002
+    input: torch.Tensor,
     dtype: int | None = None,
     high: float = 1.0,
     low: float = 0.0,
@@ -94,14 +94,14 @@ def random_uniform_like(
 
 
 @register("Bernoulli", random=True)
-def bernoulli(input: torch.Tensor, dtype: int | None = None, seed: float | None = None) -> torch.Tensor:  # noqa: A002
+def bernoulli(input: torch.Tensor, dtype: int | None = None, seed: float | None = None) -> torch.Tensor:
     out = torch.bernoulli(input)
     return out.to(torch_dtype(dtype, what="random op")) if dtype is not None else out
 
 
 @register("Multinomial", random=True)
 def multinomial(
-    input: torch.Tensor,  # noqa: A002
+    input: torch.Tensor,
     dtype: int = _INT32,
     sample_size: int = 1,
     seed: float | None = None,

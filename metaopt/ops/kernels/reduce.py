@@ -27,7 +27,9 @@ def _axes(x: torch.Tensor, axes, noop_with_empty_axes: int) -> tuple[int, ...] |
 def _reducer(fn):
     """A Reduce* kernel from `fn(x, dims, keepdim)`; the ONNX plumbing is shared."""
 
-    def kernel(data: torch.Tensor, axes=None, keepdims: int = 1, noop_with_empty_axes: int = 0) -> torch.Tensor:
+    def kernel(
+        data: torch.Tensor, axes=None, keepdims: int = 1, noop_with_empty_axes: int = 0
+    ) -> torch.Tensor:
         dims = _axes(data, axes, noop_with_empty_axes)
         if dims is None:
             return data
@@ -145,7 +147,9 @@ def arg_min(data: torch.Tensor, axis: int = 0, keepdims: int = 1, select_last_in
     return torch.argmin(data, axis, bool(keepdims))
 
 
-def _scan(fn, x: torch.Tensor, axis: torch.Tensor, exclusive: int, reverse: int, identity: int) -> torch.Tensor:
+def _scan(
+    fn, x: torch.Tensor, axis: torch.Tensor, exclusive: int, reverse: int, identity: int
+) -> torch.Tensor:
     dim = int(axis)
     if reverse:
         x = x.flip(dim)
@@ -171,7 +175,7 @@ def cum_prod(x: torch.Tensor, axis: torch.Tensor, exclusive: int = 0, reverse: i
 
 @register("TopK")
 def top_k(
-    x: torch.Tensor, K: torch.Tensor | None = None, axis: int = -1, largest: int = 1, sorted: int = 1, k=None  # noqa: A002
+    x: torch.Tensor, K: torch.Tensor | None = None, axis: int = -1, largest: int = 1, sorted: int = 1, k=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     n = int(K) if K is not None else k  # K is an input since opset 10, an attribute before
     # A stable sort gives ONNX's tie rule (the lower index first); topk does not promise it.

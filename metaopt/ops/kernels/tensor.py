@@ -22,7 +22,7 @@ def _ints(v) -> list[int]:
 
 
 @register("Identity")
-def identity(input: torch.Tensor) -> torch.Tensor:  # noqa: A002
+def identity(input: torch.Tensor) -> torch.Tensor:
     return input
 
 
@@ -79,7 +79,7 @@ def concat(*inputs: torch.Tensor, axis: int) -> torch.Tensor:
 
 @register("Split", needs_outputs=True)
 def split(
-    input: torch.Tensor, split=None, axis: int = 0, num_outputs: int | None = None, _nout: int = 1  # noqa: A002
+    input: torch.Tensor, split=None, axis: int = 0, num_outputs: int | None = None, _nout: int = 1
 ) -> tuple[torch.Tensor, ...]:
     if split is not None:
         sizes = _ints(split)
@@ -120,13 +120,13 @@ def slice_(data: torch.Tensor, starts, ends, axes=None, steps=None) -> torch.Ten
 
 
 @register("Expand")
-def expand(input: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:  # noqa: A002
+def expand(input: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
     # ONNX Expand broadcasts both ways (a 1 in `shape` keeps the input's dim), torch's does not.
     return input.expand(torch.broadcast_shapes(input.shape, shape.tolist()))
 
 
 @register("Tile")
-def tile(input: torch.Tensor, repeats: torch.Tensor) -> torch.Tensor:  # noqa: A002
+def tile(input: torch.Tensor, repeats: torch.Tensor) -> torch.Tensor:
     return input.repeat(repeats.tolist())
 
 
@@ -138,13 +138,15 @@ def transpose(data: torch.Tensor, perm: list[int] | None = None) -> torch.Tensor
 
 
 @register("Cast")
-def cast(input: torch.Tensor, to: int, saturate: int = 1, round_mode: str = "up") -> torch.Tensor:  # noqa: A002
+def cast(input: torch.Tensor, to: int, saturate: int = 1, round_mode: str = "up") -> torch.Tensor:
     # saturate/round_mode only concern float8/float4 targets, which torch_dtype refuses.
     return input.to(torch_dtype(to, what="Cast"))
 
 
 @register("CastLike")
-def cast_like(input: torch.Tensor, target_type: torch.Tensor, saturate: int = 1, round_mode: str = "up") -> torch.Tensor:  # noqa: A002
+def cast_like(
+    input: torch.Tensor, target_type: torch.Tensor, saturate: int = 1, round_mode: str = "up"
+) -> torch.Tensor:
     return input.to(target_type.dtype)
 
 
@@ -172,7 +174,7 @@ def constant(
 
 @register("ConstantOfShape", needs_device=True)
 def constant_of_shape(
-    input: torch.Tensor, value: torch.Tensor | None = None, _device: torch.device | None = None  # noqa: A002
+    input: torch.Tensor, value: torch.Tensor | None = None, _device: torch.device | None = None
 ) -> torch.Tensor:
     dims = input.tolist()
     if value is None:
@@ -181,7 +183,9 @@ def constant_of_shape(
 
 
 @register("Range", needs_device=True)
-def range_(start: torch.Tensor, limit: torch.Tensor, delta: torch.Tensor, _device: torch.device | None = None) -> torch.Tensor:
+def range_(
+    start: torch.Tensor, limit: torch.Tensor, delta: torch.Tensor, _device: torch.device | None = None
+) -> torch.Tensor:
     s, lim, d = start.item(), limit.item(), delta.item()
     if start.is_floating_point():
         # ONNX fixes the count as ceil((limit - start) / delta) and the values as start + i * delta.
@@ -191,7 +195,7 @@ def range_(start: torch.Tensor, limit: torch.Tensor, delta: torch.Tensor, _devic
 
 
 @register("Trilu")
-def trilu(input: torch.Tensor, k: torch.Tensor | None = None, upper: int = 1) -> torch.Tensor:  # noqa: A002
+def trilu(input: torch.Tensor, k: torch.Tensor | None = None, upper: int = 1) -> torch.Tensor:
     diag = int(k) if k is not None else 0
     return torch.triu(input, diag) if upper else torch.tril(input, diag)
 
@@ -345,7 +349,7 @@ def non_zero(x: torch.Tensor) -> torch.Tensor:
 
 
 @register("EyeLike")
-def eye_like(input: torch.Tensor, dtype: int | None = None, k: int = 0) -> torch.Tensor:  # noqa: A002
+def eye_like(input: torch.Tensor, dtype: int | None = None, k: int = 0) -> torch.Tensor:
     out_dtype = torch_dtype(dtype, what="EyeLike") if dtype is not None else input.dtype
     out = torch.zeros(input.shape, dtype=out_dtype, device=input.device)
     out.diagonal(k).fill_(1)  # a fresh tensor: filling it in place is safe
@@ -353,7 +357,7 @@ def eye_like(input: torch.Tensor, dtype: int | None = None, k: int = 0) -> torch
 
 
 @register("DepthToSpace")
-def depth_to_space(input: torch.Tensor, blocksize: int, mode: str = "DCR") -> torch.Tensor:  # noqa: A002
+def depth_to_space(input: torch.Tensor, blocksize: int, mode: str = "DCR") -> torch.Tensor:
     n, c, h, w = input.shape
     b = blocksize
     if mode == "DCR":
@@ -364,7 +368,7 @@ def depth_to_space(input: torch.Tensor, blocksize: int, mode: str = "DCR") -> to
 
 
 @register("SpaceToDepth")
-def space_to_depth(input: torch.Tensor, blocksize: int, mode: str = "DCR") -> torch.Tensor:  # noqa: A002
+def space_to_depth(input: torch.Tensor, blocksize: int, mode: str = "DCR") -> torch.Tensor:
     n, c, h, w = input.shape
     b = blocksize
     x = input.reshape(n, c, h // b, b, w // b, b)
@@ -373,7 +377,7 @@ def space_to_depth(input: torch.Tensor, blocksize: int, mode: str = "DCR") -> to
 
 
 @register("Compress")
-def compress(input: torch.Tensor, condition: torch.Tensor, axis: int | None = None) -> torch.Tensor:  # noqa: A002
+def compress(input: torch.Tensor, condition: torch.Tensor, axis: int | None = None) -> torch.Tensor:
     keep = torch.nonzero(condition.to(device=input.device, dtype=torch.bool)).reshape(-1)
     if axis is None:
         flat = input.reshape(-1)
@@ -383,7 +387,7 @@ def compress(input: torch.Tensor, condition: torch.Tensor, axis: int | None = No
 
 @register("ReverseSequence")
 def reverse_sequence(
-    input: torch.Tensor, sequence_lens: torch.Tensor, batch_axis: int = 1, time_axis: int = 0  # noqa: A002
+    input: torch.Tensor, sequence_lens: torch.Tensor, batch_axis: int = 1, time_axis: int = 0
 ) -> torch.Tensor:
     t = input.shape[time_axis]
     steps = torch.arange(t, device=input.device)
