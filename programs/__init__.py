@@ -90,3 +90,13 @@ def get(name: str) -> types.ModuleType:
         return REGISTRY[name]
     except KeyError:
         raise KeyError(f"unknown program {name!r}; known: {sorted(REGISTRY)}") from None
+
+
+def export(name: str, config: str = "tiny", *, batch: int = 4, seed: int = 0, **overrides: Any):
+    """Build program `name` and export it with metaopt (the CLI's ``programs:export('bert')``)."""
+    import metaopt
+
+    mod = get(name)
+    module = mod.build(config, seed=seed, **overrides)
+    inputs = mod.example_inputs(config, batch, seed=seed, **overrides)
+    return metaopt.export(module, inputs, name=name)

@@ -10,10 +10,12 @@ that `import_model` runs in a fixed order.
 from __future__ import annotations
 
 import ast
+import json
 from dataclasses import dataclass, field
 
 import onnx
 
+from metaopt.frontend import onnx_save
 from metaopt.frontend.attrs import attr_value, tensor_value, torch_dtype
 from metaopt.frontend.sequences import split_sequences
 from metaopt.ir import Op, Program, Var, dtype_name
@@ -140,7 +142,8 @@ def to_program(
     model = _with_inferred_types(model)
     g = model.graph
     types = _value_types(g, opts.symbolic_dims)
-    meta_kinds = {vi.name: _meta(vi).get(_KIND_KEY, "") for vi in g.value_info}
+    meta = {vi.name: _meta(vi) for vi in g.value_info}
+    torch_kinds = {"PARAMETER": "param", "BUFFER": "buffer"}
     p = Program(name)
     chains: dict[str, list[str]] = {}
     rn = opts.rename.get
@@ -148,14 +151,19 @@ def to_program(
     init_names = set()
     for t in g.initializer:
         value = tensor_value(t)
-        kind = opts.kinds.get(t.name) or {"PARAMETER": "param", "BUFFER": "buffer"}.get(
-            meta_kinds.get(t.name, ""), "param" if value.is_floating_point() else "constant"
+        m = meta.get(t.name, {})
+        kind = (
+            opts.kinds.get(t.name)
+            or m.get(onnx_save.KIND_KEY)
+            or torch_kinds.get(m.get(_KIND_KEY, ""))
+            or ("param" if value.is_floating_point() else "constant")
         )
         vname = rn(t.name, t.name)
         init_names.add(t.name)
         if vname in p.vars:  # two initializers for one tied parameter
             continue
-        trainable = kind == "param" and t.name not in opts.frozen and value.is_floating_point()
+        frozen = t.name in opts.frozen or onnx_save.FROZEN_KEY in m
+        trainable = kind == "param" and not frozen and value.is_floating_point()
         p.add_var(
             Var(vname, dtype_name(value.dtype), tuple(value.shape), kind=kind, trainable=trainable), value
         )
@@ -186,17 +194,54 @@ def to_program(
                 raise ImportError_(f"{_describe(node)}: output {o!r} has no inferred type")
             p.add_var(Var(o, dtype, shape))
         op = Op(node.op_type, [rn(x, x) for x in node.input], list(node.output), attrs, scope=scope)
+        _restore_fields(op, node)
         chains[node.output[0]] = chain
         p.ops.append(op)
 
-    p.outputs = [o.name for o in g.output]
+    for prop in model.metadata_props:  # a file metaopt saved: its state updates
+        if prop.key.startswith(onnx_save.UPDATE_PREFIX):
+            p.updates[prop.key[len(onnx_save.UPDATE_PREFIX) :]] = prop.value
+        elif prop.key == onnx_save.MODULES_KEY:
+            p.modules = _modules(prop.value)
+    update_outputs = set(p.updates.values())
+    p.outputs = [o.name for o in g.output if o.name not in update_outputs]
     if (
         len(p.outputs) == 1
         and p.vars[p.outputs[0]].shape == ()
         and p.vars[p.outputs[0]].dtype.startswith("float")
     ):
         p.loss_name = p.outputs[0]
+        for op in p.ops:  # Fleet's OpRole.Loss: where the backward starts
+            if p.loss_name in op.outputs:
+                op.role = "loss"
     return p, chains
+
+
+def _modules(text: str) -> dict[str, list[str]]:
+    try:
+        mods = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ImportError_(f"model metadata {onnx_save.MODULES_KEY!r} is not valid JSON: {e}") from None
+    if not isinstance(mods, dict) or not all(isinstance(v, list) for v in mods.values()):
+        raise ImportError_(f"model metadata {onnx_save.MODULES_KEY!r} must map module paths to lists of names")
+    return {str(k): [str(x) for x in v] for k, v in mods.items()}
+
+
+def _restore_fields(op: Op, node: onnx.NodeProto) -> None:
+    """Op fields of a file metaopt saved (role, stage, scope, origin)."""
+    m = _meta(node)
+    for key, value in m.items():
+        if key.startswith(onnx_save.ATTR_PREFIX) and key[len(onnx_save.ATTR_PREFIX) :] in op.attrs:
+            try:
+                op.attrs[key[len(onnx_save.ATTR_PREFIX) :]] = float(value)
+            except ValueError:
+                raise ImportError_(f"{_describe(node)}: metadata {key!r} is not a float: {value!r}") from None
+    pre = onnx_save.OP_FIELD_PREFIX
+    if pre + "role" in m:
+        op.role = m[pre + "role"]
+        op.scope = m.get(pre + "scope", op.scope)
+        op.origin = m.get(pre + "origin")
+        op.stage = int(m[pre + "stage"]) if pre + "stage" in m else None
 
 
 def _constant_value(node: onnx.NodeProto):

@@ -10,6 +10,7 @@ model-local function so ONNX Runtime can run the file. State updates
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Mapping
@@ -27,6 +28,12 @@ from metaopt.ops import registry
 OPSET = 20
 IR_VERSION = 10  # onnxruntime rejects IR 14; 10 is what torch 2.13 writes
 DOMAIN = "metaopt"
+KIND_KEY = "metaopt.kind"
+FROZEN_KEY = "metaopt.frozen"
+UPDATE_PREFIX = "metaopt.update."
+MODULES_KEY = "metaopt.modules"
+ATTR_PREFIX = "metaopt.attr."
+OP_FIELD_PREFIX = "metaopt."
 
 
 def _tensor(name: str, t: torch.Tensor) -> onnx.TensorProto:
@@ -70,13 +77,17 @@ def to_model_proto(p: Program, values: Mapping[str, torch.Tensor] | None = None)
         used_domains.add(domain)
         node = helper.make_node(op.type, list(op.inputs), list(op.outputs), name=f"op{i}", domain=domain)
         node.attribute.extend(_attr(k, a) for k, a in op.attrs.items())
+        for k, a in op.attrs.items():
+            # ONNX float attributes are float32; keep the exact value for our own import.
+            if isinstance(a, float) and float(np.float32(a)) != a and a == a:
+                node.metadata_props.add(key=ATTR_PREFIX + k, value=repr(a))
         meta = {"role": op.role, "scope": op.scope}
         if op.stage is not None:
             meta["stage"] = str(op.stage)
         if op.origin is not None:
             meta["origin"] = op.origin
         for k, val in meta.items():
-            node.metadata_props.add(key=f"metaopt.{k}", value=val)
+            node.metadata_props.add(key=OP_FIELD_PREFIX + k, value=val)
         nodes.append(node)
     outputs = list(dict.fromkeys([*p.outputs, *p.updates.values()]))
     graph = helper.make_graph(
@@ -85,12 +96,14 @@ def to_model_proto(p: Program, values: Mapping[str, torch.Tensor] | None = None)
         [_value_info(p, x) for x in p.inputs],
         [_value_info(p, x) for x in outputs],
         initializer=inits,
-        value_info=[
-            _value_info(p, n)
-            for n, v in p.vars.items()
-            if not v.persistable and n not in p.inputs and n not in outputs
-        ],
+        value_info=[_value_info(p, n) for n in p.vars if n not in p.inputs and n not in outputs],
     )
+    for vi in graph.value_info:  # what a var is: read back by the importer
+        v = p.vars[vi.name]
+        if v.persistable:
+            vi.metadata_props.add(key=KIND_KEY, value=v.kind)
+            if v.kind == "param" and not v.trainable:
+                vi.metadata_props.add(key=FROZEN_KEY, value="1")
     opsets = [helper.make_opsetid("", OPSET)]
     functions = []
     if DOMAIN in used_domains:
@@ -102,8 +115,10 @@ def to_model_proto(p: Program, values: Mapping[str, torch.Tensor] | None = None)
         )
     model = helper.make_model(graph, opset_imports=opsets, functions=functions, producer_name="metaopt")
     model.ir_version = IR_VERSION
+    if p.modules:
+        model.metadata_props.add(key=MODULES_KEY, value=json.dumps(p.modules))
     for target, new in p.updates.items():
-        model.metadata_props.add(key=f"metaopt.update.{target}", value=new)
+        model.metadata_props.add(key=UPDATE_PREFIX + target, value=new)
     return model
 
 

@@ -168,3 +168,13 @@ def test_eval_mode_export_keeps_inference_semantics():
     assert not p.updates
     (ours,) = metaopt.Executor("cpu").run(p, feed=_feed("resnet", inputs), fetch_list=[p.loss])
     np.testing.assert_allclose(ours, m(*inputs).item(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", PROGRAMS)
+def test_save_then_load_gives_the_same_program(name, tmp_path):
+    _, _, program = exported(name, dropout=0.1)
+    onnx_save.save(program, tmp_path / "p.onnx")
+    again = metaopt.load(tmp_path / "p.onnx")
+    assert str(again) == str(program)
+    for n, t in program.values.items():
+        assert torch.equal(again.values[n], t), n

@@ -1,0 +1,3 @@
+from metaopt.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,95 @@
+"""`python -m metaopt show SOURCE`: print a program so a user can pick checkpoint names.
+
+SOURCE is an ONNX file, or ``module:function`` / ``module:function(args)`` (literal
+arguments only) returning a Program or a ``(torch.nn.Module, inputs)`` pair.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import os
+import sys
+from collections import Counter
+
+from metaopt.ir import Program
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def resolve_source(source: str, *, training: bool) -> Program:
+    """The Program a SOURCE names (see module docstring)."""
+    import metaopt
+
+    if os.path.exists(source) or source.endswith(".onnx"):
+        return metaopt.load(source, training=training)
+    target, _, call = source.partition(":")
+    if not call:
+        raise SystemExit(f"error: {source!r} is neither an ONNX file nor module:function")
+    name, args, kwargs = call, (), {}
+    if "(" in call:
+        tree = ast.parse(call, mode="eval").body
+        if not isinstance(tree, ast.Call) or not isinstance(tree.func, ast.Name):
+            raise SystemExit(f"error: cannot read the call {call!r}")
+        name = tree.func.id
+        args = tuple(ast.literal_eval(a) for a in tree.args)
+        kwargs = {k.arg: ast.literal_eval(k.value) for k in tree.keywords}
+    sys.path.insert(0, os.getcwd())
+    fn = getattr(importlib.import_module(target), name)
+    result = fn(*args, **kwargs)
+    if isinstance(result, Program):
+        return result
+    module, inputs = result
+    return metaopt.export(module, inputs)
+
+
+def summary(p: Program, batch: int) -> str:
+    dims = {"batch": batch}
+    roles = Counter(op.role for op in p.ops)
+    params = p.params(trainable_only=False)
+    n_params = sum(p.values[v.name].numel() for v in params if v.name in p.values)
+    pbytes = sum(v.nbytes() or 0 for v in params)
+    acts = [v for v in p.vars.values() if v.kind == "activation"]
+    abytes = sum(v.nbytes(dims) or 0 for v in acts)
+    lines = [
+        f"# {p.name}: {len(p.ops)} ops ({', '.join(f'{r} {n}' for r, n in roles.items())}), "
+        f"{len(p.vars)} vars",
+        f"# params: {len(params)} tensors, {n_params:,} values, {_human(pbytes)}",
+        f"# activations at batch={batch}: {len(acts)} vars, {_human(abytes)} if all were alive",
+    ]
+    if p.modules:
+        lines.append("# module outputs (checkpoint candidates), bytes at this batch:")
+        width = max(len(m) for m in p.modules)
+        for m, outs in p.modules.items():
+            size = sum(p.vars[o].nbytes(dims) or 0 for o in outs)
+            lines.append(f"#   {m.ljust(width)}  {', '.join(outs)}  {_human(size)}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m metaopt")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    show = sub.add_parser("show", help="print a program in the golden text format, with a summary")
+    show.add_argument("source", help="model.onnx, or module:function[(literal args)]")
+    show.add_argument("--batch", type=int, default=8, help="batch size for the byte figures (default 8)")
+    show.add_argument("--onnx", metavar="OUT", help="also write the program as an ONNX file (Netron-readable)")
+    show.add_argument("--training", action="store_true", help="import an ONNX file with train-mode repairs")
+    show.add_argument("--summary-only", action="store_true", help="print only the summary")
+    args = ap.parse_args(argv)
+    program = resolve_source(args.source, training=args.training)
+    if not args.summary_only:
+        sys.stdout.write(str(program))
+    sys.stdout.write(summary(program, args.batch))
+    if args.onnx:
+        from metaopt.frontend import onnx_save
+
+        onnx_save.save(program, args.onnx)
+        sys.stdout.write(f"# wrote {args.onnx}\n")
+    return 0
