@@ -79,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     show = sub.add_parser("show", help="print a program in the golden text format, with a summary")
     show.add_argument("source", help="model.onnx, or module:function[(literal args)]")
     show.add_argument("--batch", type=int, default=8, help="batch size for the byte figures (default 8)")
-    show.add_argument("--onnx", metavar="OUT", help="also write the program as an ONNX file (Netron-readable)")
+    show.add_argument(
+        "--onnx", metavar="OUT", help="also write the program as an ONNX file (Netron-readable)"
+    )
     show.add_argument("--training", action="store_true", help="import an ONNX file with train-mode repairs")
     show.add_argument("--summary-only", action="store_true", help="print only the summary")
     args = ap.parse_args(argv)

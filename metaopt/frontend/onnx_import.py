@@ -223,7 +223,9 @@ def _modules(text: str) -> dict[str, list[str]]:
     except json.JSONDecodeError as e:
         raise ImportError_(f"model metadata {onnx_save.MODULES_KEY!r} is not valid JSON: {e}") from None
     if not isinstance(mods, dict) or not all(isinstance(v, list) for v in mods.values()):
-        raise ImportError_(f"model metadata {onnx_save.MODULES_KEY!r} must map module paths to lists of names")
+        raise ImportError_(
+            f"model metadata {onnx_save.MODULES_KEY!r} must map module paths to lists of names"
+        )
     return {str(k): [str(x) for x in v] for k, v in mods.items()}
 
 
