@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from metaopt.ir import Program, did_you_mean
+from metaopt.ir import Program, did_you_mean, verify
 from metaopt.ir.printer import fmt_op
 from metaopt.ops import registry
 
@@ -40,6 +40,7 @@ def _bind(op, device: torch.device):
 
 
 def build_plan(p: Program, fetches: list[str], device: torch.device, track: bool) -> Plan:
+    verify(p)  # once per program version: a broken program fails here, naming its line
     for f in fetches:
         if f not in p.vars:
             raise KeyError(f"fetch {f!r} is not a var of program {p.name!r}{did_you_mean(f, p.vars)}")

@@ -367,3 +367,136 @@ def test_gather_scalar_index_on_cpu_with_data_elsewhere() -> None:
     assert kernel("Gather")(x, torch.tensor(-1), axis=1).shape == (4,)
     shape = torch.tensor([2, 3, 4])
     assert kernel("Gather")(shape, torch.tensor([0, 2])).tolist() == [2, 4]
+
+
+# --------------------------------------------------------------------------- recurrent
+
+
+def _onnx_rnn_weights(module: torch.nn.Module, order: tuple[int, ...], gates: int):
+    """ONNX W, R, B (gate order `order` of torch's chunks) from a torch RNN module."""
+    dirs = ["", "_reverse"] if module.bidirectional else [""]
+
+    def reorder(t: torch.Tensor) -> torch.Tensor:
+        chunks = t.detach().chunk(gates, 0)
+        return torch.cat([chunks[i] for i in order], 0)
+
+    W = torch.stack([reorder(getattr(module, f"weight_ih_l0{d}")) for d in dirs])
+    R = torch.stack([reorder(getattr(module, f"weight_hh_l0{d}")) for d in dirs])
+    B = torch.stack(
+        [
+            torch.cat(
+                [reorder(getattr(module, f"bias_ih_l0{d}")), reorder(getattr(module, f"bias_hh_l0{d}"))]
+            )
+            for d in dirs
+        ]
+    )
+    return W, R, B
+
+
+# torch chunk index for each ONNX gate: LSTM i,o,f,c <- torch i,f,g,o ; GRU z,r,h <- torch r,z,n.
+_LSTM_FROM_TORCH = (0, 3, 1, 2)
+_GRU_FROM_TORCH = (1, 0, 2)
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_lstm_matches_torch_module(bidirectional) -> None:
+    torch.manual_seed(6)
+    m = torch.nn.LSTM(5, 4, bidirectional=bidirectional)
+    x = torch.randn(7, 3, 5)
+    h0, c0 = torch.randn(2 if bidirectional else 1, 3, 4), torch.randn(2 if bidirectional else 1, 3, 4)
+    W, R, B = _onnx_rnn_weights(m, _LSTM_FROM_TORCH, 4)
+    direction = "bidirectional" if bidirectional else "forward"
+    with torch.no_grad():
+        ref, (ref_h, ref_c) = m(x, (h0, c0))
+    y, y_h, y_c = kernel("LSTM")(x, W, R, B, None, h0, c0, direction=direction, hidden_size=4, _nout=3)
+    # The fused path is torch's own kernel (which may pick a different CPU backend than the
+    # module does, depending on requires_grad: equal to rounding, not always bitwise).
+    torch.testing.assert_close(y.transpose(1, 2).reshape(ref.shape), ref)
+    torch.testing.assert_close(y_h, ref_h)
+    torch.testing.assert_close(y_c, ref_c)
+    # The step loop (forced by a no-op clip) implements the same recurrence.
+    y2, h2, c2 = kernel("LSTM")(x, W, R, B, None, h0, c0, direction=direction, clip=1e9, _nout=3)
+    torch.testing.assert_close(y2, y)
+    torch.testing.assert_close(h2, y_h)
+    torch.testing.assert_close(c2, y_c)
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_gru_matches_torch_module(bidirectional) -> None:
+    torch.manual_seed(7)
+    m = torch.nn.GRU(5, 4, bidirectional=bidirectional, batch_first=True)
+    x = torch.randn(3, 6, 5)
+    W, R, B = _onnx_rnn_weights(m, _GRU_FROM_TORCH, 3)
+    direction = "bidirectional" if bidirectional else "forward"
+    with torch.no_grad():
+        ref, ref_h = m(x)
+    y, y_h = kernel("GRU")(x, W, R, B, direction=direction, layout=1, linear_before_reset=1, _nout=2)
+    torch.testing.assert_close(y.reshape(ref.shape), ref)  # layout=1: (batch, seq, dir, hidden)
+    torch.testing.assert_close(y_h.transpose(0, 1), ref_h)
+    y2, h2 = kernel("GRU")(
+        x, W, R, B, direction=direction, layout=1, linear_before_reset=1, clip=1e9, _nout=2
+    )
+    torch.testing.assert_close(y2, y)
+    torch.testing.assert_close(h2, y_h)
+
+
+def test_lstm_sequence_lens_freeze_state_and_zero_output() -> None:
+    torch.manual_seed(8)
+    m = torch.nn.LSTM(3, 2, bidirectional=True)
+    W, R, B = _onnx_rnn_weights(m, _LSTM_FROM_TORCH, 4)
+    x = torch.randn(5, 2, 3)
+    lens = torch.tensor([5, 3])
+    y, y_h, _ = kernel("LSTM")(x, W, R, B, lens, direction="bidirectional", _nout=3)
+    # Batch entry 1 alone, truncated to its length, is what the padded run computes for it.
+    y1, h1, _ = kernel("LSTM")(x[:3, 1:], W, R, B, direction="bidirectional", _nout=3)
+    torch.testing.assert_close(y[:3, :, 1:], y1)
+    torch.testing.assert_close(y_h[:, 1:], h1)
+    assert torch.equal(y[3:, :, 1], torch.zeros_like(y[3:, :, 1]))
+
+
+# --------------------------------------------------------------------------- assorted
+
+
+def test_unsigned_arithmetic_falls_back_exactly() -> None:
+    a = torch.tensor([2**64 - 1, 5, 2**63], dtype=torch.uint64)
+    b = torch.tensor([1, 7, 1], dtype=torch.uint64)
+    assert kernel("Add")(a, b).tolist() == [0, 12, 2**63 + 1]
+    assert kernel("Sub")(b, a).tolist() == [2, 2, 2**63 + 1]
+    assert kernel("Greater")(a, b).tolist() == [True, False, True]
+    assert kernel("Max")(a, b).tolist() == [2**64 - 1, 7, 2**63]
+    c = torch.tensor([65535, 3], dtype=torch.uint16)
+    assert kernel("Add")(c, torch.tensor([2, 4], dtype=torch.uint16)).tolist() == [1, 7]
+    assert kernel("Div")(c, torch.tensor([2, 4], dtype=torch.uint16)).tolist() == [32767, 0]
+
+
+def test_integer_div_truncates_toward_zero() -> None:
+    a, b = torch.tensor([-7, 7, -7]), torch.tensor([2, -2, -2])
+    assert kernel("Div")(a, b).tolist() == [-3, -3, 3]
+    assert kernel("Mod")(a, b).tolist() == [1, -1, -1]
+    assert kernel("Mod")(a, b, fmod=1).tolist() == [-1, 1, -1]
+
+
+def test_resize_nearest_matches_torch_interpolate() -> None:
+    x = torch.randn(2, 3, 5, 7)
+    scales = torch.tensor([1.0, 1.0, 2.0, 3.0])
+    y = kernel("Resize")(x, None, scales, mode="nearest", coordinate_transformation_mode="asymmetric",
+                         nearest_mode="floor")  # fmt: skip
+    assert torch.equal(y, F.interpolate(x, scale_factor=(2.0, 3.0), mode="nearest"))
+    sizes = torch.tensor([2, 3, 9, 4])
+    y = kernel("Resize")(
+        x, None, None, sizes, mode="linear", coordinate_transformation_mode="pytorch_half_pixel"
+    )
+    torch.testing.assert_close(y, F.interpolate(x, size=(9, 4), mode="bilinear", align_corners=False))
+
+
+def test_attention_matches_sdpa() -> None:
+    torch.manual_seed(9)
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+    y = kernel("Attention")(q, k, v, is_causal=1)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(y, ref)
+    mask = torch.rand(5, 6) > 0.3
+    mask[:, 0] = True
+    y = kernel("Attention")(q, k, v, mask)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(y, ref)

@@ -95,3 +95,9 @@ def hardmax(input: torch.Tensor, axis: int = -1) -> torch.Tensor:
     # argmax picks the first maximum, as ONNX requires on ties.
     idx = torch.argmax(input, axis, keepdim=True)
     return torch.zeros_like(input).scatter_(axis, idx, 1)
+
+
+@register("SwiGLU")
+def swiglu(A: torch.Tensor, B: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    gate = F.silu(A) if alpha == 1.0 else A * torch.sigmoid(alpha * A)
+    return gate * B

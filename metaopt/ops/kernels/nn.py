@@ -47,6 +47,9 @@ def gemm(
     return torch.addmm(C, a, b, beta=beta, alpha=alpha)
 
 
+register("Det")(torch.linalg.det)
+
+
 @register("Einsum")
 def einsum(*inputs: torch.Tensor, equation: str) -> torch.Tensor:
     return torch.einsum(equation.replace(" ", ""), *inputs)

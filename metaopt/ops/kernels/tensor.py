@@ -1,4 +1,4 @@
-"""Shape, indexing and data-movement ops.
+"""Shape and data-movement ops, casts, and the ops that create tensors.
 
 Shape-like int64 operands (Reshape's shape, Slice's starts, axes, pads, ...) are read with
 ``.tolist()``: they may sit on the CPU while the data is on the device. Shape and Size
@@ -89,9 +89,6 @@ def split(
     parts = num_outputs or _nout
     # ONNX: equal chunks of ceil(n / parts), the last one smaller.
     return torch.split(input, -(-n // parts), axis)
-
-
-_INT64_MAX = 2**63 - 1
 
 
 @register("Slice")
@@ -247,107 +244,6 @@ def pad(
     return out
 
 
-def _fix_negative(indices: torch.Tensor, n) -> torch.Tensor:
-    return torch.where(indices < 0, indices + n, indices)
-
-
-@register("Gather")
-def gather(data: torch.Tensor, indices: torch.Tensor, axis: int = 0) -> torch.Tensor:
-    if axis < 0:
-        axis += data.dim()
-    n = data.shape[axis]
-    if indices.dim() == 0 and indices.device.type == "cpu":
-        return data.select(axis, int(indices))  # a view; python-int indexing handles negatives
-    idx = _fix_negative(indices.to(device=data.device, dtype=torch.int64), n)
-    if axis == 0 and data.dim() == 2 and data.is_floating_point():
-        return F.embedding(idx, data)  # the embedding fast path (and torch's own op for it)
-    out = data.index_select(axis, idx.reshape(-1))
-    return out.reshape(data.shape[:axis] + idx.shape + data.shape[axis + 1 :])
-
-
-@register("GatherElements")
-def gather_elements(data: torch.Tensor, indices: torch.Tensor, axis: int = 0) -> torch.Tensor:
-    idx = _fix_negative(indices.to(device=data.device, dtype=torch.int64), data.shape[axis])
-    return torch.gather(data, axis, idx)
-
-
-def _nd_index(data: torch.Tensor, indices: torch.Tensor, batch_dims: int) -> tuple[torch.Tensor, ...]:
-    """Advanced-indexing tuple for GatherND/ScatterND (batch dims become aranges)."""
-    k = indices.shape[-1]
-    idx = indices.to(device=data.device, dtype=torch.int64)
-    dims = torch.tensor(data.shape[batch_dims : batch_dims + k], device=data.device)
-    idx = _fix_negative(idx, dims)
-    lead = []
-    for b in range(batch_dims):
-        shape = [1] * (indices.dim() - 1)
-        shape[b] = data.shape[b]
-        lead.append(torch.arange(data.shape[b], device=data.device).reshape(shape))
-    return (*lead, *idx.unbind(-1))
-
-
-@register("GatherND")
-def gather_nd(data: torch.Tensor, indices: torch.Tensor, batch_dims: int = 0) -> torch.Tensor:
-    return data[_nd_index(data, indices, batch_dims)]
-
-
-# ONNX scatter reduction names -> torch scatter_reduce names.
-_REDUCE = {"add": "sum", "mul": "prod", "max": "amax", "min": "amin"}
-
-
-def _scatter_elements(
-    data: torch.Tensor, indices: torch.Tensor, updates: torch.Tensor, axis: int = 0, reduction: str = "none"
-) -> torch.Tensor:
-    idx = _fix_negative(indices.to(device=data.device, dtype=torch.int64), data.shape[axis])
-    if reduction == "none":
-        return torch.scatter(data, axis, idx, updates)
-    return torch.scatter_reduce(data, axis, idx, updates, _REDUCE[reduction], include_self=True)
-
-
-register("ScatterElements")(_scatter_elements)
-register("Scatter")(_scatter_elements)  # the pre-opset-11 name of the same op
-
-
-@register("ScatterND")
-def scatter_nd(
-    data: torch.Tensor, indices: torch.Tensor, updates: torch.Tensor, reduction: str = "none"
-) -> torch.Tensor:
-    index = _nd_index(data, indices, 0)
-    out = data.clone()
-    if reduction == "none":
-        return out.index_put_(index, updates)
-    if reduction == "add":
-        return out.index_put_(index, updates, accumulate=True)
-    # mul/max/min: scatter_reduce over the flattened indexed prefix.
-    k = indices.shape[-1]
-    flat = torch.zeros((), dtype=torch.int64, device=data.device)
-    for i, ix in enumerate(index):
-        flat = flat * data.shape[i] + ix
-    rows = out.reshape(math.prod(data.shape[:k]), -1)
-    upd = updates.reshape(-1, rows.shape[1])
-    rows.scatter_reduce_(0, flat.reshape(-1, 1).expand_as(upd), upd, _REDUCE[reduction], include_self=True)
-    return out
-
-
-@register("OneHot")
-def one_hot(indices: torch.Tensor, depth: torch.Tensor, values: torch.Tensor, axis: int = -1) -> torch.Tensor:
-    d = int(depth)
-    rank = indices.dim() + 1
-    if axis < 0:
-        axis += rank
-    idx = indices.to(torch.int64)
-    idx = torch.where(idx < 0, idx + d, idx).unsqueeze(axis)
-    # A comparison, not F.one_hot: out-of-range indices give an all-`off` row as ONNX wants.
-    classes = torch.arange(d, device=indices.device).reshape([d if i == axis else 1 for i in range(rank)])
-    return torch.where(idx == classes, values[1], values[0])
-
-
-@register("NonZero")
-def non_zero(x: torch.Tensor) -> torch.Tensor:
-    if x.dim() == 0:
-        return torch.zeros((0, int(bool(x))), dtype=torch.int64, device=x.device)
-    return torch.nonzero(x).t()
-
-
 @register("EyeLike")
 def eye_like(input: torch.Tensor, dtype: int | None = None, k: int = 0) -> torch.Tensor:
     out_dtype = torch_dtype(dtype, what="EyeLike") if dtype is not None else input.dtype
@@ -376,26 +272,52 @@ def space_to_depth(input: torch.Tensor, blocksize: int, mode: str = "DCR") -> to
     return x.reshape(n, c * b * b, h // b, w // b)
 
 
-@register("Compress")
-def compress(input: torch.Tensor, condition: torch.Tensor, axis: int | None = None) -> torch.Tensor:
-    keep = torch.nonzero(condition.to(device=input.device, dtype=torch.bool)).reshape(-1)
-    if axis is None:
-        flat = input.reshape(-1)
-        return flat.index_select(0, keep[keep < flat.numel()])
-    return input.index_select(axis, keep)
-
-
-@register("ReverseSequence")
-def reverse_sequence(
-    input: torch.Tensor, sequence_lens: torch.Tensor, batch_axis: int = 1, time_axis: int = 0
+@register("CenterCropPad")
+def center_crop_pad(
+    input_data: torch.Tensor, shape: torch.Tensor, axes: list[int] | None = None
 ) -> torch.Tensor:
-    t = input.shape[time_axis]
-    steps = torch.arange(t, device=input.device)
-    lens = sequence_lens.to(device=input.device, dtype=torch.int64)
-    # source time index per (time, batch): reversed inside the length, identity beyond it
-    src = torch.where(steps[:, None] < lens[None, :], lens[None, :] - 1 - steps[:, None], steps[:, None])
-    if time_axis > batch_axis:
-        src = src.t()
-    shape = [1] * input.dim()
-    shape[time_axis], shape[batch_axis] = t, input.shape[batch_axis]
-    return torch.gather(input, time_axis, src.reshape(shape).expand(input.shape))
+    rank = input_data.dim()
+    axes = [a % rank for a in axes] if axes is not None else list(range(rank))
+    # Negative F.pad amounts crop; the odd pixel goes to the end in both directions.
+    tp = [0] * (2 * rank)
+    for ax, want in zip(axes, shape.tolist()):
+        diff = want - input_data.shape[ax]
+        j = 2 * (rank - 1 - ax)
+        half = abs(diff) // 2
+        begin, end = (half, diff - half) if diff >= 0 else (-half, diff + half)
+        tp[j], tp[j + 1] = begin, end
+    return F.pad(input_data, tp)
+
+
+def _window_n(size: torch.Tensor, periodic: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, int]:
+    n = int(size)
+    return torch.arange(n, dtype=dtype, device=device), n if periodic else n - 1
+
+
+@register("HannWindow", needs_device=True)
+def hann_window(
+    size: torch.Tensor, output_datatype: int = 1, periodic: int = 1, _device=None
+) -> torch.Tensor:
+    dtype = torch_dtype(output_datatype, what="HannWindow")
+    i, n = _window_n(size, periodic, torch.float64, _device)
+    return (torch.sin(i * math.pi / n) ** 2).to(dtype)
+
+
+@register("HammingWindow", needs_device=True)
+def hamming_window(
+    size: torch.Tensor, output_datatype: int = 1, periodic: int = 1, _device=None
+) -> torch.Tensor:
+    dtype = torch_dtype(output_datatype, what="HammingWindow")
+    i, n = _window_n(size, periodic, torch.float64, _device)
+    alpha = 25.0 / 46.0  # ONNX's coefficients, not torch's rounded 0.54 / 0.46
+    return (alpha - (1 - alpha) * torch.cos(i * 2 * math.pi / n)).to(dtype)
+
+
+@register("BlackmanWindow", needs_device=True)
+def blackman_window(
+    size: torch.Tensor, output_datatype: int = 1, periodic: int = 1, _device=None
+) -> torch.Tensor:
+    dtype = torch_dtype(output_datatype, what="BlackmanWindow")
+    i, n = _window_n(size, periodic, torch.float64, _device)
+    w = 0.42 - 0.5 * torch.cos(i * 2 * math.pi / n) + 0.08 * torch.cos(i * 4 * math.pi / n)
+    return w.to(dtype)
