@@ -44,6 +44,11 @@ class OpDef:
     # Inputs read only for their dtype (CastLike's target): constant folding
     # may evaluate the op while such an input is still a run-time value.
     meta_inputs: tuple[int, ...] = ()
+    # Inputs read as host values (shapes, axes, ratios: `.tolist()` / `float()`), and
+    # whether the outputs are host values (Shape, Size). On CUDA the executor keeps
+    # such values on the CPU so reading them never synchronises the device.
+    host_inputs: tuple[int, ...] = ()
+    host_outputs: bool = False
     # Filled by later capabilities (backward, cost model); None = not known yet.
     grad: Callable[..., Any] | None = None
     cost: Callable[..., Any] | None = None

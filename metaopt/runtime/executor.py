@@ -30,6 +30,7 @@ class Executor:
         self._tracker = MemoryTracker()
         self._plans: dict[tuple, Plan] = {}
 
+
     # --- running ---------------------------------------------------------------
     def run(
         self,
@@ -45,6 +46,9 @@ class Executor:
         if plan is None:
             plan = build_plan(program, fetches, self.device, self.track_memory)
             self._plans[key] = plan
+            if self.track_memory:
+                for t in plan.constants.values():
+                    self._tracker.acquire(t)
         self._materialise(program, plan.persistables)
         feeds = self._feeds(program, feed or {}, plan.feeds)
         self._tracker.start_run()
@@ -90,7 +94,8 @@ class Executor:
     def memory_stats(self) -> dict[str, int]:
         """Peak live bytes counted by the executor (persistables included), and more."""
         t = self._tracker
-        persist = sum(_storage_bytes(x) for x in _unique_storages(self.scope.values()))
+        held = [*self.scope.values(), *(t for plan in self._plans.values() for t in plan.constants.values())]
+        persist = sum(_storage_bytes(x) for x in _unique_storages(held))
         stats = {
             "peak_bytes": max(t.peak, t.live),
             "last_run_peak_bytes": t.run_peak,

@@ -23,8 +23,32 @@ class Plan:
     fn: object  # fn(S, F, T) -> tuple of fetched tensors
     source: str
     persistables: list[str]  # scope names the program reads or updates
+    constants: dict[str, torch.Tensor]  # the program's constants on the device, held by the plan
     feeds: list[str]
     fetches: list[str]
+
+
+def host_placement(p: Program) -> tuple[set[str], set[tuple[int, int]]]:
+    """(vars computed on the host, (op index, input index) pairs that read a host copy).
+
+    Shape arithmetic stays on the CPU: Shape/Size outputs are host values, an op
+    whose run-time inputs are all host values computes on the host, and a
+    constant read by such an op or at a row's `host_inputs` position is read from
+    the host mirror. Everything else lives on the executor's device.
+    """
+    consts = {v.name for v in p.vars.values() if v.kind == "constant"}
+    host: set[str] = set()
+    reads: set[tuple[int, int]] = set()
+    for i, op in enumerate(p.ops):
+        row = registry.get(op.type)
+        runtime = [x for x in op.inputs if x and x not in consts]
+        on_host = row is not None and (row.host_outputs or (runtime and all(x in host for x in runtime)))
+        if on_host:
+            host.update(o for o in op.outputs if o)
+        for j, x in enumerate(op.inputs):
+            if x in consts and (on_host or (row is not None and j in row.host_inputs)):
+                reads.add((i, j))
+    return host, reads
 
 
 def _bind(op, device: torch.device):
@@ -45,7 +69,11 @@ def build_plan(p: Program, fetches: list[str], device: torch.device, track: bool
         if f not in p.vars:
             raise KeyError(f"fetch {f!r} is not a var of program {p.name!r}{did_you_mean(f, p.vars)}")
     produced = {o for op in p.ops for o in op.outputs if o}
-    persist = [v.name for v in p.vars.values() if v.persistable]
+    # Constants belong to their program, not to the shared scope (two programs may
+    # both have a "const_1"): the plan holds them, on the device and, where read as
+    # host values, on the CPU.
+    persist = [v.name for v in p.vars.values() if v.persistable and v.kind != "constant"]
+    consts = {v.name for v in p.vars.values() if v.kind == "constant"}
     pset = set(persist)
     for f in fetches:
         if f not in produced and f not in pset and f not in p.inputs:
@@ -78,11 +106,21 @@ def build_plan(p: Program, fetches: list[str], device: torch.device, track: bool
         last[f] = n
     frees: dict[int, list[str]] = {}
     for name, i in last.items():
-        if name not in pset:
+        if name not in pset and name not in consts:
             frees.setdefault(i, []).append(name)
 
     g: dict[str, object] = {}
     lines = ["def run(S, F, T):"]
+    if device.type == "cpu":
+        host_reads: set[tuple[int, int]] = set()  # host and device are the same memory
+    else:
+        _, host_reads = host_placement(p)
+    dev_consts: dict[str, torch.Tensor] = {}
+    for name in sorted(consts & set(last)):
+        value = p.values[name].detach()
+        if any(name == p.ops[i].inputs[j] for i, j in host_reads):
+            g["h_" + local(name)] = value.cpu()
+        dev_consts[name] = g[local(name)] = value.to(device, copy=True)
     used_persist = [x for x in persist if x in last or x in p.updates]
     for name in used_persist:
         lines.append(f"    {local(name)} = S[{name!r}]")
@@ -94,7 +132,9 @@ def build_plan(p: Program, fetches: list[str], device: torch.device, track: bool
     for i, op in enumerate(p.ops):
         k = f"k{i}"
         g[k] = _bind(op, device)
-        args = ", ".join(local(x) if x else "None" for x in op.inputs)
+        args = ", ".join(
+            ("h_" + local(x) if (i, j) in host_reads else local(x)) if x else "None" for j, x in enumerate(op.inputs)
+        )
         outs = list(op.outputs)
         if len(outs) == 1:
             o = local(outs[0])
@@ -126,9 +166,10 @@ def build_plan(p: Program, fetches: list[str], device: torch.device, track: bool
     lines.append(f"    return ({out}{',' if len(fetches) == 1 else ''})")
     if track:
         for f in fetches:
-            if f not in pset:
+            if f not in pset and f not in consts:
                 lines.insert(-1, f"    T.release({local(f)})")
     source = "\n".join(lines) + "\n"
     code = compile(source, f"<metaopt plan {p.name}>", "exec")
     exec(code, g)
-    return Plan(g["run"], source, used_persist, [x for x in p.inputs if x in last], list(fetches))
+    feeds = [x for x in p.inputs if x in last]
+    return Plan(g["run"], source, used_persist, dev_consts, feeds, list(fetches))

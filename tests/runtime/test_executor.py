@@ -166,3 +166,23 @@ def test_seed_fixes_dropout_masks():
     np.testing.assert_array_equal(a, b)
     assert not np.array_equal(a, c)
     assert set(np.unique(a)) == {0.0, 2.0}
+
+
+def test_two_programs_with_same_constant_names_share_one_executor():
+    def program(value: float) -> Program:
+        p = Program("c")
+        p.add_var(Var("x", "float32", (2,), kind="input"))
+        p.add_var(Var("const", "float32", (), kind="constant"), torch.tensor(value))
+        p.add_var(Var("y", "float32", (2,)))
+        p.ops = [Op("Mul", ["x", "const"], ["y"])]
+        p.inputs, p.outputs = ["x"], ["y"]
+        return p
+
+    exe = metaopt.Executor()
+    x = np.ones(2, np.float32)
+    (a,) = exe.run(program(2.0), feed={"x": x}, fetch_list=["y"])
+    (b,) = exe.run(program(3.0), feed={"x": x}, fetch_list=["y", ])
+    assert a.tolist() == [2.0, 2.0] and b.tolist() == [3.0, 3.0]
+    assert "const" not in exe.scope  # constants belong to their program, not the scope
+    (c,) = exe.run(program(5.0), feed={"x": x}, fetch_list=["const"])
+    assert float(c) == 5.0

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from metaopt.ops.registry import register
 
@@ -20,16 +19,14 @@ def _fix_negative(indices: torch.Tensor, n) -> torch.Tensor:
 
 @register("Gather")
 def gather(data: torch.Tensor, indices: torch.Tensor, axis: int = 0) -> torch.Tensor:
-    if axis < 0:
-        axis += data.dim()
-    n = data.shape[axis]
     if indices.dim() == 0 and indices.device.type == "cpu":
         return data.select(axis, int(indices))  # a view; python-int indexing handles negatives
-    idx = _fix_negative(indices.to(device=data.device, dtype=torch.int64), n)
-    if axis == 0 and data.dim() == 2 and data.is_floating_point():
-        return F.embedding(idx, data)  # the embedding fast path (and torch's own op for it)
-    out = data.index_select(axis, idx.reshape(-1))
-    return out.reshape(data.shape[:axis] + idx.shape + data.shape[axis + 1 :])
+    # Advanced indexing is exactly ONNX Gather: negative indices count from the end, the
+    # output shape is data.shape[:axis] + indices.shape + data.shape[axis + 1:], and an index
+    # tensor on another device is accepted. It is also cheaper than index_select + reshape.
+    if axis == 0:
+        return data[indices]
+    return data[(slice(None),) * (axis % data.dim()) + (indices,)]
 
 
 @register("GatherElements")
@@ -95,7 +92,7 @@ def scatter_nd(
     return out
 
 
-@register("OneHot")
+@register("OneHot", host_inputs=(1,))
 def one_hot(indices: torch.Tensor, depth: torch.Tensor, values: torch.Tensor, axis: int = -1) -> torch.Tensor:
     d = int(depth)
     rank = indices.dim() + 1

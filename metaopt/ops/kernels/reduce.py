@@ -128,7 +128,7 @@ for _type, _fn in (
     ("ReduceLogSum", _log_sum),
     ("ReduceLogSumExp", _log_sum_exp),
 ):
-    register(_type)(_reducer(_fn))
+    register(_type, host_inputs=(1,))(_reducer(_fn))
 
 
 @register("ArgMax")
@@ -161,19 +161,19 @@ def _scan(
     return out.flip(dim) if reverse else out
 
 
-@register("CumSum")
+@register("CumSum", host_inputs=(1,))
 def cum_sum(x: torch.Tensor, axis: torch.Tensor, exclusive: int = 0, reverse: int = 0) -> torch.Tensor:
     if not exclusive and not reverse:
         return torch.cumsum(x, int(axis), dtype=x.dtype)
     return _scan(torch.cumsum, x, axis, exclusive, reverse, 0)
 
 
-@register("CumProd")
+@register("CumProd", host_inputs=(1,))
 def cum_prod(x: torch.Tensor, axis: torch.Tensor, exclusive: int = 0, reverse: int = 0) -> torch.Tensor:
     return _scan(torch.cumprod, x, axis, exclusive, reverse, 1)
 
 
-@register("TopK")
+@register("TopK", host_inputs=(1,))
 def top_k(
     x: torch.Tensor, K: torch.Tensor | None = None, axis: int = -1, largest: int = 1, sorted: int = 1, k=None
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -168,7 +168,7 @@ def _floats(v) -> list[float] | None:
     return vals or None  # an empty tensor means "not given"
 
 
-@register("Resize")
+@register("Resize", host_inputs=(1, 2, 3))
 def resize(
     X: torch.Tensor,
     roi: torch.Tensor | None = None,
@@ -216,7 +216,7 @@ def resize(
     return _saturate(y, X.dtype)
 
 
-@register("Upsample")
+@register("Upsample", host_inputs=(1,))
 def upsample(X: torch.Tensor, scales: torch.Tensor | None = None, mode: str = "nearest") -> torch.Tensor:
     # Opset 9's Upsample: asymmetric coordinates; nearest takes floor(i / scale).
     return resize(

@@ -170,7 +170,7 @@ def _fused_weights(W, R, B, order, n: int, num_dir: int, hidden: int) -> list[to
     return weights
 
 
-@register("LSTM", needs_outputs=True)
+@register("LSTM", needs_outputs=True, host_inputs=(4,))
 def lstm(
     X: torch.Tensor,
     W: torch.Tensor,
@@ -226,7 +226,7 @@ def lstm(
     return _finish(Y, finals, layout, _nout)
 
 
-@register("GRU", needs_outputs=True)
+@register("GRU", needs_outputs=True, host_inputs=(4,))
 def gru(
     X: torch.Tensor,
     W: torch.Tensor,
@@ -281,7 +281,7 @@ def gru(
     return _finish(Y, finals, layout, _nout)
 
 
-@register("RNN", needs_outputs=True)
+@register("RNN", needs_outputs=True, host_inputs=(4,))
 def rnn(
     X: torch.Tensor,
     W: torch.Tensor,

@@ -26,17 +26,17 @@ def identity(input: torch.Tensor) -> torch.Tensor:
     return input
 
 
-@register("Shape")
+@register("Shape", host_outputs=True)
 def shape(data: torch.Tensor, start: int = 0, end: int | None = None) -> torch.Tensor:
     return torch.tensor(data.shape[start:end], dtype=torch.int64)
 
 
-@register("Size")
+@register("Size", host_outputs=True)
 def size(data: torch.Tensor) -> torch.Tensor:
     return torch.tensor(data.numel(), dtype=torch.int64)
 
 
-@register("Reshape")
+@register("Reshape", host_inputs=(1,))
 def reshape(data: torch.Tensor, shape: torch.Tensor, allowzero: int = 0) -> torch.Tensor:
     dims = shape.tolist()
     if not allowzero and 0 in dims:
@@ -53,14 +53,14 @@ def flatten(x: torch.Tensor, axis: int = 1) -> torch.Tensor:
     return x.reshape(outer, math.prod(x.shape[axis:]))
 
 
-@register("Squeeze")
+@register("Squeeze", host_inputs=(1,))
 def squeeze(data: torch.Tensor, axes=None) -> torch.Tensor:
     if axes is None:
         return data.squeeze()
     return data.squeeze(tuple(_ints(axes)))
 
 
-@register("Unsqueeze")
+@register("Unsqueeze", host_inputs=(1,))
 def unsqueeze(data: torch.Tensor, axes) -> torch.Tensor:
     axes = _ints(axes)
     if len(axes) == 1:
@@ -77,7 +77,7 @@ def concat(*inputs: torch.Tensor, axis: int) -> torch.Tensor:
     return torch.cat(inputs, axis)
 
 
-@register("Split", needs_outputs=True)
+@register("Split", needs_outputs=True, host_inputs=(1,))
 def split(
     input: torch.Tensor, split=None, axis: int = 0, num_outputs: int | None = None, _nout: int = 1
 ) -> tuple[torch.Tensor, ...]:
@@ -91,7 +91,7 @@ def split(
     return torch.split(input, -(-n // parts), axis)
 
 
-@register("Slice")
+@register("Slice", host_inputs=(1, 2, 3, 4))
 def slice_(data: torch.Tensor, starts, ends, axes=None, steps=None) -> torch.Tensor:
     # Inputs since opset 10; the same names as attributes (lists, no steps) before.
     starts, ends = _ints(starts), _ints(ends)
@@ -116,13 +116,19 @@ def slice_(data: torch.Tensor, starts, ends, axes=None, steps=None) -> torch.Ten
     return data[tuple(index)]
 
 
-@register("Expand")
+@register("Expand", host_inputs=(1,))
 def expand(input: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
-    # ONNX Expand broadcasts both ways (a 1 in `shape` keeps the input's dim), torch's does not.
-    return input.expand(torch.broadcast_shapes(input.shape, shape.tolist()))
+    # ONNX Expand broadcasts both ways: a 1 in `shape` keeps the input's dim (torch's -1), and
+    # `shape` may have fewer dims than the input. (torch.broadcast_shapes costs ~8 us a call.)
+    dims = shape.tolist()
+    rank = input.dim()
+    if len(dims) < rank:
+        dims = [1] * (rank - len(dims)) + dims
+    lead = len(dims) - rank
+    return input.expand([-1 if i >= lead and d == 1 else d for i, d in enumerate(dims)])
 
 
-@register("Tile")
+@register("Tile", host_inputs=(1,))
 def tile(input: torch.Tensor, repeats: torch.Tensor) -> torch.Tensor:
     return input.repeat(repeats.tolist())
 
@@ -140,7 +146,7 @@ def cast(input: torch.Tensor, to: int, saturate: int = 1, round_mode: str = "up"
     return input.to(torch_dtype(to, what="Cast"))
 
 
-@register("CastLike")
+@register("CastLike", meta_inputs=(1,))
 def cast_like(
     input: torch.Tensor, target_type: torch.Tensor, saturate: int = 1, round_mode: str = "up"
 ) -> torch.Tensor:
@@ -169,7 +175,7 @@ def constant(
     raise NotImplementedError("Constant: only value, value_float(s) and value_int(s) are supported")
 
 
-@register("ConstantOfShape", needs_device=True)
+@register("ConstantOfShape", needs_device=True, host_inputs=(0,))
 def constant_of_shape(
     input: torch.Tensor, value: torch.Tensor | None = None, _device: torch.device | None = None
 ) -> torch.Tensor:
@@ -179,7 +185,7 @@ def constant_of_shape(
     return torch.full(dims, value.item(), dtype=value.dtype, device=_device)
 
 
-@register("Range", needs_device=True)
+@register("Range", needs_device=True, host_inputs=(0, 1, 2))
 def range_(
     start: torch.Tensor, limit: torch.Tensor, delta: torch.Tensor, _device: torch.device | None = None
 ) -> torch.Tensor:
@@ -191,7 +197,7 @@ def range_(
     return torch.arange(s, lim, d, dtype=start.dtype, device=_device)
 
 
-@register("Trilu")
+@register("Trilu", host_inputs=(1,))
 def trilu(input: torch.Tensor, k: torch.Tensor | None = None, upper: int = 1) -> torch.Tensor:
     diag = int(k) if k is not None else 0
     return torch.triu(input, diag) if upper else torch.tril(input, diag)
@@ -212,7 +218,7 @@ def _pad_index(n: int, before: int, after: int, mode: str, device: torch.device)
     return torch.where(idx >= n, period - idx, idx)
 
 
-@register("Pad")
+@register("Pad", host_inputs=(1, 2, 3))
 def pad(
     data: torch.Tensor,
     pads=None,
@@ -272,7 +278,7 @@ def space_to_depth(input: torch.Tensor, blocksize: int, mode: str = "DCR") -> to
     return x.reshape(n, c * b * b, h // b, w // b)
 
 
-@register("CenterCropPad")
+@register("CenterCropPad", host_inputs=(1,))
 def center_crop_pad(
     input_data: torch.Tensor, shape: torch.Tensor, axes: list[int] | None = None
 ) -> torch.Tensor:
@@ -294,7 +300,7 @@ def _window_n(size: torch.Tensor, periodic: int, dtype: torch.dtype, device) -> 
     return torch.arange(n, dtype=dtype, device=device), n if periodic else n - 1
 
 
-@register("HannWindow", needs_device=True)
+@register("HannWindow", needs_device=True, host_inputs=(0,))
 def hann_window(
     size: torch.Tensor, output_datatype: int = 1, periodic: int = 1, _device=None
 ) -> torch.Tensor:
@@ -303,7 +309,7 @@ def hann_window(
     return (torch.sin(i * math.pi / n) ** 2).to(dtype)
 
 
-@register("HammingWindow", needs_device=True)
+@register("HammingWindow", needs_device=True, host_inputs=(0,))
 def hamming_window(
     size: torch.Tensor, output_datatype: int = 1, periodic: int = 1, _device=None
 ) -> torch.Tensor:
@@ -313,7 +319,7 @@ def hamming_window(
     return (alpha - (1 - alpha) * torch.cos(i * 2 * math.pi / n)).to(dtype)
 
 
-@register("BlackmanWindow", needs_device=True)
+@register("BlackmanWindow", needs_device=True, host_inputs=(0,))
 def blackman_window(
     size: torch.Tensor, output_datatype: int = 1, periodic: int = 1, _device=None
 ) -> torch.Tensor:

@@ -26,12 +26,12 @@ def grid_sample(
     return F.grid_sample(X, grid, _GRID_MODE[mode], padding_mode, bool(align_corners))
 
 
-@register("AffineGrid")
+@register("AffineGrid", host_inputs=(1,))
 def affine_grid(theta: torch.Tensor, size: torch.Tensor, align_corners: int = 0) -> torch.Tensor:
     return F.affine_grid(theta, size.tolist(), bool(align_corners))
 
 
-@register("Col2Im")
+@register("Col2Im", host_inputs=(1, 2))
 def col2im(
     input: torch.Tensor,
     image_shape: torch.Tensor,
@@ -79,7 +79,7 @@ def _col2im_nd(x, image, block, dilations, begin, end, strides) -> torch.Tensor:
     return out
 
 
-@register("MaxUnpool")
+@register("MaxUnpool", host_inputs=(2,))
 def max_unpool(
     X: torch.Tensor,
     I: torch.Tensor,  # noqa: E741 (ONNX's name)
