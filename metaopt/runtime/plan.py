@@ -76,7 +76,7 @@ def build_plan(p: Program, fetches: list[str], device: torch.device, track: bool
     consts = {v.name for v in p.vars.values() if v.kind == "constant"}
     pset = set(persist)
     for f in fetches:
-        if f not in produced and f not in pset and f not in p.inputs:
+        if f not in produced and f not in pset and f not in consts and f not in p.inputs:
             raise ValueError(f"fetch {f!r} is never computed by program {p.name!r}")
 
     slot: dict[str, str] = {}
