@@ -69,8 +69,6 @@ _RING, _ORDER, _ORDER_VALUE, _DIVIDE = range(4)
 
 def _unsigned(fn, kind: int, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     dtype = a.dtype
-    if dtype not in _WIDE:
-        raise NotImplementedError(f"{fn.__name__} is not implemented for {dtype}")
     if dtype != torch.uint64:  # every uint16/32 value fits int64
         out = fn(a.to(torch.int64), b.to(torch.int64))
         return out if kind == _ORDER else out.to(dtype)
@@ -91,6 +89,8 @@ def _binary(fn, kind: int):
         try:
             return fn(a, b)
         except NotImplementedError:
+            if a.dtype not in _WIDE:
+                raise
             return _unsigned(fn, kind, a, b)
 
     kernel.__name__ = fn.__name__

@@ -107,7 +107,7 @@ def slice_(data: torch.Tensor, starts, ends, axes=None, steps=None) -> torch.Ten
             continue
         # torch has no negative steps: slice the flipped dim with the mirrored bounds.
         n = data.shape[ax]
-        start = min(max(start + n if start < 0 else start, -1), n - 1)
+        start = min(max(start + n if start < 0 else start, 0), n - 1)
         end = min(max(end + n if end < 0 else end, -1), n - 1)
         index[ax] = slice(n - 1 - start, n - 1 - end, -step)
         flips.append(ax)
