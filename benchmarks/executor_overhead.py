@@ -81,8 +81,14 @@ def _case(name: str, config: str, batch: int, overrides: dict, device: torch.dev
     row["eager_ms"] = _time(eager, device, reps) * 1e3
     for track in (True, False):
         exe = metaopt.Executor(device, track_memory=track)
-        ms = _time(lambda exe=exe: exe.run(program, feed=feed, fetch_list=[program.loss], return_numpy=False),
-                   device, reps) * 1e3
+        ms = (
+            _time(
+                lambda exe=exe: exe.run(program, feed=feed, fetch_list=[program.loss], return_numpy=False),
+                device,
+                reps,
+            )
+            * 1e3
+        )
         key = "ours_ms" if track else "ours_untracked_ms"
         row[key] = ms
     row["ratio"] = row["ours_ms"] / row["eager_ms"]
@@ -111,7 +117,9 @@ def _dispatch_overhead(device: torch.device, n: int = 2000) -> dict:
     out = {"direct_us_per_op": base / n * 1e6}
     for track in (True, False):
         exe = metaopt.Executor(device, track_memory=track)
-        t = _time(lambda exe=exe: exe.run(p, feed={"x": x}, fetch_list=[prev], return_numpy=False), device, 20)
+        t = _time(
+            lambda exe=exe: exe.run(p, feed={"x": x}, fetch_list=[prev], return_numpy=False), device, 20
+        )
         out["overhead_us_per_op" + ("" if track else "_untracked")] = (t - base) / n * 1e6
     return out
 
@@ -121,7 +129,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="tiny configs, few reps (smoke test)")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "results", "executor_overhead.json"))
+    ap.add_argument(
+        "--json", default=os.path.join(os.path.dirname(__file__), "results", "executor_overhead.json")
+    )
     args = ap.parse_args()
     device = torch.device(args.device)
     torch.set_grad_enabled(True)
@@ -131,18 +141,28 @@ def main() -> None:
     rows = [_case(*c, device=device, reps=2 if args.quick else args.reps) for c in cases]
     over = _dispatch_overhead(device)
     machine = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or "cpu",
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
     }
     print(f"executor overhead on {device} ({machine['device']}, {machine['threads']} threads)")
-    print(f"{'program':8} {'config':9} {'batch':>5} {'ops':>5} {'eager ms':>9} {'ours ms':>9} {'ratio':>6} "
-          f"{'untracked':>9} {'ratio':>6}")
+    print(
+        f"{'program':8} {'config':9} {'batch':>5} {'ops':>5} {'eager ms':>9} {'ours ms':>9} {'ratio':>6} "
+        f"{'untracked':>9} {'ratio':>6}"
+    )
     for r in rows:
-        print(f"{r['program']:8} {r['config']:9} {r['batch']:5d} {r['ops']:5d} {r['eager_ms']:9.2f} "
-              f"{r['ours_ms']:9.2f} {r['ratio']:6.3f} {r['ours_untracked_ms']:9.2f} {r['ratio_untracked']:6.3f}")
-    print(f"per-op dispatch: torch direct {over['direct_us_per_op']:.2f} µs/op; executor overhead "
-          f"+{over['overhead_us_per_op']:.2f} µs/op (memory accounting on), "
-          f"+{over['overhead_us_per_op_untracked']:.2f} µs/op (off)")
+        print(
+            f"{r['program']:8} {r['config']:9} {r['batch']:5d} {r['ops']:5d} {r['eager_ms']:9.2f} "
+            f"{r['ours_ms']:9.2f} {r['ratio']:6.3f} {r['ours_untracked_ms']:9.2f} {r['ratio_untracked']:6.3f}"
+        )
+    print(
+        f"per-op dispatch: torch direct {over['direct_us_per_op']:.2f} µs/op; executor overhead "
+        f"+{over['overhead_us_per_op']:.2f} µs/op (memory accounting on), "
+        f"+{over['overhead_us_per_op_untracked']:.2f} µs/op (off)"
+    )
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump({"machine": machine, "device": str(device), "rows": rows, "dispatch": over}, f, indent=2)

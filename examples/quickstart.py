@@ -45,11 +45,10 @@ def main() -> None:
         (loss_value,) = exe.run(main_program, feed=feed, fetch_list=[loss])
         print(f"step {step}: loss {float(loss_value):.6f}")
     stats = exe.memory_stats()
+    act = stats["peak_bytes"] - stats["persistable_bytes"]
     print(
-        "memory: peak {peak:,} B (persistables {persist:,} B, activations {act:,} B), host peak {host:,} B".format(
-            peak=stats["peak_bytes"], persist=stats["persistable_bytes"],
-            act=stats["peak_bytes"] - stats["persistable_bytes"], host=stats["host_peak_bytes"],
-        )
+        f"memory: peak {stats['peak_bytes']:,} B (persistables {stats['persistable_bytes']:,} B, "
+        f"activations {act:,} B), host peak {stats['host_peak_bytes']:,} B"
     )
     # Dropout masks come from the same RNG but in another order than torch's, so the
     # check against torch runs with dropout off.

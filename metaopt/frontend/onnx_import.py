@@ -112,9 +112,18 @@ def _describe(node: onnx.NodeProto) -> str:
     return f"op {node.op_type} (node {node.name or '?'}, outputs {list(node.output)}){where}"
 
 
-def check_supported(graph: onnx.GraphProto) -> None:
-    """Refuse control flow and op types without a kernel, naming op and scope."""
+# Ops whose semantics changed at an opset our kernels do not implement the old side of.
+_MIN_OPSET = {"Softmax": 13, "LogSoftmax": 13, "Hardmax": 13}
+
+
+def check_supported(graph: onnx.GraphProto, opset: int = 20) -> None:
+    """Refuse control flow, op types without a kernel and old-opset semantics, naming op and scope."""
     for node in graph.node:
+        if node.op_type in _MIN_OPSET and opset < _MIN_OPSET[node.op_type]:
+            raise ImportError_(
+                f"{_describe(node)}: opset {opset} semantics (flatten at axis) are not supported; "
+                f"convert the model to opset {_MIN_OPSET[node.op_type]} or later"
+            )
         if node.op_type in CONTROL_FLOW:
             raise ImportError_(f"{_describe(node)}: control flow is not supported (one block only)")
         if node.op_type == "Constant":
@@ -138,7 +147,8 @@ def to_program(
     """
     opts = opts or ImportOptions()
     model = split_sequences(model)
-    check_supported(model.graph)
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 20)
+    check_supported(model.graph, opset)
     model = _with_inferred_types(model)
     g = model.graph
     types = _value_types(g, opts.symbolic_dims)

@@ -30,7 +30,6 @@ class Executor:
         self._tracker = MemoryTracker()
         self._plans: dict[tuple, Plan] = {}
 
-
     # --- running ---------------------------------------------------------------
     def run(
         self,

@@ -42,7 +42,11 @@ def host_placement(p: Program) -> tuple[set[str], set[tuple[int, int]]]:
     for i, op in enumerate(p.ops):
         row = registry.get(op.type)
         runtime = [x for x in op.inputs if x and x not in consts]
-        on_host = row is not None and (row.host_outputs or (runtime and all(x in host for x in runtime)))
+        # Ops that create tensors on the executor's device (`needs_device`) never
+        # compute on the host, whatever their inputs.
+        on_host = row is not None and (
+            row.host_outputs or (not row.needs_device and runtime and all(x in host for x in runtime))
+        )
         if on_host:
             host.update(o for o in op.outputs if o)
         for j, x in enumerate(op.inputs):
@@ -133,7 +137,8 @@ def build_plan(p: Program, fetches: list[str], device: torch.device, track: bool
         k = f"k{i}"
         g[k] = _bind(op, device)
         args = ", ".join(
-            ("h_" + local(x) if (i, j) in host_reads else local(x)) if x else "None" for j, x in enumerate(op.inputs)
+            ("h_" + local(x) if (i, j) in host_reads else local(x)) if x else "None"
+            for j, x in enumerate(op.inputs)
         )
         outs = list(op.outputs)
         if len(outs) == 1:

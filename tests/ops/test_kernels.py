@@ -68,6 +68,10 @@ def test_table_rows_flags() -> None:
         assert table[op].needs_device, op
     assert table["BatchNormTraining"].domain == "metaopt"
     assert table["Add"].domain == ""
+    # Shape arithmetic stays on the host: Shape/Size produce CPU values, shape operands read them.
+    assert table["Shape"].host_outputs and table["Size"].host_outputs
+    assert table["Reshape"].host_inputs == (1,) and table["Slice"].host_inputs == (1, 2, 3, 4)
+    assert table["Dropout"].host_inputs == (1, 2)
 
 
 # --------------------------------------------------------------------------- Dropout
@@ -264,6 +268,11 @@ def _mutation_cases():
     yield "CumSum", (x, torch.tensor(1)), {"exclusive": 1, "reverse": 1}
     yield "Clip", (x, torch.tensor(-0.5), torch.tensor(0.5)), {}
     yield "Slice", (x, torch.tensor([2]), torch.tensor([0]), torch.tensor([1]), torch.tensor([-1])), {}
+    yield (
+        "Slice",
+        (x, torch.tensor([-9]), torch.tensor([-(2**63)]), torch.tensor([2]), torch.tensor([-1])),
+        {},
+    )
     yield "Split", (x, torch.tensor([1, 3])), {"axis": 1, "_nout": 2}
     yield "Dropout", (x, torch.tensor(0.5), torch.tensor(True)), {"_nout": 2}
     yield "BatchNormTraining", (x, torch.ones(4), torch.zeros(4), torch.zeros(4), torch.ones(4)), {"_nout": 3}
@@ -500,3 +509,63 @@ def test_attention_matches_sdpa() -> None:
     y = kernel("Attention")(q, k, v, mask)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     torch.testing.assert_close(y, ref)
+
+
+@pytest.mark.parametrize(
+    "start,end,step",
+    [(-10, -100, -1), (4, -(2**63), -2), (10, 0, -1), (-1, -6, -1), (3, 1, -1), (2, 2, -1), (0, 2**63 - 1, 2),
+     (-2, 100, 1), (-100, 3, 1)],
+)  # fmt: skip
+def test_slice_clamps_like_onnx(start, end, step) -> None:
+    x = torch.arange(5)
+    got = kernel("Slice")(x, torch.tensor([start]), torch.tensor([end]), None, torch.tensor([step]))
+    # ONNX: negative bounds count from the end, then clamp to [0, n] (step > 0) or
+    # start to [0, n - 1] and end to [-1, n - 1] (step < 0).
+    n = 5
+    s, e = (start + n if start < 0 else start), (end + n if end < 0 else end)
+    if step > 0:
+        s, e = min(max(s, 0), n), min(max(e, 0), n)
+    else:
+        s, e = min(max(s, 0), n - 1), min(max(e, -1), n - 1)
+    assert got.tolist() == list(range(s, e, step))
+
+
+@pytest.mark.parametrize(
+    "op,args,attrs",
+    [
+        ("RandomNormal", (), {"shape": [3, 4], "mean": 1.0, "scale": 2.0}),
+        ("RandomUniform", (), {"shape": [3, 4], "low": -1.0, "high": 3.0, "dtype": 11}),
+        ("RandomNormalLike", (torch.zeros(2, 5, dtype=torch.float64),), {}),
+        ("RandomUniformLike", (torch.zeros(2, 5),), {"dtype": 10}),
+        ("Bernoulli", (torch.full((4, 6), 0.5),), {"dtype": 7}),
+        ("Multinomial", (torch.randn(3, 5),), {"sample_size": 4}),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_random_ops_follow_torch_manual_seed(op, args, attrs) -> None:
+    row = registry.get(op)
+    extra = {"_device": torch.device("cpu")} if row.needs_device else {}
+    torch.manual_seed(11)
+    a = row.kernel(*args, **attrs, **extra)
+    torch.manual_seed(11)
+    b = row.kernel(*args, **attrs, **extra)
+    assert torch.equal(a, b)
+    expected_dtype = {
+        "RandomNormal": torch.float32,
+        "RandomUniform": torch.float64,
+        "RandomNormalLike": torch.float64,
+        "RandomUniformLike": torch.float16,
+        "Bernoulli": torch.int64,
+        "Multinomial": torch.int32,
+    }[op]
+    assert a.dtype == expected_dtype
+    if op == "RandomUniform":
+        assert a.shape == (3, 4) and bool((a >= -1).all()) and bool((a < 3).all())
+    if op == "Multinomial":
+        assert a.shape == (3, 4) and bool((a >= 0).all()) and bool((a < 5).all())
+
+
+def test_global_lp_pool() -> None:
+    x = torch.randn(2, 3, 4, 5)
+    y = kernel("GlobalLpPool")(x, p=3)
+    torch.testing.assert_close(y, x.abs().pow(3).sum((2, 3), keepdim=True).pow(1 / 3))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import re
 import warnings
 from collections.abc import Sequence
 
@@ -272,12 +273,25 @@ def _compare(got: torch.Tensor, want, case: TestCase, i: int) -> None:
 # --------------------------------------------------------------------------- pytest
 
 
+@functools.cache
+def _primary_ops() -> dict[str, str]:
+    """Case name -> the op type it tests (an `_expanded` case tests its unexpanded op)."""
+    single = {c.name: _model(c).graph.node[0].op_type for c in node_cases() if len(_model(c).graph.node) == 1}
+    out = {}
+    for c in node_cases():
+        base = re.sub(r"_expanded(_ver\d+)?$", "", c.name)
+        out[c.name] = single.get(c.name) or single.get(base) or "Graph"
+    return out
+
+
 def _params():
+    # One param per case, id "<OpType>-<case>", so `-k "Conv-"` selects an op's cases.
+    primary = _primary_ops()
     for case in table_cases():
         marks = ()
         if case.name in KNOWN_UNSUPPORTED:
             marks = pytest.mark.xfail(strict=True, reason=KNOWN_UNSUPPORTED[case.name])
-        yield pytest.param(case, id=case.name, marks=marks)
+        yield pytest.param(case, id=f"{primary[case.name]}-{case.name}", marks=marks)
 
 
 @pytest.mark.parametrize("case", list(_params()))
@@ -298,37 +312,53 @@ def conformance_report() -> dict:
     """Run every in-table case outside pytest and print the summary the README quotes."""
     cases = node_cases()
     ours = table_cases()
-    passed, xfailed, failed = 0, [], []
+    passed, xfailed, xpassed, failed = 0, [], [], []
     for case in ours:
         try:
             check_case(case)
-            ok = True
+            err = None
         except Exception as exc:  # any failure counts as not passing
-            ok, err = False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        if ok:
-            passed += 1
-        elif case.name in KNOWN_UNSUPPORTED:
+            err = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        known = case.name in KNOWN_UNSUPPORTED
+        if err is None:
+            passed += not known
+            if known:
+                xpassed.append(case.name)
+        elif known:
             xfailed.append(case.name)
         else:
             failed.append((case.name, err))
     covered = sorted({t for c in ours for _, t in op_types(c)})
+    table = registry.table()
+    unexercised = sorted(set(table) - set(covered))
+    missing = collections.Counter(
+        t for c in cases if not in_table(c) for d, t in op_types(c) if _row(d, t) is None
+    )
     reasons = collections.Counter(KNOWN_UNSUPPORTED[n] for n in xfailed)
-    print(f"ONNX node test cases:            {len(cases)}")
+    print(f"ONNX node test cases:              {len(cases)}")
     print(f"  not collected (op not in table): {len(cases) - len(ours)}")
     print(f"  cases for ops in our table:      {len(ours)}")
     print(f"    passed:                        {passed}")
     print(f"    xfailed (known unsupported):   {len(xfailed)}")
     for reason, n in reasons.most_common():
         print(f"      {n:4d}  {reason}")
+    print(f"    xpassed (remove from KNOWN_UNSUPPORTED): {len(xpassed)} {xpassed if xpassed else ''}")
     print(f"    failed:                        {len(failed)}")
     for name, err in failed:
         print(f"      {name}: {err[:160]}")
-    print(f"op types exercised ({len(covered)}): {', '.join(covered)}")
+    print(f"op table rows: {len(table)}")
+    print(f"op types exercised by the cases ({len(covered)}): {', '.join(covered)}")
+    print(f"rows no case exercises ({len(unexercised)}): {', '.join(unexercised)}")
+    print(
+        "op types of the uncollected cases (cases): "
+        + ", ".join(f"{t} ({n})" for t, n in missing.most_common())
+    )
     return {
         "total": len(cases),
         "in_table": len(ours),
         "passed": passed,
         "xfailed": len(xfailed),
+        "xpassed": xpassed,
         "failed": failed,
         "covered": covered,
     }

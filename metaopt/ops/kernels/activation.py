@@ -1,4 +1,10 @@
-"""Activations with parameters, and the softmax family (opset >= 13 axis semantics)."""
+"""Activations with parameters, and the softmax family.
+
+Softmax, LogSoftmax and Hardmax implement opset >= 13 semantics (normalize along `axis`).
+Before opset 13 they flattened the input to 2-D at `axis` and normalized the whole trailing
+block; a kernel cannot see the opset, so an importer reading such a model must rewrite
+those nodes (Flatten -> op(axis=-1) -> Reshape) or refuse them.
+"""
 
 from __future__ import annotations
 
