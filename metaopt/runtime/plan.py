@@ -143,11 +143,11 @@ def build_plan(p: Program, fetches: list[str], device: torch.device, track: bool
         outs = list(op.outputs)
         if len(outs) == 1:
             o = local(outs[0])
-            lines.append(f"    {o} = {k}({args})")
+            lines.append(f"    {o} = {k}({args})  # {op.type}")
             lines.append(f"    if type({o}) is tuple: {o} = {o}[0]")
         else:
             tmp = "_t"
-            lines.append(f"    {tmp} = {k}({args})")
+            lines.append(f"    {tmp} = {k}({args})  # {op.type}")
             for j, o in enumerate(outs):
                 if o:
                     lines.append(f"    {local(o)} = {tmp}[{j}]")
