@@ -13,6 +13,7 @@ from metaopt.frontend.safe_load import load_model_proto
 from metaopt.ir import Program, verify
 from metaopt.passes.dead_code import dead_code
 from metaopt.passes.fold_constants import fold_constants
+from metaopt.passes.fuse_linear import fuse_linear
 
 _KIND_ORDER = {"input": 0, "param": 1, "buffer": 2, "opt_state": 3, "constant": 4}
 
@@ -25,7 +26,7 @@ def import_model(
     bn_momentum: dict[str, float] | None = None,
     name: str = "main",
 ) -> Program:
-    """raw import -> training repairs -> fold constants -> dead code -> names -> verify.
+    """raw import -> training repairs -> fold constants -> dead code -> fuse Linear -> names -> verify.
 
     Names are rewritten only for torch exports (recognised by their module-scope
     metadata); any other file keeps the names its author chose.
@@ -33,7 +34,7 @@ def import_model(
     p, chains = to_program(model, options, name=name)
     if training:
         repair_training(p, bn_momentum=bn_momentum or {})
-    p = dead_code(fold_constants(p))
+    p = fuse_linear(dead_code(fold_constants(p)))
     if any(chains.values()):  # a torch export: its FX names mean nothing to users
         readable_names(p, chains)
     _order_vars(p)

@@ -73,7 +73,19 @@ def batch_norm_training() -> onnx.FunctionProto:
     )
 
 
-_FUNCTIONS = {"BatchNormTraining": batch_norm_training}
+def linear() -> onnx.FunctionProto:
+    """torch.nn.Linear with a bias, on any rank: MatMul(x, Transpose(W)) + b."""
+    n = helper.make_node
+    nodes = [
+        n("Transpose", ["weight"], ["wt"], perm=[1, 0]),
+        n("MatMul", ["x", "wt"], ["xw"]),
+        n("Add", ["xw", "bias"], ["y"]),
+    ]
+    return helper.make_function(DOMAIN, "Linear", ["x", "weight", "bias"], ["y"], nodes,
+                                [helper.make_opsetid("", 20)])
+
+
+_FUNCTIONS = {"BatchNormTraining": batch_norm_training, "Linear": linear}
 
 
 def for_ops(op_types: set[str]) -> list[onnx.FunctionProto]:

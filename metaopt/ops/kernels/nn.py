@@ -340,3 +340,12 @@ def global_max_pool(X: torch.Tensor) -> torch.Tensor:
 @register("GlobalLpPool")
 def global_lp_pool(X: torch.Tensor, p: int = 2) -> torch.Tensor:
     return torch.linalg.vector_norm(X, p, dim=_spatial(X), keepdim=True)
+
+
+@register("Linear", domain="metaopt")
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """torch.nn.Linear: x @ weight.T + bias over the last dim (one fused BLAS call with the bias).
+
+    The importer folds the exporter's Transpose(W) -> MatMul -> Add chain into this op.
+    """
+    return F.linear(x, weight, bias)
