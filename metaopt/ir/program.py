@@ -120,6 +120,9 @@ class Var:
     shape: Shape | None
     kind: str = "activation"
     trainable: bool = False
+    # The program this var belongs to (Fleet's `var.block.program`): lets
+    # `optimizer.minimize(loss)` find the program from the loss alone.
+    program: Program | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in VAR_KINDS:
@@ -185,7 +188,7 @@ class Program:
     # --- lookup -------------------------------------------------------------
     def var(self, name: str) -> Var:
         try:
-            return self.vars[name]
+            v = self.vars[name]
         except KeyError:
             raise KeyError(
                 f"program {self.name!r} has no var {name!r}{did_you_mean(name, self.vars)}"
@@ -195,7 +198,7 @@ class Program:
     def loss(self) -> Var:
         if self.loss_name is None:
             raise ValueError(f"program {self.name!r} has no loss")
-        return self.vars[self.loss_name]
+        return self.var(self.loss_name)
 
     def params(self, trainable_only: bool = True) -> list[Var]:
         return [v for v in self.vars.values() if v.kind == "param" and (v.trainable or not trainable_only)]
@@ -223,6 +226,7 @@ class Program:
     def add_var(self, var: Var, value: torch.Tensor | None = None) -> Var:
         if var.name in self.vars:
             raise ValueError(f"program {self.name!r} already has a var {var.name!r}")
+        var.program = self
         self.vars[var.name] = var
         if value is not None:
             self.values[var.name] = value
@@ -232,6 +236,8 @@ class Program:
         """A deep copy of the structure; initial value tensors are shared (read-only)."""
         p = Program(self.name)
         p.vars = {k: copy.copy(v) for k, v in self.vars.items()}
+        for v in p.vars.values():
+            v.program = p
         p.ops = [copy.deepcopy(op) for op in self.ops]
         p.inputs, p.outputs = list(self.inputs), list(self.outputs)
         p.loss_name = self.loss_name
@@ -244,6 +250,8 @@ class Program:
         """Take `other`'s contents in place (Fleet's minimize rewrites the user's program)."""
         version = self.version
         self.__dict__.update(other.clone().__dict__)
+        for v in self.vars.values():
+            v.program = self
         self.version = version + 1
 
     def __str__(self) -> str:
