@@ -193,6 +193,8 @@ class Program:
             raise KeyError(
                 f"program {self.name!r} has no var {name!r}{did_you_mean(name, self.vars)}"
             ) from None
+        v.program = self
+        return v
 
     @property
     def loss(self) -> Var:
