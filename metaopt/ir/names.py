@@ -15,6 +15,16 @@ def grad(name: str) -> str:
     return f"{name}@GRAD"
 
 
+def grad_part(name: str, k: int) -> str:
+    """The k-th gradient contribution to `name`, before they are summed into `grad(name)`."""
+    return f"{name}@GRAD@{k}"
+
+
+def saved(name: str, what: str) -> str:
+    """An extra forward output the backward reads (``drop@MASK``, ``ln@RSTD``)."""
+    return f"{name}@{what}"
+
+
 def recompute(name: str) -> str:
     """The recomputed copy of activation `name`."""
     return f"{name}@RECOMPUTE"
@@ -38,6 +48,27 @@ def merged(name: str) -> str:
 def new_state(name: str) -> str:
     """The value that replaces persistable `name` after a step (Program.updates)."""
     return f"{name}@NEW"
+
+
+def moment(name: str, k: int) -> str:
+    """The k-th moment accumulator of param `name` (Adam's exp_avg k=1, exp_avg_sq k=2;
+    Paddle: ``fc1.weight_moment1_0``)."""
+    return f"{name}@MOMENT{k}"
+
+
+def max_moment(name: str, k: int) -> str:
+    """The running maximum of the k-th moment of param `name` (AMSGrad's max_exp_avg_sq, k=2)."""
+    return f"{name}@MAX_MOMENT{k}"
+
+
+def velocity(name: str) -> str:
+    """The momentum buffer of param `name` (Paddle: ``fc1.weight_velocity_0``)."""
+    return f"{name}@VELOCITY"
+
+
+def clipped(name: str) -> str:
+    """Gradient `name` after clipping (e.g. by the global norm)."""
+    return f"{name}@CLIP"
 
 
 def fresh(base: str, taken: Container[str]) -> str:

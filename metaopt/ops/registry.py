@@ -92,3 +92,4 @@ def _ensure_loaded() -> None:
     if not _loaded:
         _loaded = True
         from metaopt.ops import kernels  # noqa: F401
+        from metaopt.ops import grads  # noqa: F401  (rules attach to the rows kernels made)

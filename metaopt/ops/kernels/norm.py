@@ -60,8 +60,10 @@ def batch_norm_training(
     """
     rm = running_mean.clone() if running_mean is not None else None
     rv = running_var.clone() if running_var is not None else None
-    y = F.batch_norm(X, rm, rv, scale, B, True, momentum, epsilon)
-    return _pad_outputs((y, rm, rv), _nout)
+    # native_batch_norm is what F.batch_norm runs on CPU (bitwise equal, tested), and it
+    # also hands back the batch mean and inverse std the backward reads (outputs 4, 5).
+    y, save_mean, save_invstd = torch.native_batch_norm(X, scale, B, rm, rv, True, momentum, epsilon)
+    return _pad_outputs((y, rm, rv, save_mean, save_invstd), _nout)
 
 
 @register("LayerNormalization", needs_outputs=True)

@@ -1,0 +1,252 @@
+"""Gradient rules: one per op type, attached to that op's row in the op table.
+
+A rule receives a `GradBuilder` (see passes/backward.py) for one forward op and the
+names of its output grads (None where an output has none), emits backward ops
+through the builder, and returns one grad name (or None) per op input. Inputs the
+builder says need no grad (`g.needs(i)` false) may get None.
+
+Ops without a rule here fall back to the generic `Vjp` rule (torch autograd on the
+op's own kernel: exact, but it recomputes that op's forward in the backward); random
+ops have no fallback: re-running them would draw a new mask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from metaopt.ops import registry
+
+if TYPE_CHECKING:
+    from metaopt.ir import Op
+    from metaopt.passes.backward import GradBuilder
+
+Rule = Callable[["GradBuilder", "Op", list], list]
+
+
+def grad_rule(*op_types: str) -> Callable[[Rule], Rule]:
+    def deco(fn: Rule) -> Rule:
+        for t in op_types:
+            row = registry.get(t)
+            if row is None:
+                raise ValueError(f"grad rule for unknown op type {t!r}")
+            registry._TABLE[t] = dataclasses.replace(row, grad=fn)
+        return fn
+
+    return deco
+
+
+# --- elementwise --------------------------------------------------------------
+
+
+@grad_rule("Add")
+def _add(g, op, dy):
+    return [g.unbroadcast(dy[0], x) if g.needs(i) else None for i, x in enumerate(op.inputs)]
+
+
+@grad_rule("Sub")
+def _sub(g, op, dy):
+    a, b = op.inputs
+    da = g.unbroadcast(dy[0], a) if g.needs(0) else None
+    db = g.unbroadcast(g.emit1("Neg", [dy[0]], like=dy[0]), b) if g.needs(1) else None
+    return [da, db]
+
+
+@grad_rule("Mul")
+def _mul(g, op, dy):
+    a, b = op.inputs
+    da = g.unbroadcast(g.emit1("Mul", [dy[0], b], like=dy[0]), a) if g.needs(0) else None
+    db = g.unbroadcast(g.emit1("Mul", [dy[0], a], like=dy[0]), b) if g.needs(1) else None
+    return [da, db]
+
+
+@grad_rule("Div")
+def _div(g, op, dy):
+    a, b = op.inputs
+    da = g.unbroadcast(g.emit1("Div", [dy[0], b], like=dy[0]), a) if g.needs(0) else None
+    db = None
+    if g.needs(1):  # d(a/b)/db = -(a/b)/b
+        t = g.emit1("Div", [op.outputs[0], b], like=dy[0])
+        db = g.unbroadcast(g.emit1("Neg", [g.emit1("Mul", [dy[0], t], like=dy[0])], like=dy[0]), b)
+    return [da, db]
+
+
+@grad_rule("Neg")
+def _neg(g, op, dy):
+    return [g.emit1("Neg", [dy[0]], like=op.inputs[0])]
+
+
+@grad_rule("Identity")
+def _identity(g, op, dy):
+    return [g.emit1("Identity", [dy[0]], like=op.inputs[0])]
+
+
+@grad_rule("Relu")
+def _relu(g, op, dy):
+    return [g.emit1("ReluGrad", [dy[0], op.outputs[0]], like=op.inputs[0])]
+
+
+@grad_rule("Tanh")
+def _tanh(g, op, dy):
+    return [g.emit1("TanhGrad", [dy[0], op.outputs[0]], like=op.inputs[0])]
+
+
+@grad_rule("Sigmoid")
+def _sigmoid(g, op, dy):
+    return [g.emit1("SigmoidGrad", [dy[0], op.outputs[0]], like=op.inputs[0])]
+
+
+@grad_rule("Gelu")
+def _gelu(g, op, dy):
+    approx = op.attrs.get("approximate", "none")
+    return [g.emit1("GeluGrad", [dy[0], op.inputs[0]], like=op.inputs[0], approximate=approx)]
+
+
+@grad_rule("Softmax")
+def _softmax(g, op, dy):
+    return [g.emit1("SoftmaxGrad", [dy[0], op.outputs[0]], like=op.inputs[0], axis=op.attrs.get("axis", -1))]
+
+
+@grad_rule("LogSoftmax")
+def _log_softmax(g, op, dy):
+    axis = op.attrs.get("axis", -1)
+    return [g.emit1("LogSoftmaxGrad", [dy[0], op.outputs[0]], like=op.inputs[0], axis=axis)]
+
+
+@grad_rule("Cast")
+def _cast(g, op, dy):
+    x = op.inputs[0]
+    return [g.emit1("Cast", [dy[0]], like=x, to=g.onnx_dtype(x))]
+
+
+# --- shape ops ----------------------------------------------------------------
+
+
+@grad_rule("Reshape", "Flatten", "Squeeze", "Unsqueeze")
+def _reshape(g, op, dy):
+    return [g.reshape_like(dy[0], op.inputs[0])] + [None] * (len(op.inputs) - 1)
+
+
+@grad_rule("Transpose")
+def _transpose(g, op, dy):
+    perm = op.attrs.get("perm") or list(range(len(g.shape(op.inputs[0])) - 1, -1, -1))
+    inv = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inv[p] = i
+    return [g.emit1("Transpose", [dy[0]], like=op.inputs[0], perm=inv)]
+
+
+@grad_rule("Split")
+def _split(g, op, dy):
+    parts = [d if d is not None else g.emit1("ZerosLike", [o], like=o) for d, o in zip(dy, op.outputs)]
+    axis = op.attrs.get("axis", 0)
+    return [g.emit1("Concat", parts, like=op.inputs[0], axis=axis)] + [None] * (len(op.inputs) - 1)
+
+
+@grad_rule("Concat")
+def _concat(g, op, dy):
+    axis = op.attrs.get("axis", 0)
+    sizes = [g.shape(x)[axis] for x in op.inputs]
+    if not all(isinstance(s, int) for s in sizes):
+        return g.vjp(op, dy)
+    outs = g.emit("Split", [dy[0], g.const(sizes, "int64")], [g.contrib(x) for x in op.inputs], axis=axis)
+    return [o if g.needs(i) else None for i, o in enumerate(outs)]
+
+
+# --- layers -------------------------------------------------------------------
+
+
+@grad_rule("Linear")
+def _linear(g, op, dy):
+    x, w, _ = op.inputs
+    outs, mask = g.contribs()
+    g.emit("LinearGrad", [dy[0], x, w], outs, mask=mask)
+    return [o or None for o in outs]
+
+
+@grad_rule("MatMul")
+def _matmul(g, op, dy):
+    a, b = op.inputs
+    if len(g.shape(a)) < 2 or len(g.shape(b)) < 2:
+        return g.vjp(op, dy)
+    outs, mask = g.contribs()
+    g.emit("MatMulGrad", [dy[0], a, b], outs, mask=mask)
+    return [o or None for o in outs]
+
+
+@grad_rule("Gemm")
+def _gemm(g, op, dy):
+    # Y = alpha * A'B' + beta * C, A' = A^T if transA, B' = B^T if transB (2-D only).
+    a, b = op.inputs[:2]
+    c = op.inputs[2] if len(op.inputs) > 2 and op.inputs[2] else None
+    alpha, beta = op.attrs.get("alpha", 1.0), op.attrs.get("beta", 1.0)
+    ta, tb = op.attrs.get("transA", 0), op.attrs.get("transB", 0)
+    d = dy[0]
+    out: list = [None, None]
+    if g.needs(0):  # dA = alpha dY B'^T, or its transpose B' dY^T when transA
+        ins, kw = ([b, d], {"transA": tb, "transB": 1}) if ta else ([d, b], {"transA": 0, "transB": 1 - tb})
+        out[0] = g.emit1("Gemm", ins, like=a, alpha=alpha, **kw)
+    if g.needs(1):  # dB = alpha A'^T dY, or its transpose dY^T A' when transB
+        ins, kw = ([d, a], {"transA": 1, "transB": ta}) if tb else ([a, d], {"transA": 1 - ta, "transB": 0})
+        out[1] = g.emit1("Gemm", ins, like=b, alpha=alpha, **kw)
+    if c is not None:
+        dc = d if beta == 1.0 else g.emit1("Mul", [d, g.const(beta, g.dtype(d))], like=d)
+        out.append(g.unbroadcast(dc, c) if g.needs(2) else None)
+    return out
+
+
+@grad_rule("Gather")
+def _gather(g, op, dy):
+    data, idx = op.inputs
+    if op.attrs.get("axis", 0) == 0 and len(g.shape(data)) == 2 and g.var(data).persistable:
+        return [g.emit1("EmbeddingGrad", [dy[0], idx, data], like=data), None]
+    return g.vjp(op, dy)
+
+
+@grad_rule("LayerNormalization")
+def _layer_norm(g, op, dy):
+    x, scale = op.inputs[:2]
+    bias = op.inputs[2] if len(op.inputs) > 2 and op.inputs[2] else None
+    axis = op.attrs.get("axis", -1)
+    if g.shape(scale) != g.shape(x)[axis:] or op.attrs.get("stash_type", 1) != 1:
+        return g.vjp(op, dy)
+    mean, rstd = g.saved_outputs(op, ["MEAN", "RSTD"], count=3)
+    ins = [dy[0], x, mean, rstd, scale] + ([bias] if bias else [])
+    outs, mask = g.contribs(3 if bias else 2)
+    g.emit("LayerNormGrad", ins, outs, axis=axis, mask=mask)
+    return [o or None for o in outs]
+
+
+@grad_rule("BatchNormTraining")
+def _batch_norm_training(g, op, dy):
+    x, scale, bias = op.inputs[:3]
+    mean, invstd = g.saved_outputs(op, ["SAVE_MEAN", "SAVE_INVSTD"], count=5)
+    eps = op.attrs.get("epsilon", 1e-5)
+    outs, mask = g.contribs(3)
+    g.emit("BatchNormTrainingGrad", [dy[0], x, scale, mean, invstd], outs, epsilon=eps, mask=mask)
+    return [o or None for o in outs] + [None, None]
+
+
+@grad_rule("Conv")
+def _conv(g, op, dy):
+    x, w = op.inputs[:2]
+    b = op.inputs[2] if len(op.inputs) > 2 and op.inputs[2] else None
+    nd = len(g.shape(w)) - 2
+    pads = op.attrs.get("pads", [0] * (2 * nd))
+    if op.attrs.get("auto_pad", "NOTSET") != "NOTSET" or pads[:nd] != pads[nd:]:
+        return g.vjp(op, dy)
+    attrs = {k: op.attrs[k] for k in ("strides", "pads", "dilations", "group") if k in op.attrs}
+    outs, mask = g.contribs(3 if b else 2)
+    g.emit("ConvGrad", [dy[0], x, w], outs, mask=mask, **attrs)
+    return [o or None for o in outs]
+
+
+@grad_rule("Dropout")
+def _dropout(g, op, dy):
+    (mask,) = g.saved_outputs(op, ["MASK"], count=2)
+    ratio = op.inputs[1] if len(op.inputs) > 1 and op.inputs[1] else g.const(0.5, "float32")
+    train = len(op.inputs) > 2 and op.inputs[2] and g.constant_value(op.inputs[2])
+    if not train:
+        return [g.emit1("Identity", [dy[0]], like=op.inputs[0]), None, None][: len(op.inputs)]
+    return [g.emit1("DropoutGrad", [dy[0], mask, ratio], like=op.inputs[0])] + [None] * (len(op.inputs) - 1)

@@ -1,0 +1,189 @@
+"""Gradient kernels: our own op types (domain metaopt), backed by the backward functions
+torch's autograd itself calls, so grads match `torch.autograd` on the same module.
+
+`Vjp` is the generic one: it re-runs a forward kernel under autograd and returns
+the vector-Jacobian product, for ops without a hand-written rule (exact, at the
+cost of recomputing that op's forward in the backward).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metaopt.ops import registry
+from metaopt.ops.registry import register
+
+aten = torch.ops.aten
+
+
+@register("ZerosLike", domain="metaopt")
+def zeros_like(x: torch.Tensor) -> torch.Tensor:
+    """The grad of an output nobody differentiates, where a rule needs a tensor."""
+    return torch.zeros_like(x)
+
+
+@register("ReluGrad", domain="metaopt")
+def relu_grad(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return aten.threshold_backward(dy, y, 0)
+
+
+@register("GeluGrad", domain="metaopt")
+def gelu_grad(dy: torch.Tensor, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    return aten.gelu_backward(dy, x, approximate=approximate)
+
+
+@register("TanhGrad", domain="metaopt")
+def tanh_grad(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return aten.tanh_backward(dy, y)
+
+
+@register("SigmoidGrad", domain="metaopt")
+def sigmoid_grad(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return aten.sigmoid_backward(dy, y)
+
+
+@register("SoftmaxGrad", domain="metaopt")
+def softmax_grad(dy: torch.Tensor, y: torch.Tensor, axis: int = -1) -> torch.Tensor:
+    return aten._softmax_backward_data(dy, y, axis, y.dtype)
+
+
+@register("LogSoftmaxGrad", domain="metaopt")
+def log_softmax_grad(dy: torch.Tensor, y: torch.Tensor, axis: int = -1) -> torch.Tensor:
+    return aten._log_softmax_backward_data(dy, y, axis, y.dtype)
+
+
+@register("DropoutGrad", domain="metaopt", host_inputs=(2,))
+def dropout_grad(dy: torch.Tensor, mask: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
+    p = float(ratio)
+    return aten.native_dropout_backward(dy, mask, 1.0 / (1.0 - p)) if p > 0.0 else dy * mask
+
+
+@register("LayerNormGrad", domain="metaopt", needs_outputs=True)
+def layer_norm_grad(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    axis: int = -1,
+    mask: list[int] | None = None,
+    _nout: int = 3,
+):
+    """(dx, dscale, dbias) via native_layer_norm_backward, as autograd computes them;
+    `mask` says which of them are wanted (the others are not computed)."""
+    want = [bool(m) for m in (mask or [1] * _nout)] + [False] * 3
+    want[2] = want[2] and bias is not None
+    dx, dw, db = aten.native_layer_norm_backward(dy, x, x.shape[axis:], mean, rstd, scale, bias, want[:3])
+    return (dx, dw, db)[:_nout]
+
+
+@register("BatchNormTrainingGrad", domain="metaopt", needs_outputs=True)
+def batch_norm_training_grad(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    save_mean: torch.Tensor,
+    save_invstd: torch.Tensor,
+    epsilon: float = 1e-5,
+    mask: list[int] | None = None,
+    _nout: int = 3,
+):
+    """(dx, dscale, dbias) via native_batch_norm_backward (training statistics)."""
+    want = [bool(m) for m in (mask or [1, 1, 1])]
+    dx, dw, db = aten.native_batch_norm_backward(
+        dy, x, scale, None, None, save_mean, save_invstd, True, epsilon, want
+    )
+    return (dx, dw, db)[:_nout]
+
+
+@register("LinearGrad", domain="metaopt", needs_outputs=True)
+def linear_grad(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mask: list[int] | None = None, _nout: int = 3
+):
+    """(dx, dweight, dbias) of F.linear, as autograd's addmm backward forms them on 2-D views;
+    `mask` says which are wanted."""
+    want = list(mask or [1, 1, 1]) + [0] * 3
+    out_f, in_f = weight.shape
+    dy2 = dy.reshape(-1, out_f)
+    dx = dy.matmul(weight) if want[0] else None
+    dw = dy2.t().mm(x.reshape(-1, in_f)) if want[1] else None
+    db = dy2.sum(0) if want[2] else None
+    return (dx, dw, db)[:_nout]
+
+
+@register("MatMulGrad", domain="metaopt", needs_outputs=True)
+def matmul_grad(
+    dy: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: list[int] | None = None, _nout: int = 2
+):
+    """(da, db) of torch.matmul with broadcasting, summed back to each operand's shape
+    (operands of rank >= 2; the rule sends 1-D cases to Vjp)."""
+    want = list(mask or [1, 1])
+    da = dy.matmul(b.transpose(-1, -2)).sum_to_size(a.shape) if want[0] else None
+    if not want[1]:
+        db = None
+    elif a.dim() >= 3 and b.dim() == 2:  # autograd folds the batch into one mm here
+        db = a.reshape(-1, a.shape[-1]).t().mm(dy.reshape(-1, dy.shape[-1]))
+    else:
+        db = a.transpose(-1, -2).matmul(dy).sum_to_size(b.shape)
+    return da, db
+
+
+@register("EmbeddingGrad", domain="metaopt")
+def embedding_grad(dy: torch.Tensor, indices: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Gather(weight, indices, axis=0)'s weight grad: what nn.Embedding's backward computes.
+
+    `weight` is read for its row count only (a param: alive anyway)."""
+    return aten.embedding_dense_backward(dy, indices, weight.shape[0], -1, False)
+
+
+@register("ConvGrad", domain="metaopt", needs_outputs=True)
+def conv_grad(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    strides: list[int] | None = None,
+    pads: list[int] | None = None,
+    dilations: list[int] | None = None,
+    group: int = 1,
+    mask: list[int] | None = None,
+    _nout: int = 3,
+):
+    """(dx, dw, db) via convolution_backward (symmetric pads only: the rule checks)."""
+    nd = w.dim() - 2
+    strides = strides or [1] * nd
+    dilations = dilations or [1] * nd
+    padding = (pads or [0] * (2 * nd))[:nd]
+    want = [bool(m) for m in (mask or [1] * _nout)] + [False] * 3
+    mask = want[:3]
+    bias_sizes = [w.shape[0]] if mask[2] else None
+    dx, dw, db = aten.convolution_backward(
+        dy, x, w, bias_sizes, strides, padding, dilations, False, [0] * nd, group, mask
+    )
+    return (dx, dw, db)[:_nout]
+
+
+@register("Vjp", domain="metaopt", needs_outputs=True)
+def vjp(*args: torch.Tensor | None, op: str, n_in: int, wrt: list[int], n_out: int, _nout: int, **fwd_attrs):
+    """Generic gradient: re-run forward kernel `op` on inputs `args[:n_in]` under autograd and
+    return d(outputs)/d(inputs[wrt]) applied to the output grads `args[n_in:]` (None = no grad)."""
+    row = registry.get(op)
+    attrs = {k.removeprefix("f_"): v for k, v in fwd_attrs.items()}
+    if row.needs_outputs:
+        attrs["_nout"] = n_out
+    ins = list(args[:n_in])
+    douts = args[n_in:]
+    if row.needs_device:
+        attrs["_device"] = next(x.device for x in ins if x is not None)
+    with torch.enable_grad():
+        xs = [ins[i].detach().requires_grad_(True) if i in wrt else ins[i] for i in range(n_in)]
+        out = row.kernel(*xs, **attrs)
+        outs = out if isinstance(out, tuple) else (out,)
+        pairs = [(o, g) for o, g in zip(outs, douts) if g is not None and o is not None and o.requires_grad]
+        targets = [xs[i] for i in wrt]
+        if not pairs:
+            return tuple(torch.zeros_like(t) for t in targets)
+        grads = torch.autograd.grad(
+            [o for o, _ in pairs], targets, [g for _, g in pairs], allow_unused=True
+        )
+    return tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, targets))
