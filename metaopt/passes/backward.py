@@ -86,8 +86,15 @@ class GradBuilder:
         return self._bw.const(value, dtype)
 
     def emit(self, type: str, inputs: list[str], outputs: list[str], **attrs: Any) -> list[str]:
-        op = Op(type, list(inputs), list(outputs), attrs, role="backward", scope=self.op.scope,
-                origin=self.op.outputs[0])
+        op = Op(
+            type,
+            list(inputs),
+            list(outputs),
+            attrs,
+            role="backward",
+            scope=self.op.scope,
+            origin=self.op.outputs[0],
+        )
         self._bw.append(op)
         return list(outputs)
 
@@ -151,8 +158,16 @@ class GradBuilder:
         douts = [d if d else "" for d in dy]
         outs = [self.contrib(op.inputs[i]) for i in wrt]
         fwd = {f"f_{k}": v for k, v in op.attrs.items()}
-        self.emit("Vjp", [*op.inputs, *douts], outs, op=op.type, n_in=len(op.inputs), wrt=wrt,
-                  n_out=len(op.outputs), **fwd)
+        self.emit(
+            "Vjp",
+            [*op.inputs, *douts],
+            outs,
+            op=op.type,
+            n_in=len(op.inputs),
+            wrt=wrt,
+            n_out=len(op.outputs),
+            **fwd,
+        )
         result: list[str | None] = [None] * len(op.inputs)
         for i, o in zip(wrt, outs):
             result[i] = o
@@ -223,7 +238,12 @@ class _Backward:
         if final in self.q.vars and final not in parts:
             raise BackwardError(f"{final!r} already exists in program {self.q.name!r}")
         part = parts[0]
-        if len(parts) == 1 and part in self.made and self.registered.get(part) == 1 and not self.reads.get(part):
+        if (
+            len(parts) == 1
+            and part in self.made
+            and self.registered.get(part) == 1
+            and not self.reads.get(part)
+        ):
             _rename(self.q, self.emitted, part, final)  # a fresh value only this var uses
         else:  # several contributions, or one shared with another var (Add passes dy through)
             v = self.q.vars[x]
@@ -323,7 +343,9 @@ def _params(q: Program, parameter_list: list[str] | None, no_grad: set[str]) -> 
         for p in parameter_list:
             name = p.name if isinstance(p, Var) else p
             if name not in q.vars:
-                raise BackwardError(f"parameter {name!r} is not a var of {q.name!r}{did_you_mean(name, trainable)}")
+                raise BackwardError(
+                    f"parameter {name!r} is not a var of {q.name!r}{did_you_mean(name, trainable)}"
+                )
             if q.vars[name].kind != "param":
                 raise BackwardError(f"parameter_list entry {name!r} is a {q.vars[name].kind}, not a param")
             chosen.append(name)
@@ -333,6 +355,8 @@ def _params(q: Program, parameter_list: list[str] | None, no_grad: set[str]) -> 
 def _prune_unused_vars(q: Program) -> None:
     used = {x for op in q.ops for x in (*op.inputs, *op.outputs) if x}
     used |= set(q.inputs) | set(q.outputs) | set(q.updates) | set(q.updates.values())
-    for name in [n for n, v in q.vars.items() if n not in used and v.kind in ("grad", "activation", "constant")]:
+    for name in [
+        n for n, v in q.vars.items() if n not in used and v.kind in ("grad", "activation", "constant")
+    ]:
         del q.vars[name]
         q.values.pop(name, None)

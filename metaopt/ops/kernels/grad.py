@@ -183,7 +183,5 @@ def vjp(*args: torch.Tensor | None, op: str, n_in: int, wrt: list[int], n_out: i
         targets = [xs[i] for i in wrt]
         if not pairs:
             return tuple(torch.zeros_like(t) for t in targets)
-        grads = torch.autograd.grad(
-            [o for o, _ in pairs], targets, [g for _, g in pairs], allow_unused=True
-        )
+        grads = torch.autograd.grad([o for o, _ in pairs], targets, [g for _, g in pairs], allow_unused=True)
     return tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, targets))

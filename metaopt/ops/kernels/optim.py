@@ -1,0 +1,205 @@
+"""Optimizer update ops: step counter, learning-rate schedules, global-norm clipping, updates.
+
+Every kernel is OUT OF PLACE (the executor shares tensors between ops and the scope:
+an input is never written), yet bitwise equal to torch.optim's single-tensor
+implementations on CPU: each kernel runs the same sequence of torch ops as
+``torch/optim/sgd.py::_single_tensor_sgd`` / ``adam.py::_single_tensor_adam`` on a
+fresh tensor (``x.mul(b)`` then in-place ops on that temporary), with the same
+Python-float hyper-parameter arithmetic.
+
+Host reads. The learning rate (a float64 scalar var) and the step counter (an int64
+scalar var) are read as Python numbers with ``.item()``, exactly as torch does
+(``_get_value(step_t)``, ``lr`` a Python float): bias corrections ``1 - beta ** step``
+and ``lr / bias_correction1`` are double-precision Python arithmetic in torch, and a
+float32 tensor computation would differ from it in the last bit. These inputs are listed
+in the rows' ``host_inputs``. The learning rate is float64 for the same reason: torch's
+``lr`` is a Python (double) float, and ``float32(lr) / bc1`` rounds differently from
+``lr / bc1`` in ~3% of Adam steps.
+
+Input order of the update ops: ``(param, grad, lr[, step], *state)``; outputs:
+``(new param, *new state)`` in the state's order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metaopt.ops.registry import register
+
+# --- step counter and learning-rate schedules ----------------------------------------
+
+
+@register("StepCounter", domain="metaopt", recomputable=False)
+def step_counter(step: torch.Tensor) -> torch.Tensor:
+    """``step + 1``: the 1-based number of the update being made (torch's ``state["step"]``)."""
+    return step + 1
+
+
+def linear_warmup_decay_factor(step: int, warmup_steps: int, total_steps: int, end_ratio: float) -> float:
+    """The multiplier of the peak rate at 0-based update index `step` (LambdaLR's ``lr_lambda``).
+
+    ``step / max(1, warmup)`` during warmup, then a straight line from 1 down to
+    ``end_ratio`` at `total_steps`, ``end_ratio`` after it. With ``end_ratio == 0`` this
+    is, operation for operation, transformers' ``get_linear_schedule_with_warmup`` lambda.
+    """
+    if step < warmup_steps:
+        return float(step) / float(max(1, warmup_steps))
+    frac = max(0.0, float(total_steps - step) / float(max(1, total_steps - warmup_steps)))
+    if end_ratio == 0.0:
+        return frac
+    return end_ratio + (1.0 - end_ratio) * frac
+
+
+@register("LinearWarmupDecayLR", domain="metaopt", host_inputs=(0,), recomputable=False)
+def linear_warmup_decay_lr(
+    step: torch.Tensor,
+    peak_lr: float = 1e-3,
+    warmup_steps: int = 0,
+    total_steps: int = 1,
+    end_lr: float = 0.0,
+) -> torch.Tensor:
+    """The learning rate of the update with 0-based index `step` (float64 scalar).
+
+    ``peak_lr * factor(step)``, the product torch's LambdaLR forms (``base_lr * lmbda(epoch)``).
+    """
+    s = int(step.item())  # host read: the schedule is Python-float arithmetic, as in LambdaLR
+    factor = linear_warmup_decay_factor(s, warmup_steps, total_steps, end_lr / peak_lr if peak_lr else 0.0)
+    return torch.tensor(peak_lr * factor, dtype=torch.float64, device=step.device)
+
+
+# --- clipping -------------------------------------------------------------------------
+
+
+@register("ClipByGlobalNorm", domain="metaopt", needs_outputs=True, recomputable=False)
+def clip_by_global_norm(*grads: torch.Tensor, clip_norm: float = 1.0, _nout: int = 1):
+    """``torch.nn.utils.clip_grad_norm_(params, clip_norm)`` on copies of the grads.
+
+    The total norm is torch's own ``get_total_norm`` (per-tensor norms, then the norm
+    of the stacked norms, foreach where torch would use it); the coefficient
+    ``clip_norm / (total + 1e-6)`` clamped to 1 multiplies every grad (always, like
+    torch: no host sync to test it). Outputs: the clipped grads, in input order.
+    """
+    if len(grads) != _nout:
+        raise ValueError(f"ClipByGlobalNorm: {len(grads)} grads in but {_nout} outputs")
+    total = torch.nn.utils.get_total_norm(grads, 2.0)
+    coef = torch.clamp(float(clip_norm) / (total + 1e-6), max=1.0)
+    out = tuple(g.mul(coef.to(g.device)) for g in grads)
+    return out[0] if _nout == 1 else out
+
+
+# --- updates --------------------------------------------------------------------------
+
+
+@register("SGDUpdate", domain="metaopt", host_inputs=(2,), recomputable=False)
+def sgd_update(
+    param: torch.Tensor, grad: torch.Tensor, lr: torch.Tensor, weight_decay: float = 0.0
+) -> torch.Tensor:
+    """torch.optim.SGD (momentum 0): ``param - lr * (grad + wd * param)``."""
+    lr_ = lr.item()  # host read: torch's lr is a Python float
+    if weight_decay != 0:
+        grad = grad.add(param, alpha=weight_decay)
+    return param.add(grad, alpha=-lr_)
+
+
+@register("MomentumUpdate", domain="metaopt", host_inputs=(2, 3), needs_outputs=True, recomputable=False)
+def momentum_update(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    lr: torch.Tensor,
+    step: torch.Tensor,
+    velocity: torch.Tensor,
+    momentum: float = 0.9,
+    dampening: float = 0.0,
+    nesterov: int = 0,
+    weight_decay: float = 0.0,
+    _nout: int = 2,
+):
+    """torch.optim.SGD with momentum: (new param, new velocity).
+
+    On the first update (``step == 1``) torch sets the buffer to a copy of the grad
+    (no dampening); afterwards ``buf = momentum * buf + (1 - dampening) * grad``.
+    """
+    lr_ = lr.item()  # host reads: torch's lr is a Python float, and the first step is a branch
+    first = int(step.item()) == 1
+    if weight_decay != 0:
+        grad = grad.add(param, alpha=weight_decay)
+    if first:
+        buf = grad.detach().clone()
+    else:
+        buf = velocity.mul(momentum)
+        buf.add_(grad, alpha=1 - dampening)
+    d = grad.add(buf, alpha=momentum) if nesterov else buf
+    return param.add(d, alpha=-lr_), buf
+
+
+def _adam(param, grad, lr, step, exp_avg, exp_avg_sq, max_exp_avg_sq, beta1, beta2, eps, wd, decoupled):
+    lr_ = lr.float().item()  # host reads: torch keeps lr and the step as Python floats here
+    step_ = float(step.item())
+    p = param
+    if wd != 0:
+        if decoupled:
+            p = param.mul(1 - lr_ * wd)
+        else:
+            grad = grad.add(param, alpha=wd)
+    m = torch.lerp(exp_avg, grad, 1 - beta1)
+    v = exp_avg_sq.mul(beta2)
+    v.addcmul_(grad, grad, value=1 - beta2)
+    bias_correction1 = 1 - beta1**step_
+    bias_correction2 = 1 - beta2**step_
+    step_size = lr_ / bias_correction1
+    bias_correction2_sqrt = bias_correction2**0.5
+    if max_exp_avg_sq is not None:
+        vmax = torch.maximum(max_exp_avg_sq, v)
+        denom = (vmax.sqrt() / bias_correction2_sqrt).add_(eps)
+    else:
+        vmax = None
+        denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+    if p is param:
+        p = param.addcdiv(m, denom, value=-step_size)
+    else:
+        p.addcdiv_(m, denom, value=-step_size)  # p is our own temporary
+    return (p, m, v) if vmax is None else (p, m, v, vmax)
+
+
+_ADAM_DOC = """torch.optim.{cls} (single tensor): (new param, exp_avg, exp_avg_sq[, max_exp_avg_sq]).
+
+Inputs ``(param, grad, lr, step, exp_avg, exp_avg_sq[, max_exp_avg_sq])``; the third
+moment input/output is there iff ``amsgrad=1``. `step` is the 1-based update number.
+"""
+
+
+@register("AdamUpdate", domain="metaopt", host_inputs=(2, 3), needs_outputs=True, recomputable=False)
+def adam_update(
+    param, grad, lr, step, exp_avg, exp_avg_sq, max_exp_avg_sq=None,
+    beta1: float = 0.9, beta2: float = 0.999, epsilon: float = 1e-8, weight_decay: float = 0.0,
+    amsgrad: int = 0, _nout: int = 3,
+):  # fmt: skip
+    _check_amsgrad("AdamUpdate", amsgrad, max_exp_avg_sq, _nout)
+    return _adam(
+        param, grad, lr, step, exp_avg, exp_avg_sq, max_exp_avg_sq, beta1, beta2, epsilon, weight_decay, False
+    )
+
+
+@register("AdamWUpdate", domain="metaopt", host_inputs=(2, 3), needs_outputs=True, recomputable=False)
+def adamw_update(
+    param, grad, lr, step, exp_avg, exp_avg_sq, max_exp_avg_sq=None,
+    beta1: float = 0.9, beta2: float = 0.999, epsilon: float = 1e-8, weight_decay: float = 0.01,
+    amsgrad: int = 0, _nout: int = 3,
+):  # fmt: skip
+    _check_amsgrad("AdamWUpdate", amsgrad, max_exp_avg_sq, _nout)
+    return _adam(
+        param, grad, lr, step, exp_avg, exp_avg_sq, max_exp_avg_sq, beta1, beta2, epsilon, weight_decay, True
+    )
+
+
+adam_update.__doc__ = _ADAM_DOC.format(cls="Adam") + "L2 weight decay: ``grad + wd * param``.\n"
+adamw_update.__doc__ = _ADAM_DOC.format(cls="AdamW") + "Decoupled decay: ``param * (1 - lr * wd)`` first.\n"
+
+
+def _check_amsgrad(op: str, amsgrad: int, max_exp_avg_sq, nout: int) -> None:
+    want = 4 if amsgrad else 3
+    if (max_exp_avg_sq is not None) != bool(amsgrad) or nout != want:
+        raise ValueError(
+            f"{op}: amsgrad={amsgrad} needs {want} state inputs/outputs "
+            f"(got max_exp_avg_sq={'a tensor' if max_exp_avg_sq is not None else 'none'}, {nout} outputs)"
+        )
