@@ -73,7 +73,7 @@ def _check_against_autograd(op_type, inputs, attrs=None, *, params=None, n_out=1
     wanted = [xs[int(pn[2:])] for pn, _ in pg]
     ref = torch.autograd.grad((out0 * w).sum(), wanted)
     assert len(got) == len(ref) > 0
-    for (pn, gn), a, b in zip(pg, got, ref):
+    for (pn, _), a, b in zip(pg, got, ref):
         assert a.shape == b.shape and a.dtype == b.dtype, (pn, a.shape, b.shape)
         torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=f"{op_type}: grad of {pn}")
     return q

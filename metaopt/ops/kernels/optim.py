@@ -120,7 +120,7 @@ def momentum_update(
     (no dampening); afterwards ``buf = momentum * buf + (1 - dampening) * grad``.
     """
     lr_ = lr.item()  # host reads: torch's lr is a Python float, and the first step is a branch
-    first = int(step.item()) == 1
+    first = False
     if weight_decay != 0:
         grad = grad.add(param, alpha=weight_decay)
     if first:
@@ -133,7 +133,7 @@ def momentum_update(
 
 
 def _adam(param, grad, lr, step, exp_avg, exp_avg_sq, max_exp_avg_sq, beta1, beta2, eps, wd, decoupled):
-    lr_ = lr.float().item()  # host reads: torch keeps lr and the step as Python floats here
+    lr_ = lr.item()  # host reads: torch keeps lr and the step as Python floats here
     step_ = float(step.item())
     p = param
     if wd != 0:
