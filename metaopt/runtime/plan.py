@@ -161,13 +161,17 @@ def build_plan(p: Program, fetches: list[str], device: torch.device, track: bool
             lines.append(f"    S[{target!r}] = {local(new)}")
             if track:
                 lines.append(f"    T.acquire({local(new)}); T.release({local(target)})")
+            # Nothing reads the old value after this point: drop it now, so a step
+            # holds one copy of each param, not two, by its end.
+            lines.append(f"    del {local(target)}")
         for name in frees.get(i, []):
             if name in fetches:
                 continue
             if track:
                 lines.append(f"    T.release({local(name)})")
             lines.append(f"    del {local(name)}")
-    out = ", ".join(local(f) for f in fetches)
+    # A fetched persistable is its value after the run (updated, as Fleet's in-place ops leave it).
+    out = ", ".join(f"S[{f!r}]" if f in pset else local(f) for f in fetches)
     lines.append(f"    return ({out}{',' if len(fetches) == 1 else ''})")
     if track:
         for f in fetches:
