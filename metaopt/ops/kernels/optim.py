@@ -120,7 +120,7 @@ def momentum_update(
     (no dampening); afterwards ``buf = momentum * buf + (1 - dampening) * grad``.
     """
     lr_ = lr.item()  # host reads: torch's lr is a Python float, and the first step is a branch
-    first = False
+    first = int(step.item()) == 1
     if weight_decay != 0:
         grad = grad.add(param, alpha=weight_decay)
     if first:

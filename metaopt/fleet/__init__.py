@@ -1,0 +1,49 @@
+"""metaopt.fleet: PaddlePaddle Fleet's front end (collective mode).
+
+    from metaopt import fleet
+    fleet.init(is_collective=True)
+    strategy = fleet.DistributedStrategy()
+    strategy.recompute = True
+    opt = fleet.distributed_optimizer(metaopt.optimizer.Adam(learning_rate=1e-4), strategy)
+    optimize_ops, params_grads = opt.minimize(loss)      # rewrites loss.program in place
+
+State (this worker's rank, the job's size) lives in ``metaopt.fleet.env``; the meta
+optimizers and their literal order in ``metaopt.fleet.distributed_optimizer``.
+"""
+
+from metaopt.fleet.distributed_optimizer import (
+    META_OPTIMIZERS,
+    DistributedOptimizer,
+    MetaPlan,
+    distributed_optimizer,
+)
+from metaopt.fleet.env import (
+    barrier_worker,
+    init,
+    is_first_worker,
+    is_initialized,
+    local_rank,
+    worker_endpoints,
+    worker_index,
+    worker_num,
+)
+from metaopt.fleet.io import load_persistables, save_persistables
+from metaopt.fleet.strategy import DistributedStrategy
+
+__all__ = [
+    "META_OPTIMIZERS",
+    "DistributedOptimizer",
+    "DistributedStrategy",
+    "MetaPlan",
+    "barrier_worker",
+    "distributed_optimizer",
+    "init",
+    "is_first_worker",
+    "is_initialized",
+    "load_persistables",
+    "local_rank",
+    "save_persistables",
+    "worker_endpoints",
+    "worker_index",
+    "worker_num",
+]

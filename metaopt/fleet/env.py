@@ -1,0 +1,276 @@
+"""The worker's place in the job: ``fleet.init`` and ``worker_index`` / ``worker_num`` / ...
+
+Read from the environment the launcher sets (``metaoptrun``, ``torchrun`` or
+``fleetrun``): torch's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+``MASTER_PORT`` first, then Fleet's ``PADDLE_TRAINER_ID``, ``PADDLE_TRAINERS_NUM``,
+``PADDLE_TRAINER_ENDPOINTS``, ``PADDLE_CURRENT_ENDPOINT``. Where both are set they
+must agree. With nothing set the job is one worker (rank 0 of 1, endpoint
+``127.0.0.1:6170`` as in Fleet) and no process group is created.
+
+With more than one worker ``init`` creates the default ``torch.distributed`` process
+group: NCCL when CUDA is visible, else gloo, with a timeout of
+``METAOPT_COMM_TIMEOUT`` seconds (default 300) so a lost peer is an error, not a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger("metaopt.fleet")
+
+DEFAULT_ENDPOINT = "127.0.0.1:6170"  # Fleet's endpoint of a non-distributed job
+DEFAULT_COMM_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """This worker's rank and the job's shape, as read from the environment."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    endpoints: tuple[str, ...] | None = (DEFAULT_ENDPOINT,)  # None: not known (torchrun sets none)
+    current_endpoint: str | None = DEFAULT_ENDPOINT
+    master_addr: str | None = None
+    master_port: int | None = None
+
+
+@dataclass
+class _State:
+    initialized: bool = False
+    env: WorkerEnv = field(default_factory=WorkerEnv)
+    strategy: object = None  # the DistributedStrategy given to init, if any
+    created_group: bool = False  # whether init created the torch.distributed default group
+
+
+_STATE = _State()
+
+
+def _int(environ: Mapping[str, str], name: str) -> int | None:
+    raw = environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def _agree(environ: Mapping[str, str], torch_name: str, paddle_name: str) -> int | None:
+    a, b = _int(environ, torch_name), _int(environ, paddle_name)
+    if a is not None and b is not None and a != b:
+        raise ValueError(f"environment variables disagree: {torch_name}={a} but {paddle_name}={b}")
+    return a if a is not None else b
+
+
+def read_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
+    """This worker's WorkerEnv from `environ` (default ``os.environ``); errors name the variable."""
+    environ = os.environ if environ is None else environ
+    raw_eps = environ.get("PADDLE_TRAINER_ENDPOINTS", "").strip()
+    endpoints = tuple(e.strip() for e in raw_eps.split(",") if e.strip()) if raw_eps else None
+
+    world = _agree(environ, "WORLD_SIZE", "PADDLE_TRAINERS_NUM")
+    if world is None:
+        world = len(endpoints) if endpoints else 1
+    if world < 1:
+        raise ValueError(f"the world size must be >= 1, got {world} (WORLD_SIZE / PADDLE_TRAINERS_NUM)")
+    rank = _agree(environ, "RANK", "PADDLE_TRAINER_ID")
+    if rank is None:
+        if world > 1:
+            raise ValueError(
+                f"the world size is {world} but this worker's rank is not set (RANK or PADDLE_TRAINER_ID)"
+            )
+        rank = 0
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} (RANK / PADDLE_TRAINER_ID) is outside 0..{world - 1}")
+    local_rank = _int(environ, "LOCAL_RANK")
+    if local_rank is None:
+        local_rank = rank  # one node (torchrun and metaoptrun always set LOCAL_RANK)
+    if local_rank < 0:
+        raise ValueError(f"LOCAL_RANK must be >= 0, got {local_rank}")
+
+    if endpoints is not None and len(endpoints) != world:
+        raise ValueError(
+            f"PADDLE_TRAINER_ENDPOINTS lists {len(endpoints)} endpoints but the world size is {world}"
+        )
+    if endpoints is None and world == 1:
+        endpoints = (DEFAULT_ENDPOINT,)
+    current = environ.get("PADDLE_CURRENT_ENDPOINT") or (endpoints[rank] if endpoints else None)
+
+    addr = environ.get("MASTER_ADDR") or None
+    port = _int(environ, "MASTER_PORT")
+    if (addr is None or port is None) and endpoints and world > 1:
+        first_addr, _, first_port = endpoints[0].rpartition(":")
+        addr = addr or first_addr
+        if port is None:
+            try:
+                port = int(first_port)
+            except ValueError:
+                raise ValueError(f"PADDLE_TRAINER_ENDPOINTS: {endpoints[0]!r} is not host:port") from None
+    return WorkerEnv(rank, world, local_rank, endpoints, current, addr, port)
+
+
+def comm_timeout(environ: Mapping[str, str] | None = None) -> datetime.timedelta:
+    """The collectives' timeout: ``METAOPT_COMM_TIMEOUT`` seconds, default 300."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get("METAOPT_COMM_TIMEOUT")
+    if raw is None or raw.strip() == "":
+        return datetime.timedelta(seconds=DEFAULT_COMM_TIMEOUT_S)
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"METAOPT_COMM_TIMEOUT={raw!r}: expected a number of seconds > 0")
+    return datetime.timedelta(seconds=seconds)
+
+
+def init(is_collective: bool = True, strategy=None) -> None:
+    """Fleet's ``fleet.init``: read this worker's env; with >1 worker, join the process group.
+
+    ``is_collective=False`` (parameter-server mode) is not implemented. `strategy` is
+    the default for ``fleet.distributed_optimizer(opt)`` (Fleet 2.x). Calling ``init``
+    again re-reads the environment (it must not change the size of a group already joined).
+    """
+    if not isinstance(is_collective, bool):
+        raise TypeError(
+            f"fleet.init: is_collective must be a bool, got {type(is_collective).__name__} "
+            "(metaopt has no role makers: they describe parameter-server jobs)"
+        )
+    if not is_collective:
+        raise NotImplementedError(
+            "fleet.init(is_collective=False): parameter-server mode is not implemented in metaopt; "
+            "use collective mode, fleet.init(is_collective=True)"
+        )
+    if strategy is not None:
+        from metaopt.fleet.strategy import DistributedStrategy
+
+        if not isinstance(strategy, DistributedStrategy):
+            raise TypeError(
+                f"fleet.init: strategy must be a DistributedStrategy, got {type(strategy).__name__}"
+            )
+        strategy = strategy.copy()
+    env = read_env()
+    if env.world_size > 1:
+        _STATE.created_group = _join_process_group(env) or _STATE.created_group
+    elif _STATE.created_group:
+        raise RuntimeError(
+            "fleet.init: this process already joined a multi-worker group; the env now says 1 worker"
+        )
+    _STATE.env = env
+    _STATE.strategy = strategy
+    _STATE.initialized = True
+    logger.info("fleet.init: worker %d of %d (local rank %d)", env.rank, env.world_size, env.local_rank)
+
+
+# --- multi-process path (kept small; exercised through metaoptrun's tests) -----------------
+
+
+def _join_process_group(env: WorkerEnv) -> bool:
+    """Create torch.distributed's default group for `env`; False if one exists (and matches)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
+            raise RuntimeError(
+                f"fleet.init: a process group already exists as rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, the env says rank {env.rank} of {env.world_size}"
+            )
+        return False
+    if env.master_addr is None or env.master_port is None:
+        raise ValueError(
+            f"fleet.init: {env.world_size} workers need MASTER_ADDR and MASTER_PORT "
+            "(or PADDLE_TRAINER_ENDPOINTS); start the job with metaoptrun"
+        )
+    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
+    if use_cuda:
+        if env.local_rank >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"fleet.init: LOCAL_RANK={env.local_rank} but only {torch.cuda.device_count()} GPU(s) visible"
+            )
+        torch.cuda.set_device(env.local_rank)
+    dist.init_process_group(
+        backend="nccl" if use_cuda else "gloo",
+        init_method=f"tcp://{env.master_addr}:{env.master_port}",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=comm_timeout(),
+    )
+    return True
+
+
+# --- queries -------------------------------------------------------------------------------
+
+
+def _env() -> WorkerEnv:
+    if not _STATE.initialized:
+        raise RuntimeError("fleet is not initialised: call fleet.init(is_collective=True) first")
+    return _STATE.env
+
+
+def is_initialized() -> bool:
+    return _STATE.initialized
+
+
+def worker_index() -> int:
+    """This worker's rank, 0..worker_num()-1."""
+    return _env().rank
+
+
+def worker_num() -> int:
+    """How many workers the job has."""
+    return _env().world_size
+
+
+def local_rank() -> int:
+    """This worker's rank on its node (its GPU index)."""
+    return _env().local_rank
+
+
+def is_first_worker() -> bool:
+    return _env().rank == 0
+
+
+def worker_endpoints(to_string: bool = False) -> list[str] | str:
+    """Every worker's "ip:port" (``PADDLE_TRAINER_ENDPOINTS``), as a list or comma-joined."""
+    env = _env()
+    if env.endpoints is None:
+        raise RuntimeError(
+            "fleet.worker_endpoints(): PADDLE_TRAINER_ENDPOINTS is not set "
+            "(metaoptrun sets it, torchrun does not)"
+        )
+    return ",".join(env.endpoints) if to_string else list(env.endpoints)
+
+
+def user_strategy():
+    """The DistributedStrategy given to ``fleet.init`` (None if none)."""
+    return _STATE.strategy
+
+
+def barrier_worker() -> None:
+    """Wait for every worker; a no-op with one worker."""
+    env = _env()
+    if env.world_size == 1:
+        return
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[env.local_rank])
+    else:
+        dist.barrier()
+
+
+def reset() -> None:
+    """Forget ``init`` (for tests and notebooks); destroys the process group ``init`` created."""
+    if _STATE.created_group:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    _STATE.__init__()

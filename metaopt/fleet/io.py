@@ -1,0 +1,245 @@
+"""fleet.save_persistables / fleet.load_persistables: checkpoints that resume bit for bit.
+
+One file, ``<dirname>/persistables.pt``, written with ``torch.save`` and read with
+``torch.load(..., weights_only=True)`` (no code runs when loading), holding only plain
+containers::
+
+    {"meta": {"format": "metaopt.persistables", "version": 1, "program": name,
+              "torch": version, "vars": {name: {"kind", "dtype", "shape"}}},
+     "tensors": {name: CPU tensor},          # every param, buffer and opt_state var
+     "rng": {"cpu": torch.get_rng_state(), "cuda": [state per visible GPU]}}
+
+Constants are not saved (they are the program's own). Saving is atomic: the file is
+written to a temp file in the same folder, synced, then ``os.replace``d over the old
+one, so a crash mid-save leaves the previous checkpoint intact. Loading validates
+everything before it changes anything: a var of the program missing from the file, a
+shape or dtype mismatch, or (unless ``strict=False``) a var in the file the program does
+not have is an error naming the var. The RNG state is restored too, so a resumed run
+draws the same dropout masks as the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from typing import Any
+
+import torch
+
+from metaopt.ir import Program, Var, did_you_mean, dtype_name, eval_dim
+
+logger = logging.getLogger("metaopt.fleet")
+
+FILENAME = "persistables.pt"
+FORMAT = "metaopt.persistables"
+VERSION = 1
+SAVED_KINDS = ("param", "buffer", "opt_state")
+
+
+def _saved_vars(program: Program) -> list[Var]:
+    return [v for v in program.vars.values() if v.kind in SAVED_KINDS]
+
+
+def _dtype(t: torch.Tensor) -> str:
+    try:
+        return dtype_name(t.dtype)
+    except KeyError:
+        return str(t.dtype).removeprefix("torch.")
+
+
+def save_persistables(
+    exe: Any, dirname: str | os.PathLike, program: Program, *, filename: str = FILENAME
+) -> str:
+    """Save `program`'s params, buffers and optimizer state (from ``exe.scope``, else the
+    program's initial values) and the RNG state to ``dirname/filename``; returns the path."""
+    dirname = os.fspath(dirname)
+    tensors: dict[str, torch.Tensor] = {}
+    info: dict[str, dict[str, Any]] = {}
+    for v in _saved_vars(program):
+        t = exe.scope.get(v.name)
+        if t is None:
+            t = program.values.get(v.name)
+        if t is None:
+            raise ValueError(
+                f"save_persistables: {v.kind} var {v.name!r} has no value in the executor's scope "
+                f"or in program {program.name!r}"
+            )
+        tensors[v.name] = t.detach().to("cpu").clone()
+        info[v.name] = {"kind": v.kind, "dtype": _dtype(t), "shape": list(t.shape)}
+    rng = {
+        "cpu": torch.get_rng_state(),
+        "cuda": list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else [],
+    }
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "program": program.name,
+        "torch": str(torch.__version__),
+        "vars": info,
+    }
+    os.makedirs(dirname, exist_ok=True)
+    path = os.path.join(dirname, filename)
+    fd, tmp = tempfile.mkstemp(dir=dirname, prefix=f".{filename}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save({"meta": meta, "tensors": tensors, "rng": rng}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(dirname)
+    return path
+
+
+def _fsync_dir(dirname: str) -> None:
+    """Make the rename durable (POSIX); best effort elsewhere."""
+    try:
+        fd = os.open(dirname, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _read(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"load_persistables: no checkpoint file {path}")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # any unpickling failure means "not our file"
+        raise ValueError(
+            f"load_persistables: {path} is not a readable metaopt checkpoint ({_why(e)})"
+        ) from None
+    ok = (
+        isinstance(obj, dict)
+        and isinstance(obj.get("meta"), dict)
+        and obj["meta"].get("format") == FORMAT
+        and isinstance(obj.get("tensors"), dict)
+        and all(isinstance(k, str) and isinstance(t, torch.Tensor) for k, t in obj["tensors"].items())
+        and isinstance(obj.get("rng"), dict)
+    )
+    if not ok:
+        raise ValueError(f"load_persistables: {path} is not a metaopt checkpoint (format {FORMAT!r})")
+    version = obj["meta"].get("version")
+    if not isinstance(version, int) or version > VERSION:
+        raise ValueError(
+            f"load_persistables: {path} has format version {version!r}; this metaopt reads <= {VERSION}"
+        )
+    return obj
+
+
+def _why(e: Exception) -> str:
+    """The useful line of a torch.load error (the weights-only ones run to a page)."""
+    text = str(e)
+    for line in text.splitlines():
+        if "WeightsUnpickler error:" in line:
+            return line.strip()
+    line = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+    return line[:300]
+
+
+def _shape_ok(got: tuple[int, ...], want: tuple | None) -> bool:
+    if want is None:
+        return True
+    if len(got) != len(want):
+        return False
+    for g, w in zip(got, want, strict=True):
+        v = eval_dim(w, {})
+        if v is not None and v != g:
+            return False
+    return True
+
+
+def load_persistables(
+    exe: Any,
+    dirname: str | os.PathLike,
+    program: Program,
+    *,
+    strict: bool = True,
+    filename: str = FILENAME,
+) -> list[str]:
+    """Load ``dirname/filename`` into ``exe.scope`` (on the executor's device) and restore
+    the RNG state; returns the names loaded. Validates all before changing anything."""
+    path = os.path.join(os.fspath(dirname), filename)
+    obj = _read(path)
+    tensors: dict[str, torch.Tensor] = obj["tensors"]
+    want = _saved_vars(program)
+    names = {v.name for v in want}
+
+    missing = [v.name for v in want if v.name not in tensors]
+    if missing:
+        hint = did_you_mean(missing[0], [k for k in tensors if k not in names])
+        more = f" (and {len(missing) - 1} more: {missing[1:6]})" if len(missing) > 1 else ""
+        raise ValueError(
+            f"load_persistables: {path} has no var {missing[0]!r}{hint}{more}, "
+            f"which program {program.name!r} needs"
+        )
+    for v in want:
+        t = tensors[v.name]
+        shape = v.shape
+        if shape is None:
+            known = exe.scope.get(v.name)
+            known = known if known is not None else program.values.get(v.name)
+            shape = tuple(known.shape) if known is not None else None
+        if _dtype(t) != v.dtype or not _shape_ok(tuple(t.shape), shape):
+            want_shape = list(shape) if shape is not None else "?"
+            raise ValueError(
+                f"load_persistables: var {v.name!r} is {_dtype(t)} {list(t.shape)} in {path} "
+                f"but {v.dtype} {want_shape} in program {program.name!r}"
+            )
+    extra = [k for k in tensors if k not in names]
+    if extra and strict:
+        raise ValueError(
+            f"load_persistables: {path} holds {len(extra)} var(s) program {program.name!r} does not have: "
+            f"{extra[:10]}; pass strict=False to ignore them"
+        )
+    rng = obj["rng"]
+    cpu_rng = rng.get("cpu")
+    if not (isinstance(cpu_rng, torch.Tensor) and cpu_rng.dtype == torch.uint8):
+        raise ValueError(f"load_persistables: {path} has no valid CPU RNG state")
+
+    loaded = []
+    tracker = getattr(exe, "_tracker", None) if getattr(exe, "track_memory", False) else None
+    for v in want:
+        t = tensors[v.name]
+        old = exe.scope.get(v.name)
+        if old is not None and old.shape == t.shape and old.dtype == t.dtype and old.device == exe.device:
+            with torch.no_grad():
+                old.copy_(t)  # in place: plans and memory accounting keep their tensor
+        else:
+            new = t.to(exe.device, copy=True)
+            if tracker is not None:
+                if old is not None and old.untyped_storage().data_ptr() in tracker.refs:
+                    tracker.release(old)
+                tracker.acquire(new)
+            exe.scope[v.name] = new
+        loaded.append(v.name)
+
+    torch.set_rng_state(cpu_rng)
+    cuda = [s for s in rng.get("cuda", []) if isinstance(s, torch.Tensor)]
+    if cuda:
+        if torch.cuda.is_available():
+            n = torch.cuda.device_count()
+            if n != len(cuda):
+                logger.warning(
+                    "load_persistables: %s has RNG states of %d GPU(s), %d visible: restoring the first %d",
+                    path,
+                    len(cuda),
+                    n,
+                    min(n, len(cuda)),
+                )
+            for i, state in enumerate(cuda[:n]):
+                torch.cuda.set_rng_state(state, i)
+        else:
+            logger.warning("load_persistables: %s has CUDA RNG states but no GPU is visible", path)
+    return loaded

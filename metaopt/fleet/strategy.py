@@ -1,0 +1,553 @@
+"""fleet.DistributedStrategy: what the user wants, with Fleet's field names and defaults.
+
+The fields mirror PaddlePaddle Fleet's ``DistributedStrategy`` (its proto,
+``distributed_strategy.proto``, and ``distributed_strategy.py``). Every field and
+config key is a row in the tables below (name, default, type, doc); a row marked
+``extra=True`` is metaopt's own, not Fleet's.
+
+Differences from Fleet, on purpose:
+
+- Assigning a config dict REPLACES the whole config: the result is the defaults plus
+  the keys given. Fleet merges the given keys into the current config, so a key set
+  earlier silently survives; here ``strategy.recompute_configs = {"checkpoints": [...]}``
+  always means exactly that dict (missing keys at their defaults).
+- Unknown config keys, values of the wrong type, and unknown attributes
+  (``strategy.recompue = True``) raise, with a did-you-mean. Ints are accepted where
+  floats are expected (and stored as floats); a bool is never accepted as an int.
+- Configs read back (``strategy.amp_configs``) are read-only views: item assignment
+  (``strategy.amp_configs["incr_ratio"] = 3.0``), which in Fleet mutates a copy and is
+  silently lost, raises and says to assign the whole dict.
+- ``a_sync`` defaults to False (Fleet: True, where it only matters in parameter-server
+  mode, which metaopt refuses at ``fleet.init``). Here every feature flag metaopt does not
+  implement (``UNSUPPORTED_FEATURES``) is accepted but refused at ``minimize`` when True,
+  so a default of True would refuse every program.
+- ``save_to_json`` / ``load_from_json`` replace Fleet's prototxt files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from metaopt.ir import did_you_mean
+
+
+@dataclass(frozen=True)
+class Key:
+    """One strategy field or config key."""
+
+    default: Any
+    type: str  # "bool", "int", "float", "str", "list[X]", "X|None", "str|list[str]"
+    doc: str
+    extra: bool = False  # metaopt's own, not in Fleet
+    choices: tuple | None = None
+    check: tuple[Callable[[Any], bool], str] | None = None  # (predicate, "must be ...")
+
+
+_POSITIVE = (lambda v: v > 0, "must be > 0")
+_AT_LEAST_1 = (lambda v: v >= 1, "must be >= 1")
+
+# --- config tables (key order is the printed / saved order) ---------------------------
+
+RECOMPUTE_CONFIGS: dict[str, Key] = {
+    "checkpoints": Key(
+        [],
+        "list[str]",
+        "vars after which the forward is kept; the segments between consecutive checkpoints "
+        "are recomputed in backward. Names, module paths, patterns (`encoder.layer.*`) or "
+        "'auto'. Vars are accepted and stored by name; the string 'auto' means ['auto'].",
+    ),
+    "enable_offload": Key(False, "bool", "copy checkpoints to pinned host memory, prefetch them back"),
+    "checkpoint_shape": Key(
+        [], "list[int]", "Fleet needs it for offload; metaopt infers shapes and only validates it"
+    ),
+    "policy": Key("full", "str", "how segments are recomputed ('full': every op of a segment)", extra=True),
+    "memory_budget": Key(
+        None,
+        "int|None",
+        "bytes of activations to aim for when checkpoints are 'auto'",
+        extra=True,
+        check=_POSITIVE,
+    ),
+    "offload_checkpoints": Key(
+        None, "list[str]|None", "which checkpoints to offload (None: all, when enable_offload)", extra=True
+    ),
+    "seed_random_ops": Key(
+        True,
+        "bool",
+        "random ops take a seed held from forward, so recomputed masks are identical",
+        extra=True,
+    ),
+}
+
+AMP_CONFIGS: dict[str, Key] = {
+    "init_loss_scaling": Key(32768.0, "float", "initial loss scale", check=_POSITIVE),
+    "incr_every_n_steps": Key(1000, "int", "grow the scale after this many finite steps", check=_AT_LEAST_1),
+    "decr_every_n_nan_or_inf": Key(
+        2, "int", "shrink the scale after this many steps with inf/nan grads", check=_AT_LEAST_1
+    ),
+    "incr_ratio": Key(
+        2.0, "float", "growth factor of the loss scale", check=(lambda v: v > 1, "must be > 1")
+    ),
+    "decr_ratio": Key(
+        0.8, "float", "shrink factor of the loss scale", check=(lambda v: 0 < v < 1, "must be in (0, 1)")
+    ),
+    "use_dynamic_loss_scaling": Key(True, "bool", "adjust the loss scale (else keep init_loss_scaling)"),
+    "custom_white_list": Key([], "list[str]", "op types always run in low precision"),
+    "custom_black_list": Key([], "list[str]", "op types always run in float32"),
+    "custom_black_varnames": Key([], "list[str]", "vars whose ops always run in float32"),
+    "use_pure_fp16": Key(False, "bool", "O2: params and every op in low precision, float32 master weights"),
+    "use_fp16_guard": Key(True, "bool", "with use_pure_fp16: only ops inside fp16_guard go low precision"),
+    "dtype": Key("float16", "str", "low-precision dtype", choices=("float16", "bfloat16")),
+}
+
+PIPELINE_CONFIGS: dict[str, Key] = {
+    "micro_batch_size": Key(1, "int", "samples per micro-batch", check=_AT_LEAST_1),
+    "accumulate_steps": Key(1, "int", "micro-batches per step (gradients accumulated)", check=_AT_LEAST_1),
+    "schedule_mode": Key("1F1B", "str", "micro-batch schedule", choices=("1F1B", "F-then-B")),
+    "p2p_cache_shape": Key(True, "bool", "send/recv reuse the shapes of the first micro-batch"),
+    "cuts": Key(
+        [],
+        "list[str]",
+        "vars (names or module paths) after which a new stage starts; [] = balanced",
+        extra=True,
+    ),
+    "num_stages": Key(
+        None,
+        "int|None",
+        "number of stages (None: len(cuts) + 1, or the worker count)",
+        extra=True,
+        check=_AT_LEAST_1,
+    ),
+    "dp_degree": Key(1, "int", "data-parallel replicas of the whole pipeline", extra=True, check=_AT_LEAST_1),
+    "shared": Key(
+        [],
+        "list[str|list[str]]",
+        "params tied across stages (each entry: a name, or a group of names); "
+        "their grads are all-reduced among the owning stages",
+        extra=True,
+    ),
+}
+
+GRADIENT_MERGE_CONFIGS: dict[str, Key] = {
+    "k_steps": Key(1, "int", "apply the optimizer every k steps, gradients accumulated", check=_AT_LEAST_1),
+    "avg": Key(True, "bool", "average (else sum) the k accumulated gradients"),
+}
+
+# feature flag -> its config table; the order is the printed order (and that of META_OPTIMIZERS).
+CONFIGS: dict[str, dict[str, Key]] = {
+    "amp": AMP_CONFIGS,
+    "recompute": RECOMPUTE_CONFIGS,
+    "pipeline": PIPELINE_CONFIGS,
+    "gradient_merge": GRADIENT_MERGE_CONFIGS,
+}
+
+# Fleet feature flags metaopt accepts (a Fleet script still parses) but refuses at minimize when True.
+UNSUPPORTED_FEATURES: tuple[str, ...] = (
+    "sharding",
+    "lamb",
+    "lars",
+    "dgc",
+    "localsgd",
+    "adaptive_localsgd",
+    "a_sync",
+    "fp16_allreduce",
+    "sync_batch_norm",
+    "tensor_parallel",
+)
+
+FIELDS: dict[str, Key] = {
+    "amp": Key(False, "bool", "automatic mixed precision (amp_configs)"),
+    "recompute": Key(False, "bool", "recompute, optionally with offload (recompute_configs)"),
+    "pipeline": Key(False, "bool", "pipeline parallelism (pipeline_configs)"),
+    "gradient_merge": Key(False, "bool", "gradient accumulation over k steps (gradient_merge_configs)"),
+    # communication flags of data parallel
+    "fuse_all_reduce_ops": Key(True, "bool", "all-reduce gradients in fused buckets"),
+    "fuse_grad_size_in_MB": Key(32, "int", "bucket size of fused all-reduce, MB", check=_POSITIVE),
+    "nccl_comm_num": Key(1, "int", "communicators used for all-reduce", check=_AT_LEAST_1),
+    "sync_nccl_allreduce": Key(True, "bool", "wait for each all-reduce before going on"),
+    "find_unused_parameters": Key(
+        False, "bool", "params without a gradient get a zero one before all-reduce"
+    ),
+    "without_graph_optimization": Key(True, "bool", "run the rewritten program as is (Fleet 2.x default)"),
+    **{
+        name: Key(False, "bool", f"Fleet's {name}: not implemented in metaopt (refused at minimize)")
+        for name in UNSUPPORTED_FEATURES
+    },
+}
+
+
+# --- values ---------------------------------------------------------------------------------
+
+
+class _ReadOnlyList(list):
+    """A config's list as read back: equal to a list, but mutating it raises."""
+
+    _config = ""
+    _key = ""
+
+    def _refuse(self, *args: Any, **kwargs: Any):
+        c = self._config
+        raise TypeError(
+            f"strategy.{c}[{self._key!r}] is read-only: assign the whole config again, e.g. "
+            f"strategy.{c} = {{**strategy.{c}, {self._key!r}: [...]}}"
+        )
+
+    append = extend = insert = remove = pop = clear = sort = reverse = _refuse
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _refuse
+
+    def __reduce__(self):
+        return (list, (list(self),))
+
+
+class ConfigView(dict):
+    """A config as read back (``strategy.recompute_configs``): a read-only dict.
+
+    Fleet returns a copy, so ``strategy.amp_configs["incr_ratio"] = 3.0`` is silently
+    lost there; here it raises. Assign a whole dict instead:
+    ``strategy.amp_configs = {**strategy.amp_configs, "incr_ratio": 3.0}``.
+    """
+
+    _name = ""
+
+    def _refuse(self, *args: Any, **kwargs: Any):
+        raise TypeError(
+            f"strategy.{self._name} is read-only: assign a whole dict, e.g. "
+            f"strategy.{self._name} = {{**strategy.{self._name}, 'key': value}}"
+        )
+
+    __setitem__ = __delitem__ = __ior__ = update = pop = popitem = clear = setdefault = _refuse
+
+    def __reduce__(self):
+        return (dict, (_plain(self),))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _view(name: str, config: dict[str, Any]) -> ConfigView:
+    out = ConfigView()
+    for k, v in config.items():
+        if isinstance(v, list):
+            v = _frozen([_frozen(x, name, k) if isinstance(x, list) else x for x in v], name, k)
+        dict.__setitem__(out, k, v)
+    out._name = name
+    return out
+
+
+def _frozen(values: list, config: str, key: str) -> _ReadOnlyList:
+    out = _ReadOnlyList(values)
+    out._config, out._key = config, key
+    return out
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def _describe(value: Any) -> str:
+    r = repr(value)
+    if len(r) > 60:
+        r = r[:57] + "..."
+    return f"{type(value).__name__} ({r})"
+
+
+def _conform(value: Any, spec: str) -> Any:
+    """`value` checked against `spec` and normalised (ints -> floats, tuples -> lists)."""
+    if spec.endswith("|None"):
+        if value is None:
+            return None
+        return _conform(value, spec[: -len("|None")])
+    if spec == "str|list[str]":
+        if isinstance(value, str):
+            return value
+        return _conform(value, "list[str]")
+    if spec.startswith("list[") and spec.endswith("]"):
+        if not isinstance(value, (list, tuple)):
+            raise _Mismatch(f"got {_describe(value)}")
+        inner = spec[5:-1]
+        out = []
+        for i, v in enumerate(value):
+            try:
+                out.append(_conform(v, inner))
+            except _Mismatch:
+                raise _Mismatch(f"but item {i} is {_describe(v)}") from None
+        return out
+    if spec == "bool":
+        if isinstance(value, bool):
+            return value
+    elif spec == "int":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif spec == "float":
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif spec == "str":
+        if isinstance(value, str):
+            return value
+    else:  # pragma: no cover - a typo in the tables above
+        raise AssertionError(f"unknown spec {spec!r}")
+    raise _Mismatch(f"got {_describe(value)}")
+
+
+def _coerce_checkpoints(value: Any) -> Any:
+    """Fleet takes checkpoint Vars or names; 'auto' alone means ['auto']."""
+    if isinstance(value, str):
+        if value == "auto":
+            return ["auto"]
+        raise _Mismatch(f"got str ({value!r}); a single checkpoint must still be a list: [{value!r}]")
+    if isinstance(value, (list, tuple)):
+        return [getattr(v, "name", v) if not isinstance(v, str) and _is_var(v) else v for v in value]
+    return value
+
+
+def _is_var(v: Any) -> bool:
+    from metaopt.ir import Var
+
+    return isinstance(v, Var)
+
+
+_COERCE: dict[tuple[str, str], Callable[[Any], Any]] = {
+    ("recompute_configs", "checkpoints"): _coerce_checkpoints,
+    ("recompute_configs", "offload_checkpoints"): lambda v: (
+        v if v is None or isinstance(v, str) else _coerce_checkpoints(v)
+    ),
+    ("pipeline_configs", "cuts"): lambda v: _coerce_checkpoints(v) if isinstance(v, (list, tuple)) else v,
+}
+
+
+def _check_value(where: str, key: Key, value: Any, coerce: Callable[[Any], Any] | None = None) -> Any:
+    try:
+        if coerce is not None:
+            value = coerce(value)
+        value = _conform(value, key.type)
+    except _Mismatch as e:
+        raise TypeError(f"{where}: expected {key.type}, {e}") from None
+    if key.choices is not None and value not in key.choices:
+        raise ValueError(
+            f"{where}: {value!r} is not one of {', '.join(map(repr, key.choices))}"
+            f"{did_you_mean(value, key.choices) if isinstance(value, str) else ''}"
+        )
+    if key.check is not None and value is not None:
+        ok, must = key.check
+        if not ok(value):
+            raise ValueError(f"{where}: {must}, got {value!r}")
+    return value
+
+
+def _config_defaults(table: dict[str, Key]) -> dict[str, Any]:
+    return {k: _plain(key.default) for k, key in table.items()}
+
+
+def _fmt(value: Any) -> list[str]:
+    """A value as table cells: one per list item (Fleet prints repeated fields that way)."""
+    if isinstance(value, list):
+        return [str(v) for v in value] if value else ["[]"]
+    return [str(value)]
+
+
+# --- the strategy ---------------------------------------------------------------------------
+
+
+class DistributedStrategy:
+    """What ``fleet.distributed_optimizer`` should do; Fleet's fields and defaults.
+
+    Feature flags (``amp``, ``recompute``, ``pipeline``, ``gradient_merge``) each have a
+    ``<flag>_configs`` dict; communication flags (``fuse_all_reduce_ops`` ...) tune data
+    parallel. See ``FIELDS`` and ``CONFIGS`` for every field, default and meaning, and the
+    module docstring for where metaopt differs from Fleet (configs are replaced, not
+    merged; mistakes raise).
+    """
+
+    def __init__(self) -> None:
+        values: dict[str, Any] = {name: _plain(key.default) for name, key in FIELDS.items()}
+        for flag, table in CONFIGS.items():
+            values[f"{flag}_configs"] = _config_defaults(table)
+        object.__setattr__(self, "_values", values)
+
+    # --- attributes ---------------------------------------------------------------------
+    @staticmethod
+    def field_names() -> list[str]:
+        """Every settable attribute: the flags and the ``<flag>_configs``."""
+        return [*FIELDS, *(f"{flag}_configs" for flag in CONFIGS)]
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        values = self.__dict__["_values"]
+        if name in FIELDS:
+            return values[name]
+        if name in values:
+            return _view(name, values[name])
+        raise AttributeError(self._unknown(name))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in FIELDS:
+            self._values[name] = _check_value(f"strategy.{name}", FIELDS[name], value)
+        elif name.endswith("_configs") and name[: -len("_configs")] in CONFIGS:
+            self._values[name] = self._check_config(name, value)
+        else:
+            raise AttributeError(self._unknown(name))
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"strategy.{name} cannot be deleted; assign its default instead")
+
+    def __dir__(self) -> list[str]:
+        return sorted({*super().__dir__(), *self.field_names()})
+
+    def _unknown(self, name: str) -> str:
+        if name.endswith("_configs") and name[: -len("_configs")] in UNSUPPORTED_FEATURES:
+            feature = name[: -len("_configs")]
+            return (
+                f"DistributedStrategy has no attribute {name!r}: metaopt does not implement "
+                f"Fleet's {feature} meta optimizer (strategy.{feature} is accepted but refused at minimize)"
+            )
+        return f"DistributedStrategy has no attribute {name!r}{did_you_mean(name, self.field_names())}"
+
+    @staticmethod
+    def _check_config(name: str, config: Any) -> dict[str, Any]:
+        """defaults + `config`, every key known and every value of its type (replace, not merge)."""
+        if not isinstance(config, Mapping):
+            raise TypeError(f"strategy.{name}: expected a dict, got {_describe(config)}")
+        table = CONFIGS[name[: -len("_configs")]]
+        out = _config_defaults(table)
+        for k, v in config.items():
+            if k not in table:
+                raise ValueError(
+                    f"strategy.{name}: unknown key {k!r}{did_you_mean(str(k), table)}; "
+                    f"known keys: {', '.join(table)}"
+                )
+            out[k] = _check_value(f"strategy.{name}[{k!r}]", table[k], v, _COERCE.get((name, k)))
+        return out
+
+    # --- comparison, copies, dicts -------------------------------------------------------
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, DistributedStrategy):
+            return NotImplemented
+        return self._values == other._values
+
+    __hash__ = None  # mutable
+
+    def copy(self) -> DistributedStrategy:
+        return DistributedStrategy.from_dict(self.to_dict())
+
+    def __copy__(self) -> DistributedStrategy:
+        return self.copy()
+
+    def __deepcopy__(self, memo: dict) -> DistributedStrategy:
+        return self.copy()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field (and every config key) as plain JSON-able values."""
+        return _plain(self._values)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, where: str = "") -> DistributedStrategy:
+        """A strategy from defaults + `data` (as written by ``to_dict``); every key checked."""
+        if not isinstance(data, Mapping):
+            raise TypeError(
+                f"{where or 'DistributedStrategy.from_dict'}: expected a dict, got {_describe(data)}"
+            )
+        s = cls()
+        prefix = f"{where}: " if where else ""
+        for k, v in data.items():
+            if k not in s._values:
+                raise ValueError(f"{prefix}unknown field {k!r}{did_you_mean(str(k), s.field_names())}")
+            try:
+                setattr(s, k, v)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"{prefix}{e}") from None
+        return s
+
+    # --- files ----------------------------------------------------------------------------
+    def save_to_json(self, path: str | os.PathLike) -> None:
+        """Write every field to `path` as JSON, atomically (temp file + os.replace)."""
+        path = os.fspath(path)
+        text = json.dumps(self.to_dict(), indent=2) + "\n"
+        folder = os.path.dirname(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+
+    def load_from_json(self, path: str | os.PathLike) -> None:
+        """Set this strategy to the file's fields (others at their defaults); all or nothing."""
+        path = os.fspath(path)
+        with open(path, encoding="utf-8") as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: not a JSON strategy file ({e})") from None
+        loaded = DistributedStrategy.from_dict(data, where=path)
+        self._values.clear()
+        self._values.update(loaded._values)
+
+    # --- printing -------------------------------------------------------------------------
+    def __str__(self) -> str:
+        return self._table()
+
+    __repr__ = __str__
+
+    def _table(self) -> str:
+        """Fleet's "DistributedStrategy Overview" box: enabled features with their configs,
+        then the other fields that differ from their defaults."""
+        sections: list[tuple[str, list[tuple[str, str]]]] = []
+        for flag in CONFIGS:
+            if not self._values[flag]:
+                continue
+            rows: list[tuple[str, str]] = []
+            for k, v in self._values[f"{flag}_configs"].items():
+                for i, cell in enumerate(_fmt(v)):
+                    rows.append((k if i == 0 else "", cell))
+            sections.append((f"{flag}=True <-> {flag}_configs", rows))
+        changed = [
+            (name, str(self._values[name]))
+            for name, key in FIELDS.items()
+            if name not in CONFIGS and self._values[name] != key.default
+        ]
+        if changed:
+            sections.append(("Environment Flags, Communication Flags", changed))
+        if not sections:
+            sections.append(("no meta optimizer enabled, every field at its default", []))
+
+        spacing = 2
+        max_k = max([38, *(len(k) + 2 for _, rows in sections for k, _ in rows)])
+        max_v = max([38, *(len(v) + 2 for _, rows in sections for _, v in rows)])
+        width = max_k + spacing + max_v
+        width = max(width, *(len(title) + 4 for title, _ in sections))
+        max_v = width - max_k - spacing
+        border = "    +" + "=" * width + "+"
+        line = "    +" + "-" * width + "+"
+
+        def h1(text: str) -> str:
+            return "    |" + text.center(width) + "|"
+
+        def h2(k: str, v: str) -> str:
+            return "    |" + k.rjust(max_k) + " " * spacing + v.center(max_v) + "|"
+
+        out = [border, h1(""), h1("DistributedStrategy Overview"), h1("")]
+        for title, rows in sections:
+            out += [border, h1(title)]
+            if rows:
+                out.append(line)
+                out += [h2(k, v) for k, v in rows]
+        out.append(border)
+        return "\n".join(out)

@@ -1,0 +1,307 @@
+"""fleet.init / worker queries and fleet.distributed_optimizer (meta optimizer order, refusals)."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import pytest
+import torch
+
+from metaopt import fleet
+from metaopt.fleet import env
+from metaopt.ir import Op, Program, Var
+
+# the module (`fleet.distributed_optimizer` is the function, as in Fleet)
+dopt = importlib.import_module("metaopt.fleet.distributed_optimizer")
+
+ENV_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "PADDLE_TRAINER_ID",
+    "PADDLE_TRAINERS_NUM",
+    "PADDLE_TRAINER_ENDPOINTS",
+    "PADDLE_CURRENT_ENDPOINT",
+    "METAOPT_COMM_TIMEOUT",
+)
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for name in ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    env.reset()
+    yield
+    env.reset()
+
+
+def _program() -> Program:
+    p = Program("tiny")
+    p.add_var(Var("x", "float32", ("batch", 4), "input"))
+    p.add_var(Var("w", "float32", (4, 3), "param", trainable=True), torch.randn(4, 3))
+    p.add_var(Var("h", "float32", ("batch", 3)))
+    p.add_var(Var("loss", "float32", ()))
+    p.inputs, p.outputs, p.loss_name = ["x"], ["loss"], "loss"
+    p.ops = [Op("MatMul", ["x", "w"], ["h"]), Op("ReduceMean", ["h"], ["loss"], {"keepdims": 0}, role="loss")]
+    return p
+
+
+class FakeOptimizer:
+    """Stands in for metaopt.optimizer.*: records minimize calls."""
+
+    def __init__(self, tag: str = "inner") -> None:
+        self.tag = tag
+        self.calls: list[tuple] = []
+
+    def minimize(self, loss, startup_program=None, parameter_list=None, no_grad_set=None):
+        self.calls.append((loss, startup_program, parameter_list, no_grad_set))
+        return ["optimize-op"], [("w", "w@GRAD")]
+
+
+# --- init and worker queries --------------------------------------------------------------
+
+
+def test_single_worker_by_default():
+    fleet.init(is_collective=True)
+    assert (fleet.worker_index(), fleet.worker_num(), fleet.local_rank()) == (0, 1, 0)
+    assert fleet.is_first_worker()
+    assert fleet.worker_endpoints() == ["127.0.0.1:6170"]
+    fleet.barrier_worker()  # a no-op
+    assert not torch.distributed.is_initialized()
+
+
+def test_queries_before_init_raise():
+    with pytest.raises(RuntimeError, match=r"call fleet\.init"):
+        fleet.worker_index()
+
+
+def test_torch_env_vars(monkeypatch):
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    w = env.read_env()
+    assert (w.rank, w.world_size, w.local_rank) == (2, 4, 0)
+    assert (w.master_addr, w.master_port) == ("10.0.0.1", 29500)
+    assert w.endpoints is None  # torchrun sets no endpoints
+
+
+def test_fleet_env_vars(monkeypatch):
+    monkeypatch.setenv("PADDLE_TRAINER_ID", "1")
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "2")
+    monkeypatch.setenv("PADDLE_TRAINER_ENDPOINTS", "10.0.0.1:6170,10.0.0.2:6171")
+    w = env.read_env()
+    assert (w.rank, w.world_size, w.local_rank) == (1, 2, 1)
+    assert w.endpoints == ("10.0.0.1:6170", "10.0.0.2:6171")
+    assert w.current_endpoint == "10.0.0.2:6171"
+    assert (w.master_addr, w.master_port) == ("10.0.0.1", 6170)  # the first endpoint
+
+
+def test_init_reads_the_env_with_one_worker(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("PADDLE_TRAINER_ENDPOINTS", "10.1.1.1:7000")
+    fleet.init()
+    assert fleet.worker_num() == 1 and fleet.worker_index() == 0
+    assert fleet.worker_endpoints(to_string=True) == "10.1.1.1:7000"
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize(
+    "values, match",
+    [
+        ({"RANK": "1", "PADDLE_TRAINER_ID": "0", "WORLD_SIZE": "2"}, "RANK=1 but PADDLE_TRAINER_ID=0"),
+        ({"WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not an integer"),
+        ({"RANK": "3", "WORLD_SIZE": "2"}, r"rank 3 .* outside 0\.\.1"),
+        ({"WORLD_SIZE": "2"}, "rank is not set"),
+        (
+            {"PADDLE_TRAINERS_NUM": "3", "PADDLE_TRAINER_ID": "0", "PADDLE_TRAINER_ENDPOINTS": "a:1,b:2"},
+            "lists 2 endpoints but the world size is 3",
+        ),
+    ],
+)
+def test_bad_env_names_the_variable(monkeypatch, values, match):
+    for k, v in values.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match=match):
+        fleet.init()
+    assert not fleet.is_initialized()
+
+
+def test_comm_timeout():
+    assert env.comm_timeout({}).total_seconds() == 300
+    assert env.comm_timeout({"METAOPT_COMM_TIMEOUT": "12.5"}).total_seconds() == 12.5
+    with pytest.raises(ValueError, match="METAOPT_COMM_TIMEOUT='0'"):
+        env.comm_timeout({"METAOPT_COMM_TIMEOUT": "0"})
+
+
+def test_parameter_server_mode_is_refused():
+    with pytest.raises(NotImplementedError, match="parameter-server mode"):
+        fleet.init(is_collective=False)
+    with pytest.raises(TypeError, match="is_collective must be a bool"):
+        fleet.init(object())
+    assert not fleet.is_initialized()
+
+
+# --- distributed_optimizer ----------------------------------------------------------------
+
+
+def test_meta_optimizer_order_is_the_documented_literal():
+    assert [(m.name, m.field) for m in fleet.META_OPTIMIZERS] == [
+        ("amp", "amp"),
+        ("recompute", "recompute"),
+        ("pipeline", "pipeline"),
+        ("gradient_merge", "gradient_merge"),
+        ("data_parallel", None),
+    ]
+    doc = dopt.__doc__
+    assert (
+        "amp, recompute (+offload), pipeline, gradient_merge, data_parallel, then the inner optimizer" in doc
+    )
+
+
+def test_plain_path_delegates_to_the_inner_optimizer(caplog):
+    fleet.init(is_collective=True)
+    p = _program()
+    inner = FakeOptimizer()
+    opt = fleet.distributed_optimizer(inner, fleet.DistributedStrategy())
+    with caplog.at_level(logging.INFO, logger="metaopt.fleet"):
+        result = opt.minimize(p.loss, "startup", ["w"], {"x"})
+    assert result == (["optimize-op"], [("w", "w@GRAD")])
+    assert len(inner.calls) == 1
+    loss, *rest = inner.calls[0]
+    assert loss.name == "loss" and loss.program is p
+    assert rest == ["startup", ["w"], {"x"}]
+    assert opt.applied_meta_list == []
+    assert "applied meta optimizers: []" in caplog.text
+
+
+def test_default_strategy_comes_from_init():
+    s = fleet.DistributedStrategy()
+    s.recompute = True
+    fleet.init(strategy=s)
+    s.recompute = False  # init keeps a copy
+    opt = fleet.distributed_optimizer(FakeOptimizer())
+    assert opt.user_defined_strategy.recompute
+    assert not fleet.distributed_optimizer(
+        FakeOptimizer(), fleet.DistributedStrategy()
+    ).user_defined_strategy.recompute
+
+
+@pytest.mark.parametrize("flag", ["amp", "recompute", "pipeline", "gradient_merge"])
+def test_each_enabled_meta_optimizer_is_not_implemented_yet(flag):
+    fleet.init()
+    s = fleet.DistributedStrategy()
+    setattr(s, flag, True)
+    inner = FakeOptimizer()
+    p = _program()
+    before = str(p)
+    with pytest.raises(NotImplementedError, match=rf"strategy\.{flag}=True: the {flag} meta optimizer"):
+        fleet.distributed_optimizer(inner, s).minimize(p.loss)
+    assert inner.calls == [] and str(p) == before  # refused before anything was touched
+
+
+def test_data_parallel_with_two_workers_is_not_implemented_yet(monkeypatch):
+    fleet.init()
+    monkeypatch.setattr(env._STATE, "env", env.WorkerEnv(rank=0, world_size=2))
+    inner = FakeOptimizer()
+    with pytest.raises(NotImplementedError, match=r"worker_num\(\)=2: the data_parallel meta optimizer"):
+        fleet.distributed_optimizer(inner).minimize(_program().loss)
+    assert inner.calls == []
+
+
+@pytest.mark.parametrize("flag", ["sharding", "lamb", "lars", "dgc", "localsgd", "a_sync"])
+def test_unsupported_fleet_features_are_refused(flag):
+    fleet.init()
+    s = fleet.DistributedStrategy()
+    setattr(s, flag, True)
+    inner = FakeOptimizer()
+    with pytest.raises(NotImplementedError, match=rf"strategy\.{flag}=True: Fleet's {flag} meta optimizer"):
+        fleet.distributed_optimizer(inner, s).minimize(_program().loss)
+    assert inner.calls == []
+
+
+def test_pipeline_with_gradient_merge_is_refused_naming_both():
+    fleet.init()
+    s = fleet.DistributedStrategy()
+    s.pipeline = s.gradient_merge = True
+    with pytest.raises(ValueError, match=r"strategy\.pipeline=True and strategy\.gradient_merge=True cannot"):
+        fleet.distributed_optimizer(FakeOptimizer(), s).minimize(_program().loss)
+
+
+def _wrapping(name, log):
+    def apply(inner, strategy):
+        log.append(name)
+
+        class Wrapped:
+            def minimize(self, loss, startup_program=None, parameter_list=None, no_grad_set=None):
+                log.append(f"{name}.minimize")
+                return inner.minimize(loss, startup_program, parameter_list, no_grad_set)
+
+        return Wrapped()
+
+    return apply
+
+
+def test_meta_optimizers_wrap_in_list_order(monkeypatch):
+    """With real apply functions, the first entry is the outermost wrapper."""
+    fleet.init()
+    monkeypatch.setattr(env._STATE, "env", env.WorkerEnv(rank=0, world_size=2))
+    log: list[str] = []
+    metas = tuple(m._replace(apply=_wrapping(m.name, log)) for m in dopt.META_OPTIMIZERS)
+    monkeypatch.setattr(dopt, "META_OPTIMIZERS", metas)
+    s = fleet.DistributedStrategy()
+    s.amp = s.recompute = s.gradient_merge = True
+    inner = FakeOptimizer()
+    opt = fleet.distributed_optimizer(inner, s)
+    plan = opt.plan()
+    assert plan.applied == ["amp", "recompute", "gradient_merge", "data_parallel"]
+    opt.minimize(_program().loss)
+    assert opt.applied_meta_list == ["amp", "recompute", "gradient_merge", "data_parallel"]
+    # built inside-out, run outside-in
+    assert log == [
+        "data_parallel",
+        "gradient_merge",
+        "recompute",
+        "amp",
+        "amp.minimize",
+        "recompute.minimize",
+        "gradient_merge.minimize",
+        "data_parallel.minimize",
+    ]
+    assert len(inner.calls) == 1
+
+
+def test_plan_is_printable_with_reasons():
+    fleet.init()
+    s = fleet.DistributedStrategy()
+    s.recompute = True
+    s.recompute_configs = {"checkpoints": ["h"], "enable_offload": True}
+    s.amp_configs = {"incr_ratio": 4.0}  # set but amp is off
+    s.dgc = True
+    text = str(fleet.distributed_optimizer(FakeOptimizer(), s).plan())
+    assert "recompute       apply  strategy.recompute=True (+offload" in text
+    assert "amp             skip   strategy.amp=False" in text
+    assert "data_parallel   skip   fleet.worker_num()=1" in text
+    assert "optimizer       apply  FakeOptimizer.minimize" in text
+    assert "refused: strategy.dgc=True" in text
+    assert "note: strategy.amp_configs is set but strategy.amp=False" in text
+
+
+def test_bad_arguments():
+    fleet.init()
+    with pytest.raises(TypeError, match="expected an optimizer with minimize"):
+        fleet.distributed_optimizer(object())
+    with pytest.raises(TypeError, match="strategy must be a DistributedStrategy"):
+        fleet.distributed_optimizer(FakeOptimizer(), {"recompute": True})
+    with pytest.raises(TypeError, match="loss must be a Var"):
+        fleet.distributed_optimizer(FakeOptimizer()).minimize("loss")
+
+
+def test_minimize_before_init_raises():
+    with pytest.raises(RuntimeError, match=r"fleet\.init"):
+        fleet.distributed_optimizer(FakeOptimizer()).minimize(_program().loss)

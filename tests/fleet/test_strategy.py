@@ -1,0 +1,324 @@
+"""fleet.DistributedStrategy: Fleet's fields and defaults, strict checking, table, JSON."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+
+import pytest
+
+from metaopt import fleet
+from metaopt.fleet.strategy import CONFIGS, FIELDS, UNSUPPORTED_FEATURES
+from metaopt.ir import Var
+
+# Fleet's defaults (paddle/fluid/framework/distributed_strategy.proto), written out by hand
+# so a changed default in the tables fails here; keys marked "ours" are metaopt's extras.
+FLEET_DEFAULTS = {
+    "amp": False,
+    "recompute": False,
+    "pipeline": False,
+    "gradient_merge": False,
+    "fuse_all_reduce_ops": True,
+    "fuse_grad_size_in_MB": 32,
+    "nccl_comm_num": 1,
+    "sync_nccl_allreduce": True,
+    "find_unused_parameters": False,
+    "without_graph_optimization": True,
+    "sharding": False,
+    "lamb": False,
+    "lars": False,
+    "dgc": False,
+    "localsgd": False,
+    "adaptive_localsgd": False,
+    "a_sync": False,  # Fleet: True (parameter-server only); see the strategy module docstring
+    "fp16_allreduce": False,
+    "sync_batch_norm": False,
+    "tensor_parallel": False,
+    "amp_configs": {
+        "init_loss_scaling": 32768.0,
+        "incr_every_n_steps": 1000,
+        "decr_every_n_nan_or_inf": 2,
+        "incr_ratio": 2.0,
+        "decr_ratio": 0.8,
+        "use_dynamic_loss_scaling": True,
+        "custom_white_list": [],
+        "custom_black_list": [],
+        "custom_black_varnames": [],
+        "use_pure_fp16": False,
+        "use_fp16_guard": True,
+        "dtype": "float16",
+    },
+    "recompute_configs": {
+        "checkpoints": [],
+        "enable_offload": False,
+        "checkpoint_shape": [],
+        "policy": "full",  # ours
+        "memory_budget": None,  # ours
+        "offload_checkpoints": None,  # ours
+        "seed_random_ops": True,  # ours
+    },
+    "pipeline_configs": {
+        "micro_batch_size": 1,
+        "accumulate_steps": 1,
+        "schedule_mode": "1F1B",
+        "p2p_cache_shape": True,
+        "cuts": [],  # ours
+        "num_stages": None,  # ours
+        "dp_degree": 1,  # ours
+        "shared": [],  # ours
+    },
+    "gradient_merge_configs": {"k_steps": 1, "avg": True},
+}
+OURS = {
+    "recompute_configs": {"policy", "memory_budget", "offload_checkpoints", "seed_random_ops"},
+    "pipeline_configs": {"cuts", "num_stages", "dp_degree", "shared"},
+}
+
+
+def test_defaults_equal_fleet():
+    s = fleet.DistributedStrategy()
+    assert s.to_dict() == FLEET_DEFAULTS
+    for name, value in FLEET_DEFAULTS.items():
+        assert getattr(s, name) == value, name
+    assert type(s.amp_configs["init_loss_scaling"]) is float
+    assert type(s.fuse_grad_size_in_MB) is int
+
+
+def test_extras_are_marked_as_ours():
+    for flag, table in CONFIGS.items():
+        assert {k for k, key in table.items() if key.extra} == OURS.get(f"{flag}_configs", set())
+    assert not any(key.extra for key in FIELDS.values())
+    assert all(key.doc for key in FIELDS.values())
+
+
+def test_unknown_config_key_has_did_you_mean():
+    s = fleet.DistributedStrategy()
+    with pytest.raises(ValueError, match=r"strategy\.recompute_configs: unknown key 'checkpoint'") as e:
+        s.recompute_configs = {"checkpoint": ["fc1"]}
+    assert "did you mean 'checkpoints'" in str(e.value)
+    assert s.recompute_configs == FLEET_DEFAULTS["recompute_configs"]  # unchanged
+
+
+@pytest.mark.parametrize(
+    "config, key, value, expected, got",
+    [
+        ("amp_configs", "init_loss_scaling", "1024", "float", "str"),
+        ("amp_configs", "init_loss_scaling", True, "float", "bool"),  # bool is not a number here
+        ("amp_configs", "incr_every_n_steps", True, "int", "bool"),
+        ("amp_configs", "incr_every_n_steps", 10.0, "int", "float"),
+        ("amp_configs", "use_pure_fp16", 1, "bool", "int"),
+        ("gradient_merge_configs", "k_steps", "4", "int", "str"),
+        ("pipeline_configs", "num_stages", 2.0, r"int\|None", "float"),
+        ("recompute_configs", "checkpoint_shape", [2, "4"], r"list\[int\]", "str"),
+    ],
+)
+def test_wrong_config_type_names_key_expected_and_got(config, key, value, expected, got):
+    s = fleet.DistributedStrategy()
+    with pytest.raises(TypeError, match=rf"strategy\.{config}\['{key}'\]: expected {expected}, .*{got}"):
+        setattr(s, config, {key: value})
+
+
+def test_ints_accepted_where_floats_expected():
+    s = fleet.DistributedStrategy()
+    s.amp_configs = {"init_loss_scaling": 1024, "incr_ratio": 3}
+    assert s.amp_configs["init_loss_scaling"] == 1024.0
+    assert type(s.amp_configs["init_loss_scaling"]) is float
+    assert type(s.amp_configs["incr_ratio"]) is float
+
+
+def test_wrong_top_level_type():
+    s = fleet.DistributedStrategy()
+    with pytest.raises(TypeError, match=r"strategy\.recompute: expected bool, got int"):
+        s.recompute = 1
+    with pytest.raises(TypeError, match=r"strategy\.fuse_grad_size_in_MB: expected int, got bool"):
+        s.fuse_grad_size_in_MB = True
+    with pytest.raises(TypeError, match=r"strategy\.amp_configs: expected a dict, got list"):
+        s.amp_configs = [("incr_ratio", 2.0)]
+    assert s == fleet.DistributedStrategy()
+
+
+def test_values_are_range_and_choice_checked():
+    s = fleet.DistributedStrategy()
+    with pytest.raises(ValueError, match=r"gradient_merge_configs\['k_steps'\]: must be >= 1, got 0"):
+        s.gradient_merge_configs = {"k_steps": 0}
+    with pytest.raises(
+        ValueError, match=r"schedule_mode'\]: 'FthenB' is not one of .*did you mean 'F-then-B'"
+    ):
+        s.pipeline_configs = {"schedule_mode": "FthenB"}
+    with pytest.raises(ValueError, match=r"decr_ratio'\]: must be in \(0, 1\)"):
+        s.amp_configs = {"decr_ratio": 1.5}
+
+
+def test_unknown_attribute_has_did_you_mean():
+    s = fleet.DistributedStrategy()
+    with pytest.raises(AttributeError, match=r"no attribute 'recompue' \(did you mean 'recompute'"):
+        s.recompue = True
+    with pytest.raises(AttributeError, match=r"no attribute 'amp_config' \(did you mean 'amp_configs'"):
+        _ = s.amp_config
+    with pytest.raises(AttributeError, match="sharding meta optimizer"):
+        s.sharding_configs = {"sharding_degree": 2}
+    assert not hasattr(s, "recompue")
+    assert s == fleet.DistributedStrategy()
+
+
+def test_assigning_a_config_replaces_it_with_defaults_plus_given_keys():
+    s = fleet.DistributedStrategy()
+    s.recompute_configs = {"checkpoints": ["fc1"], "enable_offload": True, "checkpoint_shape": [4, 8]}
+    s.recompute_configs = {"checkpoints": ["fc2"]}
+    # Fleet would keep enable_offload=True and checkpoint_shape=[4, 8] here (it merges).
+    assert s.recompute_configs == {**FLEET_DEFAULTS["recompute_configs"], "checkpoints": ["fc2"]}
+
+
+def test_configs_read_back_are_read_only():
+    s = fleet.DistributedStrategy()
+    s.recompute_configs = {"checkpoints": ["fc1"]}
+    with pytest.raises(TypeError, match=r"read-only.*strategy\.amp_configs = \{\*\*strategy\.amp_configs"):
+        s.amp_configs["incr_ratio"] = 3.0
+    with pytest.raises(TypeError, match="read-only"):
+        s.recompute_configs["checkpoints"].append("fc2")
+    with pytest.raises(TypeError, match="read-only"):
+        s.recompute_configs.update(checkpoints=[])
+    assert s.recompute_configs["checkpoints"] == ["fc1"]
+    # the documented idiom works, and copies are plain (mutable) containers
+    s.recompute_configs = {**s.recompute_configs, "enable_offload": True}
+    assert s.recompute_configs["enable_offload"] and s.recompute_configs["checkpoints"] == ["fc1"]
+    c = copy.deepcopy(s.recompute_configs)
+    c["checkpoints"].append("fc2")
+    assert type(c) is dict and s.recompute_configs["checkpoints"] == ["fc1"]
+
+
+def test_checkpoints_accept_vars_tuples_and_auto():
+    s = fleet.DistributedStrategy()
+    s.recompute_configs = {"checkpoints": (Var("fc1", "float32", (2,)), "encoder.layer.*")}
+    assert s.recompute_configs["checkpoints"] == ["fc1", "encoder.layer.*"]
+    s.recompute_configs = {"checkpoints": "auto", "memory_budget": 2**30}
+    assert s.recompute_configs["checkpoints"] == ["auto"]
+    with pytest.raises(TypeError, match=r"a single checkpoint must still be a list: \['fc1'\]"):
+        s.recompute_configs = {"checkpoints": "fc1"}
+    s.pipeline_configs = {"shared": ["wte.weight", ["a.w", "b.w"]]}
+    assert s.pipeline_configs["shared"] == ["wte.weight", ["a.w", "b.w"]]
+
+
+def _sections(text: str) -> list[str]:
+    return [m.strip() for m in re.findall(r"^\s*\|\s*(\w+=True <-> \w+)\s*\|$", text, re.M)]
+
+
+def test_printed_table_lists_exactly_the_enabled_sections():
+    s = fleet.DistributedStrategy()
+    text = str(s)
+    assert "DistributedStrategy Overview" in text
+    assert _sections(text) == []
+    assert "Environment Flags" not in text
+
+    s.recompute = True
+    s.recompute_configs = {"checkpoints": ["fc1", "fc2"], "enable_offload": True}
+    s.gradient_merge = True
+    s.pipeline_configs = {"micro_batch_size": 4}  # pipeline off: its config is not shown
+    text = str(s)
+    assert _sections(text) == [
+        "recompute=True <-> recompute_configs",
+        "gradient_merge=True <-> gradient_merge_configs",
+    ]
+    assert "micro_batch_size" not in text and "init_loss_scaling" not in text
+    assert re.search(r"^\s*\|\s+checkpoints\s+fc1\s+\|$", text, re.M)
+    assert re.search(r"^\s*\|\s+fc2\s+\|$", text, re.M)  # list items one per row, as Fleet prints
+    assert re.search(r"^\s*\|\s+enable_offload\s+True\s+\|$", text, re.M)
+    assert re.search(r"^\s*\|\s+k_steps\s+1\s+\|$", text, re.M)
+    assert "Environment Flags" not in text
+
+    s.nccl_comm_num = 2
+    text = repr(s)
+    assert "Environment Flags, Communication Flags" in text
+    assert re.search(r"^\s*\|\s+nccl_comm_num\s+2\s+\|$", text, re.M)
+    assert "fuse_all_reduce_ops" not in text  # at its default
+    widths = {len(line) for line in text.splitlines()}
+    assert len(widths) == 1  # a box
+
+
+def _everything_changed() -> fleet.DistributedStrategy:
+    s = fleet.DistributedStrategy()
+    s.amp = s.recompute = s.pipeline = s.gradient_merge = True
+    s.fuse_all_reduce_ops = False
+    s.fuse_grad_size_in_MB = 64
+    s.sharding = True
+    s.amp_configs = {
+        "init_loss_scaling": 1024,
+        "decr_ratio": 0.5,
+        "custom_white_list": ["MatMul"],
+        "dtype": "bfloat16",
+    }
+    s.recompute_configs = {
+        "checkpoints": ["a", "b"],
+        "enable_offload": True,
+        "checkpoint_shape": [4, 8],
+        "memory_budget": 123,
+        "offload_checkpoints": ["a"],
+        "seed_random_ops": False,
+    }
+    s.pipeline_configs = {"schedule_mode": "F-then-B", "num_stages": 2, "shared": [["x", "y"]]}
+    s.gradient_merge_configs = {"k_steps": 4, "avg": False}
+    return s
+
+
+def test_json_round_trip_is_exact(tmp_path):
+    s = _everything_changed()
+    path = tmp_path / "strategy.json"
+    s.save_to_json(path)
+    assert json.loads(path.read_text())["recompute_configs"]["checkpoints"] == ["a", "b"]
+    t = fleet.DistributedStrategy()
+    t.load_from_json(path)
+    assert t == s
+    assert t.to_dict() == s.to_dict()
+    assert t.amp_configs["decr_ratio"] == 0.5 and t.pipeline_configs["shared"] == [["x", "y"]]
+    assert os.listdir(tmp_path) == ["strategy.json"]  # the temp file was renamed over
+    # and loading resets fields the file leaves out
+    path.write_text(json.dumps({"amp": True}))
+    t.load_from_json(path)
+    assert t.to_dict() == {**FLEET_DEFAULTS, "amp": True}
+
+
+def test_equality_compares_every_field():
+    a, b = fleet.DistributedStrategy(), fleet.DistributedStrategy()
+    assert a == b
+    b.gradient_merge_configs = {"avg": False}
+    assert a != b
+    b.gradient_merge_configs = {}
+    assert a == b
+    b.without_graph_optimization = False
+    assert a != b
+    assert copy.deepcopy(_everything_changed()) == _everything_changed()
+
+
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        ({"recompue": True}, r"unknown field 'recompue' \(did you mean 'recompute'"),
+        ({"amp_configs": {"incr_ration": 2.0}}, r"unknown key 'incr_ration' \(did you mean 'incr_ratio'"),
+        ({"amp": "yes"}, r"strategy\.amp: expected bool, got str"),
+    ],
+)
+def test_load_from_json_with_an_unknown_key_errors_and_changes_nothing(tmp_path, data, match):
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"recompute": True, **data}))
+    s = fleet.DistributedStrategy()
+    s.pipeline = True
+    with pytest.raises((ValueError, TypeError), match=match) as e:
+        s.load_from_json(path)
+    assert str(path) in str(e.value)
+    assert s.pipeline and not s.recompute
+
+
+def test_load_from_json_rejects_non_json(tmp_path):
+    path = tmp_path / "s.json"
+    path.write_text("recompute: true\n")
+    with pytest.raises(ValueError, match="not a JSON strategy file"):
+        fleet.DistributedStrategy().load_from_json(path)
+
+
+def test_unsupported_features_are_fields():
+    s = fleet.DistributedStrategy()
+    for name in UNSUPPORTED_FEATURES:
+        setattr(s, name, True)
+        assert getattr(s, name) is True
