@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from metaopt import fleet, optimizer
 from metaopt.frontend.importer import load
 from metaopt.frontend.torch_export import export
 from metaopt.ir import Op, Program, Var, verify
@@ -18,14 +19,6 @@ def seed(n: int) -> None:
 
 
 __all__ = [
-    "CPUPlace",
-    "CUDAPlace",
-    "Executor",
-    "Op",
-    "Program",
-    "Var",
-    "export",
-    "load",
-    "seed",
-    "verify",
+    "CPUPlace", "CUDAPlace", "Executor", "Op", "Program", "Var", "export", "fleet", "load", "optimizer",
+    "seed", "verify",
 ]

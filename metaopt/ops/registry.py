@@ -24,6 +24,7 @@ CPU while data is on the device; kernels that read such a tensor call
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,5 +92,6 @@ def _ensure_loaded() -> None:
     global _loaded
     if not _loaded:
         _loaded = True
-        from metaopt.ops import kernels  # noqa: F401
-        from metaopt.ops import grads  # noqa: F401  (rules attach to the rows kernels made)
+        # kernels first: grads attaches its rules to the rows the kernels made.
+        importlib.import_module("metaopt.ops.kernels")
+        importlib.import_module("metaopt.ops.grads")
