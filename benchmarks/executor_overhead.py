@@ -14,50 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
-import sys
-import time
 
 import torch
+from common import RESULTS, cases, machine, median_time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import metaopt  # noqa: E402
-import programs  # noqa: E402
-from metaopt.ir import Op, Program, Var  # noqa: E402
-
-# "Realistic sizes" that fit a 2-core CPU run; GPU gets the full configs.
-CPU_CASES = [
-    ("mlp", "base", 256, {}),
-    ("bert", "base", 8, {"seq_len": 128, "num_layers": 4}),
-    ("gpt", "gpt2", 4, {"seq_len": 128, "num_layers": 4}),
-    ("resnet", "resnet50", 8, {"image_size": 64}),
-]
-GPU_CASES = [
-    ("mlp", "base", 4096, {}),
-    ("bert", "large", 8, {"seq_len": 512}),
-    ("gpt", "gpt2", 8, {"seq_len": 1024}),
-    ("resnet", "resnet50", 64, {}),
-]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time(fn, device: torch.device, reps: int) -> float:
-    for _ in range(2):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+import metaopt
+import programs
+from metaopt.ir import Op, Program, Var
 
 
 def _case(name: str, config: str, batch: int, overrides: dict, device: torch.device, reps: int) -> dict:
@@ -78,11 +41,11 @@ def _case(name: str, config: str, batch: int, overrides: dict, device: torch.dev
             module(*dev_inputs)
 
     row = {"program": name, "config": config, "batch": batch, **overrides, "ops": len(program.ops)}
-    row["eager_ms"] = _time(eager, device, reps) * 1e3
+    row["eager_ms"] = median_time(eager, device, reps) * 1e3
     for track in (True, False):
         exe = metaopt.Executor(device, track_memory=track)
         ms = (
-            _time(
+            median_time(
                 lambda exe=exe: exe.run(program, feed=feed, fetch_list=[program.loss], return_numpy=False),
                 device,
                 reps,
@@ -113,11 +76,11 @@ def _dispatch_overhead(device: torch.device, n: int = 2000) -> dict:
             h = torch.relu(h)
         return h
 
-    base = _time(direct, device, 20)
+    base = median_time(direct, device, 20)
     out = {"direct_us_per_op": base / n * 1e6}
     for track in (True, False):
         exe = metaopt.Executor(device, track_memory=track)
-        t = _time(
+        t = median_time(
             lambda exe=exe: exe.run(p, feed={"x": x}, fetch_list=[prev], return_numpy=False), device, 20
         )
         out["overhead_us_per_op" + ("" if track else "_untracked")] = (t - base) / n * 1e6
@@ -130,25 +93,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny configs, few reps (smoke test)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument(
-        "--json", default=os.path.join(os.path.dirname(__file__), "results", "executor_overhead.json")
+        "--json", default=os.path.join(RESULTS, "executor_overhead.json")
     )
     args = ap.parse_args()
     device = torch.device(args.device)
-    torch.set_grad_enabled(True)
-    cases = CPU_CASES if device.type == "cpu" else GPU_CASES
-    if args.quick:
-        cases = [(n, "tiny", 4, {}) for n, *_ in cases]
-    rows = [_case(*c, device=device, reps=2 if args.quick else args.reps) for c in cases]
+    rows = [_case(*c, device=device, reps=2 if args.quick else args.reps) for c in cases(device, args.quick)]
     over = _dispatch_overhead(device)
-    machine = {
-        "device": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else platform.processor() or "cpu",
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-    }
-    print(f"executor overhead on {device} ({machine['device']}, {machine['threads']} threads)")
+    info = machine(device)
+    print(f"executor overhead on {device} ({info['device']}, {info['threads']} threads)")
     print(
         f"{'program':8} {'config':9} {'batch':>5} {'ops':>5} {'eager ms':>9} {'ours ms':>9} {'ratio':>6} "
         f"{'untracked':>9} {'ratio':>6}"
@@ -165,7 +117,7 @@ def main() -> None:
     )
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump({"machine": machine, "device": str(device), "rows": rows, "dispatch": over}, f, indent=2)
+        json.dump({"machine": info, "device": str(device), "rows": rows, "dispatch": over}, f, indent=2)
     print(f"wrote {args.json}")
 
 
