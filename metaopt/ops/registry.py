@@ -14,6 +14,7 @@ Kernel calling convention (what the executor does once per op, not per run):
   lists, or a torch tensor for tensor attributes); kernels supply ONNX defaults.
 * ``needs_outputs=True`` rows also get ``_nout`` (how many outputs the op
   declares), for variadic or optional outputs (Split, Dropout's mask, ...).
+* kernels never write their inputs, except the pairs a row lists in ``inplace``.
 * ``needs_device=True`` rows also get ``_device`` (the executor's torch.device),
   for ops that create tensors from nothing (ConstantOfShape, Range, random ops).
 
@@ -50,6 +51,12 @@ class OpDef:
     # such values on the CPU so reading them never synchronises the device.
     host_inputs: tuple[int, ...] = ()
     host_outputs: bool = False
+    # (output index, input index) pairs: the kernel writes that output into that
+    # input's storage and returns it (optimizer updates, like torch.optim's in-place
+    # steps: a fresh copy of a large param costs page faults every step). The plan
+    # refuses such an op unless the input is persistable state that nothing reads
+    # afterwards; every other kernel must leave its inputs untouched.
+    inplace: tuple[tuple[int, int], ...] = ()
     # Filled by later capabilities (backward, cost model); None = not known yet.
     grad: Callable[..., Any] | None = None
     cost: Callable[..., Any] | None = None

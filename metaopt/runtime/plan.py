@@ -67,6 +67,24 @@ def _bind(op, device: torch.device):
     return functools.partial(row.kernel, **kw) if kw else row.kernel
 
 
+def _check_inplace(p: Program, last: dict[str, int], fetches: set[str]) -> None:
+    """An op that writes an input in place (its row's `inplace`) must own that value:
+    persistable state (param, buffer, optimizer state) that no later op reads."""
+    for i, op in enumerate(p.ops):
+        row = registry.get(op.type)
+        for k, j in row.inplace if row is not None else ():
+            if k >= len(op.outputs) or not op.outputs[k]:
+                continue  # an optional output (and input) this op does not have
+            x = op.inputs[j] if j < len(op.inputs) else ""
+            v = p.vars.get(x)
+            if v is None or v.kind not in ("param", "buffer", "opt_state"):
+                what = "an omitted input" if v is None else f"{x!r} ({v.kind})"
+                raise ValueError(f"{op.type} writes input {j} in place, which is {what}: {fmt_op(op)}")
+            if last.get(x, i) > i or x in fetches:
+                later = f"op {last.get(x)}" if x not in fetches else "a fetch"
+                raise ValueError(f"{op.type} writes {x!r} in place but {later} reads it later: {fmt_op(op)}")
+
+
 def build_plan(p: Program, fetches: list[str], device: torch.device, track: bool) -> Plan:
     verify(p)  # once per program version: a broken program fails here, naming its line
     for f in fetches:
@@ -100,6 +118,7 @@ def build_plan(p: Program, fetches: list[str], device: torch.device, track: bool
         for o in op.outputs:
             if o:
                 last.setdefault(o, i)
+    _check_inplace(p, last, set(fetches))
     update_at: dict[int, list[tuple[str, str]]] = {}
     prod_idx = {o: i for i, op in enumerate(p.ops) for o in op.outputs if o}
     for target, new in p.updates.items():

@@ -303,7 +303,9 @@ def test_update_ops_fields_and_state_vars():
     assert exe.scope[STEP].item() == 1
 
 
-def test_kernels_never_write_their_inputs():
+def test_update_ops_write_only_their_own_state_in_place():
+    """Update rows declare `inplace`: param and state are updated in their own storage
+    (as torch.optim does); the grads (here feeds) are never written."""
     model = make_model()
     for opt in [
         Momentum(0.1, nesterov=True, weight_decay=0.1, grad_clip=ClipGradByGlobalNorm(0.01)),
@@ -315,11 +317,11 @@ def test_kernels_never_write_their_inputs():
         for step in range(3):
             feed = {g: torch.randn(q.vars[g].shape) for _, g in params_grads(model)}
             feed_copy = {k: v.clone() for k, v in feed.items()}
-            held = {k: v for k, v in exe.scope.items()}
-            held_copy = {k: v.clone() for k, v in held.items()}
+            held = dict(exe.scope)
             exe.run(q, feed=feed)
             assert all(torch.equal(feed[k], feed_copy[k]) for k in feed), (opt, step)
-            assert all(torch.equal(held[k], held_copy[k]) for k in held), (opt, step)
+            in_place = [k for k in held if k not in ("global_step", "learning_rate")]
+            assert all(exe.scope[k] is held[k] for k in in_place), (opt, step)
 
 
 def test_state_names_are_fleet_like():

@@ -186,3 +186,23 @@ def test_two_programs_with_same_constant_names_share_one_executor():
     assert "const" not in exe.scope  # constants belong to their program, not the scope
     (c,) = exe.run(program(5.0), feed={"x": x}, fetch_list=["const"])
     assert float(c) == 5.0
+
+
+def test_in_place_update_of_a_value_read_later_is_refused():
+    p = Program("inplace")
+    p.add_var(Var("w", "float32", (3,), kind="param", trainable=True), torch.ones(3))
+    p.add_var(Var("g", "float32", (3,), kind="input"))
+    p.add_var(Var("lr", "float64", (), kind="opt_state"), torch.tensor(0.1, dtype=torch.float64))
+    p.add_var(Var("w_new", "float32", (3,)))
+    p.add_var(Var("y", "float32", (3,)))
+    p.ops = [
+        Op("SGDUpdate", ["w", "g", "lr"], ["w_new"], role="optimize"),
+        Op("Relu", ["w"], ["y"], role="optimize"),  # reads the param the update overwrote
+    ]
+    p.inputs, p.outputs, p.updates = ["g"], ["y"], {"w": "w_new"}
+    with pytest.raises(ValueError, match=r"SGDUpdate writes 'w' in place but op 1 reads it later"):
+        metaopt.Executor().run(p, feed={"g": np.ones(3, np.float32)}, fetch_list=["y"])
+    p.ops[0].inputs[0] = "g"  # a feed is the caller's tensor: never written
+    p.updates = {}
+    with pytest.raises(ValueError, match=r"writes input 0 in place, which is 'g' \(input\)"):
+        metaopt.Executor().run(p, feed={"g": np.ones(3, np.float32)}, fetch_list=["y"])

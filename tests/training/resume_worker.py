@@ -19,8 +19,10 @@ def main(ckpt: str, out: str) -> None:
     main_program = build()
     exe = metaopt.Executor("cpu")
     fleet.load_persistables(exe, ckpt, main_program)
-    losses = [float(exe.run(main_program, feed=batch(s), fetch_list=[main_program.loss])[0])
-              for s in range(STEPS, 2 * STEPS)]
+    losses = [
+        float(exe.run(main_program, feed=batch(s), fetch_list=[main_program.loss])[0])
+        for s in range(STEPS, 2 * STEPS)
+    ]
     state = {n: t.clone() for n, t in exe.scope.items()}
     torch.save({"losses": torch.tensor(losses, dtype=torch.float64), "state": state}, out)
 

@@ -38,7 +38,9 @@ def test_resume_in_a_fresh_process_is_bitwise(tmp_path):
     metaopt.seed(1234)
     straight = build()
     exe = metaopt.Executor("cpu")
-    losses = [float(exe.run(straight, feed=batch(s), fetch_list=[straight.loss])[0]) for s in range(2 * STEPS)]
+    losses = [
+        float(exe.run(straight, feed=batch(s), fetch_list=[straight.loss])[0]) for s in range(2 * STEPS)
+    ]
 
     metaopt.seed(1234)
     first = build()
@@ -47,8 +49,12 @@ def test_resume_in_a_fresh_process_is_bitwise(tmp_path):
         exe2.run(first, feed=batch(s), fetch_list=[first.loss])
     fleet.save_persistables(exe2, tmp_path / "ckpt", first)
     out = tmp_path / "resumed.pt"
-    subprocess.run([sys.executable, str(Path(__file__).with_name("resume_worker.py")), str(tmp_path / "ckpt"),
-                    str(out)], check=True, timeout=300, cwd=ROOT)
+    subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("resume_worker.py")), str(tmp_path / "ckpt"), str(out)],
+        check=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     resumed = torch.load(out, weights_only=True)
 
     assert resumed["losses"].tolist() == losses[STEPS:]
