@@ -211,7 +211,9 @@ def _layer_norm(g, op, dy):
     axis = op.attrs.get("axis", -1)
     if g.shape(scale) != g.shape(x)[axis:] or op.attrs.get("stash_type", 1) != 1:
         return g.vjp(op, dy)
-    mean, rstd = g.saved_outputs(op, ["MEAN", "RSTD"], count=3)
+    xs = g.shape(x)
+    stat = tuple(xs[: axis % len(xs)]) + (1,) * (len(xs) - axis % len(xs))  # ONNX keeps the dims
+    mean, rstd = g.saved_outputs(op, [("MEAN", stat, "float32"), ("RSTD", stat, "float32")], count=3)
     ins = [dy[0], x, mean, rstd, scale] + ([bias] if bias else [])
     outs, mask = g.contribs(3 if bias else 2)
     g.emit("LayerNormGrad", ins, outs, axis=axis, mask=mask)
@@ -221,7 +223,8 @@ def _layer_norm(g, op, dy):
 @grad_rule("BatchNormTraining")
 def _batch_norm_training(g, op, dy):
     x, scale, bias = op.inputs[:3]
-    mean, invstd = g.saved_outputs(op, ["SAVE_MEAN", "SAVE_INVSTD"], count=5)
+    c = g.shape(scale)
+    mean, invstd = g.saved_outputs(op, [("SAVE_MEAN", c, "float32"), ("SAVE_INVSTD", c, "float32")], count=5)
     eps = op.attrs.get("epsilon", 1e-5)
     outs, mask = g.contribs(3)
     g.emit("BatchNormTrainingGrad", [dy[0], x, scale, mean, invstd], outs, epsilon=eps, mask=mask)
@@ -242,9 +245,19 @@ def _conv(g, op, dy):
     return [o or None for o in outs]
 
 
+@grad_rule("SoftmaxCrossEntropyLoss")
+def _softmax_cross_entropy(g, op, dy):
+    scores, labels = op.inputs[:2]
+    weights = op.inputs[2] if len(op.inputs) > 2 and op.inputs[2] else None
+    (log_prob,) = g.saved_outputs(op, [("LOG_PROB", g.shape(scores), g.dtype(scores))], count=2)
+    attrs = {k: op.attrs[k] for k in ("ignore_index", "reduction") if k in op.attrs}
+    ins = [dy[0], log_prob, labels] + ([weights] if weights else [])
+    return [g.emit1("SoftmaxCrossEntropyLossGrad", ins, like=scores, **attrs), None, None][: len(op.inputs)]
+
+
 @grad_rule("Dropout")
 def _dropout(g, op, dy):
-    (mask,) = g.saved_outputs(op, ["MASK"], count=2)
+    (mask,) = g.saved_outputs(op, [("MASK", g.shape(op.outputs[0]), "bool")], count=2)
     ratio = op.inputs[1] if len(op.inputs) > 1 and op.inputs[1] else g.const(0.5, "float32")
     train = len(op.inputs) > 2 and op.inputs[2] and g.constant_value(op.inputs[2])
     if not train:

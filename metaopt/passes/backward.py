@@ -132,16 +132,17 @@ class GradBuilder:
         target = [-1 if i in sym else d for i, d in enumerate(xs)]
         return self.emit1("Reshape", [grad, self.const(target, "int64")], like=x)
 
-    def saved_outputs(self, op: Op, what: list[str], count: int) -> list[str]:
-        """Make forward `op` also produce its optional outputs 1..count-1 (kept for the
-        backward: dropout masks, norm statistics); returns the last len(what) names."""
+    def saved_outputs(self, op: Op, what: list[tuple[str, tuple, str]], count: int) -> list[str]:
+        """Make forward `op` also produce its optional outputs up to index count-1, kept
+        for the backward (dropout masks, norm statistics, log-probabilities). `what`
+        gives (tag, shape, dtype) of the last len(what) of them; returns their names."""
         while len(op.outputs) < count:
             op.outputs.append("")
         out = []
-        for k, tag in zip(range(count - len(what), count), what):
+        for k, (tag, shape, dtype) in zip(range(count - len(what), count), what):
             if not op.outputs[k]:
                 name = names.fresh(names.saved(op.outputs[0], tag), self.program.vars)
-                self._bw.add_saved_var(op, k, name)
+                self.program.add_var(Var(name, dtype, shape))
                 op.outputs[k] = name
             out.append(op.outputs[k])
         return out
@@ -215,18 +216,6 @@ class _Backward:
             self._consts[key] = name
         return self._consts[key]
 
-    def add_saved_var(self, op: Op, k: int, name: str) -> None:
-        y = self.q.vars[op.outputs[0]]
-        shapes = {
-            ("Dropout", 1): (y.shape, "bool"),
-            ("LayerNormalization", 1): (_stat_shape(self.q, op), "float32"),
-            ("LayerNormalization", 2): (_stat_shape(self.q, op), "float32"),
-            ("BatchNormTraining", 3): (self.q.vars[op.inputs[1]].shape, "float32"),
-            ("BatchNormTraining", 4): (self.q.vars[op.inputs[1]].shape, "float32"),
-        }
-        shape, dtype = shapes[(op.type, k)]
-        self.q.add_var(Var(name, dtype, shape))
-
     def finalize(self, x: str) -> str | None:
         """x@GRAD from x's contributions: rename a single one, sum several."""
         parts = self.contribs.get(x, [])
@@ -252,12 +241,6 @@ class _Backward:
             self.append(Op(kind, list(parts), [final], role="backward", origin=x))
         self.contribs[x] = [final]
         return final
-
-
-def _stat_shape(q: Program, op: Op) -> tuple:
-    xs = q.vars[op.inputs[0]].shape or ()
-    axis = op.attrs.get("axis", -1) % len(xs)
-    return tuple(xs[:axis]) + (1,) * (len(xs) - axis)
 
 
 def _rename(q: Program, ops: list[Op], old: str, new: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from metaopt.ops import registry
+from metaopt.ops.kernels.loss import _NO_IGNORE as NO_IGNORE  # the forward kernel's choice
 from metaopt.ops.registry import register
 
 aten = torch.ops.aten
@@ -161,6 +162,28 @@ def conv_grad(
         dy, x, w, bias_sizes, strides, padding, dilations, False, [0] * nd, group, mask
     )
     return (dx, dw, db)[:_nout]
+
+
+@register("SoftmaxCrossEntropyLossGrad", domain="metaopt")
+def softmax_cross_entropy_loss_grad(
+    dloss: torch.Tensor,
+    log_prob: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    ignore_index: int | None = None,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """d loss / d scores of SoftmaxCrossEntropyLoss from the forward's log-probabilities:
+    the nll_loss backward, then log_softmax's (torch's cross_entropy backward chain),
+    without recomputing the softmax over the classes."""
+    ignore = NO_IGNORE if ignore_index is None else ignore_index
+    with torch.enable_grad():
+        lp = log_prob.detach().requires_grad_(True)
+        loss = torch.nn.functional.nll_loss(
+            lp, labels.to(torch.int64), weights, ignore_index=ignore, reduction=reduction
+        )
+        (g,) = torch.autograd.grad(loss, lp, dloss)
+    return aten._log_softmax_backward_data(g, log_prob, 1, log_prob.dtype)
 
 
 @register("Vjp", domain="metaopt", needs_outputs=True)
