@@ -237,7 +237,7 @@ class _Backward:
         else:  # several contributions, or one shared with another var (Add passes dy through)
             v = self.q.vars[x]
             self.q.add_var(Var(final, v.dtype, v.shape, kind="grad"))
-            kind = "Sum" if len(parts) > 1 else "Identity"
+            kind = "GradSum" if len(parts) > 1 else "Identity"
             self.append(Op(kind, list(parts), [final], role="backward", origin=x))
         self.contribs[x] = [final]
         return final

@@ -279,8 +279,8 @@ def test_names_roles_origins_and_sums():
         assert g == f"{p}@GRAD" and q.vars[g].shape == q.vars[p].shape
     bw = [op for op in q.ops if op.role == "backward"]
     assert bw and all(op.origin for op in bw)
-    # The embedding output feeds three attention projections: its grad is an explicit Sum.
-    sums = [op for op in bw if op.type == "Sum"]
+    # The embedding output feeds three attention projections: its grad is an explicit GradSum.
+    sums = [op for op in bw if op.type == "GradSum"]
     assert any(op.outputs == ["bert.embeddings@GRAD"] for op in sums)
     # Integer paths carry no grad.
     assert not any(n.startswith("input_ids@GRAD") or n.startswith("attention_mask@GRAD") for n in q.vars)
@@ -328,3 +328,16 @@ def test_grads_of_a_program_with_dropout_are_seeded_and_consistent():
         runs.append(exe.run(q, feed=feed, fetch_list=[g for _, g in pg]))
     for a, b in zip(*runs):
         np.testing.assert_array_equal(a, b)
+
+
+def test_tied_weight_grad_is_one_contiguous_sum():
+    _, _, program = exported("gpt")
+    q, pg = append_backward(program, loss="loss")
+    (acc,) = [op for op in q.ops if op.outputs == ["transformer.wte.weight@GRAD"]]
+    assert acc.type == "GradSum" and len(acc.inputs) == 2  # the embedding and the LM head
+    mod = programs.get("gpt")
+    feed = dict(zip(mod.INPUT_NAMES, mod.example_inputs("tiny", 2, seed=1), strict=True))
+    (g,) = metaopt.Executor().run(
+        q, feed=feed, fetch_list=["transformer.wte.weight@GRAD"], return_numpy=False
+    )
+    assert g.is_contiguous()  # the LM-head part arrives transposed

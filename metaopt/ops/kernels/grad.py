@@ -23,6 +23,18 @@ def zeros_like(x: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(x)
 
 
+@register("GradSum", domain="metaopt")
+def grad_sum(*parts: torch.Tensor) -> torch.Tensor:
+    """The sum of a var's grad contributions, in a fresh contiguous buffer whatever the
+    parts' layouts (a tied weight's LM-head contribution arrives transposed; a
+    column-major param grad would slow every optimizer op on it)."""
+    out = torch.empty(parts[0].shape, dtype=parts[0].dtype, device=parts[0].device)
+    torch.add(parts[0], parts[1], out=out)
+    for t in parts[2:]:
+        out.add_(t)
+    return out
+
+
 @register("ReluGrad", domain="metaopt")
 def relu_grad(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return aten.threshold_backward(dy, y, 0)
