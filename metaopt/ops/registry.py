@@ -57,6 +57,9 @@ class OpDef:
     # refuses such an op unless the input is persistable state that nothing reads
     # afterwards; every other kernel must leave its inputs untouched.
     inplace: tuple[tuple[int, int], ...] = ()
+    # An additive bias input that may be dropped when it is a constant of zeros (torch
+    # exports bias-free convs with a zero bias: adding it, and its grad, is wasted work).
+    zero_bias_input: int | None = None
     # Filled by later capabilities (backward, cost model); None = not known yet.
     grad: Callable[..., Any] | None = None
     cost: Callable[..., Any] | None = None

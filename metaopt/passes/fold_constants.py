@@ -11,6 +11,9 @@
   ``Expand`` whose symbolic output dims come from the input gets ``1`` there.
   The chain that computed the target then dies (see `dead_code`).
 
+* An all-zeros constant bias (a row's ``zero_bias_input``: bias-free convs come out
+  of the exporter with one) is dropped.
+
 Random ops are never folded.
 """
 
@@ -35,6 +38,7 @@ def fold_constants(p: Program, *, max_numel: int = MAX_FOLDED_NUMEL) -> Program:
             folded = _fold(q, op, consts, max_numel)
         if folded is None:
             _static_target(q, op, consts)
+            _drop_zero_bias(op, consts)
             ops.append(op)
             continue
         for name, value in zip(op.outputs, folded, strict=False):
@@ -134,6 +138,13 @@ def _fold_shape(q: Program, op: Op) -> list[torch.Tensor] | None:
     if not all(isinstance(d, int) for d in dims):
         return None
     return [torch.tensor(dims, dtype=torch.int64)]
+
+
+def _drop_zero_bias(op: Op, consts: dict[str, torch.Tensor]) -> None:
+    row = registry.get(op.type)
+    k = row.zero_bias_input if row is not None else None
+    if k is not None and k < len(op.inputs) and op.inputs[k] in consts and not consts[op.inputs[k]].any():
+        op.inputs = op.inputs[:k]
 
 
 def _static_target(q: Program, op: Op, consts: dict[str, torch.Tensor]) -> None:

@@ -89,7 +89,7 @@ def _ones(n: int) -> list[int]:
 # --------------------------------------------------------------------------- convolution
 
 
-@register("Conv")
+@register("Conv", zero_bias_input=2)
 def conv(
     X: torch.Tensor,
     W: torch.Tensor,
@@ -116,7 +116,7 @@ def conv(
     return _CONV[n](X, W, B, strides, padding, dilations, group)
 
 
-@register("ConvTranspose")
+@register("ConvTranspose", zero_bias_input=2)
 def conv_transpose(
     X: torch.Tensor,
     W: torch.Tensor,
