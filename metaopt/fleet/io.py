@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 from typing import Any
 
 import torch
 
+from metaopt.atomic import atomic_write
 from metaopt.ir import Program, Var, did_you_mean, dtype_name, eval_dim
 
 logger = logging.getLogger("metaopt.fleet")
@@ -80,35 +80,7 @@ def save_persistables(
     }
     os.makedirs(dirname, exist_ok=True)
     path = os.path.join(dirname, filename)
-    fd, tmp = tempfile.mkstemp(dir=dirname, prefix=f".{filename}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save({"meta": meta, "tensors": tensors, "rng": rng}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_dir(dirname)
-    return path
-
-
-def _fsync_dir(dirname: str) -> None:
-    """Make the rename durable (POSIX); best effort elsewhere."""
-    try:
-        fd = os.open(dirname, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    return atomic_write(path, lambda f: torch.save({"meta": meta, "tensors": tensors, "rng": rng}, f))
 
 
 def _read(path: str) -> dict[str, Any]:

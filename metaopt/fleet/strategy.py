@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from metaopt.atomic import atomic_write
 from metaopt.ir import did_you_mean
 
 
@@ -473,20 +473,7 @@ class DistributedStrategy:
         """Write every field to `path` as JSON, atomically (temp file + os.replace)."""
         path = os.fspath(path)
         text = json.dumps(self.to_dict(), indent=2) + "\n"
-        folder = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        atomic_write(path, lambda f: f.write(text), binary=False)
 
     def load_from_json(self, path: str | os.PathLike) -> None:
         """Set this strategy to the file's fields (others at their defaults); all or nothing."""

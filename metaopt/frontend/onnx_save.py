@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +20,7 @@ import onnx
 import torch
 from onnx import helper
 
+from metaopt.atomic import atomic_write
 from metaopt.frontend.attrs import TORCH_TO_ONNX
 from metaopt.ir import Program, torch_dtype
 from metaopt.ops import registry
@@ -125,13 +125,4 @@ def to_model_proto(p: Program, values: Mapping[str, torch.Tensor] | None = None)
 def save(p: Program, path: str | os.PathLike, values: Mapping[str, torch.Tensor] | None = None) -> None:
     """Write `p` as an ONNX file, atomically (temp file + rename)."""
     model = to_model_proto(p, values)
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".metaopt-", suffix=".onnx", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(model.SerializeToString())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    atomic_write(path, lambda f: f.write(model.SerializeToString()))
