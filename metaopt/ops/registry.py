@@ -60,6 +60,9 @@ class OpDef:
     # An additive bias input that may be dropped when it is a constant of zeros (torch
     # exports bias-free convs with a zero bias: adding it, and its grad, is wasted work).
     zero_bias_input: int | None = None
+    # Every output is new storage (never a view of an input): a grad made by such an
+    # op may be accumulated into in place (GradAccumulate) once nothing else reads it.
+    fresh_outputs: bool = False
     # Filled by later capabilities (backward, cost model); None = not known yet.
     grad: Callable[..., Any] | None = None
     cost: Callable[..., Any] | None = None

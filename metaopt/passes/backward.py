@@ -8,8 +8,10 @@
   without a rule uses the generic `Vjp` (autograd on its own kernel); a random op
   without a rule is an error naming its printed line.
 * A var read by several ops gets one contribution per reader (``x@GRAD@1`` ...),
-  summed explicitly into ``x@GRAD`` once its producer is reached; a single
-  contribution is just renamed ``x@GRAD``.
+  summed explicitly into ``x@GRAD`` once its producer is reached (``GradAccumulate``
+  adds into a contribution that is new storage nothing else reads, as torch's
+  AccumulateGrad does; else ``GradSum`` into a fresh buffer); a single contribution
+  is just renamed ``x@GRAD``.
 * Backward ops have role=backward, the forward op's scope, and origin = the
   forward var whose grad they compute.
 
@@ -180,6 +182,7 @@ class _Backward:
         self.q = q
         self.emitted: list[Op] = []
         self.made: set[str] = set()  # produced by an op of this pass
+        self.producer_of: dict[str, Op] = {}
         self.reads: dict[str, int] = {}  # how many emitted ops read each var
         self.registered: dict[str, int] = {}  # how many forward vars a grad var contributes to
         self.contribs: dict[str, list[str]] = {}
@@ -189,6 +192,7 @@ class _Backward:
     def append(self, op: Op) -> None:
         self.emitted.append(op)
         self.made.update(o for o in op.outputs if o)
+        self.producer_of.update((o, op) for o in op.outputs if o)
         for i in op.inputs:
             if i:
                 self.reads[i] = self.reads.get(i, 0) + 1
@@ -199,6 +203,16 @@ class _Backward:
         v = self.q.vars[x]
         self.q.add_var(Var(name, v.dtype, v.shape, kind="grad"))
         return name
+
+    def _owned(self, part: str) -> bool:
+        """Made by this pass, a contribution to one var only, read by no emitted op."""
+        return part in self.made and self.registered.get(part) == 1 and not self.reads.get(part)
+
+    def _fresh(self, part: str) -> bool:
+        """Its producer's outputs are new storage (not a view that may share a buffer)."""
+        op = self.producer_of.get(part)
+        row = registry.get(op.type) if op is not None else None
+        return row is not None and row.fresh_outputs
 
     def register(self, x: str, contrib: str | None) -> None:
         if contrib:
@@ -226,19 +240,21 @@ class _Backward:
             return final
         if final in self.q.vars and final not in parts:
             raise BackwardError(f"{final!r} already exists in program {self.q.name!r}")
-        part = parts[0]
-        if (
-            len(parts) == 1
-            and part in self.made
-            and self.registered.get(part) == 1
-            and not self.reads.get(part)
-        ):
-            _rename(self.q, self.emitted, part, final)  # a fresh value only this var uses
-        else:  # several contributions, or one shared with another var (Add passes dy through)
-            v = self.q.vars[x]
+        owned = [p for p in parts if self._owned(p)]
+        v = self.q.vars[x]
+        if len(parts) == 1 and owned:
+            _rename(self.q, self.emitted, parts[0], final)  # a fresh value only this var uses
+        elif len(parts) == 1:  # shared with another var (Add passes dy through): alias it
             self.q.add_var(Var(final, v.dtype, v.shape, kind="grad"))
-            kind = "GradSum" if len(parts) > 1 else "Identity"
-            self.append(Op(kind, list(parts), [final], role="backward", origin=x))
+            self.append(Op("Identity", list(parts), [final], role="backward", origin=x))
+        else:
+            self.q.add_var(Var(final, v.dtype, v.shape, kind="grad"))
+            acc = next((p for p in owned if self._fresh(p) and self.q.vars[p].shape == v.shape), None)
+            if acc is not None:  # add into new storage nobody else reads, as AccumulateGrad does
+                rest = [p for p in parts if p != acc]
+                self.append(Op("GradAccumulate", [acc, *rest], [final], role="backward", origin=x))
+            else:
+                self.append(Op("GradSum", list(parts), [final], role="backward", origin=x))
         self.contribs[x] = [final]
         return final
 

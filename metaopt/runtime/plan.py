@@ -69,7 +69,10 @@ def _bind(op, device: torch.device):
 
 def _check_inplace(p: Program, last: dict[str, int], fetches: set[str]) -> None:
     """An op that writes an input in place (its row's `inplace`) must own that value:
-    persistable state (param, buffer, optimizer state) that no later op reads."""
+    state (param, buffer, optimizer state) or a computed value that no later op reads
+    and nobody fetches; never a feed (the caller's tensor) or a constant (the plan's).
+    That the value's storage is not shared with a live view is the emitting pass's
+    promise (backward uses GradAccumulate only on fresh, unshared contributions)."""
     for i, op in enumerate(p.ops):
         row = registry.get(op.type)
         for k, j in row.inplace if row is not None else ():
@@ -77,7 +80,7 @@ def _check_inplace(p: Program, last: dict[str, int], fetches: set[str]) -> None:
                 continue  # an optional output (and input) this op does not have
             x = op.inputs[j] if j < len(op.inputs) else ""
             v = p.vars.get(x)
-            if v is None or v.kind not in ("param", "buffer", "opt_state"):
+            if v is None or v.kind not in ("param", "buffer", "opt_state", "activation", "grad"):
                 what = "an omitted input" if v is None else f"{x!r} ({v.kind})"
                 raise ValueError(f"{op.type} writes input {j} in place, which is {what}: {fmt_op(op)}")
             if last.get(x, i) > i or x in fetches:

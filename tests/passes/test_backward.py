@@ -279,8 +279,8 @@ def test_names_roles_origins_and_sums():
         assert g == f"{p}@GRAD" and q.vars[g].shape == q.vars[p].shape
     bw = [op for op in q.ops if op.role == "backward"]
     assert bw and all(op.origin for op in bw)
-    # The embedding output feeds three attention projections: its grad is an explicit GradSum.
-    sums = [op for op in bw if op.type == "GradSum"]
+    # The embedding output feeds three attention projections: its grad is an explicit sum.
+    sums = [op for op in bw if op.type in ("GradSum", "GradAccumulate")]
     assert any(op.outputs == ["bert.embeddings@GRAD"] for op in sums)
     # Integer paths carry no grad.
     assert not any(n.startswith("input_ids@GRAD") or n.startswith("attention_mask@GRAD") for n in q.vars)
@@ -330,14 +330,28 @@ def test_grads_of_a_program_with_dropout_are_seeded_and_consistent():
         np.testing.assert_array_equal(a, b)
 
 
-def test_tied_weight_grad_is_one_contiguous_sum():
+def test_tied_weight_grad_accumulates_into_the_fresh_contribution():
     _, _, program = exported("gpt")
     q, pg = append_backward(program, loss="loss")
     (acc,) = [op for op in q.ops if op.outputs == ["transformer.wte.weight@GRAD"]]
-    assert acc.type == "GradSum" and len(acc.inputs) == 2  # the embedding and the LM head
+    # The embedding's grad is new storage: the LM head's (a transposed view) is added into
+    # it in place, as torch's AccumulateGrad does; the result stays contiguous.
+    assert acc.type == "GradAccumulate" and len(acc.inputs) == 2
+    producer = next(op for op in q.ops if acc.inputs[0] in op.outputs)
+    assert producer.type == "EmbeddingGrad"
     mod = programs.get("gpt")
     feed = dict(zip(mod.INPUT_NAMES, mod.example_inputs("tiny", 2, seed=1), strict=True))
-    (g,) = metaopt.Executor().run(
-        q, feed=feed, fetch_list=["transformer.wte.weight@GRAD"], return_numpy=False
-    )
-    assert g.is_contiguous()  # the LM-head part arrives transposed
+    exe = metaopt.Executor()
+    (g,) = exe.run(q, feed=feed, fetch_list=["transformer.wte.weight@GRAD"], return_numpy=False)
+    assert g.is_contiguous()
+
+
+def test_shared_contribution_is_never_accumulated_into():
+    """Add passes its output grad to both inputs: that one tensor must not be written."""
+    x = r(3, 4)
+    p, w = _single_op("Add", [x, x.clone()], params=[0, 1])
+    # y = a + b; loss = sum(y * w): both grads are w, from the same dy tensor.
+    q, pg = append_backward(p, loss="loss")
+    assert not any(op.type == "GradAccumulate" for op in q.ops)
+    got = metaopt.Executor().run(q, fetch_list=[g for _, g in pg], return_numpy=False)
+    assert all(torch.equal(t, w) for t in got)

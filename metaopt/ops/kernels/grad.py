@@ -17,13 +17,13 @@ from metaopt.ops.registry import register
 aten = torch.ops.aten
 
 
-@register("ZerosLike", domain="metaopt")
+@register("ZerosLike", domain="metaopt", fresh_outputs=True)
 def zeros_like(x: torch.Tensor) -> torch.Tensor:
     """The grad of an output nobody differentiates, where a rule needs a tensor."""
     return torch.zeros_like(x)
 
 
-@register("GradSum", domain="metaopt")
+@register("GradSum", domain="metaopt", fresh_outputs=True)
 def grad_sum(*parts: torch.Tensor) -> torch.Tensor:
     """The sum of a var's grad contributions, in a fresh contiguous buffer whatever the
     parts' layouts (a tied weight's LM-head contribution arrives transposed; a
@@ -35,43 +35,55 @@ def grad_sum(*parts: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@register("ReluGrad", domain="metaopt")
+@register("GradAccumulate", domain="metaopt", inplace=((0, 0),), fresh_outputs=True)
+def grad_accumulate(acc: torch.Tensor, *parts: torch.Tensor) -> torch.Tensor:
+    """The sum of a var's grad contributions, added into the first one in place, as
+    torch's AccumulateGrad adds into .grad: the backward emits it only when that first
+    contribution is new storage nothing else reads (else GradSum)."""
+    if not acc.is_contiguous():
+        return grad_sum(acc, *parts)
+    for t in parts:
+        acc.add_(t)
+    return acc
+
+
+@register("ReluGrad", domain="metaopt", fresh_outputs=True)
 def relu_grad(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return aten.threshold_backward(dy, y, 0)
 
 
-@register("GeluGrad", domain="metaopt")
+@register("GeluGrad", domain="metaopt", fresh_outputs=True)
 def gelu_grad(dy: torch.Tensor, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     return aten.gelu_backward(dy, x, approximate=approximate)
 
 
-@register("TanhGrad", domain="metaopt")
+@register("TanhGrad", domain="metaopt", fresh_outputs=True)
 def tanh_grad(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return aten.tanh_backward(dy, y)
 
 
-@register("SigmoidGrad", domain="metaopt")
+@register("SigmoidGrad", domain="metaopt", fresh_outputs=True)
 def sigmoid_grad(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return aten.sigmoid_backward(dy, y)
 
 
-@register("SoftmaxGrad", domain="metaopt")
+@register("SoftmaxGrad", domain="metaopt", fresh_outputs=True)
 def softmax_grad(dy: torch.Tensor, y: torch.Tensor, axis: int = -1) -> torch.Tensor:
     return aten._softmax_backward_data(dy, y, axis, y.dtype)
 
 
-@register("LogSoftmaxGrad", domain="metaopt")
+@register("LogSoftmaxGrad", domain="metaopt", fresh_outputs=True)
 def log_softmax_grad(dy: torch.Tensor, y: torch.Tensor, axis: int = -1) -> torch.Tensor:
     return aten._log_softmax_backward_data(dy, y, axis, y.dtype)
 
 
-@register("DropoutGrad", domain="metaopt", host_inputs=(2,))
+@register("DropoutGrad", domain="metaopt", host_inputs=(2,), fresh_outputs=True)
 def dropout_grad(dy: torch.Tensor, mask: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
     p = float(ratio)
     return aten.native_dropout_backward(dy, mask, 1.0 / (1.0 - p)) if p > 0.0 else dy * mask
 
 
-@register("LayerNormGrad", domain="metaopt", needs_outputs=True)
+@register("LayerNormGrad", domain="metaopt", needs_outputs=True, fresh_outputs=True)
 def layer_norm_grad(
     dy: torch.Tensor,
     x: torch.Tensor,
@@ -91,7 +103,7 @@ def layer_norm_grad(
     return (dx, dw, db)[:_nout]
 
 
-@register("BatchNormTrainingGrad", domain="metaopt", needs_outputs=True)
+@register("BatchNormTrainingGrad", domain="metaopt", needs_outputs=True, fresh_outputs=True)
 def batch_norm_training_grad(
     dy: torch.Tensor,
     x: torch.Tensor,
@@ -110,7 +122,7 @@ def batch_norm_training_grad(
     return (dx, dw, db)[:_nout]
 
 
-@register("LinearGrad", domain="metaopt", needs_outputs=True)
+@register("LinearGrad", domain="metaopt", needs_outputs=True, fresh_outputs=True)
 def linear_grad(
     dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mask: list[int] | None = None, _nout: int = 3
 ):
@@ -125,7 +137,7 @@ def linear_grad(
     return (dx, dw, db)[:_nout]
 
 
-@register("MatMulGrad", domain="metaopt", needs_outputs=True)
+@register("MatMulGrad", domain="metaopt", needs_outputs=True, fresh_outputs=True)
 def matmul_grad(
     dy: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: list[int] | None = None, _nout: int = 2
 ):
@@ -142,7 +154,7 @@ def matmul_grad(
     return da, db
 
 
-@register("EmbeddingGrad", domain="metaopt")
+@register("EmbeddingGrad", domain="metaopt", fresh_outputs=True)
 def embedding_grad(dy: torch.Tensor, indices: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Gather(weight, indices, axis=0)'s weight grad: what nn.Embedding's backward computes.
 
@@ -150,7 +162,7 @@ def embedding_grad(dy: torch.Tensor, indices: torch.Tensor, weight: torch.Tensor
     return aten.embedding_dense_backward(dy, indices, weight.shape[0], -1, False)
 
 
-@register("ConvGrad", domain="metaopt", needs_outputs=True)
+@register("ConvGrad", domain="metaopt", needs_outputs=True, fresh_outputs=True)
 def conv_grad(
     dy: torch.Tensor,
     x: torch.Tensor,
@@ -176,7 +188,7 @@ def conv_grad(
     return (dx, dw, db)[:_nout]
 
 
-@register("SoftmaxCrossEntropyLossGrad", domain="metaopt")
+@register("SoftmaxCrossEntropyLossGrad", domain="metaopt", fresh_outputs=True)
 def softmax_cross_entropy_loss_grad(
     dloss: torch.Tensor,
     log_prob: torch.Tensor,
