@@ -16,6 +16,7 @@ from metaopt.ops.kernels import (  # noqa: F401
     random,
     reduce,
     resize,
+    rng,
     rnn,
     tensor,
     vision,

@@ -1,0 +1,47 @@
+"""Random-number state ops: what makes a recomputed random op replay its forward mask.
+
+``RngState`` records the generator state right before a random op; ``RngReplay``
+restores it around the op's own kernel (and puts the generator back afterwards), so
+the recomputed mask is bit-identical to the forward's — torch.utils.checkpoint's
+preserve_rng_state, one random op at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metaopt.ops import registry
+from metaopt.ops.registry import register
+
+
+@register("RngState", domain="metaopt", needs_device=True, host_outputs=True, recomputable=False)
+def rng_state(_device: torch.device) -> torch.Tensor:
+    """The state of the generator random ops on `_device` draw from (a CPU byte tensor)."""
+    if _device.type == "cuda":
+        return torch.cuda.get_rng_state(_device)
+    return torch.get_rng_state()
+
+
+@register("RngReplay", domain="metaopt", needs_outputs=True, host_inputs=(0,), fresh_outputs=True)
+def rng_replay(
+    state: torch.Tensor, *inputs: torch.Tensor | None, op: str, n_out: int, _nout: int, **fwd_attrs
+):
+    """Run random op `op` on `inputs` from generator state `state`, leaving the generator as it was."""
+    row = registry.get(op)
+    attrs = {k.removeprefix("f_"): v for k, v in fwd_attrs.items()}
+    if row.needs_outputs:
+        attrs["_nout"] = n_out
+    device = next(x.device for x in inputs if x is not None)
+    if row.needs_device:
+        attrs["_device"] = device
+    if device.type == "cuda":
+        with torch.random.fork_rng(devices=[device.index], device_type="cuda"):
+            torch.cuda.set_rng_state(state, device)
+            out = row.kernel(*inputs, **attrs)
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(state)
+            out = row.kernel(*inputs, **attrs)
+    outs = out if isinstance(out, tuple) else (out,)
+    outs = outs + (None,) * (_nout - len(outs))
+    return outs[0] if _nout == 1 else outs[:_nout]

@@ -1,0 +1,245 @@
+"""Recompute (Fleet's RecomputeOptimizer semantics) on a training program.
+
+    plan = plan_recompute(program, checkpoints=["bert.encoder.layer.*"])
+    print(plan)                       # segments, held values, skipped names
+    program = recompute(program, checkpoints=["bert.encoder.layer.*"])
+
+* Checkpoints are var names, module paths, or module-path patterns where ``*``
+  stands for one path component (``"encoder.layer.*"`` = each layer's output);
+  order does not matter, duplicates are ignored; an unknown name is an error with a
+  did-you-mean; a checkpoint the backward never needs is reported in `skipped`.
+* Segments run from one checkpoint to the next (the head before the first
+  checkpoint included); ops after the last checkpoint are not recomputed. Before the
+  first backward op that reads a value of a segment, the forward ops of that segment
+  that the backward needs are re-emitted (role ``recompute``, outputs ``x@RECOMPUTE``,
+  origin = the forward var), and the backward reads the copies. So between the end of
+  the forward and its segment's backward, no non-checkpoint activation of a
+  recomputed segment is alive. A value one segment computes and a later segment
+  reads is held (listed in the plan) rather than recomputed across segments.
+* Random ops are replayed exactly: an ``RngState`` op right before each recomputed
+  random op records the generator state, and the recomputed copy
+  (``RngReplay``) restores it around the op's own kernel, so its mask is
+  bit-identical to the forward's (``seed_random_ops=False`` turns this off, to show
+  the difference). The forward ops themselves are unchanged, so a recomputed program
+  computes exactly what the program without recompute computes.
+
+The pass is pure and runs after the backward (it is a rewrite of the training
+program: forward, backward, optimizer).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+
+from metaopt.ir import Op, Program, Var, did_you_mean, names
+from metaopt.ops import registry
+
+BACKWARD_ROLES = frozenset({"backward"})
+
+
+class RecomputeError(ValueError):
+    pass
+
+
+@dataclass
+class Segment:
+    start: str | None  # the checkpoint opening it; None for the head
+    end: str  # the checkpoint closing it
+    ops: list[int] = field(default_factory=list)  # forward ops re-emitted, in order
+
+
+@dataclass
+class RecomputePlan:
+    checkpoints: list[str]
+    segments: list[Segment]
+    held: list[str]  # non-checkpoint values kept because a later segment reads them
+    skipped: list[tuple[str, str]]  # (name, why it is not used)
+
+    def __str__(self) -> str:
+        lines = [f"recompute plan: {len(self.checkpoints)} checkpoints, {len(self.segments)} segments"]
+        for s in self.segments:
+            lines.append(f"  segment {s.start or '<head>'} -> {s.end}: {len(s.ops)} ops recomputed")
+        if self.held:
+            lines.append(f"  held (read across segments): {', '.join(self.held)}")
+        for name, why in self.skipped:
+            lines.append(f"  skipped {name}: {why}")
+        return "\n".join(lines)
+
+
+def resolve_checkpoints(p: Program, checkpoints: list) -> list[str]:
+    """Var names for the given names, module paths and patterns (deduplicated, in order given)."""
+    out: list[str] = []
+    for entry in checkpoints:
+        name = entry.name if isinstance(entry, Var) else entry
+        if not isinstance(name, str):
+            raise RecomputeError(f"checkpoint {entry!r} is not a var name or module pattern")
+        if name == "auto":
+            raise NotImplementedError("recompute_configs['checkpoints'] = 'auto' (automatic selection)")
+        if name in p.vars:
+            found = [name]
+        else:
+            found = [v for m in _match_modules(p, name) for v in p.modules[m]]
+        if not found:
+            choices = [*p.vars, *p.modules]
+            raise RecomputeError(
+                f"checkpoint {name!r} is neither a var nor a module of {p.name!r}"
+                f"{did_you_mean(name, choices)}"
+            )
+        out.extend(v for v in found if v not in out)
+    return out
+
+
+def _match_modules(p: Program, pattern: str) -> list[str]:
+    # One path component per "*": "encoder.layer.*" is each layer, not what is inside it.
+    parts = pattern.split(".")
+    return [
+        m
+        for m in p.modules
+        if len(m.split(".")) == len(parts)
+        and all(fnmatch.fnmatchcase(a, b) for a, b in zip(m.split("."), parts))
+    ]
+
+
+def plan_recompute(p: Program, *, checkpoints: list) -> RecomputePlan:
+    """Which forward ops each segment re-emits, and what is held; nothing is rewritten."""
+    resolved = resolve_checkpoints(p, checkpoints)
+    first_bw = next((i for i, op in enumerate(p.ops) if op.role in BACKWARD_ROLES), None)
+    if first_bw is None:
+        raise RecomputeError(f"program {p.name!r} has no backward ops: recompute rewrites a training program")
+    fwd = p.ops[:first_bw]
+    prod = {o: i for i, op in enumerate(fwd) for o in op.outputs if o}
+    on_path = _loss_depends_on(p, fwd, prod)
+    skipped, ckpts = [], []
+    for n in resolved:
+        if n not in prod:
+            skipped.append((n, "not computed by the forward (a param, input or constant)"))
+        elif n not in on_path:
+            skipped.append((n, "not on the path to the loss"))
+        else:
+            ckpts.append(n)
+    ckpts.sort(key=lambda n: prod[n])
+    if not ckpts:
+        return RecomputePlan([], [], [], skipped)
+    bounds = [prod[c] for c in ckpts]
+
+    def seg_of(i: int) -> int | None:  # the segment of forward op i; None: after the last checkpoint
+        return next((j for j, b in enumerate(bounds) if i <= b), None)
+
+    bw_reads = {x for op in p.ops[first_bw:] for x in op.inputs if x}
+    kept = set(ckpts) | set(p.inputs) | {v.name for v in p.vars.values() if v.kind != "activation"}
+    held: list[str] = []
+    while True:  # grow `held` until no segment's recompute reads another segment's value
+        needed: dict[int, set[int]] = {}
+        work = [prod[x] for x in bw_reads if x in prod and x not in kept and seg_of(prod[x]) is not None]
+        new_held = []
+        while work:
+            i = work.pop()
+            j = seg_of(i)
+            if i in needed.setdefault(j, set()):
+                continue
+            needed[j].add(i)
+            for x in fwd[i].inputs:
+                if x and x in prod and x not in kept:
+                    if seg_of(prod[x]) == j:
+                        work.append(prod[x])
+                    elif x not in new_held:
+                        new_held.append(x)
+        if not new_held:
+            break
+        held.extend(new_held)
+        kept.update(new_held)
+    segments = [
+        Segment(ckpts[j - 1] if j else None, ckpts[j], sorted(needed.get(j, ()))) for j in range(len(ckpts))
+    ]
+    return RecomputePlan(ckpts, segments, held, skipped)
+
+
+def _loss_depends_on(p: Program, fwd: list[Op], prod: dict[str, int]) -> set[str]:
+    """Forward values the loss depends on."""
+    if p.loss_name is None or p.loss_name not in prod:
+        raise RecomputeError(f"program {p.name!r} has no loss computed by its forward")
+    seen, work = {p.loss_name}, [p.loss_name]
+    while work:
+        x = work.pop()
+        if x in prod:
+            for y in fwd[prod[x]].inputs:
+                if y and y not in seen:
+                    seen.add(y)
+                    work.append(y)
+    return seen
+
+
+def recompute(p: Program, *, checkpoints: list, seed_random_ops: bool = True) -> Program:
+    """Rewrite `p` (a training program) so each segment is recomputed before its backward."""
+    plan = plan_recompute(p, checkpoints=checkpoints)
+    q = p.clone()
+    if not plan.checkpoints:
+        return q
+    first_bw = next(i for i, op in enumerate(q.ops) if op.role in BACKWARD_ROLES)
+    kept = set(plan.checkpoints) | set(plan.held)
+    seg_of_value = {
+        o: j
+        for j, s in enumerate(plan.segments)
+        for i in s.ops
+        for o in q.ops[i].outputs
+        if o and o not in kept
+    }
+    copies: dict[str, str] = {}  # forward value -> its recomputed copy
+    rng_state: dict[int, str] = {}  # forward op index -> var holding the RNG state before it
+
+    fwd: list[Op] = []
+    replay = {i for s in plan.segments for i in s.ops if _random(q.ops[i])} if seed_random_ops else set()
+    for i, op in enumerate(q.ops[:first_bw]):
+        if i in replay:
+            state = names.fresh(names.saved(op.outputs[0], "RNG_STATE"), q.vars)
+            q.add_var(Var(state, "uint8", None))
+            fwd.append(Op("RngState", [], [state], role=op.role, scope=op.scope, origin=op.outputs[0]))
+            rng_state[i] = state
+        fwd.append(op)
+
+    emitted: set[int] = set()
+    rest: list[Op] = []
+    for op in q.ops[first_bw:]:
+        for x in op.inputs:
+            j = seg_of_value.get(x)
+            if j is not None and j not in emitted:
+                emitted.add(j)
+                rest.extend(_reemit(q, plan.segments[j], copies, rng_state, kept))
+        op.inputs = [copies.get(x, x) for x in op.inputs]
+        rest.append(op)
+    q.ops = [*fwd, *rest]
+    return q
+
+
+def _reemit(
+    q: Program, seg: Segment, copies: dict[str, str], rng_state: dict[int, str], kept: set[str]
+) -> list[Op]:
+    out = []
+    ops = q.ops  # still the forward ops at these indices: recompute() rebuilds q.ops afterwards
+    for i in seg.ops:
+        op = ops[i]
+        outs = []
+        for o in op.outputs:
+            if not o or o in kept:  # checkpoints and held values are read from the forward
+                outs.append("")
+                continue
+            c = names.fresh(names.recompute(o), q.vars)
+            v = q.vars[o]
+            q.add_var(Var(c, v.dtype, v.shape))
+            copies[o] = c
+            outs.append(c)
+        ins = [copies.get(x, x) for x in op.inputs]
+        if i in rng_state:
+            attrs = {"op": op.type, "n_out": len(op.outputs), **{f"f_{k}": v for k, v in op.attrs.items()}}
+            new = Op("RngReplay", [rng_state[i], *ins], outs, attrs)
+        else:
+            new = Op(op.type, ins, outs, dict(op.attrs))
+        new.role, new.scope, new.origin = "recompute", op.scope, op.outputs[0]
+        out.append(new)
+    return out
+
+
+def _random(op: Op) -> bool:
+    row = registry.get(op.type)
+    return row is not None and row.random
