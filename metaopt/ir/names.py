@@ -20,6 +20,16 @@ def grad_part(name: str, k: int) -> str:
     return f"{name}@GRAD@{k}"
 
 
+def grad_temp(name: str) -> str:
+    """An intermediate of the gradient computed for forward var `name` (fresh() numbers it)."""
+    return f"{name}@GRAD@TMP"
+
+
+def grad_const() -> str:
+    """A constant the backward needs (1.0 for the loss grad, reduction axes ...)."""
+    return "grad_const"
+
+
 def saved(name: str, what: str) -> str:
     """An extra forward output the backward reads (``drop@MASK``, ``ln@RSTD``)."""
     return f"{name}@{what}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import copy
 import difflib
+import itertools
 import operator
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -75,6 +76,8 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
         return ""
     return " (did you mean " + " or ".join(repr(c) for c in close) + "?)"
 
+
+_UIDS = itertools.count()
 
 _DIM_OPS = {
     ast.Add: operator.add,
@@ -181,8 +184,10 @@ class Program:
         # that var (SSA keeps one producer per name; state is updated through this
         # map, e.g. BatchNorm running stats, optimizer state, params).
         self.updates: dict[str, str] = {}
-        # Bumped by every rewrite that goes through `replace_with`; executors
-        # key their per-program plans (liveness, bound kernels) on it.
+        # Executors key their per-program plans (liveness, bound kernels) on (uid,
+        # version): uid is unique per Program object for the life of the process (an
+        # id() can be reused once a program is gone), version bumps on `replace_with`.
+        self.uid = next(_UIDS)
         self.version = 0
 
     # --- lookup -------------------------------------------------------------
@@ -250,11 +255,11 @@ class Program:
 
     def replace_with(self, other: Program) -> None:
         """Take `other`'s contents in place (Fleet's minimize rewrites the user's program)."""
-        version = self.version
+        uid, version = self.uid, self.version
         self.__dict__.update(other.clone().__dict__)
         for v in self.vars.values():
             v.program = self
-        self.version = version + 1
+        self.uid, self.version = uid, version + 1
 
     def __str__(self) -> str:
         from metaopt.ir.printer import print_program

@@ -37,6 +37,11 @@ def grad_rule(*op_types: str) -> Callable[[Rule], Rule]:
     return deco
 
 
+def _stat_dtype(x_dtype: str) -> str:
+    """Norm statistics: float32 for half inputs (torch accumulates in float), else x's dtype."""
+    return "float32" if x_dtype in ("float16", "bfloat16") else x_dtype
+
+
 # --- elementwise --------------------------------------------------------------
 
 
@@ -213,7 +218,8 @@ def _layer_norm(g, op, dy):
         return g.vjp(op, dy)
     xs = g.shape(x)
     stat = tuple(xs[: axis % len(xs)]) + (1,) * (len(xs) - axis % len(xs))  # ONNX keeps the dims
-    mean, rstd = g.saved_outputs(op, [("MEAN", stat, "float32"), ("RSTD", stat, "float32")], count=3)
+    sd = _stat_dtype(g.dtype(x))
+    mean, rstd = g.saved_outputs(op, [("MEAN", stat, sd), ("RSTD", stat, sd)], count=3)
     ins = [dy[0], x, mean, rstd, scale] + ([bias] if bias else [])
     outs, mask = g.contribs(3 if bias else 2)
     g.emit("LayerNormGrad", ins, outs, axis=axis, mask=mask)
@@ -223,8 +229,8 @@ def _layer_norm(g, op, dy):
 @grad_rule("BatchNormTraining")
 def _batch_norm_training(g, op, dy):
     x, scale, bias = op.inputs[:3]
-    c = g.shape(scale)
-    mean, invstd = g.saved_outputs(op, [("SAVE_MEAN", c, "float32"), ("SAVE_INVSTD", c, "float32")], count=5)
+    c, sd = g.shape(scale), _stat_dtype(g.dtype(x))
+    mean, invstd = g.saved_outputs(op, [("SAVE_MEAN", c, sd), ("SAVE_INVSTD", c, sd)], count=5)
     eps = op.attrs.get("epsilon", 1e-5)
     outs, mask = g.contribs(3)
     g.emit("BatchNormTrainingGrad", [dy[0], x, scale, mean, invstd], outs, epsilon=eps, mask=mask)
@@ -257,9 +263,11 @@ def _softmax_cross_entropy(g, op, dy):
 
 @grad_rule("Dropout")
 def _dropout(g, op, dy):
+    train = op.inputs[2] if len(op.inputs) > 2 and op.inputs[2] else ""
+    if not train or g.constant_value(train) is False:  # inference semantics: the identity
+        return [g.emit1("Identity", [dy[0]], like=op.inputs[0])] + [None] * (len(op.inputs) - 1)
     (mask,) = g.saved_outputs(op, [("MASK", g.shape(op.outputs[0]), "bool")], count=2)
     ratio = op.inputs[1] if len(op.inputs) > 1 and op.inputs[1] else g.const(0.5, "float32")
-    train = len(op.inputs) > 2 and op.inputs[2] and g.constant_value(op.inputs[2])
-    if not train:
-        return [g.emit1("Identity", [dy[0]], like=op.inputs[0]), None, None][: len(op.inputs)]
-    return [g.emit1("DropoutGrad", [dy[0], mask, ratio], like=op.inputs[0])] + [None] * (len(op.inputs) - 1)
+    # A run-time training flag is read by the grad kernel too.
+    ins = [dy[0], mask, ratio] + ([] if g.constant_value(train) is True else [train])
+    return [g.emit1("DropoutGrad", ins, like=op.inputs[0])] + [None] * (len(op.inputs) - 1)

@@ -54,8 +54,9 @@ class OpDef:
     # (output index, input index) pairs: the kernel writes that output into that
     # input's storage and returns it (optimizer updates, like torch.optim's in-place
     # steps: a fresh copy of a large param costs page faults every step). The plan
-    # refuses such an op unless the input is persistable state that nothing reads
-    # afterwards; every other kernel must leave its inputs untouched.
+    # refuses such an op unless that input, and everything sharing its storage, is
+    # read by nothing afterwards and is neither a feed nor a constant (see
+    # runtime/plan.py); every other kernel must leave its inputs untouched.
     inplace: tuple[tuple[int, int], ...] = ()
     # An additive bias input that may be dropped when it is a constant of zeros (torch
     # exports bias-free convs with a zero bias: adding it, and its grad, is wasted work).
@@ -63,6 +64,10 @@ class OpDef:
     # Every output is new storage (never a view of an input): a grad made by such an
     # op may be accumulated into in place (GradAccumulate) once nothing else reads it.
     fresh_outputs: bool = False
+    # An output may share storage with an input (a view, or the input itself: Reshape,
+    # Transpose, Identity, Dropout when off, Cast to the same dtype ...). The executor's
+    # in-place check follows these links; ops without it make new outputs.
+    may_alias: bool = False
     # Filled by later capabilities (backward, cost model); None = not known yet.
     grad: Callable[..., Any] | None = None
     cost: Callable[..., Any] | None = None

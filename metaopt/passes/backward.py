@@ -79,9 +79,10 @@ class GradBuilder:
         return outs, [int(bool(o)) for o in outs]
 
     def temp(self, like: str, shape: tuple | None = None, dtype: str | None = None) -> str:
+        """A fresh grad-kind var shaped like `like` (or `shape`), for a rule's intermediate."""
         v = self.program.vars[like]
-        name = names.fresh(names.grad(f"{self.op.outputs[0]}.{len(self._bw.emitted)}"), self.program.vars)
-        self.program.add_var(Var(name, dtype or v.dtype, v.shape if shape is None else shape))
+        name = names.fresh(names.grad_temp(self.op.outputs[0]), self.program.vars)
+        self.program.add_var(Var(name, dtype or v.dtype, v.shape if shape is None else shape, kind="grad"))
         return name
 
     def const(self, value: Any, dtype: str) -> str:
@@ -152,7 +153,9 @@ class GradBuilder:
     def vjp(self, op: Op, dy: list[str | None]) -> list[str | None]:
         """The generic rule: autograd on the op's own kernel."""
         row = registry.get(op.type)
-        if row is None or row.random:
+        if row is None:
+            raise BackwardError(f"op type {op.type} has no kernel, so no gradient: {fmt_op(op)}")
+        if row.random:
             raise BackwardError(
                 f"no gradient rule for random op {op.type} (re-running it would draw new random "
                 f"numbers): {fmt_op(op)}"
@@ -217,15 +220,16 @@ class _Backward:
     def register(self, x: str, contrib: str | None) -> None:
         if contrib:
             self.contribs.setdefault(x, [])
-            if contrib not in self.contribs[x]:
-                self.contribs[x].append(contrib)
-                self.registered[contrib] = self.registered.get(contrib, 0) + 1
+            # The same tensor may arrive twice (Add(x, x) passes dy to both inputs):
+            # every arrival counts, and such a part is shared, never accumulated into.
+            self.contribs[x].append(contrib)
+            self.registered[contrib] = self.registered.get(contrib, 0) + 1
 
     def const(self, value: Any, dtype: str) -> str:
         key = (repr(value), dtype)
         if key not in self._consts:
             t = torch.tensor(value, dtype=torch_dtype(dtype))
-            name = names.fresh("grad_const", self.q.vars)
+            name = names.fresh(names.grad_const(), self.q.vars)
             self.q.add_var(Var(name, dtype, tuple(t.shape), kind="constant"), t)
             self._consts[key] = name
         return self._consts[key]
@@ -287,8 +291,13 @@ def append_backward(
         raise BackwardError(f"loss {loss!r} is not produced by an op of program {q.name!r}")
     if any(op.role == "backward" for op in q.ops):
         raise BackwardError(f"program {q.name!r} already has backward ops: append_backward runs once")
-    params = _params(q, parameter_list, no_grad_set or set())
-    stop = set(no_grad_set or ())
+    stop = {x.name if isinstance(x, Var) else x for x in (no_grad_set or ())}
+    for x in stop:
+        if x not in q.vars:
+            raise BackwardError(
+                f"no_grad_set entry {x!r} is not a var of {q.name!r}{did_you_mean(x, q.vars)}"
+            )
+    params = _params(q, parameter_list, stop)
     end = prod[loss]
     fwd = q.ops[: end + 1]
 

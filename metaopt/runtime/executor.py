@@ -17,6 +17,8 @@ from metaopt.runtime.memory import MemoryTracker
 from metaopt.runtime.place import Place, resolve
 from metaopt.runtime.plan import Plan, build_plan
 
+MAX_PLANS = 32  # compiled plans kept per executor (each holds its program's constants)
+
 
 class Scope(dict):
     """name -> tensor of every persistable the executor has materialised."""
@@ -40,19 +42,26 @@ class Executor:
     ) -> list[Any]:
         """Run `program` once; returns the fetched values in `fetch_list` order."""
         fetches = [f.name if isinstance(f, Var) else f for f in (fetch_list or [])]
-        key = (id(program), program.version, len(program.ops), tuple(fetches))
-        plan = self._plans.get(key)
+        key = (program.uid, program.version, tuple(fetches))
+        plan = self._plans.pop(key, None)
         if plan is None:
             plan = build_plan(program, fetches, self.device, self.track_memory)
-            self._plans[key] = plan
             if self.track_memory:
                 for t in plan.constants.values():
                     self._tracker.acquire(t)
+            while len(self._plans) >= MAX_PLANS:  # least recently used goes, with its constants
+                old = self._plans.pop(next(iter(self._plans)))
+                if self.track_memory:
+                    for t in old.constants.values():
+                        self._tracker.release(t)
+        self._plans[key] = plan  # most recently used last
         self._materialise(program, plan.persistables)
         feeds = self._feeds(program, feed or {}, plan.feeds)
         self._tracker.start_run()
-        out = plan.fn(self.scope, feeds, self._tracker)
-        self._tracker.end_run()
+        try:
+            out = plan.fn(self.scope, feeds, self._tracker)
+        finally:
+            self._tracker.end_run()
         if return_numpy:
             return [_to_numpy(t) for t in out]
         return list(out)
@@ -60,6 +69,7 @@ class Executor:
     def _materialise(self, p: Program, names: Sequence[str]) -> None:
         for name in names:
             if name in self.scope:
+                _check_scope_entry(p, name, self.scope[name])
                 continue
             value = p.values.get(name)
             if value is None:
@@ -115,6 +125,18 @@ class Executor:
         """The generated Python of `program` (for debugging what the executor does)."""
         fetches = [f.name if isinstance(f, Var) else f for f in fetch_list]
         return build_plan(program, fetches, self.device, self.track_memory).source
+
+
+def _check_scope_entry(p: Program, name: str, t: torch.Tensor) -> None:
+    """A scope tensor another program made must fit this program's var of that name."""
+    var = p.vars[name]
+    want_shape = tuple(var.shape) if var.shape is not None else None
+    static = want_shape is not None and all(isinstance(d, int) for d in want_shape)
+    if t.dtype != torch_dtype(var.dtype) or (static and tuple(t.shape) != want_shape):
+        raise ValueError(
+            f"scope holds {name!r} as {t.dtype} {list(t.shape)}, but program {p.name!r} declares "
+            f"{var.dtype} {list(var.shape or [])}: two programs disagree about this persistable"
+        )
 
 
 def _check_shape(name: str, got: tuple, want: tuple | None, bound: dict[str, tuple[int, str]]) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from metaopt.ir import Program, did_you_mean, verify
+from metaopt.ir import Op, Program, did_you_mean, verify
 from metaopt.ir.printer import fmt_op
 from metaopt.ops import registry
 
@@ -67,25 +67,84 @@ def _bind(op, device: torch.device):
     return functools.partial(row.kernel, **kw) if kw else row.kernel
 
 
-def _check_inplace(p: Program, last: dict[str, int], fetches: set[str]) -> None:
-    """An op that writes an input in place (its row's `inplace`) must own that value:
-    state (param, buffer, optimizer state) or a computed value that no later op reads
-    and nobody fetches; never a feed (the caller's tensor) or a constant (the plan's).
-    That the value's storage is not shared with a live view is the emitting pass's
-    promise (backward uses GradAccumulate only on fresh, unshared contributions)."""
+class _Aliases:
+    """Union-find of vars that may share storage, grown op by op.
+
+    Storage is shared along rows marked `may_alias` (views, pass-throughs; only inputs of
+    the output's dtype: a Reshape's int64 shape is not aliased) and along in-place pairs.
+    """
+
+    def __init__(self) -> None:
+        self.parent: dict[str, str] = {}
+
+    def find(self, x: str) -> str:
+        while self.parent.get(x, x) != x:
+            x = self.parent[x]
+        return x
+
+    def add(self, p: Program, op: Op) -> None:
+        row = registry.get(op.type)
+        links: set[tuple[str, str]] = set()
+        for k, j in row.inplace if row is not None else ():
+            if k < len(op.outputs) and op.outputs[k] and j < len(op.inputs) and op.inputs[j]:
+                links.add((op.outputs[k], op.inputs[j]))
+        if row is None or row.may_alias:
+            for o in filter(None, op.outputs):
+                links.update((o, x) for x in op.inputs if x and p.vars[x].dtype == p.vars[o].dtype)
+        for a, b in links:
+            ra, rb = self.find(a), self.find(b)
+            if ra != rb:
+                self.parent[ra] = rb
+
+    def members(self, x: str, among: set[str]) -> list[str]:
+        r = self.find(x)
+        return [m for m in among if self.find(m) == r]
+
+
+def check_inplace(p: Program, fetches: set[str]) -> tuple[_Aliases, set[str]]:
+    """An op that writes an input in place (its row's `inplace`) must own that storage:
+    nothing sharing it *when it is written* (the input, its views, what it was viewed
+    from) may be read by a later op, be a feed (the caller's tensor) or a constant (the
+    plan's); a persistable written in place must be updated to exactly that output
+    (`program.updates`). Fetched vars sharing it are returned, to be copied when they
+    are computed (a persistable's own fetch reads its updated value). Returns the alias
+    classes of the whole program and those fetches."""
+    snapshots: set[str] = set()
+    last = {x: i for i, op in enumerate(p.ops) for x in op.inputs if x}
+    aliases = _Aliases()
+    defined = set(p.inputs) | {v.name for v in p.vars.values() if v.persistable}
     for i, op in enumerate(p.ops):
         row = registry.get(op.type)
         for k, j in row.inplace if row is not None else ():
             if k >= len(op.outputs) or not op.outputs[k]:
                 continue  # an optional output (and input) this op does not have
             x = op.inputs[j] if j < len(op.inputs) else ""
-            v = p.vars.get(x)
-            if v is None or v.kind not in ("param", "buffer", "opt_state", "activation", "grad"):
-                what = "an omitted input" if v is None else f"{x!r} ({v.kind})"
-                raise ValueError(f"{op.type} writes input {j} in place, which is {what}: {fmt_op(op)}")
-            if last.get(x, i) > i or x in fetches:
-                later = f"op {last.get(x)}" if x not in fetches else "a fetch"
-                raise ValueError(f"{op.type} writes {x!r} in place but {later} reads it later: {fmt_op(op)}")
+            if not x:
+                raise ValueError(f"{op.type} writes input {j} in place, which is omitted: {fmt_op(op)}")
+            v = p.vars[x]
+            if v.persistable and p.updates.get(x) != op.outputs[k]:
+                raise ValueError(
+                    f"{op.type} writes {x!r} in place, but program.updates does not update {x!r} to "
+                    f"{op.outputs[k]!r}: {fmt_op(op)}"
+                )
+            for m in aliases.members(x, defined) if x in defined else [x]:
+                kind = p.vars[m].kind
+                if kind in ("input", "constant"):
+                    raise ValueError(
+                        f"{op.type} writes {x!r} in place, which shares storage with {kind} {m!r}: "
+                        f"{fmt_op(op)}"
+                    )
+                if last.get(m, -1) > i:
+                    share = "" if m == x else f" (through {m!r}, which shares its storage)"
+                    raise ValueError(
+                        f"{op.type} writes {x!r} in place but op {last[m]} reads it later{share}: "
+                        f"{fmt_op(op)}"
+                    )
+                if m in fetches and not (m == x and v.persistable):
+                    snapshots.add(m)
+        aliases.add(p, op)
+        defined.update(o for o in op.outputs if o)
+    return aliases, snapshots
 
 
 def build_plan(p: Program, fetches: list[str], device: torch.device, track: bool) -> Plan:
@@ -121,7 +180,7 @@ def build_plan(p: Program, fetches: list[str], device: torch.device, track: bool
         for o in op.outputs:
             if o:
                 last.setdefault(o, i)
-    _check_inplace(p, last, set(fetches))
+    aliases, snapshots = check_inplace(p, set(fetches))
     update_at: dict[int, list[tuple[str, str]]] = {}
     prod_idx = {o: i for i, op in enumerate(p.ops) for o in op.outputs if o}
     for target, new in p.updates.items():
@@ -174,6 +233,9 @@ def build_plan(p: Program, fetches: list[str], device: torch.device, track: bool
                 if o:
                     lines.append(f"    {local(o)} = {tmp}[{j}]")
             lines.append(f"    del {tmp}")
+        for o in outs:
+            if o in snapshots:  # fetched, and an in-place op later writes its storage
+                lines.append(f"    {local(o)} = {local(o)}.clone()")
         if track:
             for o in outs:
                 if o:
@@ -192,11 +254,19 @@ def build_plan(p: Program, fetches: list[str], device: torch.device, track: bool
             if track:
                 lines.append(f"    T.release({local(name)})")
             lines.append(f"    del {local(name)}")
-    # A fetched persistable is its value after the run (updated, as Fleet's in-place ops leave it).
-    out = ", ".join(f"S[{f!r}]" if f in pset else local(f) for f in fetches)
+    # A fetched persistable is its value after the run (updated, as Fleet's in-place ops
+    # leave it). Whatever may share storage with state or constants is returned as a
+    # copy: the next run updates state in place, and constants are the plan's.
+    held = {aliases.find(x) for x in (*pset, *consts)}
+
+    def fetched(f: str) -> str:
+        expr = f"S[{f!r}]" if f in pset else local(f)
+        return f"{expr}.clone()" if aliases.find(f) in held else expr
+
+    out = ", ".join(fetched(f) for f in fetches)
     lines.append(f"    return ({out}{',' if len(fetches) == 1 else ''})")
     if track:
-        for f in fetches:
+        for f in dict.fromkeys(fetches):  # a name fetched twice is released once
             if f not in pset and f not in consts:
                 lines.insert(-1, f"    T.release({local(f)})")
     source = "\n".join(lines) + "\n"

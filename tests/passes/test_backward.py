@@ -355,3 +355,50 @@ def test_shared_contribution_is_never_accumulated_into():
     assert not any(op.type == "GradAccumulate" for op in q.ops)
     got = metaopt.Executor().run(q, fetch_list=[g for _, g in pg], return_numpy=False)
     assert all(torch.equal(t, w) for t in got)
+
+
+def test_one_var_used_twice_by_an_op_gets_both_contributions():
+    p = Program("twice")
+    p.add_var(
+        Var("w", "float64", (3,), kind="param", trainable=True),
+        torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64),
+    )
+    for n in ("s", "d"):
+        p.add_var(Var(n, "float64", (3,)))
+    p.add_var(Var("loss", "float64", ()))
+    p.ops = [
+        Op("Add", ["w", "w"], ["s"]),
+        Op("Mul", ["s", "w"], ["d"]),
+        Op("ReduceSum", ["d"], ["loss"], {"keepdims": 0}, role="loss"),
+    ]
+    p.outputs, p.loss_name = ["loss"], "loss"
+    q, pg = append_backward(p, loss="loss")
+    (g,) = metaopt.Executor().run(q, fetch_list=[pg[0][1]])
+    # loss = sum(2w * w) = 2 sum(w^2): grad 4w
+    assert g.tolist() == [4.0, 8.0, 12.0]
+
+
+def test_dropout_with_a_run_time_training_flag():
+    x = r(16, 8)
+    p, w = _single_op(
+        "Dropout", [x, torch.tensor(0.5, dtype=torch.float64), torch.tensor(True)], params=[0], consts={1}
+    )
+    q, pg = append_backward(p, loss="loss")
+    drop = next(op for op in q.ops if op.type == "Dropout")
+    exe = metaopt.Executor()
+    for train in (True, False):
+        metaopt.seed(0)
+        out, mask, g = exe.run(
+            q,
+            feed={"in2": torch.tensor(train)},
+            fetch_list=["out0", drop.outputs[1], pg[0][1]],
+            return_numpy=False,
+        )
+        want = w * mask * 2.0 if train else w
+        assert torch.equal(g, want), train
+
+
+def test_unknown_no_grad_set_entry_is_an_error():
+    _, _, program = exported("mlp")
+    with pytest.raises(BackwardError, match=r"no_grad_set entry 'fc1.wieght'.*did you mean 'fc1.weight'"):
+        append_backward(program, loss="loss", no_grad_set={"fc1.wieght"})

@@ -181,7 +181,13 @@ def test_two_programs_with_same_constant_names_share_one_executor():
     exe = metaopt.Executor()
     x = np.ones(2, np.float32)
     (a,) = exe.run(program(2.0), feed={"x": x}, fetch_list=["y"])
-    (b,) = exe.run(program(3.0), feed={"x": x}, fetch_list=["y", ])
+    (b,) = exe.run(
+        program(3.0),
+        feed={"x": x},
+        fetch_list=[
+            "y",
+        ],
+    )
     assert a.tolist() == [2.0, 2.0] and b.tolist() == [3.0, 3.0]
     assert "const" not in exe.scope  # constants belong to their program, not the scope
     (c,) = exe.run(program(5.0), feed={"x": x}, fetch_list=["const"])
@@ -204,5 +210,80 @@ def test_in_place_update_of_a_value_read_later_is_refused():
         metaopt.Executor().run(p, feed={"g": np.ones(3, np.float32)}, fetch_list=["y"])
     p.ops[0].inputs[0] = "g"  # a feed is the caller's tensor: never written
     p.updates = {}
-    with pytest.raises(ValueError, match=r"writes input 0 in place, which is 'g' \(input\)"):
+    with pytest.raises(ValueError, match=r"writes 'g' in place, which shares storage with input 'g'"):
         metaopt.Executor().run(p, feed={"g": np.ones(3, np.float32)}, fetch_list=["y"])
+
+
+def _sgd_program() -> Program:
+    """w (param) -> wt = Transpose(w) (a view) -> y = MatMul(x, wt); then SGD on w from feed g."""
+    p = Program("sgd")
+    p.add_var(Var("w", "float32", (2, 2), kind="param", trainable=True), torch.ones(2, 2))
+    p.add_var(Var("x", "float32", (1, 2), kind="input"))
+    p.add_var(Var("g", "float32", (2, 2), kind="input"))
+    p.add_var(Var("lr", "float64", (), kind="opt_state"), torch.tensor(1.0, dtype=torch.float64))
+    for n, s in (("wt", (2, 2)), ("y", (1, 2)), ("w_new", (2, 2))):
+        p.add_var(Var(n, "float32", s))
+    p.ops = [
+        Op("Transpose", ["w"], ["wt"], {"perm": [1, 0]}),
+        Op("MatMul", ["x", "wt"], ["y"]),
+        Op("SGDUpdate", ["w", "g", "lr"], ["w_new"], role="optimize"),
+    ]
+    p.inputs, p.outputs, p.updates = ["x", "g"], ["y"], {"w": "w_new"}
+    return p
+
+
+def test_fetched_view_of_an_updated_param_keeps_its_forward_value():
+    p = _sgd_program()
+    exe = metaopt.Executor()
+    feed = {"x": np.ones((1, 2), np.float32), "g": np.full((2, 2), 2.0, np.float32)}
+    wt, w = exe.run(p, feed=feed, fetch_list=["wt", "w"])
+    assert wt.tolist() == [[1.0, 1.0], [1.0, 1.0]]  # the value the forward used
+    assert w.tolist() == [[-1.0, -1.0], [-1.0, -1.0]]  # a persistable: its value after the step
+    exe.run(p, feed=feed, fetch_list=["y"])
+    assert w.tolist() == [[-1.0, -1.0], [-1.0, -1.0]]  # returned arrays are not the live state
+
+
+def test_reading_a_view_of_an_in_place_target_afterwards_is_refused():
+    p = _sgd_program()
+    p.add_var(Var("late", "float32", (2, 2)))
+    p.ops.append(Op("Relu", ["wt"], ["late"], role="optimize"))
+    with pytest.raises(
+        ValueError, match=r"SGDUpdate writes 'w' in place but op 3 reads it later \(through 'wt'"
+    ):
+        metaopt.Executor().run(
+            p, feed={"x": np.ones((1, 2), np.float32), "g": np.ones((2, 2), np.float32)}, fetch_list=["late"]
+        )
+
+
+def test_plans_of_different_programs_never_mix():
+    # ids of collected programs are reused; plans are keyed on a per-program uid.
+    exe = metaopt.Executor()
+    x = np.array([-2.0, 3.0], np.float32)
+    want = {"Relu": [0.0, 3.0], "Neg": [2.0, -3.0], "Abs": [2.0, 3.0]}
+    for k in range(30):
+        kind = list(want)[k % 3]
+        p = Program("one")
+        p.add_var(Var("x", "float32", (2,), kind="input"))
+        p.add_var(Var("y", "float32", (2,)))
+        p.ops = [Op(kind, ["x"], ["y"])]
+        p.inputs, p.outputs = ["x"], ["y"]
+        (y,) = exe.run(p, feed={"x": x}, fetch_list=["y"])
+        assert y.tolist() == want[kind], (k, kind)
+    assert len(exe._plans) <= 32
+
+
+def test_fetching_a_name_twice():
+    p = chain()
+    exe = metaopt.Executor()
+    a, b = exe.run(p, feed={"x": np.ones((2, 256), np.float32)}, fetch_list=["h1", "h1"])
+    np.testing.assert_array_equal(a, b)
+    exe.run(p, feed={"x": np.ones((2, 256), np.float32)}, fetch_list=["loss"])
+    assert exe.memory_stats()["peak_bytes"] > 0
+
+
+def test_scope_entry_that_disagrees_with_a_program_is_an_error():
+    exe = metaopt.Executor()
+    exe.run(chain(), feed={"x": np.ones((2, 256), np.float32)}, fetch_list=["loss"])
+    other = chain(width=128)
+    with pytest.raises(ValueError, match=r"scope holds 'w' as torch.float32 \[256, 256\].*\[128, 128\]"):
+        exe.run(other, feed={"x": np.ones((2, 128), np.float32)}, fetch_list=["loss"])

@@ -185,7 +185,7 @@ def is_inf(x: torch.Tensor, detect_negative: int = 1, detect_positive: int = 1) 
     return torch.zeros_like(x, dtype=torch.bool)
 
 
-@register("Clip")
+@register("Clip", may_alias=True)
 def clip(x: torch.Tensor, min=None, max=None) -> torch.Tensor:
     # `min`/`max` are optional tensor inputs (opset >= 11) or float attributes (opset < 11).
     if min is None and max is None:

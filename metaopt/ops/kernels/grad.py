@@ -35,7 +35,7 @@ def grad_sum(*parts: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@register("GradAccumulate", domain="metaopt", inplace=((0, 0),), fresh_outputs=True)
+@register("GradAccumulate", domain="metaopt", inplace=((0, 0),), may_alias=True)
 def grad_accumulate(acc: torch.Tensor, *parts: torch.Tensor) -> torch.Tensor:
     """The sum of a var's grad contributions, added into the first one in place, as
     torch's AccumulateGrad adds into .grad: the backward emits it only when that first
@@ -77,8 +77,14 @@ def log_softmax_grad(dy: torch.Tensor, y: torch.Tensor, axis: int = -1) -> torch
     return aten._log_softmax_backward_data(dy, y, axis, y.dtype)
 
 
-@register("DropoutGrad", domain="metaopt", host_inputs=(2,), fresh_outputs=True)
-def dropout_grad(dy: torch.Tensor, mask: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
+@register("DropoutGrad", domain="metaopt", host_inputs=(2, 3), fresh_outputs=True)
+def dropout_grad(
+    dy: torch.Tensor, mask: torch.Tensor, ratio: torch.Tensor, training_mode: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Dropout's input grad from its forward mask; with a run-time `training_mode` that
+    is false the forward was the identity, and so is this."""
+    if training_mode is not None and not bool(training_mode):
+        return dy.clone()
     p = float(ratio)
     return aten.native_dropout_backward(dy, mask, 1.0 / (1.0 - p)) if p > 0.0 else dy * mask
 
@@ -210,7 +216,7 @@ def softmax_cross_entropy_loss_grad(
     return aten._log_softmax_backward_data(g, log_prob, 1, log_prob.dtype)
 
 
-@register("Vjp", domain="metaopt", needs_outputs=True)
+@register("Vjp", domain="metaopt", needs_outputs=True, may_alias=True)  # autograd may pass dy through
 def vjp(*args: torch.Tensor | None, op: str, n_in: int, wrt: list[int], n_out: int, _nout: int, **fwd_attrs):
     """Generic gradient: re-run forward kernel `op` on inputs `args[:n_in]` under autograd and
     return d(outputs)/d(inputs[wrt]) applied to the output grads `args[n_in:]` (None = no grad)."""

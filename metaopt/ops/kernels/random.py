@@ -22,7 +22,7 @@ def _ratio(ratio) -> float:
     return ratio if isinstance(ratio, float) else float(ratio)
 
 
-@register("Dropout", needs_outputs=True, random=True, host_inputs=(1, 2))
+@register("Dropout", needs_outputs=True, random=True, host_inputs=(1, 2), may_alias=True)
 def dropout(
     data: torch.Tensor,
     ratio: torch.Tensor | float | None = None,

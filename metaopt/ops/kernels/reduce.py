@@ -128,7 +128,7 @@ for _type, _fn in (
     ("ReduceLogSum", _log_sum),
     ("ReduceLogSumExp", _log_sum_exp),
 ):
-    register(_type, host_inputs=(1,))(_reducer(_fn))
+    register(_type, host_inputs=(1,), may_alias=True)(_reducer(_fn))  # noop_with_empty_axes: the input
 
 
 @register("ArgMax")

@@ -22,7 +22,7 @@ def rng_state(_device: torch.device) -> torch.Tensor:
     return torch.get_rng_state()
 
 
-@register("RngReplay", domain="metaopt", needs_outputs=True, host_inputs=(0,), fresh_outputs=True)
+@register("RngReplay", domain="metaopt", needs_outputs=True, host_inputs=(0,), may_alias=True)
 def rng_replay(
     state: torch.Tensor, *inputs: torch.Tensor | None, op: str, n_out: int, _nout: int, **fwd_attrs
 ):
