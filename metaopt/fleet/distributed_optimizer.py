@@ -16,9 +16,9 @@ out, so the first entry is the outermost wrapper and its ``minimize`` runs first
 pipeline is off: a pipeline replicates itself over ``pipeline_configs.dp_degree``).
 Offload is part of recompute (``recompute_configs.enable_offload``).
 
-No meta optimizer is implemented yet: each ``_apply_*`` below raises
-NotImplementedError naming the feature and its strategy field; an issue that implements
-one replaces that function and nothing else. Fleet features metaopt does not have
+Implemented: recompute (``fleet/recompute_optimizer.py``). Every other ``_apply_*``
+below raises NotImplementedError naming the feature and its strategy field; an issue
+that implements one replaces that function and nothing else. Fleet features metaopt does not have
 (``UNSUPPORTED_FEATURES``: sharding, lamb, ...) and combinations it cannot honour
 (``CONFLICTS``) are refused before anything is rewritten — never silently dropped.
 """
@@ -54,8 +54,10 @@ def _apply_amp(inner: Any, strategy: DistributedStrategy) -> Any:
 
 
 def _apply_recompute(inner: Any, strategy: DistributedStrategy) -> Any:
-    """recompute, and offload when ``recompute_configs['enable_offload']``."""
-    raise _not_implemented("recompute", "recompute")
+    """recompute (offload, ``recompute_configs['enable_offload']``, raises: not implemented yet)."""
+    from metaopt.fleet.recompute_optimizer import RecomputeOptimizer
+
+    return RecomputeOptimizer(inner, strategy.recompute_configs)
 
 
 def _apply_pipeline(inner: Any, strategy: DistributedStrategy) -> Any:

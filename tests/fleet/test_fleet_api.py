@@ -192,7 +192,7 @@ def test_default_strategy_comes_from_init():
     ).user_defined_strategy.recompute
 
 
-@pytest.mark.parametrize("flag", ["amp", "recompute", "pipeline", "gradient_merge"])
+@pytest.mark.parametrize("flag", ["amp", "pipeline", "gradient_merge"])
 def test_each_enabled_meta_optimizer_is_not_implemented_yet(flag):
     fleet.init()
     s = fleet.DistributedStrategy()
@@ -203,6 +203,26 @@ def test_each_enabled_meta_optimizer_is_not_implemented_yet(flag):
     with pytest.raises(NotImplementedError, match=rf"strategy\.{flag}=True: the {flag} meta optimizer"):
         fleet.distributed_optimizer(inner, s).minimize(p.loss)
     assert inner.calls == [] and str(p) == before  # refused before anything was touched
+
+
+@pytest.mark.parametrize(
+    "configs,match",
+    [
+        ({"checkpoints": ["x"], "enable_offload": True}, r"recompute_configs\['enable_offload'\]=True"),
+        ({"checkpoints": ["x"], "policy": "selective"}, r"recompute_configs\['policy'\]='selective'"),
+    ],
+)
+def test_recompute_parts_not_implemented_yet_are_refused_untouched(configs, match):
+    fleet.init()
+    s = fleet.DistributedStrategy()
+    s.recompute = True
+    s.recompute_configs = configs
+    inner = FakeOptimizer()
+    p = _program()
+    before = str(p)
+    with pytest.raises(NotImplementedError, match=match):
+        fleet.distributed_optimizer(inner, s).minimize(p.loss)
+    assert inner.calls == [] and str(p) == before
 
 
 def test_data_parallel_with_two_workers_is_not_implemented_yet(monkeypatch):
