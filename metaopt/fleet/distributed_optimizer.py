@@ -218,9 +218,15 @@ class DistributedOptimizer:
         strategy = self.user_defined_strategy
         metas = {m.name: m for m in META_OPTIMIZERS}
         opt = self.user_defined_optimizer
+        wrappers = []
         for name in reversed(plan.applied):
             opt = metas[name].apply(opt, strategy)
+            wrappers.append(opt)
         result = opt.minimize(loss, startup_program, parameter_list, no_grad_set)
+        for w in wrappers:  # what a meta optimizer reports (Fleet users read opt.<report>)
+            for report in ("recompute_plan", "memory_report"):
+                if getattr(w, report, None) is not None:
+                    setattr(self, report, getattr(w, report))
         self.applied_meta_list = plan.applied
         logger.info("applied meta optimizers: %s", self.applied_meta_list)
         return result

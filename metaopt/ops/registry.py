@@ -68,6 +68,11 @@ class OpDef:
     # Transpose, Identity, Dropout when off, Cast to the same dtype ...). The executor's
     # in-place check follows these links; ops without it make new outputs.
     may_alias: bool = False
+    # Outputs are views of input 0 (no new storage): memory estimates count them as free.
+    view: bool = False
+    # Matmul-class work (MatMul, Gemm, Conv, Linear ...): the selective recompute policy
+    # keeps these outputs and recomputes only the cheap ops around them (Megatron-style).
+    expensive: bool = False
     # Filled by later capabilities (backward, cost model); None = not known yet.
     grad: Callable[..., Any] | None = None
     cost: Callable[..., Any] | None = None

@@ -32,10 +32,15 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass, field
 
+import torch
+
 from metaopt.ir import Op, Program, Var, did_you_mean, names
 from metaopt.ops import registry
 
 BACKWARD_ROLES = frozenset({"backward"})
+# The CPU generator's state (what RngState records on CPU; a CUDA state is 16 bytes):
+# declared so memory estimates count the states held from forward to recompute.
+RNG_STATE_BYTES = torch.get_rng_state().numel()
 
 
 class RecomputeError(ValueError):
@@ -193,7 +198,7 @@ def recompute(p: Program, *, checkpoints: list, seed_random_ops: bool = True) ->
     for i, op in enumerate(q.ops[:first_bw]):
         if i in replay:
             state = names.fresh(names.saved(op.outputs[0], "RNG_STATE"), q.vars)
-            q.add_var(Var(state, "uint8", None))
+            q.add_var(Var(state, "uint8", (RNG_STATE_BYTES,)))
             fwd.append(Op("RngState", [], [state], role=op.role, scope=op.scope, origin=op.outputs[0]))
             rng_state[i] = state
         fwd.append(op)
@@ -243,3 +248,50 @@ def _reemit(
 def _random(op: Op) -> bool:
     row = registry.get(op.type)
     return row is not None and row.random
+
+
+@dataclass
+class MemoryReport:
+    """What a recompute plan buys at one batch size (bytes, from `estimate_memory`)."""
+
+    batch: int
+    checkpoint_bytes: dict[str, int]  # held from the forward to the backward
+    largest_segment: tuple[str, int]  # (its closing checkpoint, bytes its recompute allocates)
+    peak_before: int  # predicted activation peak without recompute
+    peak_after: int  # ... and with it
+
+    @property
+    def saves_memory(self) -> bool:
+        return self.peak_after < self.peak_before
+
+    def __str__(self) -> str:
+        mib = 2**20
+        lines = [
+            f"recompute memory at batch {self.batch}: predicted activation peak "
+            f"{self.peak_before / mib:.2f} MiB -> {self.peak_after / mib:.2f} MiB"
+        ]
+        lines += [f"  checkpoint {n}: {b / mib:.3f} MiB" for n, b in self.checkpoint_bytes.items()]
+        lines.append(
+            f"  largest segment: ends at {self.largest_segment[0]}, {self.largest_segment[1] / mib:.3f} MiB"
+        )
+        return "\n".join(lines)
+
+
+def memory_report(before: Program, plan: RecomputePlan, after: Program, *, batch: int) -> MemoryReport:
+    """Bytes per checkpoint, the largest segment and predicted peaks, at `batch`."""
+    from metaopt.passes.memory_estimate import estimate_memory
+
+    dims = {"batch": batch}
+    ckpt = {c: before.vars[c].nbytes(dims) or 0 for c in plan.checkpoints}
+    seg_bytes = [
+        (s.end, sum(before.vars[o].nbytes(dims) or 0 for i in s.ops for o in before.ops[i].outputs if o))
+        for s in plan.segments
+    ]
+    largest = max(seg_bytes, key=lambda t: t[1]) if seg_bytes else ("", 0)
+    return MemoryReport(
+        batch,
+        ckpt,
+        largest,
+        estimate_memory(before, dims=dims).activation_peak_bytes,
+        estimate_memory(after, dims=dims).activation_peak_bytes,
+    )

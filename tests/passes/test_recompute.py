@@ -12,7 +12,13 @@ import metaopt
 import programs
 from metaopt import fleet
 from metaopt.ir import parse_program, verify
-from metaopt.passes.recompute import RecomputeError, plan_recompute, recompute, resolve_checkpoints
+from metaopt.passes.recompute import (
+    RecomputeError,
+    memory_report,
+    plan_recompute,
+    recompute,
+    resolve_checkpoints,
+)
 
 # Checkpoint sets per tiny program (2 blocks each): each block, the first, the last.
 SETS = {
@@ -139,6 +145,38 @@ def test_fleet_recompute_path_and_plan():
     assert opt.applied_meta_list == ["recompute"]
     assert ops and all(op.role == "optimize" for op in ops) and len(params_grads) == len(main.params())
     assert _identical(_run(_train_program("bert"), "bert", 1, steps=3), _run(main, "bert", 1, steps=3))
+    assert opt.recompute_plan.checkpoints == ["bert.encoder.layer.0", "bert.encoder"]
+    report = opt.memory_report
+    assert report.saves_memory and set(report.checkpoint_bytes) == set(opt.recompute_plan.checkpoints)
+    assert "predicted activation peak" in str(report)
+
+
+def test_predicted_peak_within_ten_percent_of_measured():
+    bert = programs.get("bert")
+    module = bert.build("tiny", seed=0, dropout=0.1, num_layers=24)
+    program = metaopt.export(module, bert.example_inputs("tiny", 4, num_layers=24), name="bert24")
+    metaopt.optimizer.SGD(learning_rate=0.1).minimize(program.loss)
+    plan = plan_recompute(program, checkpoints=["bert.encoder.layer.*"])
+    q = recompute(program, checkpoints=["bert.encoder.layer.*"])
+    report = memory_report(program, plan, q, batch=16)
+    feed = dict(zip(bert.INPUT_NAMES, bert.example_inputs("tiny", 16, num_layers=24, seed=3), strict=True))
+    for prog, predicted in ((program, report.peak_before), (q, report.peak_after)):
+        exe = metaopt.Executor("cpu")
+        exe.run(prog, feed=feed, fetch_list=[prog.loss])
+        stats = exe.memory_stats()
+        measured = stats["peak_bytes"] - stats["persistable_bytes"]
+        assert abs(predicted - measured) <= 0.10 * measured, (prog.name, predicted, measured)
+
+
+def test_a_plan_that_saves_nothing_is_warned_about():
+    fleet.init(is_collective=True)
+    _, _, program = exported("mlp", dropout=0.1)
+    main = program.clone()
+    strategy = fleet.DistributedStrategy()
+    strategy.recompute = True
+    strategy.recompute_configs = {"checkpoints": ["fc1"]}  # nothing precedes fc1: no segment to recompute
+    with pytest.warns(UserWarning, match="does not lower the predicted activation peak"):
+        fleet.distributed_optimizer(metaopt.optimizer.SGD(learning_rate=0.1), strategy).minimize(main.loss)
 
 
 @pytest.mark.parametrize(

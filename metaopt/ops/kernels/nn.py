@@ -22,10 +22,10 @@ _AVG_POOL = (None, F.avg_pool1d, F.avg_pool2d, F.avg_pool3d)
 
 # --------------------------------------------------------------------------- linear algebra
 
-register("MatMul")(torch.matmul)
+register("MatMul", expensive=True)(torch.matmul)
 
 
-@register("Gemm")
+@register("Gemm", expensive=True)
 def gemm(
     A: torch.Tensor,
     B: torch.Tensor,
@@ -50,7 +50,7 @@ def gemm(
 register("Det")(torch.linalg.det)
 
 
-@register("Einsum")
+@register("Einsum", expensive=True)
 def einsum(*inputs: torch.Tensor, equation: str) -> torch.Tensor:
     return torch.einsum(equation.replace(" ", ""), *inputs)
 
@@ -89,7 +89,7 @@ def _ones(n: int) -> list[int]:
 # --------------------------------------------------------------------------- convolution
 
 
-@register("Conv", zero_bias_input=2)
+@register("Conv", zero_bias_input=2, expensive=True)
 def conv(
     X: torch.Tensor,
     W: torch.Tensor,
@@ -116,7 +116,7 @@ def conv(
     return _CONV[n](X, W, B, strides, padding, dilations, group)
 
 
-@register("ConvTranspose", zero_bias_input=2)
+@register("ConvTranspose", zero_bias_input=2, expensive=True)
 def conv_transpose(
     X: torch.Tensor,
     W: torch.Tensor,
@@ -342,7 +342,7 @@ def global_lp_pool(X: torch.Tensor, p: int = 2) -> torch.Tensor:
     return torch.linalg.vector_norm(X, p, dim=_spatial(X), keepdim=True)
 
 
-@register("Linear", domain="metaopt")
+@register("Linear", domain="metaopt", expensive=True)
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """torch.nn.Linear: x @ weight.T + bias over the last dim (one fused BLAS call with the bias).
 

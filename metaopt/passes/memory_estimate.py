@@ -1,0 +1,72 @@
+"""Predicted peak of live bytes, from the program alone (no run), for a given batch.
+
+It replays what the executor does: persistables, constants and feeds are live from
+the start; each op's outputs become live when it runs (a `view` row's outputs share
+their input's storage and add nothing); a value dies after its last reader, and its
+storage when the last value holding it dies. The executor's own accounting is the
+measurement this predicts (`exe.memory_stats()["peak_bytes"]`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from metaopt.ir import Program
+from metaopt.ops import registry
+
+
+@dataclass
+class MemoryEstimate:
+    peak_bytes: int
+    persistable_bytes: int
+    peak_op: int  # index of the op at which the peak is reached
+
+    @property
+    def activation_peak_bytes(self) -> int:
+        return self.peak_bytes - self.persistable_bytes
+
+
+def estimate_memory(p: Program, *, dims: dict[str, int], fetches: tuple[str, ...] = ()) -> MemoryEstimate:
+    """The peak of live bytes when `p` runs with symbolic dims bound by `dims`."""
+
+    def nbytes(name: str) -> int:
+        return p.vars[name].nbytes(dims) or 0
+
+    last: dict[str, int] = {}
+    for i, op in enumerate(p.ops):
+        for x in op.inputs:
+            if x:
+                last[x] = i
+        for o in op.outputs:
+            if o:
+                last.setdefault(o, i)
+    for f in (*fetches, p.loss_name or ""):
+        if f:
+            last[f] = len(p.ops)
+    persistent = {v.name for v in p.vars.values() if v.persistable}
+    storage: dict[str, str] = {}  # var -> the var whose storage it uses
+    refs: dict[str, int] = {}
+    live = persistable = sum(nbytes(x) for x in persistent)
+    for x in p.inputs:
+        if x in last:
+            storage[x], refs[x] = x, 1
+            live += nbytes(x)
+    peak, peak_op = live, -1
+    for i, op in enumerate(p.ops):
+        row = registry.get(op.type)
+        view = row is not None and row.view and op.inputs and op.inputs[0] in storage
+        for o in filter(None, op.outputs):
+            s = storage[op.inputs[0]] if view else o
+            storage[o] = s
+            refs[s] = refs.get(s, 0) + 1
+            if not view:
+                live += nbytes(o)
+        if live > peak:
+            peak, peak_op = live, i
+        for x in {*op.inputs, *op.outputs}:
+            if x and x in storage and last.get(x) == i:
+                s = storage.pop(x)
+                refs[s] -= 1
+                if refs[s] == 0:
+                    live -= nbytes(s)
+    return MemoryEstimate(peak, persistable, peak_op)
