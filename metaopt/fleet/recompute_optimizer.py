@@ -36,10 +36,6 @@ class RecomputeOptimizer:
                 "recompute_configs['enable_offload']=True: offloading checkpoints to host memory "
                 "is not implemented yet; set it to False"
             )
-        if configs["policy"] != "full":
-            raise NotImplementedError(
-                f"recompute_configs['policy']={configs['policy']!r}: only 'full' is implemented yet"
-            )
         if configs["memory_budget"] is not None:
             raise NotImplementedError("recompute_configs['memory_budget'] (automatic checkpoint selection)")
         if not configs["checkpoints"]:
@@ -49,6 +45,8 @@ class RecomputeOptimizer:
         self.inner = inner
         self.checkpoints = list(configs["checkpoints"])
         self.seed_random_ops = bool(configs["seed_random_ops"])
+        self.policy = configs["policy"]
+        self.keep_op_types = tuple(configs["keep_op_types"])
         self.recompute_plan: RecomputePlan | None = None
         self.memory_report: MemoryReport | None = None
 
@@ -60,8 +58,9 @@ class RecomputeOptimizer:
         _, params_grads = self.inner.minimize(
             work.var(loss.name), startup_program, parameter_list, no_grad_set
         )
-        self.recompute_plan = plan_recompute(work, checkpoints=self.checkpoints)
-        rewritten = recompute(work, checkpoints=self.checkpoints, seed_random_ops=self.seed_random_ops)
+        how = {"checkpoints": self.checkpoints, "policy": self.policy, "keep_op_types": self.keep_op_types}
+        self.recompute_plan = plan_recompute(work, **how)
+        rewritten = recompute(work, **how, seed_random_ops=self.seed_random_ops)
         self.memory_report = memory_report(work, self.recompute_plan, rewritten, batch=REPORT_BATCH)
         logger.info("%s\n%s", self.recompute_plan, self.memory_report)
         if not self.memory_report.saves_memory:

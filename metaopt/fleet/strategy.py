@@ -65,7 +65,15 @@ RECOMPUTE_CONFIGS: dict[str, Key] = {
     "checkpoint_shape": Key(
         [], "list[int]", "Fleet needs it for offload; metaopt infers shapes and only validates it"
     ),
-    "policy": Key("full", "str", "how segments are recomputed ('full': every op of a segment)", extra=True),
+    "policy": Key(
+        "full",
+        "str",
+        "'full': recompute every op of a segment; 'selective': keep matmul-class outputs "
+        "(MatMul, Gemm, Conv, Linear) and recompute the cheap ops around them",
+        extra=True,
+        choices=("full", "selective"),
+    ),
+    "keep_op_types": Key([], "list[str]", "op types whose outputs are kept, not recomputed", extra=True),
     "memory_budget": Key(
         None,
         "int|None",

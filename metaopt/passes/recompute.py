@@ -60,6 +60,7 @@ class RecomputePlan:
     segments: list[Segment]
     held: list[str]  # non-checkpoint values kept because a later segment reads them
     skipped: list[tuple[str, str]]  # (name, why it is not used)
+    kept_by_policy: list[str] = field(default_factory=list)  # selective: matmul-class outputs kept
 
     def __str__(self) -> str:
         lines = [f"recompute plan: {len(self.checkpoints)} checkpoints, {len(self.segments)} segments"]
@@ -67,6 +68,8 @@ class RecomputePlan:
             lines.append(f"  segment {s.start or '<head>'} -> {s.end}: {len(s.ops)} ops recomputed")
         if self.held:
             lines.append(f"  held (read across segments): {', '.join(self.held)}")
+        if self.kept_by_policy:
+            lines.append(f"  kept by the selective policy: {len(self.kept_by_policy)} values")
         for name, why in self.skipped:
             lines.append(f"  skipped {name}: {why}")
         return "\n".join(lines)
@@ -106,8 +109,23 @@ def _match_modules(p: Program, pattern: str) -> list[str]:
     ]
 
 
-def plan_recompute(p: Program, *, checkpoints: list) -> RecomputePlan:
-    """Which forward ops each segment re-emits, and what is held; nothing is rewritten."""
+POLICIES = ("full", "selective")
+
+
+def plan_recompute(
+    p: Program, *, checkpoints: list, policy: str = "full", keep_op_types: tuple[str, ...] = ()
+) -> RecomputePlan:
+    """Which forward ops each segment re-emits, and what is held; nothing is rewritten.
+
+    ``policy="selective"`` also keeps the outputs of matmul-class ops (rows marked
+    `expensive`) and of `keep_op_types`, recomputing only the cheap ops around them.
+    """
+    if policy not in POLICIES:
+        raise RecomputeError(f"unknown recompute policy {policy!r}{did_you_mean(policy, POLICIES)}")
+    table = registry.table()
+    for t in keep_op_types:
+        if t not in table:
+            raise RecomputeError(f"keep_op_types: unknown op type {t!r}{did_you_mean(t, table)}")
     resolved = resolve_checkpoints(p, checkpoints)
     first_bw = next((i for i, op in enumerate(p.ops) if op.role in BACKWARD_ROLES), None)
     if first_bw is None:
@@ -133,6 +151,16 @@ def plan_recompute(p: Program, *, checkpoints: list) -> RecomputePlan:
 
     bw_reads = {x for op in p.ops[first_bw:] for x in op.inputs if x}
     kept = set(ckpts) | set(p.inputs) | {v.name for v in p.vars.values() if v.kind != "activation"}
+    keep_types = set(keep_op_types)
+    by_policy = [
+        o
+        for i, op in enumerate(fwd)
+        if seg_of(i) is not None
+        and (op.type in keep_types or (policy == "selective" and table[op.type].expensive))
+        for o in op.outputs
+        if o and o not in kept
+    ]
+    kept.update(by_policy)
     held: list[str] = []
     while True:  # grow `held` until no segment's recompute reads another segment's value
         needed: dict[int, set[int]] = {}
@@ -157,7 +185,7 @@ def plan_recompute(p: Program, *, checkpoints: list) -> RecomputePlan:
     segments = [
         Segment(ckpts[j - 1] if j else None, ckpts[j], sorted(needed.get(j, ()))) for j in range(len(ckpts))
     ]
-    return RecomputePlan(ckpts, segments, held, skipped)
+    return RecomputePlan(ckpts, segments, held, skipped, by_policy)
 
 
 def _loss_depends_on(p: Program, fwd: list[Op], prod: dict[str, int]) -> set[str]:
@@ -175,14 +203,21 @@ def _loss_depends_on(p: Program, fwd: list[Op], prod: dict[str, int]) -> set[str
     return seen
 
 
-def recompute(p: Program, *, checkpoints: list, seed_random_ops: bool = True) -> Program:
+def recompute(
+    p: Program,
+    *,
+    checkpoints: list,
+    policy: str = "full",
+    keep_op_types: tuple[str, ...] = (),
+    seed_random_ops: bool = True,
+) -> Program:
     """Rewrite `p` (a training program) so each segment is recomputed before its backward."""
-    plan = plan_recompute(p, checkpoints=checkpoints)
+    plan = plan_recompute(p, checkpoints=checkpoints, policy=policy, keep_op_types=keep_op_types)
     q = p.clone()
     if not plan.checkpoints:
         return q
     first_bw = next(i for i, op in enumerate(q.ops) if op.role in BACKWARD_ROLES)
-    kept = set(plan.checkpoints) | set(plan.held)
+    kept = set(plan.checkpoints) | set(plan.held) | set(plan.kept_by_policy)
     seg_of_value = {
         o: j
         for j, s in enumerate(plan.segments)

@@ -55,6 +55,7 @@ FLEET_DEFAULTS = {
         "enable_offload": False,
         "checkpoint_shape": [],
         "policy": "full",  # ours
+        "keep_op_types": [],  # ours
         "memory_budget": None,  # ours
         "offload_checkpoints": None,  # ours
         "seed_random_ops": True,  # ours
@@ -72,7 +73,13 @@ FLEET_DEFAULTS = {
     "gradient_merge_configs": {"k_steps": 1, "avg": True},
 }
 OURS = {
-    "recompute_configs": {"policy", "memory_budget", "offload_checkpoints", "seed_random_ops"},
+    "recompute_configs": {
+        "policy",
+        "keep_op_types",
+        "memory_budget",
+        "offload_checkpoints",
+        "seed_random_ops",
+    },
     "pipeline_configs": {"cuts", "num_stages", "dp_degree", "shared"},
 }
 
@@ -256,6 +263,8 @@ def _everything_changed() -> fleet.DistributedStrategy:
         "memory_budget": 123,
         "offload_checkpoints": ["a"],
         "seed_random_ops": False,
+        "policy": "selective",
+        "keep_op_types": ["Softmax"],
     }
     s.pipeline_configs = {"schedule_mode": "F-then-B", "num_stages": 2, "shared": [["x", "y"]]}
     s.gradient_merge_configs = {"k_steps": 4, "avg": False}

@@ -195,3 +195,33 @@ def test_recompute_golden(name, checkpoints, golden):
     text = str(q)
     golden(f"recompute/{name}", text)
     assert str(parse_program(text)) == text
+
+
+def test_selective_policy_keeps_matmul_outputs_and_stays_bit_identical():
+    base = _train_program("bert")
+    full = plan_recompute(base, checkpoints=["bert.encoder.layer.*"])
+    sel = plan_recompute(base, checkpoints=["bert.encoder.layer.*"], policy="selective")
+    kept_types = {op.type for op in base.ops for o in op.outputs if o in set(sel.kept_by_policy)}
+    assert kept_types and kept_types <= {"MatMul", "Gemm", "Linear", "Conv"}
+    assert sum(map(len, (s.ops for s in sel.segments))) < sum(map(len, (s.ops for s in full.segments)))
+    q = recompute(base, checkpoints=["bert.encoder.layer.*"], policy="selective")
+    recomputed = {op.type for op in q.ops if op.role == "recompute"}
+    assert recomputed and not recomputed & {"MatMul", "Gemm", "Linear"}
+    assert _identical(_run(base, "bert", 2, steps=3), _run(q, "bert", 2, steps=3))
+    # a user's own list of op types to keep
+    user = plan_recompute(base, checkpoints=["bert.encoder.layer.*"], keep_op_types=("Softmax",))
+    assert {op.type for op in base.ops for o in op.outputs if o in set(user.kept_by_policy)} == {"Softmax"}
+    with pytest.raises(RecomputeError, match=r"unknown op type 'Softmx'.*did you mean 'Softmax'"):
+        plan_recompute(base, checkpoints=["bert.encoder.layer.*"], keep_op_types=("Softmx",))
+    with pytest.raises(
+        RecomputeError, match=r"unknown recompute policy 'selectiv'.*did you mean 'selective'"
+    ):
+        plan_recompute(base, checkpoints=["bert.encoder.layer.*"], policy="selectiv")
+
+
+def test_selective_golden(golden):
+    q = recompute(
+        _train_program("bert", dropout=0.1), checkpoints=["bert.encoder.layer.*"], policy="selective"
+    )
+    verify(q)
+    golden("recompute/bert_selective", str(q))
