@@ -2,7 +2,8 @@
 
 It replays what the executor does: persistables, constants and feeds are live from
 the start; each op's outputs become live when it runs (a `view` row's outputs share
-their input's storage and add nothing); a value dies after its last reader, and its
+their input's storage and add nothing, as do outputs written in place into an
+input); a value dies after its last reader, and its
 storage when the last value holding it dies. The executor's own accounting is the
 measurement this predicts (`exe.memory_stats()["peak_bytes"]`).
 """
@@ -45,7 +46,7 @@ def estimate_memory(p: Program, *, dims: dict[str, int], fetches: tuple[str, ...
             last[f] = len(p.ops)
     persistent = {v.name for v in p.vars.values() if v.persistable}
     storage: dict[str, str] = {}  # var -> the var whose storage it uses
-    refs: dict[str, int] = {}
+    refs: dict[str, int] = dict.fromkeys(persistent, 1)  # state never dies
     live = persistable = sum(nbytes(x) for x in persistent)
     for x in p.inputs:
         if x in last:
@@ -54,17 +55,23 @@ def estimate_memory(p: Program, *, dims: dict[str, int], fetches: tuple[str, ...
     peak, peak_op = live, -1
     for i, op in enumerate(p.ops):
         row = registry.get(op.type)
-        view = row is not None and row.view and op.inputs and op.inputs[0] in storage
-        for o in filter(None, op.outputs):
-            s = storage[op.inputs[0]] if view else o
+        # Which input's storage each output reuses: a view's input 0; an in-place pair's input.
+        shares = {k: j for k, j in (row.inplace if row is not None else ())}
+        if row is not None and row.view:
+            shares.update({k: 0 for k in range(len(op.outputs))})
+        for k, o in enumerate(op.outputs):
+            if not o:
+                continue
+            src = op.inputs[shares[k]] if k in shares and shares[k] < len(op.inputs) else ""
+            s = storage.get(src, src) if src in storage or src in persistent else o
             storage[o] = s
             refs[s] = refs.get(s, 0) + 1
-            if not view:
+            if s == o:
                 live += nbytes(o)
         if live > peak:
             peak, peak_op = live, i
         for x in {*op.inputs, *op.outputs}:
-            if x and x in storage and last.get(x) == i:
+            if x and x in storage and x not in persistent and last.get(x) == i:
                 s = storage.pop(x)
                 refs[s] -= 1
                 if refs[s] == 0:

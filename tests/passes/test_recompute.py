@@ -225,3 +225,17 @@ def test_selective_golden(golden):
     )
     verify(q)
     golden("recompute/bert_selective", str(q))
+
+
+def test_estimate_counts_in_place_updates_and_views_as_shared_storage():
+    from metaopt.passes.memory_estimate import estimate_memory
+
+    program = _train_program("mlp", dropout=0.1)
+    mod = programs.get("mlp")
+    feed = dict(zip(mod.INPUT_NAMES, mod.example_inputs("tiny", 32, seed=1), strict=True))
+    exe = metaopt.Executor("cpu")
+    exe.run(program, feed=feed, fetch_list=[program.loss])
+    est = estimate_memory(program, dims={"batch": 32})
+    # Exact here: every op's storage behaviour is declared by its row (views, in place).
+    assert est.peak_bytes == exe.memory_stats()["peak_bytes"]
+    assert est.persistable_bytes == exe.memory_stats()["persistable_bytes"]
