@@ -92,9 +92,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="tiny configs, few reps (smoke test)")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument(
-        "--json", default=os.path.join(RESULTS, "executor_overhead.json")
-    )
+    ap.add_argument("--json", default=os.path.join(RESULTS, "executor_overhead.json"))
     args = ap.parse_args()
     device = torch.device(args.device)
     rows = [_case(*c, device=device, reps=2 if args.quick else args.reps) for c in cases(device, args.quick)]

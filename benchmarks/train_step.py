@@ -34,8 +34,11 @@ def _case(name: str, config: str, batch: int, overrides: dict, device: torch.dev
         module(*inputs).backward()
         opt.step()
 
-    main = metaopt.export(mod.build(config, seed=0, dropout=0.0, **overrides),
-                          mod.example_inputs(config, 2, seed=1, **overrides), name=name)
+    main = metaopt.export(
+        mod.build(config, seed=0, dropout=0.0, **overrides),
+        mod.example_inputs(config, 2, seed=1, **overrides),
+        name=name,
+    )
     metaopt.optimizer.Adam(learning_rate=1e-4).minimize(main.loss)
     exe = metaopt.Executor(device)
     feed = dict(zip(mod.INPUT_NAMES, inputs, strict=True))
@@ -66,12 +69,16 @@ def main() -> None:
     rows = [_case(*c, device=device, reps=2 if args.quick else args.reps) for c in cases(device, args.quick)]
     info = machine(device)
     print(f"training step (fwd + bwd + Adam) on {device} ({info['device']}, {info['threads']} threads)")
-    print(f"{'program':8} {'config':9} {'batch':>5} {'ops':>5} {'eager ms':>9} {'ours ms':>9} {'ratio':>6} "
-          f"{'peak MiB':>9} {'params+state MiB':>17}")
+    print(
+        f"{'program':8} {'config':9} {'batch':>5} {'ops':>5} {'eager ms':>9} {'ours ms':>9} {'ratio':>6} "
+        f"{'peak MiB':>9} {'params+state MiB':>17}"
+    )
     for r in rows:
-        print(f"{r['program']:8} {r['config']:9} {r['batch']:5d} {r['ops']:5d} {r['eager_ms']:9.1f} "
-              f"{r['ours_ms']:9.1f} {r['ratio']:6.3f} {r['peak_bytes'] / 2**20:9.1f} "
-              f"{r['persistable_bytes'] / 2**20:17.1f}")
+        print(
+            f"{r['program']:8} {r['config']:9} {r['batch']:5d} {r['ops']:5d} {r['eager_ms']:9.1f} "
+            f"{r['ours_ms']:9.1f} {r['ratio']:6.3f} {r['peak_bytes'] / 2**20:9.1f} "
+            f"{r['persistable_bytes'] / 2**20:17.1f}"
+        )
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump({"machine": info, "device": str(device), "rows": rows}, f, indent=2)

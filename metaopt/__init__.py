@@ -19,6 +19,16 @@ def seed(n: int) -> None:
 
 
 __all__ = [
-    "CPUPlace", "CUDAPlace", "Executor", "Op", "Program", "Var", "export", "fleet", "load", "optimizer",
-    "seed", "verify",
+    "CPUPlace",
+    "CUDAPlace",
+    "Executor",
+    "Op",
+    "Program",
+    "Var",
+    "export",
+    "fleet",
+    "load",
+    "optimizer",
+    "seed",
+    "verify",
 ]

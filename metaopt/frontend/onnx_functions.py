@@ -81,8 +81,9 @@ def linear() -> onnx.FunctionProto:
         n("MatMul", ["x", "wt"], ["xw"]),
         n("Add", ["xw", "bias"], ["y"]),
     ]
-    return helper.make_function(DOMAIN, "Linear", ["x", "weight", "bias"], ["y"], nodes,
-                                [helper.make_opsetid("", 20)])
+    return helper.make_function(
+        DOMAIN, "Linear", ["x", "weight", "bias"], ["y"], nodes, [helper.make_opsetid("", 20)]
+    )
 
 
 _FUNCTIONS = {"BatchNormTraining": batch_norm_training, "Linear": linear}

@@ -36,8 +36,11 @@ class Zoo(nn.Module):
 
 def _inputs(batch: int, seed: int):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, 20, (batch, 8), generator=g), torch.randn(batch, 1, 8, 8, generator=g),
-            torch.randn(batch, 5, generator=g))
+    return (
+        torch.randint(0, 20, (batch, 8), generator=g),
+        torch.randn(batch, 1, 8, 8, generator=g),
+        torch.randn(batch, 5, generator=g),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +69,12 @@ def test_zoo_grads_match_torch_autograd(zoo):
     module, program = zoo
     q, params_grads = append_backward(program, loss=program.loss_name)
     inputs = _inputs(3, 2)
-    got = metaopt.Executor().run(q, feed=dict(zip(("ids", "image", "target"), inputs, strict=True)),
-                                 fetch_list=[g for _, g in params_grads], return_numpy=False)
+    got = metaopt.Executor().run(
+        q,
+        feed=dict(zip(("ids", "image", "target"), inputs, strict=True)),
+        fetch_list=[g for _, g in params_grads],
+        return_numpy=False,
+    )
     ref = Zoo().train()
     ref.load_state_dict(module.state_dict())
     ref(*inputs).backward()
