@@ -6,7 +6,7 @@ with `metaopt.passes.recompute.recompute`, and only then replaces the user's pro
 so a refused configuration leaves the program untouched. The plan it used is kept
 in ``recompute_plan`` (printable: segments, held values, skipped names) and its
 predicted effect in ``memory_report`` (bytes per checkpoint, largest segment,
-predicted activation peak with and without, at batch 8); both are logged, and a
+predicted activation peak with and without, at recompute_configs['budget_batch_size']); both are logged, and a
 plan that saves nothing gets a warning.
 """
 
@@ -26,7 +26,6 @@ from metaopt.passes.recompute import (
 )
 
 logger = logging.getLogger("metaopt.fleet")
-REPORT_BATCH = 8  # the batch the logged memory report is computed at
 
 
 class RecomputeOptimizer:
@@ -36,8 +35,6 @@ class RecomputeOptimizer:
                 "recompute_configs['enable_offload']=True: offloading checkpoints to host memory "
                 "is not implemented yet; set it to False"
             )
-        if configs["memory_budget"] is not None:
-            raise NotImplementedError("recompute_configs['memory_budget'] (automatic checkpoint selection)")
         if not configs["checkpoints"]:
             raise ValueError(
                 "strategy.recompute=True needs recompute_configs['checkpoints'] (names or patterns)"
@@ -47,6 +44,8 @@ class RecomputeOptimizer:
         self.seed_random_ops = bool(configs["seed_random_ops"])
         self.policy = configs["policy"]
         self.keep_op_types = tuple(configs["keep_op_types"])
+        self.memory_budget = configs["memory_budget"]
+        self.batch = configs["budget_batch_size"]
         self.recompute_plan: RecomputePlan | None = None
         self.memory_report: MemoryReport | None = None
 
@@ -58,16 +57,22 @@ class RecomputeOptimizer:
         _, params_grads = self.inner.minimize(
             work.var(loss.name), startup_program, parameter_list, no_grad_set
         )
-        how = {"checkpoints": self.checkpoints, "policy": self.policy, "keep_op_types": self.keep_op_types}
+        how = {
+            "checkpoints": self.checkpoints,
+            "policy": self.policy,
+            "keep_op_types": self.keep_op_types,
+            "memory_budget": self.memory_budget,
+            "batch": self.batch,
+        }
         self.recompute_plan = plan_recompute(work, **how)
         rewritten = recompute(work, **how, seed_random_ops=self.seed_random_ops)
-        self.memory_report = memory_report(work, self.recompute_plan, rewritten, batch=REPORT_BATCH)
+        self.memory_report = memory_report(work, self.recompute_plan, rewritten, batch=self.batch)
         logger.info("%s\n%s", self.recompute_plan, self.memory_report)
         if not self.memory_report.saves_memory:
             warnings.warn(
                 f"recompute with checkpoints {self.checkpoints} does not lower the predicted activation "
                 f"peak ({self.memory_report.peak_before:,} -> {self.memory_report.peak_after:,} bytes at "
-                f"batch {REPORT_BATCH}): choose checkpoints inside the model, one per block",
+                f"batch {self.batch}): choose checkpoints inside the model, one per block",
                 stacklevel=2,
             )
         program.replace_with(rewritten)

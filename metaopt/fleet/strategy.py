@@ -81,6 +81,13 @@ RECOMPUTE_CONFIGS: dict[str, Key] = {
         extra=True,
         check=_POSITIVE,
     ),
+    "budget_batch_size": Key(
+        8,
+        "int",
+        "the batch size memory_budget and the logged memory report refer to",
+        extra=True,
+        check=_AT_LEAST_1,
+    ),
     "offload_checkpoints": Key(
         None, "list[str]|None", "which checkpoints to offload (None: all, when enable_offload)", extra=True
     ),

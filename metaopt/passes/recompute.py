@@ -5,7 +5,9 @@
     program = recompute(program, checkpoints=["bert.encoder.layer.*"])
 
 * Checkpoints are var names, module paths, or module-path patterns where ``*``
-  stands for one path component (``"encoder.layer.*"`` = each layer's output);
+  stands for one path component (``"encoder.layer.*"`` = each layer's output), or
+  ``"auto"``: every sqrt(n)-th of the model's n repeated blocks, or with a memory
+  budget the fewest evenly spaced blocks whose predicted activation peak fits it;
   order does not matter, duplicates are ignored; an unknown name is an error with a
   did-you-mean; a checkpoint the backward never needs is reported in `skipped`.
 * Segments run from one checkpoint to the next (the head before the first
@@ -75,16 +77,19 @@ class RecomputePlan:
         return "\n".join(lines)
 
 
-def resolve_checkpoints(p: Program, checkpoints: list) -> list[str]:
-    """Var names for the given names, module paths and patterns (deduplicated, in order given)."""
+def resolve_checkpoints(
+    p: Program, checkpoints: list, *, memory_budget: int | None = None, batch: int = 8
+) -> list[str]:
+    """Var names for the given names, module paths and patterns (deduplicated, in order given);
+    "auto" is `auto_checkpoints` (which needs the training program)."""
     out: list[str] = []
     for entry in checkpoints:
         name = entry.name if isinstance(entry, Var) else entry
         if not isinstance(name, str):
             raise RecomputeError(f"checkpoint {entry!r} is not a var name or module pattern")
         if name == "auto":
-            raise NotImplementedError("recompute_configs['checkpoints'] = 'auto' (automatic selection)")
-        if name in p.vars:
+            found = auto_checkpoints(p, memory_budget=memory_budget, batch=batch)
+        elif name in p.vars:
             found = [name]
         else:
             found = [v for m in _match_modules(p, name) for v in p.modules[m]]
@@ -96,6 +101,51 @@ def resolve_checkpoints(p: Program, checkpoints: list) -> list[str]:
             )
         out.extend(v for v in found if v not in out)
     return out
+
+
+def block_outputs(p: Program) -> list[str]:
+    """The outputs of the model's repeated blocks (``encoder.layer.0``, ``.1`` ...: the
+    largest family of sibling modules with numbered names), in program order."""
+    families: dict[str, list[str]] = {}
+    for m, outs in p.modules.items():
+        parent, _, last = m.rpartition(".")
+        if last.isdigit() and len(outs) == 1:
+            families.setdefault(parent, []).append(outs[0])
+    if not families or max(map(len, families.values())) < 2:
+        return []
+    best = max(families.values(), key=len)
+    order = {o: i for i, op in enumerate(p.ops) for o in op.outputs if o}
+    return sorted(dict.fromkeys(best), key=lambda v: order.get(v, -1))
+
+
+def auto_checkpoints(p: Program, *, memory_budget: int | None = None, batch: int = 8) -> list[str]:
+    """Checkpoints chosen among the block outputs: every round(sqrt(n))-th block by default;
+    with `memory_budget` (bytes of activations at `batch`), the fewest evenly spaced blocks
+    whose predicted activation peak fits it."""
+    import math
+
+    from metaopt.passes.memory_estimate import estimate_memory
+
+    blocks = block_outputs(p)
+    if not blocks:
+        raise RecomputeError(
+            f"checkpoints 'auto': {p.name!r} has no repeated blocks (sibling modules named 0, 1, ...); "
+            "name the checkpoints"
+        )
+    if memory_budget is None:
+        stride = max(1, round(math.sqrt(len(blocks))))
+        return blocks[stride - 1 :: stride]
+    best = None
+    for stride in range(len(blocks), 0, -1):  # fewest checkpoints first
+        chosen = blocks[stride - 1 :: stride]
+        peak = estimate_memory(recompute(p, checkpoints=chosen), dims={"batch": batch}).activation_peak_bytes
+        if peak <= memory_budget:
+            return chosen
+        best = peak if best is None else min(best, peak)
+    raise RecomputeError(
+        f"checkpoints 'auto': no choice of block checkpoints fits memory_budget={memory_budget:,} bytes of "
+        f"activations at batch {batch} (the best predicted is {best:,}); lower the batch or raise the budget"
+    )
 
 
 def _match_modules(p: Program, pattern: str) -> list[str]:
@@ -113,7 +163,13 @@ POLICIES = ("full", "selective")
 
 
 def plan_recompute(
-    p: Program, *, checkpoints: list, policy: str = "full", keep_op_types: tuple[str, ...] = ()
+    p: Program,
+    *,
+    checkpoints: list,
+    policy: str = "full",
+    keep_op_types: tuple[str, ...] = (),
+    memory_budget: int | None = None,
+    batch: int = 8,
 ) -> RecomputePlan:
     """Which forward ops each segment re-emits, and what is held; nothing is rewritten.
 
@@ -126,7 +182,7 @@ def plan_recompute(
     for t in keep_op_types:
         if t not in table:
             raise RecomputeError(f"keep_op_types: unknown op type {t!r}{did_you_mean(t, table)}")
-    resolved = resolve_checkpoints(p, checkpoints)
+    resolved = resolve_checkpoints(p, checkpoints, memory_budget=memory_budget, batch=batch)
     first_bw = next((i for i, op in enumerate(p.ops) if op.role in BACKWARD_ROLES), None)
     if first_bw is None:
         raise RecomputeError(f"program {p.name!r} has no backward ops: recompute rewrites a training program")
@@ -210,9 +266,18 @@ def recompute(
     policy: str = "full",
     keep_op_types: tuple[str, ...] = (),
     seed_random_ops: bool = True,
+    memory_budget: int | None = None,
+    batch: int = 8,
 ) -> Program:
     """Rewrite `p` (a training program) so each segment is recomputed before its backward."""
-    plan = plan_recompute(p, checkpoints=checkpoints, policy=policy, keep_op_types=keep_op_types)
+    plan = plan_recompute(
+        p,
+        checkpoints=checkpoints,
+        policy=policy,
+        keep_op_types=keep_op_types,
+        memory_budget=memory_budget,
+        batch=batch,
+    )
     q = p.clone()
     if not plan.checkpoints:
         return q

@@ -57,6 +57,7 @@ FLEET_DEFAULTS = {
         "policy": "full",  # ours
         "keep_op_types": [],  # ours
         "memory_budget": None,  # ours
+        "budget_batch_size": 8,  # ours
         "offload_checkpoints": None,  # ours
         "seed_random_ops": True,  # ours
     },
@@ -77,6 +78,7 @@ OURS = {
         "policy",
         "keep_op_types",
         "memory_budget",
+        "budget_batch_size",
         "offload_checkpoints",
         "seed_random_ops",
     },

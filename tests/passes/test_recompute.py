@@ -99,8 +99,6 @@ def test_checkpoint_resolution():
         "bert.embeddings.word_embeddings.weight",
         "not computed by the forward (a param, input or constant)",
     ) in plan.skipped
-    with pytest.raises(NotImplementedError, match="'auto'"):
-        resolve_checkpoints(p, ["auto"])
 
 
 def test_no_recomputed_activation_lives_across_the_gap():
@@ -116,11 +114,28 @@ def test_no_recomputed_activation_lives_across_the_gap():
     assert not (recomputed - kept) & late_reads
 
 
-def test_bert_24_layers_activation_peak_at_most_a_quarter():
+@functools.cache
+def _bert24() -> metaopt.Program:
     bert = programs.get("bert")
     module = bert.build("tiny", seed=0, dropout=0.1, num_layers=24)
     program = metaopt.export(module, bert.example_inputs("tiny", 4, num_layers=24), name="bert24")
     metaopt.optimizer.SGD(learning_rate=0.1).minimize(program.loss)
+    return program
+
+
+def _measured_activation_peak(program: metaopt.Program, batch: int) -> int:
+    bert = programs.get("bert")
+    feed = dict(zip(bert.INPUT_NAMES, bert.example_inputs("tiny", batch, num_layers=24, seed=3), strict=True))
+    exe = metaopt.Executor("cpu")
+    metaopt.seed(0)
+    exe.run(program, feed=feed, fetch_list=[program.loss])
+    stats = exe.memory_stats()
+    return stats["peak_bytes"] - stats["persistable_bytes"]
+
+
+def test_bert_24_layers_activation_peak_at_most_a_quarter():
+    bert = programs.get("bert")
+    program = _bert24()
     q = recompute(program, checkpoints=["bert.encoder.layer.*"])
     feed = dict(zip(bert.INPUT_NAMES, bert.example_inputs("tiny", 16, num_layers=24, seed=3), strict=True))
     peaks = []
@@ -153,9 +168,7 @@ def test_fleet_recompute_path_and_plan():
 
 def test_predicted_peak_within_ten_percent_of_measured():
     bert = programs.get("bert")
-    module = bert.build("tiny", seed=0, dropout=0.1, num_layers=24)
-    program = metaopt.export(module, bert.example_inputs("tiny", 4, num_layers=24), name="bert24")
-    metaopt.optimizer.SGD(learning_rate=0.1).minimize(program.loss)
+    program = _bert24()
     plan = plan_recompute(program, checkpoints=["bert.encoder.layer.*"])
     q = recompute(program, checkpoints=["bert.encoder.layer.*"])
     report = memory_report(program, plan, q, batch=16)
@@ -239,3 +252,28 @@ def test_estimate_counts_in_place_updates_and_views_as_shared_storage():
     # Exact here: every op's storage behaviour is declared by its row (views, in place).
     assert est.peak_bytes == exe.memory_stats()["peak_bytes"]
     assert est.persistable_bytes == exe.memory_stats()["persistable_bytes"]
+
+
+def test_auto_checkpoints_sqrt_default_and_memory_budget():
+    from metaopt.passes.recompute import auto_checkpoints, block_outputs
+
+    program = _bert24()
+    blocks = block_outputs(program)
+    assert len(blocks) == 24 and blocks[0] == "bert.encoder.layer.0"
+    # sqrt(24) ~ 5: every fifth block
+    assert auto_checkpoints(program) == [blocks[i] for i in (4, 9, 14, 19)]
+    none = _measured_activation_peak(program, 16)
+    every = _measured_activation_peak(recompute(program, checkpoints=blocks), 16)
+    budget = (none + every) // 2
+    chosen = auto_checkpoints(program, memory_budget=budget, batch=16)
+    assert 0 < len(chosen) < 24
+    assert (
+        _measured_activation_peak(
+            recompute(program, checkpoints=["auto"], memory_budget=budget, batch=16), 16
+        )
+        <= budget
+    )
+    with pytest.raises(RecomputeError, match="no choice of block checkpoints fits memory_budget=1 bytes"):
+        auto_checkpoints(program, memory_budget=1, batch=16)
+    with pytest.raises(RecomputeError, match="has no repeated blocks"):
+        auto_checkpoints(_train_program("mlp"))
