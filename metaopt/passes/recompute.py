@@ -174,7 +174,8 @@ def plan_recompute(
     """Which forward ops each segment re-emits, and what is held; nothing is rewritten.
 
     ``policy="selective"`` also keeps the outputs of matmul-class ops (rows marked
-    `expensive`) and of `keep_op_types`, recomputing only the cheap ops around them.
+    `expensive`) that multiply by a param (Linear, Gemm, Conv, MatMul with a weight),
+    and of `keep_op_types`, recomputing the rest (attention's scores and softmax too).
     """
     if policy not in POLICIES:
         raise RecomputeError(f"unknown recompute policy {policy!r}{did_you_mean(policy, POLICIES)}")
@@ -208,11 +209,18 @@ def plan_recompute(
     bw_reads = {x for op in p.ops[first_bw:] for x in op.inputs if x}
     kept = set(ckpts) | set(p.inputs) | {v.name for v in p.vars.values() if v.kind != "activation"}
     keep_types = set(keep_op_types)
+    params = {v.name for v in p.vars.values() if v.kind == "param"}
+
+    def keep(op: Op) -> bool:
+        # Selective (Megatron-style): keep what multiplies by a weight; recompute the
+        # rest, attention's activation-by-activation products and softmax included.
+        weighted = table[op.type].expensive and any(x in params for x in op.inputs)
+        return op.type in keep_types or (policy == "selective" and weighted)
+
     by_policy = [
         o
         for i, op in enumerate(fwd)
-        if seg_of(i) is not None
-        and (op.type in keep_types or (policy == "selective" and table[op.type].expensive))
+        if seg_of(i) is not None and keep(op)
         for o in op.outputs
         if o and o not in kept
     ]
