@@ -202,7 +202,8 @@ def to_program(
             dtype, shape = types.get(o, (None, None))
             if dtype is None:
                 raise ImportError_(f"{_describe(node)}: output {o!r} has no inferred type")
-            p.add_var(Var(o, dtype, shape))
+            kind = "grad" if meta.get(o, {}).get(onnx_save.KIND_KEY) == "grad" else "activation"
+            p.add_var(Var(o, dtype, shape, kind=kind))
         op = Op(node.op_type, [rn(x, x) for x in node.input], list(node.output), attrs, scope=scope)
         _restore_fields(op, node)
         chains[node.output[0]] = chain

@@ -100,7 +100,7 @@ def to_model_proto(p: Program, values: Mapping[str, torch.Tensor] | None = None)
     )
     for vi in graph.value_info:  # what a var is: read back by the importer
         v = p.vars[vi.name]
-        if v.persistable:
+        if v.kind != "activation":
             vi.metadata_props.add(key=KIND_KEY, value=v.kind)
             if v.kind == "param" and not v.trainable:
                 vi.metadata_props.add(key=FROZEN_KEY, value="1")

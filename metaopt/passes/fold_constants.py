@@ -33,6 +33,9 @@ def fold_constants(p: Program, *, max_numel: int = MAX_FOLDED_NUMEL) -> Program:
     shapes: dict[str, tuple[list, bool]] = {}  # var -> (dims, is_scalar) of a shape value
     ops: list[Op] = []
     for op in q.ops:
+        if op.role != "forward":  # a saved training program's backward stays as written
+            ops.append(op)
+            continue
         folded = _fold_shape_value(q, op, consts, shapes)
         if folded is None:
             folded = _fold(q, op, consts, max_numel)

@@ -21,7 +21,7 @@ def fuse_linear(p: Program) -> Program:
     drop: set[int] = set()
     replace: dict[int, Op] = {}
     for i, op in enumerate(q.ops):
-        if op.type != "MatMul" or len(op.inputs) != 2:
+        if op.type != "MatMul" or len(op.inputs) != 2 or op.role != "forward":
             continue
         t_idx = producer.get(op.inputs[1])
         if t_idx is None:

@@ -37,3 +37,22 @@ def test_plain_fleet_minimize_matches_the_inner_optimizer():
     assert str(a) == str(b)
     assert opt.applied_meta_list == []
     assert len(pg) == 6 and ops
+
+
+def test_training_program_survives_onnx_save_and_load(tmp_path):
+    from metaopt.frontend import onnx_save
+
+    _, _, program = exported("bert", dropout=0.1)
+    main = program.clone()
+    metaopt.optimizer.Adam(
+        learning_rate=1e-3, grad_clip=metaopt.optimizer.ClipGradByGlobalNorm(1.0)
+    ).minimize(main.loss)
+    onnx_save.save(main, tmp_path / "train.onnx")
+    back = metaopt.load(tmp_path / "train.onnx")
+
+    def fields(p):  # everything but the order vars are listed in
+        vars_ = {n: (v.dtype, v.shape, v.kind, v.trainable) for n, v in p.vars.items()}
+        ops = str(p)[str(p).index("ops:") :]
+        return vars_, ops, p.updates, p.modules, p.inputs, p.outputs, p.loss_name
+
+    assert fields(back) == fields(main)
