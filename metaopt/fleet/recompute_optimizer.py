@@ -16,6 +16,7 @@ import logging
 import warnings
 from typing import Any
 
+from metaopt.dump import dump
 from metaopt.ir import Var
 from metaopt.passes.recompute import (
     MemoryReport,
@@ -66,6 +67,7 @@ class RecomputeOptimizer:
         }
         self.recompute_plan = plan_recompute(work, **how)
         rewritten = recompute(work, **how, seed_random_ops=self.seed_random_ops)
+        dump(rewritten, "recompute")
         self.memory_report = memory_report(work, self.recompute_plan, rewritten, batch=self.batch)
         logger.info("%s\n%s", self.recompute_plan, self.memory_report)
         if not self.memory_report.saves_memory:

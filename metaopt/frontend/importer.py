@@ -6,6 +6,7 @@ import os
 
 import onnx
 
+from metaopt.dump import dump
 from metaopt.frontend.naming import readable_names
 from metaopt.frontend.onnx_import import ImportOptions, to_program
 from metaopt.frontend.repair import repair_training
@@ -32,12 +33,17 @@ def import_model(
     metadata); any other file keeps the names its author chose.
     """
     p, chains = to_program(model, options, name=name)
+    dump(p, "import")
     if training:
         repair_training(p, bn_momentum=bn_momentum or {})
-    p = fuse_linear(dead_code(fold_constants(p)))
+        dump(p, "repair_training")
+    for step in (fold_constants, dead_code, fuse_linear):
+        p = step(p)
+        dump(p, step.__name__)
     if any(chains.values()):  # a torch export: its FX names mean nothing to users
         readable_names(p, chains)
     _order_vars(p)
+    dump(p, "readable_names")
     verify(p)
     return p
 

@@ -115,7 +115,9 @@ class Optimizer:
             raise ValueError(f"loss var {loss.name!r} belongs to no program (take it from program.loss)")
         if startup_program is not None and not isinstance(startup_program, Program):
             raise TypeError(f"startup_program must be a Program or None, got {startup_program!r}")
+        from metaopt.dump import dump
         from metaopt.passes.backward import append_backward  # written beside this; imported late
+        from metaopt.passes.optimize import apply_optimizer
 
         with_grads, params_grads = append_backward(
             program,
@@ -123,9 +125,9 @@ class Optimizer:
             parameter_list=_names(parameter_list),
             no_grad_set=_names(no_grad_set),
         )
-        from metaopt.passes.optimize import apply_optimizer
-
+        dump(with_grads, "append_backward")
         new, ops = apply_optimizer(with_grads, optimizer=self, params_grads=params_grads)
+        dump(new, "apply_optimizer")
         optimize_ops = _rewrite_in_place(program, new, ops)
         return optimize_ops, [
             tuple(program.var(x.name) if isinstance(x, Var) else x for x in pair) for pair in params_grads
