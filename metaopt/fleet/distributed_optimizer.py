@@ -213,6 +213,12 @@ class DistributedOptimizer:
             raise TypeError(f"minimize: loss must be a Var of a Program, got {type(loss).__name__}")
         if loss.program is None:
             raise ValueError(f"minimize: loss {loss.name!r} belongs to no program (use program.loss)")
+        strategy_ = self.user_defined_strategy
+        if strategy_.recompute_configs["enable_offload"] and not strategy_.recompute:
+            raise ValueError(
+                "recompute_configs['enable_offload']=True needs strategy.recompute=True: offload moves "
+                "the recompute checkpoints to host memory"
+            )
         plan = self.plan(loss)
         plan.check()
         strategy = self.user_defined_strategy

@@ -1,4 +1,5 @@
-"""The recompute meta optimizer: Fleet's RecomputeOptimizer on metaopt's passes.
+"""The recompute meta optimizer: Fleet's RecomputeOptimizer on metaopt's passes
+(with ``enable_offload``, the checkpoints then wait in host memory: passes/offload.py).
 
 It wraps an inner optimizer (or another meta optimizer): ``minimize`` lets the inner
 one append the backward and the updates to a copy of the program, rewrites that copy
@@ -18,6 +19,7 @@ from typing import Any
 
 from metaopt.dump import dump
 from metaopt.ir import Var
+from metaopt.passes.offload import offload
 from metaopt.passes.recompute import (
     MemoryReport,
     RecomputePlan,
@@ -31,11 +33,6 @@ logger = logging.getLogger("metaopt.fleet")
 
 class RecomputeOptimizer:
     def __init__(self, inner: Any, configs: Any) -> None:
-        if configs["enable_offload"]:
-            raise NotImplementedError(
-                "recompute_configs['enable_offload']=True: offloading checkpoints to host memory "
-                "is not implemented yet; set it to False"
-            )
         if not configs["checkpoints"]:
             raise ValueError(
                 "strategy.recompute=True needs recompute_configs['checkpoints'] (names or patterns)"
@@ -43,9 +40,17 @@ class RecomputeOptimizer:
         self.inner = inner
         self.checkpoints = list(configs["checkpoints"])
         self.seed_random_ops = bool(configs["seed_random_ops"])
+        self.enable_offload = bool(configs["enable_offload"])
+        self.offload_checkpoints = configs["offload_checkpoints"]
+        self.checkpoint_shape = list(configs["checkpoint_shape"])
         self.policy = configs["policy"]
         self.keep_op_types = tuple(configs["keep_op_types"])
         self.memory_budget = configs["memory_budget"]
+        if self.memory_budget is not None and "auto" not in self.checkpoints:
+            raise ValueError(
+                "recompute_configs['memory_budget'] chooses checkpoints: it needs checkpoints=['auto'] "
+                f"(got {self.checkpoints})"
+            )
         self.batch = configs["budget_batch_size"]
         self.recompute_plan: RecomputePlan | None = None
         self.memory_report: MemoryReport | None = None
@@ -68,6 +73,14 @@ class RecomputeOptimizer:
         self.recompute_plan = plan_recompute(work, **how)
         rewritten = recompute(work, **how, seed_random_ops=self.seed_random_ops)
         dump(rewritten, "recompute")
+        if self.enable_offload:
+            rewritten = offload(
+                rewritten,
+                checkpoints=self.recompute_plan.checkpoints,
+                offload_checkpoints=self.offload_checkpoints,
+                checkpoint_shape=self.checkpoint_shape,
+            )
+            dump(rewritten, "offload")
         self.memory_report = memory_report(work, self.recompute_plan, rewritten, batch=self.batch)
         logger.info("%s\n%s", self.recompute_plan, self.memory_report)
         if not self.memory_report.saves_memory:

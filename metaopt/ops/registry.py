@@ -70,6 +70,9 @@ class OpDef:
     may_alias: bool = False
     # Outputs are views of input 0 (no new storage): memory estimates count them as free.
     view: bool = False
+    # Whether the op's outputs live in host memory, given its attrs (Memcpy to pinned
+    # memory): the executor counts them in the host account, not the device's.
+    host_memory: Callable[[dict], bool] | None = field(default=None, compare=False)
     # Matmul-class work (MatMul, Gemm, Conv, Linear ...): the selective recompute policy
     # keeps these outputs and recomputes only the cheap ops around them (Megatron-style).
     expensive: bool = False

@@ -78,7 +78,13 @@ class RecomputePlan:
 
 
 def resolve_checkpoints(
-    p: Program, checkpoints: list, *, memory_budget: int | None = None, batch: int = 8
+    p: Program,
+    checkpoints: list,
+    *,
+    memory_budget: int | None = None,
+    batch: int = 8,
+    policy: str = "full",
+    keep_op_types: tuple[str, ...] = (),
 ) -> list[str]:
     """Var names for the given names, module paths and patterns (deduplicated, in order given);
     "auto" is `auto_checkpoints` (which needs the training program)."""
@@ -88,7 +94,9 @@ def resolve_checkpoints(
         if not isinstance(name, str):
             raise RecomputeError(f"checkpoint {entry!r} is not a var name or module pattern")
         if name == "auto":
-            found = auto_checkpoints(p, memory_budget=memory_budget, batch=batch)
+            found = auto_checkpoints(
+                p, memory_budget=memory_budget, batch=batch, policy=policy, keep_op_types=keep_op_types
+            )
         elif name in p.vars:
             found = [name]
         else:
@@ -118,7 +126,14 @@ def block_outputs(p: Program) -> list[str]:
     return sorted(dict.fromkeys(best), key=lambda v: order.get(v, -1))
 
 
-def auto_checkpoints(p: Program, *, memory_budget: int | None = None, batch: int = 8) -> list[str]:
+def auto_checkpoints(
+    p: Program,
+    *,
+    memory_budget: int | None = None,
+    batch: int = 8,
+    policy: str = "full",
+    keep_op_types: tuple[str, ...] = (),
+) -> list[str]:
     """Checkpoints chosen among the block outputs: every round(sqrt(n))-th block by default;
     with `memory_budget` (bytes of activations at `batch`), the fewest evenly spaced blocks
     whose predicted activation peak fits it."""
@@ -138,7 +153,8 @@ def auto_checkpoints(p: Program, *, memory_budget: int | None = None, batch: int
     best = None
     for stride in range(len(blocks), 0, -1):  # fewest checkpoints first
         chosen = blocks[stride - 1 :: stride]
-        peak = estimate_memory(recompute(p, checkpoints=chosen), dims={"batch": batch}).activation_peak_bytes
+        q = recompute(p, checkpoints=chosen, policy=policy, keep_op_types=keep_op_types)
+        peak = estimate_memory(q, dims={"batch": batch}).activation_peak_bytes
         if peak <= memory_budget:
             return chosen
         best = peak if best is None else min(best, peak)
@@ -183,7 +199,9 @@ def plan_recompute(
     for t in keep_op_types:
         if t not in table:
             raise RecomputeError(f"keep_op_types: unknown op type {t!r}{did_you_mean(t, table)}")
-    resolved = resolve_checkpoints(p, checkpoints, memory_budget=memory_budget, batch=batch)
+    resolved = resolve_checkpoints(
+        p, checkpoints, memory_budget=memory_budget, batch=batch, policy=policy, keep_op_types=keep_op_types
+    )
     first_bw = next((i for i, op in enumerate(p.ops) if op.role in BACKWARD_ROLES), None)
     if first_bw is None:
         raise RecomputeError(f"program {p.name!r} has no backward ops: recompute rewrites a training program")
@@ -225,6 +243,10 @@ def plan_recompute(
         if o and o not in kept
     ]
     kept.update(by_policy)
+    # Ops whose rows say they must not run twice (RngState, copies, step counters): their
+    # outputs are held from the forward, never recomputed.
+    fixed = [o for i, op in enumerate(fwd) if not table[op.type].recomputable for o in op.outputs if o]
+    kept.update(fixed)
     held: list[str] = []
     while True:  # grow `held` until no segment's recompute reads another segment's value
         needed: dict[int, set[int]] = {}
@@ -391,8 +413,17 @@ def memory_report(before: Program, plan: RecomputePlan, after: Program, *, batch
 
     dims = {"batch": batch}
     ckpt = {c: before.vars[c].nbytes(dims) or 0 for c in plan.checkpoints}
+    not_recomputed = set(plan.checkpoints) | set(plan.held) | set(plan.kept_by_policy)
     seg_bytes = [
-        (s.end, sum(before.vars[o].nbytes(dims) or 0 for i in s.ops for o in before.ops[i].outputs if o))
+        (
+            s.end,
+            sum(
+                before.vars[o].nbytes(dims) or 0
+                for i in s.ops
+                for o in before.ops[i].outputs
+                if o and o not in not_recomputed
+            ),
+        )
         for s in plan.segments
     ]
     largest = max(seg_bytes, key=lambda t: t[1]) if seg_bytes else ("", 0)

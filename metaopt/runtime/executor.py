@@ -110,6 +110,8 @@ class Executor:
             "last_run_peak_bytes": t.run_peak,
             "persistable_bytes": persist,
             "host_peak_bytes": t.host_peak,
+            "offloaded_bytes": t.offloaded,  # copied to host memory in the last run
+            "fetched_bytes": t.fetched,  # copied back to the device in the last run
         }
         if self.device.type == "cuda":
             stats["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.device)

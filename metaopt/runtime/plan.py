@@ -129,6 +129,11 @@ def check_inplace(p: Program, fetches: set[str]) -> tuple[_Aliases, set[str]]:
                 )
             for m in aliases.members(x, defined) if x in defined else [x]:
                 kind = p.vars[m].kind
+                if m != x and p.vars[m].persistable and p.updates.get(m) != op.outputs[k]:
+                    raise ValueError(
+                        f"{op.type} writes {x!r} in place, which shares storage with {kind} {m!r}, but "
+                        f"program.updates does not update {m!r} to {op.outputs[k]!r}: {fmt_op(op)}"
+                    )
                 if kind in ("input", "constant"):
                     raise ValueError(
                         f"{op.type} writes {x!r} in place, which shares storage with {kind} {m!r}: "
@@ -195,6 +200,7 @@ def build_plan(p: Program, fetches: list[str], device: torch.device, track: bool
             frees.setdefault(i, []).append(name)
 
     g: dict[str, object] = {}
+    host_vars: set[str] = set()  # values in host memory (the outputs of host_memory rows)
     lines = ["def run(S, F, T):"]
     if device.type == "cpu":
         host_reads: set[tuple[int, int]] = set()  # host and device are the same memory
@@ -234,12 +240,19 @@ def build_plan(p: Program, fetches: list[str], device: torch.device, track: bool
                     lines.append(f"    {local(o)} = {tmp}[{j}]")
             lines.append(f"    del {tmp}")
         for o in outs:
-            if o in snapshots:  # fetched, and an in-place op later writes its storage
-                lines.append(f"    {local(o)} = {local(o)}.clone()")
+            if o in snapshots:  # fetched, and an in-place op later writes its storage: keep a copy
+                lines.append(f"    f_{local(o)} = {local(o)}.clone()")
         if track:
+            row = registry.get(op.type)
+            to_host = row is not None and row.host_memory is not None and row.host_memory(op.attrs)
+            from_host = not to_host and any(x in host_vars for x in op.inputs)
+            if to_host:
+                host_vars.update(o for o in outs if o)
             for o in outs:
                 if o:
-                    lines.append(f"    T.acquire({local(o)})")
+                    lines.append(f"    T.acquire({local(o)}{', True' if to_host else ''})")
+                    if from_host and row is not None and row.host_memory is not None:
+                        lines.append(f"    T.fetch({local(o)})")  # a copy back to the device
             lines.append("    T.mark()")
         for target, new in update_at.get(i, []):
             lines.append(f"    S[{target!r}] = {local(new)}")
@@ -260,6 +273,8 @@ def build_plan(p: Program, fetches: list[str], device: torch.device, track: bool
     held = {aliases.find(x) for x in (*pset, *consts)}
 
     def fetched(f: str) -> str:
+        if f in snapshots:
+            return f"f_{local(f)}"
         expr = f"S[{f!r}]" if f in pset else local(f)
         return f"{expr}.clone()" if aliases.find(f) in held else expr
 

@@ -205,25 +205,6 @@ def test_each_enabled_meta_optimizer_is_not_implemented_yet(flag):
     assert inner.calls == [] and str(p) == before  # refused before anything was touched
 
 
-@pytest.mark.parametrize(
-    "configs,match",
-    [
-        ({"checkpoints": ["x"], "enable_offload": True}, r"recompute_configs\['enable_offload'\]=True"),
-    ],
-)
-def test_recompute_parts_not_implemented_yet_are_refused_untouched(configs, match):
-    fleet.init()
-    s = fleet.DistributedStrategy()
-    s.recompute = True
-    s.recompute_configs = configs
-    inner = FakeOptimizer()
-    p = _program()
-    before = str(p)
-    with pytest.raises(NotImplementedError, match=match):
-        fleet.distributed_optimizer(inner, s).minimize(p.loss)
-    assert inner.calls == [] and str(p) == before
-
-
 def test_data_parallel_with_two_workers_is_not_implemented_yet(monkeypatch):
     fleet.init()
     monkeypatch.setattr(env._STATE, "env", env.WorkerEnv(rank=0, world_size=2))

@@ -292,3 +292,37 @@ def test_auto_checkpoints_sqrt_default_and_memory_budget():
         auto_checkpoints(program, memory_budget=1, batch=16)
     with pytest.raises(RecomputeError, match="has no repeated blocks"):
         auto_checkpoints(_train_program("mlp"))
+
+
+def test_recompute_never_reruns_ops_that_must_run_once():
+    """RngState (and any row with recomputable=False) is held from the forward."""
+    q = recompute(_train_program("bert"), checkpoints=["bert.encoder.layer.*"])
+    q2 = recompute(q, checkpoints=["bert.encoder.layer.0.attention.output.dense"])
+    assert not any(op.type == "RngState" and op.role == "recompute" for op in q2.ops)
+    assert _identical(_run(_train_program("bert"), "bert", 5, steps=2), _run(q2, "bert", 5, steps=2))
+
+
+def test_fetching_a_contribution_that_is_accumulated_into_returns_its_own_value():
+    base = _train_program("bert", dropout=0.0)
+    acc = next(op for op in base.ops if op.type == "GradAccumulate")
+    mod = programs.get("bert")
+    feed = dict(zip(mod.INPUT_NAMES, mod.example_inputs("tiny", 2, seed=1), strict=True))
+    part, total = metaopt.Executor().run(
+        base, feed=feed, fetch_list=[acc.inputs[0], acc.outputs[0]], return_numpy=False
+    )
+    rest = metaopt.Executor().run(base, feed=feed, fetch_list=acc.inputs[1:], return_numpy=False)
+    torch.testing.assert_close(part + sum(rest), total, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(part, total)
+
+
+def test_auto_budget_respects_the_selective_policy():
+    from metaopt.passes.memory_estimate import estimate_memory
+    from metaopt.passes.recompute import auto_checkpoints
+
+    program = _bert24()
+    budget = estimate_memory(recompute(program, checkpoints=["auto"], policy="selective"), dims={"batch": 16})
+    chosen = auto_checkpoints(
+        program, memory_budget=budget.activation_peak_bytes, batch=16, policy="selective"
+    )
+    q = recompute(program, checkpoints=chosen, policy="selective")
+    assert estimate_memory(q, dims={"batch": 16}).activation_peak_bytes <= budget.activation_peak_bytes

@@ -287,3 +287,21 @@ def test_scope_entry_that_disagrees_with_a_program_is_an_error():
     other = chain(width=128)
     with pytest.raises(ValueError, match=r"scope holds 'w' as torch.float32 \[256, 256\].*\[128, 128\]"):
         exe.run(other, feed={"x": np.ones((2, 128), np.float32)}, fetch_list=["loss"])
+
+
+def test_in_place_write_through_an_alias_of_a_param_needs_its_update():
+    p = Program("alias")
+    p.add_var(Var("w", "float32", (3,), kind="param", trainable=True), torch.ones(3))
+    p.add_var(Var("g", "float32", (3,), kind="input"))
+    p.add_var(Var("lr", "float64", (), kind="opt_state"), torch.tensor(0.1, dtype=torch.float64))
+    p.add_var(Var("w_view", "float32", (3,)))
+    p.add_var(Var("w_new", "float32", (3,)))
+    p.ops = [
+        Op("Identity", ["w"], ["w_view"]),
+        Op("SGDUpdate", ["w_view", "g", "lr"], ["w_new"], role="optimize"),
+    ]
+    p.inputs, p.outputs = ["g"], ["w_new"]
+    with pytest.raises(
+        ValueError, match=r"shares storage with param 'w', but program.updates does not update 'w'"
+    ):
+        metaopt.Executor().run(p, feed={"g": np.ones(3, np.float32)}, fetch_list=["w_new"])

@@ -10,6 +10,7 @@ from metaopt.ops.kernels import (  # noqa: F401
     grad,
     indexing,
     loss,
+    memcpy,
     nn,
     norm,
     optim,

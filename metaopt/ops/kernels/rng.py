@@ -22,16 +22,24 @@ def rng_state(_device: torch.device) -> torch.Tensor:
     return torch.get_rng_state()
 
 
-@register("RngReplay", domain="metaopt", needs_outputs=True, host_inputs=(0,), may_alias=True)
+@register(
+    "RngReplay", domain="metaopt", needs_outputs=True, needs_device=True, host_inputs=(0,), may_alias=True
+)
 def rng_replay(
-    state: torch.Tensor, *inputs: torch.Tensor | None, op: str, n_out: int, _nout: int, **fwd_attrs
+    state: torch.Tensor,
+    *inputs: torch.Tensor | None,
+    op: str,
+    n_out: int,
+    _nout: int,
+    _device: torch.device,
+    **fwd_attrs,
 ):
     """Run random op `op` on `inputs` from generator state `state`, leaving the generator as it was."""
     row = registry.get(op)
     attrs = {k.removeprefix("f_"): v for k, v in fwd_attrs.items()}
     if row.needs_outputs:
         attrs["_nout"] = n_out
-    device = next(x.device for x in inputs if x is not None)
+    device = _device  # the executor's: a random op may have no tensor input to tell
     if row.needs_device:
         attrs["_device"] = device
     if device.type == "cuda":

@@ -1,0 +1,147 @@
+"""Offload recompute checkpoints to host memory and fetch them back for the backward.
+
+    program = offload(program, checkpoints=plan.checkpoints)     # after `recompute`
+
+* Right after the op producing each offloaded checkpoint ``x``:
+  ``x@PINNED = Memcpy(x, dst=pinned)`` (role ``offload``, origin ``x``).
+* In the backward, ``x@FETCH = Memcpy(x@PINNED, dst=device)`` (role ``prefetch``) is
+  placed one segment ahead of the first backward-phase use of ``x`` (right before the
+  first use of the checkpoint the backward needs just before ``x``), and
+  ``CopyWait(x@FETCH)`` right before that first use says where the copy must be done;
+  every backward, recompute and optimizer op then reads ``x@FETCH``. So after the
+  forward, device memory holds no offloaded checkpoint until its prefetch.
+* The last checkpoint (the backward needs it at once) is not offloaded;
+  `offload_checkpoints` may restrict the set further. `checkpoint_shape` (Fleet makes
+  users give it) is only validated: every checkpoint's shape is inferred.
+
+The pass is pure.
+"""
+
+from __future__ import annotations
+
+from metaopt.ir import Op, Program, Var, did_you_mean, eval_dim, names
+
+PHASE_AFTER_FORWARD = frozenset({"backward", "recompute", "prefetch", "optimize", "lr-sched"})
+
+
+class OffloadError(ValueError):
+    pass
+
+
+def check_checkpoint_shape(p: Program, checkpoints: list[str], checkpoint_shape: list[int]) -> None:
+    """Fleet's `checkpoint_shape` (one shape, batch dim first, -1 or any value for it): every
+    checkpoint must match it, the batch dim symbolic."""
+    if not checkpoint_shape:
+        return
+    for c in checkpoints:
+        shape = p.vars[c].shape or ()
+        ok = len(shape) == len(checkpoint_shape) and all(
+            isinstance(d, str) or d == want for d, want in zip(shape, checkpoint_shape)
+        )
+        if not ok:
+            raise OffloadError(
+                f"recompute_configs['checkpoint_shape'] = {list(checkpoint_shape)} does not match checkpoint "
+                f"{c!r}, whose inferred shape is {list(shape)} (metaopt infers every checkpoint's shape: "
+                "leave checkpoint_shape empty)"
+            )
+
+
+def offload(
+    p: Program,
+    *,
+    checkpoints: list[str],
+    offload_checkpoints: list[str] | None = None,
+    checkpoint_shape: list[int] | None = None,
+) -> Program:
+    """Rewrite a recomputed training program so its checkpoints wait in host memory."""
+    if not checkpoints:
+        raise OffloadError(
+            f"offload needs recompute checkpoints; program {p.name!r} has none (enable recompute)"
+        )
+    for c in checkpoints:
+        if c not in p.vars:
+            raise OffloadError(f"checkpoint {c!r} is not a var of {p.name!r}{did_you_mean(c, p.vars)}")
+    check_checkpoint_shape(p, checkpoints, list(checkpoint_shape or ()))
+    q = p.clone()
+    first_after = next((i for i, op in enumerate(q.ops) if op.role in PHASE_AFTER_FORWARD), None)
+    if first_after is None:
+        raise OffloadError(f"program {p.name!r} has no backward: offload rewrites a training program")
+    prod = {o: i for i, op in enumerate(q.ops[:first_after]) for o in op.outputs if o}
+    chosen = _chosen(q, checkpoints, offload_checkpoints, prod, first_after)
+    if not chosen:
+        return q
+
+    # First backward-phase reader of each offloaded checkpoint, in program order.
+    first_use = {c: next(i for i in range(first_after, len(q.ops)) if c in q.ops[i].inputs) for c in chosen}
+    order = sorted(chosen, key=lambda c: first_use[c])
+    # Prefetch one segment ahead: where the previous checkpoint in backward order is first used.
+    fetch_at = {c: (first_use[order[k - 1]] if k else first_after) for k, c in enumerate(order)}
+
+    pinned = {c: _new_var(q, names.pinned(c), c) for c in chosen}
+    fetched = {c: _new_var(q, names.fetch(c), c) for c in chosen}
+    ops: list[Op] = []
+    for i, op in enumerate(q.ops):
+        # Copies start before waits at the same point, so the next copy overlaps the wait.
+        for c in order:
+            if fetch_at[c] == i:
+                ops.append(
+                    Op("Memcpy", [pinned[c]], [fetched[c]], {"dst": "device"}, role="prefetch", origin=c)
+                )
+        for c in order:
+            if first_use[c] == i:
+                ops.append(Op("CopyWait", [fetched[c]], [], role="prefetch", origin=c))
+        if i >= first_after:
+            op.inputs = [fetched.get(x, x) for x in op.inputs]
+        ops.append(op)
+        for o in op.outputs:
+            if o in pinned:
+                ops.append(
+                    Op(
+                        "Memcpy",
+                        [o],
+                        [pinned[o]],
+                        {"dst": "pinned"},
+                        role="offload",
+                        scope=op.scope,
+                        origin=o,
+                    )
+                )
+    q.ops = ops
+    return q
+
+
+def _chosen(
+    q: Program, checkpoints: list[str], restrict: list[str] | None, prod: dict, first_after: int
+) -> list:
+    usable = [c for c in checkpoints if c in prod and any(c in op.inputs for op in q.ops[first_after:])]
+    # The checkpoint the backward reaches first is needed at once: copying it out and back gains nothing.
+    last = max(usable, key=lambda c: prod[c], default=None)
+    chosen = [c for c in usable if c != last]
+    if restrict is not None:
+        for c in restrict:
+            if c not in checkpoints:
+                hint = did_you_mean(c, checkpoints)
+                raise OffloadError(f"offload_checkpoints entry {c!r} is not a recompute checkpoint{hint}")
+        chosen = [c for c in chosen if c in restrict]
+    return chosen
+
+
+def _new_var(q: Program, name: str, like: str) -> str:
+    v = q.vars[like]
+    name = names.fresh(name, q.vars)
+    q.add_var(Var(name, v.dtype, v.shape))
+    return name
+
+
+def offloaded_bytes(p: Program, *, batch: int) -> int:
+    """Bytes the program's offload ops copy to host per run, at `batch`."""
+    return sum(
+        eval_dim_bytes(p, op.inputs[0], batch) for op in p.ops if op.role == "offload" and op.type == "Memcpy"
+    )
+
+
+def eval_dim_bytes(p: Program, name: str, batch: int) -> int:
+    v = p.vars[name]
+    if v.shape is None or any(eval_dim(d, {"batch": batch}) is None for d in v.shape):
+        raise OffloadError(f"the size of {name!r} ({v.shape}) is not known at batch {batch}")
+    return v.nbytes({"batch": batch}) or 0
