@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 
 import pytest
-from test_recompute import SETS, _identical, _run, _train_program
+from test_recompute import SETS, _bert24, _identical, _measured_activation_peak, _run, _train_program
 
 import metaopt
 import programs
@@ -78,22 +78,12 @@ def test_prefetch_goes_one_segment_ahead_and_readers_use_the_fetched_copy():
 
 
 def test_bert_24_layers_offload_activation_peak_at_most_0_7_of_recompute():
-    bert = programs.get("bert")
-    module = bert.build("tiny", seed=0, dropout=0.1, num_layers=24)
-    program = metaopt.export(module, bert.example_inputs("tiny", 4, num_layers=24), name="bert24")
-    metaopt.optimizer.SGD(learning_rate=0.1).minimize(program.loss)
+    program = _bert24()
     ck = ["bert.encoder.layer.*"]
     rc = recompute(program, checkpoints=ck)
     of = offload(rc, checkpoints=plan_recompute(program, checkpoints=ck).checkpoints)
     # batch 64: activations, not the (tiny-width) model's gradients, set the peak
-    feed = dict(zip(bert.INPUT_NAMES, bert.example_inputs("tiny", 64, num_layers=24, seed=3), strict=True))
-    peaks = []
-    for prog in (rc, of):
-        exe = metaopt.Executor("cpu")
-        metaopt.seed(0)
-        exe.run(prog, feed=feed, fetch_list=[prog.loss])
-        stats = exe.memory_stats()
-        peaks.append(stats["peak_bytes"] - stats["persistable_bytes"])
+    peaks = [_measured_activation_peak(prog, 64) for prog in (rc, of)]
     assert peaks[1] <= 0.7 * peaks[0], peaks
 
 
