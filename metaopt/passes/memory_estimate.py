@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from metaopt.ir import Program
+from metaopt.ir.liveness import liveness
 from metaopt.ops import registry
 
 
@@ -33,17 +34,7 @@ def estimate_memory(p: Program, *, dims: dict[str, int], fetches: tuple[str, ...
     def nbytes(name: str) -> int:
         return p.vars[name].nbytes(dims) or 0
 
-    last: dict[str, int] = {}
-    for i, op in enumerate(p.ops):
-        for x in op.inputs:
-            if x:
-                last[x] = i
-        for o in op.outputs:
-            if o:
-                last.setdefault(o, i)
-    for f in (*fetches, p.loss_name or ""):
-        if f:
-            last[f] = len(p.ops)
+    last, _ = liveness(p, [f for f in (*fetches, p.loss_name) if f])
     persistent = {v.name for v in p.vars.values() if v.persistable}
     storage: dict[str, str] = {}  # var -> the var whose storage it uses
     refs: dict[str, int] = dict.fromkeys(persistent, 1)  # state never dies

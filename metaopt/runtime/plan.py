@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from metaopt.ir import Op, Program, did_you_mean, verify
+from metaopt.ir.liveness import liveness
 from metaopt.ir.printer import fmt_op
 from metaopt.ops import registry
 
@@ -176,24 +177,8 @@ def build_plan(p: Program, fetches: list[str], device: torch.device, track: bool
         return slot[name]
 
     # Last use of every var: fetches and update sources live to their sink.
-    n = len(p.ops)
-    last: dict[str, int] = {}
-    for i, op in enumerate(p.ops):
-        for x in op.inputs:
-            if x:
-                last[x] = i
-        for o in op.outputs:
-            if o:
-                last.setdefault(o, i)
+    last, update_at = liveness(p, fetches)
     aliases, snapshots = check_inplace(p, set(fetches))
-    update_at: dict[int, list[tuple[str, str]]] = {}
-    prod_idx = {o: i for i, op in enumerate(p.ops) for o in op.outputs if o}
-    for target, new in p.updates.items():
-        at = max(prod_idx[new], last.get(target, -1))
-        update_at.setdefault(at, []).append((target, new))
-        last[new] = max(last.get(new, -1), at)
-    for f in fetches:
-        last[f] = n
     frees: dict[int, list[str]] = {}
     for name, i in last.items():
         if name not in pset and name not in consts:
