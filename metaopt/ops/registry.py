@@ -17,6 +17,10 @@ Kernel calling convention (what the executor does once per op, not per run):
 * kernels never write their inputs, except the pairs a row lists in ``inplace``.
 * ``needs_device=True`` rows also get ``_device`` (the executor's torch.device),
   for ops that create tensors from nothing (ConstantOfShape, Range, random ops).
+* ``needs_runtime=True`` rows also get ``_rt`` (the executor's `runtime.context.Runtime`:
+  its copy engine and communicator, state that outlives one run) and ``_key`` (the op's
+  first output name, else its first input: a name stable across runs, e.g. to reuse a
+  buffer). Memcpy, CopyWait and the collectives are such rows.
 
 Shape-like int64 tensors (what Shape, Concat of dims, ... produce) may be on the
 CPU while data is on the device; kernels that read such a tensor call
@@ -41,6 +45,7 @@ class OpDef:
     kernel: Kernel
     needs_outputs: bool = False
     needs_device: bool = False
+    needs_runtime: bool = False
     random: bool = False  # consumes the RNG: recompute must replay its seed
     recomputable: bool = True
     # Inputs read only for their dtype (CastLike's target): constant folding

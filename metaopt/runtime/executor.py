@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from metaopt.ir import Program, Var, did_you_mean, torch_dtype
+from metaopt.runtime.context import Runtime
 from metaopt.runtime.memory import MemoryTracker
 from metaopt.runtime.place import Place, resolve
 from metaopt.runtime.plan import Plan, build_plan
@@ -30,6 +31,7 @@ class Executor:
         self.scope = Scope()
         self.track_memory = track_memory
         self._tracker = MemoryTracker()
+        self.runtime = Runtime(self.device)  # copy streams, pinned buffers, communicator
         self._plans: dict[tuple, Plan] = {}
 
     # --- running ---------------------------------------------------------------
@@ -45,7 +47,7 @@ class Executor:
         key = (program.uid, program.version, tuple(fetches))
         plan = self._plans.pop(key, None)
         if plan is None:
-            plan = build_plan(program, fetches, self.device, self.track_memory)
+            plan = build_plan(program, fetches, self.device, self.track_memory, self.runtime)
             if self.track_memory:
                 for t in plan.constants.values():
                     self._tracker.acquire(t)
@@ -58,6 +60,7 @@ class Executor:
         self._materialise(program, plan.persistables)
         feeds = self._feeds(program, feed or {}, plan.feeds)
         self._tracker.start_run()
+        self.runtime.start_run()
         try:
             out = plan.fn(self.scope, feeds, self._tracker)
         finally:
@@ -100,7 +103,7 @@ class Executor:
         return out
 
     # --- inspection ------------------------------------------------------------
-    def memory_stats(self) -> dict[str, int]:
+    def memory_stats(self) -> dict[str, float]:
         """Peak live bytes counted by the executor (persistables included), and more."""
         t = self._tracker
         held = [*self.scope.values(), *(t for plan in self._plans.values() for t in plan.constants.values())]
@@ -113,6 +116,10 @@ class Executor:
             "offloaded_bytes": t.offloaded,  # copied to host memory in the last run
             "fetched_bytes": t.fetched,  # copied back to the device in the last run
         }
+        # Offload copies of the last run: their own time, and how long compute waited on them
+        # (on CUDA, read from events: this synchronises the device).
+        stats["copy_seconds"], stats["copy_wait_seconds"] = self.runtime.copies.seconds()
+        stats["pinned_buffer_bytes"] = self.runtime.copies.pinned_bytes
         if self.device.type == "cuda":
             stats["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.device)
         return stats
@@ -126,7 +133,7 @@ class Executor:
     def plan_source(self, program: Program, fetch_list: Iterable[str | Var] = ()) -> str:
         """The generated Python of `program` (for debugging what the executor does)."""
         fetches = [f.name if isinstance(f, Var) else f for f in fetch_list]
-        return build_plan(program, fetches, self.device, self.track_memory).source
+        return build_plan(program, fetches, self.device, self.track_memory, self.runtime).source
 
 
 def _check_scope_entry(p: Program, name: str, t: torch.Tensor) -> None:

@@ -43,10 +43,11 @@ def host_placement(p: Program) -> tuple[set[str], set[tuple[int, int]]]:
     for i, op in enumerate(p.ops):
         row = registry.get(op.type)
         runtime = [x for x in op.inputs if x and x not in consts]
-        # Ops that create tensors on the executor's device (`needs_device`) never
-        # compute on the host, whatever their inputs.
+        # Ops that create tensors on the executor's device (`needs_device`, copies and
+        # collectives) never compute on the host, whatever their inputs.
+        on_device = row is not None and (row.needs_device or row.needs_runtime)
         on_host = row is not None and (
-            row.host_outputs or (not row.needs_device and runtime and all(x in host for x in runtime))
+            row.host_outputs or (not on_device and runtime and all(x in host for x in runtime))
         )
         if on_host:
             host.update(o for o in op.outputs if o)
@@ -56,7 +57,7 @@ def host_placement(p: Program) -> tuple[set[str], set[tuple[int, int]]]:
     return host, reads
 
 
-def _bind(op, device: torch.device):
+def _bind(op, device: torch.device, runtime):
     row = registry.get(op.type)
     if row is None:
         raise NotImplementedError(f"no kernel for op type {op.type!r}: {fmt_op(op)}")
@@ -65,6 +66,11 @@ def _bind(op, device: torch.device):
         kw["_nout"] = len(op.outputs)
     if row.needs_device:
         kw["_device"] = device
+    if row.needs_runtime:
+        if runtime is None:
+            raise ValueError(f"op needs an executor's runtime (copies, collectives): {fmt_op(op)}")
+        kw["_rt"] = runtime
+        kw["_key"] = next((o for o in op.outputs if o), None) or next((x for x in op.inputs if x), "")
     return functools.partial(row.kernel, **kw) if kw else row.kernel
 
 
@@ -153,7 +159,8 @@ def check_inplace(p: Program, fetches: set[str]) -> tuple[_Aliases, set[str]]:
     return aliases, snapshots
 
 
-def build_plan(p: Program, fetches: list[str], device: torch.device, track: bool) -> Plan:
+def build_plan(p: Program, fetches: list[str], device: torch.device, track: bool, runtime=None) -> Plan:
+    """Compile `p`; `runtime` (a `runtime.context.Runtime`) is what `needs_runtime` rows get."""
     verify(p)  # once per program version: a broken program fails here, naming its line
     for f in fetches:
         if f not in p.vars:
@@ -207,7 +214,7 @@ def build_plan(p: Program, fetches: list[str], device: torch.device, track: bool
                 lines.append(f"    T.acquire({local(name)})")
     for i, op in enumerate(p.ops):
         k = f"k{i}"
-        g[k] = _bind(op, device)
+        g[k] = _bind(op, device, runtime)
         args = ", ".join(
             ("h_" + local(x) if (i, j) in host_reads else local(x)) if x else "None"
             for j, x in enumerate(op.inputs)

@@ -54,6 +54,11 @@ def test_bytes_offloaded_per_step_are_the_checkpoints():
     want = sum(of.vars[c].nbytes({"batch": 6}) for c in moved)
     assert stats["offloaded_bytes"] == stats["fetched_bytes"] == want == offloaded_bytes(of, batch=6)
     assert stats["host_peak_bytes"] == want
+    # Per-run copy counters: on CPU the copies are timed clones and nothing waits on them.
+    assert stats["copy_seconds"] > 0 and stats["copy_wait_seconds"] == 0.0
+    exe.run(rc, feed=feed, fetch_list=[rc.loss])
+    stats = exe.memory_stats()
+    assert stats["offloaded_bytes"] == stats["fetched_bytes"] == 0 and stats["copy_seconds"] == 0.0
 
 
 def test_prefetch_goes_one_segment_ahead_and_readers_use_the_fetched_copy():

@@ -51,3 +51,36 @@ def test_batchnorm_running_stats_on_cuda_match_torch():
     for n, b in ref.named_buffers():
         if n in program.updates:
             torch.testing.assert_close(exe.scope[n], b, rtol=1e-5, atol=1e-6)
+
+
+def test_offload_on_cuda_matches_recompute_only_and_reuses_pinned_buffers():
+    """Copies on side streams with event waits must not change a single bit (dropout off:
+    CUDA's Philox masks differ from the CPU's, not between these two programs), the
+    pinned buffers are made once, and both copy counters are read from CUDA events."""
+    from metaopt.passes.offload import offload
+    from metaopt.passes.recompute import plan_recompute, recompute
+
+    _, _, program = exported("bert", dropout=0.0)
+    base = program.clone()
+    metaopt.optimizer.SGD(learning_rate=0.1).minimize(base.loss)
+    ck = ["bert.encoder.layer.*"]
+    rc = recompute(base, checkpoints=ck)
+    of = offload(rc, checkpoints=plan_recompute(base, checkpoints=ck).checkpoints)
+    mod = programs.get("bert")
+    results = []
+    for program in (rc, of):
+        exe = metaopt.Executor("cuda")
+        metaopt.seed(0)
+        losses, pinned = [], []
+        for s in range(4):
+            feed = dict(zip(mod.INPUT_NAMES, mod.example_inputs("tiny", 4, seed=s), strict=True))
+            (loss,) = exe.run(program, feed=feed, fetch_list=[program.loss], return_numpy=False)
+            losses.append(loss)
+            pinned.append(exe.memory_stats()["pinned_buffer_bytes"])
+        results.append((losses, {k: v.clone() for k, v in exe.scope.items()}, exe.memory_stats(), pinned))
+    (l_rc, s_rc, _, _), (l_of, s_of, stats, pinned) = results
+    assert all(torch.equal(a, b) for a, b in zip(l_rc, l_of, strict=True))
+    assert all(torch.equal(s_rc[k], s_of[k]) for k in s_rc)
+    assert stats["offloaded_bytes"] > 0 and stats["offloaded_bytes"] == stats["fetched_bytes"]
+    assert pinned[0] > 0 and len(set(pinned)) == 1  # allocated in step 1, reused after
+    assert stats["copy_seconds"] > 0 and stats["copy_wait_seconds"] >= 0

@@ -1,11 +1,11 @@
 """Copies between device and host memory (the offload pass's ops).
 
 ``Memcpy(x, dst=pinned)`` copies a device tensor to (pinned, on CUDA) host memory;
-``Memcpy(x, dst=device)`` copies it back. On CPU both are real copies, so the
-executor's separate host account shows what offload moves. On CUDA the copies are
-issued non-blocking from pinned memory; ``CopyWait`` marks where the program needs a
-copy finished (the executor synchronises there). Overlapping the copies with compute on
-dedicated streams is not done yet: the copies run on the current stream.
+``Memcpy(x, dst=device)`` copies it back; ``CopyWait(x)`` marks where the program needs
+a copy finished. The kernels hand the work to the executor's copy engine
+(`metaopt.runtime.copies`): on CUDA, dedicated copy streams, reused pinned buffers and
+event waits, so the copies overlap compute; on CPU, real copies into the executor's
+separate host account.
 """
 
 from __future__ import annotations
@@ -24,25 +24,21 @@ def _on_host(attrs: dict) -> bool:
 @register(
     "Memcpy",
     domain="metaopt",
-    needs_device=True,
+    needs_runtime=True,
     fresh_outputs=True,
     recomputable=False,
     host_memory=_on_host,
 )
-def memcpy(x: torch.Tensor, dst: str, _device: torch.device) -> torch.Tensor:
+def memcpy(x: torch.Tensor, dst: str, _rt, _key: str) -> torch.Tensor:
     if dst not in _DSTS:
         raise ValueError(f"Memcpy: dst must be one of {_DSTS}, got {dst!r}")
     if dst == "pinned":
-        if x.device.type == "cuda":
-            out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-            return out.copy_(x, non_blocking=True)
-        return x.clone()
-    return x.to(_device, copy=True, non_blocking=True)
+        return _rt.copies.to_host(x, _key)
+    return _rt.copies.to_device(x)
 
 
-@register("CopyWait", domain="metaopt", needs_device=True, recomputable=False)
-def copy_wait(x: torch.Tensor, _device: torch.device) -> None:
-    """The program needs `x`'s copy finished here."""
-    if _device.type == "cuda":
-        torch.cuda.current_stream(_device).synchronize()
+@register("CopyWait", domain="metaopt", needs_runtime=True, recomputable=False)
+def copy_wait(x: torch.Tensor, _rt, _key: str) -> None:
+    """The program needs `x`'s copy finished here (a device-side wait on CUDA)."""
+    _rt.copies.wait(x)
     return None

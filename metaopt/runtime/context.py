@@ -1,0 +1,29 @@
+"""The executor's state that outlives one run and that some kernels reach (rows with
+``needs_runtime``): the copy engine of offload and the communicator of the collectives."""
+
+from __future__ import annotations
+
+import torch
+
+from metaopt.runtime.copies import CopyEngine
+
+
+class Runtime:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.copies = CopyEngine(device)
+        self._comm = None
+
+    @property
+    def comm(self):
+        """The communicator over torch.distributed's default group (made on first use)."""
+        if self._comm is None:
+            from metaopt.runtime.comm import Communicator
+
+            self._comm = Communicator(self.device)
+        return self._comm
+
+    def start_run(self) -> None:
+        self.copies.start_run()
+        if self._comm is not None:
+            self._comm.start_run()
