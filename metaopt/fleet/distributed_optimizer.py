@@ -16,8 +16,8 @@ out, so the first entry is the outermost wrapper and its ``minimize`` runs first
 pipeline is off: a pipeline replicates itself over ``pipeline_configs.dp_degree``).
 Offload is part of recompute (``recompute_configs.enable_offload``).
 
-Implemented: recompute (``fleet/recompute_optimizer.py``). Every other ``_apply_*``
-below raises NotImplementedError naming the feature and its strategy field; an issue
+Implemented: recompute (``fleet/recompute_optimizer.py``), data_parallel
+(``fleet/data_parallel_optimizer.py``). Every other ``_apply_*`` below raises NotImplementedError naming the feature and its strategy field; an issue
 that implements one replaces that function and nothing else. Fleet features metaopt does not have
 (``UNSUPPORTED_FEATURES``: sharding, lamb, ...) and combinations it cannot honour
 (``CONFLICTS``) are refused before anything is rewritten — never silently dropped.
@@ -69,10 +69,10 @@ def _apply_gradient_merge(inner: Any, strategy: DistributedStrategy) -> Any:
 
 
 def _apply_data_parallel(inner: Any, strategy: DistributedStrategy) -> Any:
-    raise NotImplementedError(
-        f"fleet.worker_num()={env.worker_num()}: the data_parallel meta optimizer (gradient "
-        "all-reduce) is not implemented yet; run with one worker"
-    )
+    """Grads averaged over the workers by fused AllReduce ops; initial values from rank 0."""
+    from metaopt.fleet.data_parallel_optimizer import DataParallelOptimizer
+
+    return DataParallelOptimizer(inner, strategy)
 
 
 # THE order (outermost first). Changing it changes what every program becomes.
@@ -230,7 +230,7 @@ class DistributedOptimizer:
             wrappers.append(opt)
         result = opt.minimize(loss, startup_program, parameter_list, no_grad_set)
         for w in wrappers:  # what a meta optimizer reports (Fleet users read opt.<report>)
-            for report in ("recompute_plan", "memory_report"):
+            for report in ("recompute_plan", "memory_report", "data_parallel_plan"):
                 if getattr(w, report, None) is not None:
                     setattr(self, report, getattr(w, report))
         self.applied_meta_list = plan.applied

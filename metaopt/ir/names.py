@@ -81,6 +81,11 @@ def clipped(name: str) -> str:
     return f"{name}@CLIP"
 
 
+def reduced(name: str) -> str:
+    """Gradient `name` after the data-parallel all-reduce (averaged over the workers)."""
+    return f"{name}@REDUCED"
+
+
 def fresh(base: str, taken: Container[str]) -> str:
     """`base`, or `base_1`, `base_2`, ... : the first not in `taken`."""
     if base not in taken:

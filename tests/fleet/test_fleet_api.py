@@ -192,7 +192,7 @@ def test_default_strategy_comes_from_init():
     ).user_defined_strategy.recompute
 
 
-@pytest.mark.parametrize("flag", ["amp", "pipeline", "gradient_merge"])
+@pytest.mark.parametrize("flag", ["pipeline", "gradient_merge"])  # amp: tests/fleet/test_amp_optimizer.py
 def test_each_enabled_meta_optimizer_is_not_implemented_yet(flag):
     fleet.init()
     s = fleet.DistributedStrategy()
@@ -205,13 +205,15 @@ def test_each_enabled_meta_optimizer_is_not_implemented_yet(flag):
     assert inner.calls == [] and str(p) == before  # refused before anything was touched
 
 
-def test_data_parallel_with_two_workers_is_not_implemented_yet(monkeypatch):
+def test_data_parallel_without_a_process_group_is_refused_before_rewriting(monkeypatch):
     fleet.init()
     monkeypatch.setattr(env._STATE, "env", env.WorkerEnv(rank=0, world_size=2))
     inner = FakeOptimizer()
-    with pytest.raises(NotImplementedError, match=r"worker_num\(\)=2: the data_parallel meta optimizer"):
-        fleet.distributed_optimizer(inner).minimize(_program().loss)
-    assert inner.calls == []
+    p = _program()
+    before = str(p)
+    with pytest.raises(RuntimeError, match=r"needs torch.distributed: call fleet.init\(is_collective=True\)"):
+        fleet.distributed_optimizer(inner).minimize(p.loss)
+    assert inner.calls == [] and str(p) == before
 
 
 @pytest.mark.parametrize("flag", ["sharding", "lamb", "lars", "dgc", "localsgd", "a_sync"])

@@ -6,6 +6,7 @@ One module per family; each registers its ops at import with `@register`.
 from metaopt.ops.kernels import (  # noqa: F401
     activation,
     attention,
+    comm,
     elementwise,
     grad,
     indexing,

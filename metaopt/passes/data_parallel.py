@@ -1,0 +1,144 @@
+"""Data parallel: average every gradient over the workers before the optimizer reads it.
+
+    plan = plan_data_parallel(program, grads=[...], world_size=2, bucket_bytes=32 << 20)
+    program = data_parallel(program, grads=[...], world_size=2, bucket_bytes=32 << 20)
+
+Grads are grouped into buckets in the order the backward finishes them (the last
+layer's first, as in DDP and Fleet's fuse_all_reduce pass): a bucket closes before it
+would exceed `bucket_bytes` (a grad larger than that is a bucket alone), and grads of
+different dtypes never share one. One fused op per bucket, right after the op that
+finishes its last grad, so on CUDA the all-reduce of early buckets overlaps the rest of
+the backward::
+
+    fc3.weight@GRAD@REDUCED, fc3.bias@GRAD@REDUCED = AllReduce(fc3.weight@GRAD, fc3.bias@GRAD, reduce=avg)
+                                                                         # role=comm
+
+Every later reader of a grad (clipping, the optimizer's updates) reads its reduced
+copy. ``bucket_bytes=0`` gives one op per grad (Fleet's ``fuse_all_reduce_ops=False``).
+Initial values are made equal by the caller (fleet's data-parallel meta optimizer
+broadcasts them from rank 0), not by the program. The pass is pure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from metaopt.ir import Op, Program, Var, did_you_mean, names
+
+
+class DataParallelError(ValueError):
+    pass
+
+
+@dataclass
+class Bucket:
+    grads: list[str]
+    nbytes: int
+    after: int  # index of the op finishing its last grad; the AllReduce goes right after it
+
+
+@dataclass
+class DataParallelPlan:
+    world_size: int
+    bucket_bytes: int
+    buckets: list[Bucket] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (grad, why it is not reduced)
+
+    @property
+    def num_grads(self) -> int:
+        return sum(len(b.grads) for b in self.buckets)
+
+    def __str__(self) -> str:
+        cap = f"{self.bucket_bytes / 2**20:g} MB buckets" if self.bucket_bytes else "unfused"
+        lines = [
+            f"data parallel over {self.world_size} workers ({cap}): all_reduce ops: {self.num_grads}, "
+            f"after fusion: {len(self.buckets)}"
+        ]
+        for k, b in enumerate(self.buckets):
+            lines.append(f"  bucket {k}: {len(b.grads)} grads, {b.nbytes:,} bytes, after op {b.after}")
+        lines += [f"  skipped {g}: {why}" for g, why in self.skipped]
+        return "\n".join(lines)
+
+
+def plan_data_parallel(
+    p: Program, *, grads: list[str], world_size: int, bucket_bytes: int
+) -> DataParallelPlan:
+    """Which grads go into which bucket, and where each bucket's AllReduce goes."""
+    if world_size < 1:
+        raise DataParallelError(f"data parallel: world_size must be >= 1, got {world_size}")
+    if bucket_bytes < 0:
+        raise DataParallelError(f"data parallel: bucket_bytes must be >= 0, got {bucket_bytes}")
+    producers = p.producers()
+    plan = DataParallelPlan(world_size, bucket_bytes)
+    ready: list[tuple[int, str]] = []
+    for g in dict.fromkeys(grads):
+        if g not in p.vars:
+            raise DataParallelError(
+                f"data parallel: grad {g!r} is not a var of {p.name!r}{did_you_mean(g, p.vars)}"
+            )
+        if g not in producers:
+            plan.skipped.append(
+                (g, "no op produces it (a constant or input grad is the same on every worker)")
+            )
+            continue
+        ready.append((producers[g], g))
+    ready.sort()
+    current: Bucket | None = None
+    for at, g in ready:
+        n = _nbytes(p.vars[g])
+        fits = (
+            current is not None
+            and bucket_bytes > 0
+            and current.nbytes + n <= bucket_bytes
+            and p.vars[current.grads[0]].dtype == p.vars[g].dtype
+        )
+        if fits:
+            current.grads.append(g)
+            current.nbytes += n
+            current.after = at
+        else:
+            current = Bucket([g], n, at)
+            plan.buckets.append(current)
+    return plan
+
+
+def data_parallel(p: Program, *, grads: list[str], world_size: int, bucket_bytes: int) -> Program:
+    """A clone of `p` whose grads are averaged over `world_size` workers (see the module doc)."""
+    plan = plan_data_parallel(p, grads=grads, world_size=world_size, bucket_bytes=bucket_bytes)
+    q = p.clone()
+    after: dict[int, list[Bucket]] = {}
+    for b in plan.buckets:
+        after.setdefault(b.after, []).append(b)
+    renamed: dict[str, str] = {}
+    ops: list[Op] = []
+    for i, op in enumerate(p.ops):
+        if renamed and any(x in renamed for x in op.inputs):
+            op = dataclasses.replace(op, inputs=[renamed.get(x, x) for x in op.inputs])
+        ops.append(op)
+        for b in after.get(i, []):
+            outs = []
+            for g in b.grads:
+                r = names.reduced(g)
+                if r in q.vars:
+                    raise DataParallelError(
+                        f"data parallel: {r!r} exists already: is the program reduced twice?"
+                    )
+                v = q.vars[g]
+                q.vars[r] = Var(r, v.dtype, v.shape, v.kind)
+                outs.append(r)
+            ops.append(Op("AllReduce", list(b.grads), outs, {"reduce": "avg"}, role="comm"))
+            renamed.update(zip(b.grads, outs, strict=True))
+    q.ops = ops
+    q.outputs = [renamed.get(x, x) for x in q.outputs]
+    return q
+
+
+def _nbytes(v: Var) -> int:
+    n = v.nbytes({})
+    if n is None:
+        raise DataParallelError(
+            f"data parallel: grad {v.name!r} has shape {list(v.shape or [])}: "
+            "a param grad needs a static shape"
+        )
+    return n

@@ -1,0 +1,80 @@
+"""One data-parallel worker (started by test_data_parallel.py with RANK/WORLD_SIZE/MASTER_*).
+
+For each case ("name:recompute"), builds its model with a seed of its own rank (so only
+rank 0's initial values are right: the meta optimizer must broadcast them), trains 5
+Adam steps on its share of each full batch and writes losses and params to
+`<out>/<case>.rank<r>.pt`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import metaopt
+import programs
+from metaopt import fleet
+
+STEPS = 5
+BATCH = 8  # the full batch; each worker takes its contiguous share
+
+
+def full_batch(name: str, step: int) -> tuple[torch.Tensor, ...]:
+    """The step's full batch. BERT's MLM loss is a mean over the target tokens of the
+    batch, so data parallel equals one big batch only when every worker's share has as
+    many targets (true of DDP too): here each sequence has its first 3 real tokens as
+    targets (every sequence has at least seq_len/2 real tokens)."""
+    mod = programs.get(name)
+    batch = mod.example_inputs("tiny", BATCH, seed=step)
+    if name != "bert":
+        return batch
+    input_ids, token_type_ids, attention_mask, _, nsp = batch
+    targets = (torch.arange(input_ids.shape[1]) >= 1) & (torch.arange(input_ids.shape[1]) <= 3)
+    mlm = torch.where(targets.expand_as(input_ids), input_ids, torch.full_like(input_ids, -100))
+    return input_ids, token_type_ids, attention_mask, mlm, nsp
+
+
+def train_case(name: str, recompute: bool, rank: int, world: int) -> dict:
+    mod = programs.get(name)
+    model = mod.build("tiny", seed=100 + rank, dropout=0.0)
+    main = metaopt.export(model, mod.example_inputs("tiny", 4, seed=1), name=name)
+    strategy = fleet.DistributedStrategy()
+    if name == "mlp":
+        strategy.fuse_all_reduce_ops = False  # one AllReduce per grad
+    else:
+        strategy.fuse_grad_size_in_MB = 1  # fused buckets
+    if recompute:
+        strategy.recompute = True
+        strategy.recompute_configs = {"checkpoints": CHECKPOINTS[name]}
+    opt = fleet.distributed_optimizer(metaopt.optimizer.Adam(learning_rate=1e-2), strategy)
+    opt.minimize(main.loss)
+    assert opt.applied_meta_list[-1] == "data_parallel", opt.applied_meta_list
+    exe = metaopt.Executor("cpu")
+    share = BATCH // world
+    losses = []
+    for step in range(STEPS):
+        full = full_batch(name, step)
+        part = [x[rank * share : (rank + 1) * share] for x in full]
+        (loss,) = exe.run(main, feed=dict(zip(mod.INPUT_NAMES, part, strict=True)), fetch_list=[main.loss])
+        losses.append(float(loss))
+    params = {v.name: exe.scope[v.name].clone() for v in main.params()}
+    return {"losses": losses, "params": params, "buckets": len(opt.data_parallel_plan.buckets)}
+
+
+CHECKPOINTS = {"mlp": ["fc1", "fc2"], "bert": ["bert.encoder.layer.*"]}
+
+
+def main() -> None:
+    out, cases = sys.argv[1], sys.argv[2:]
+    fleet.init(is_collective=True)
+    rank, world = fleet.worker_index(), fleet.worker_num()
+    for case in cases:
+        name, rc = case.split(":")
+        result = train_case(name, rc == "recompute", rank, world)
+        torch.save(result, f"{out}/{case}.rank{rank}.pt")
+    fleet.barrier_worker()
+
+
+if __name__ == "__main__":
+    main()
