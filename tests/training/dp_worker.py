@@ -35,7 +35,7 @@ def full_batch(name: str, step: int) -> tuple[torch.Tensor, ...]:
     return input_ids, token_type_ids, attention_mask, mlm, nsp
 
 
-def train_case(name: str, recompute: bool, rank: int, world: int) -> dict:
+def train_case(name: str, mode: str, rank: int, world: int) -> dict:
     mod = programs.get(name)
     model = mod.build("tiny", seed=100 + rank, dropout=0.0)
     main = metaopt.export(model, mod.example_inputs("tiny", 4, seed=1), name=name)
@@ -44,9 +44,9 @@ def train_case(name: str, recompute: bool, rank: int, world: int) -> dict:
         strategy.fuse_all_reduce_ops = False  # one AllReduce per grad
     else:
         strategy.fuse_grad_size_in_MB = 1  # fused buckets
-    if recompute:
+    if mode in ("recompute", "offload"):
         strategy.recompute = True
-        strategy.recompute_configs = {"checkpoints": CHECKPOINTS[name]}
+        strategy.recompute_configs = {"checkpoints": CHECKPOINTS[name], "enable_offload": mode == "offload"}
     opt = fleet.distributed_optimizer(metaopt.optimizer.Adam(learning_rate=1e-2), strategy)
     opt.minimize(main.loss)
     assert opt.applied_meta_list[-1] == "data_parallel", opt.applied_meta_list
@@ -59,7 +59,14 @@ def train_case(name: str, recompute: bool, rank: int, world: int) -> dict:
         (loss,) = exe.run(main, feed=dict(zip(mod.INPUT_NAMES, part, strict=True)), fetch_list=[main.loss])
         losses.append(float(loss))
     params = {v.name: exe.scope[v.name].clone() for v in main.params()}
-    return {"losses": losses, "params": params, "buckets": len(opt.data_parallel_plan.buckets)}
+    copies = sum(op.type == "Memcpy" for op in main.ops)
+    return {
+        "losses": losses,
+        "params": params,
+        "buckets": len(opt.data_parallel_plan.buckets),
+        "copies": copies,
+        "offloaded_bytes": exe.memory_stats()["offloaded_bytes"],
+    }
 
 
 CHECKPOINTS = {"mlp": ["fc1", "fc2"], "bert": ["bert.encoder.layer.*"]}
@@ -70,8 +77,8 @@ def main() -> None:
     fleet.init(is_collective=True)
     rank, world = fleet.worker_index(), fleet.worker_num()
     for case in cases:
-        name, rc = case.split(":")
-        result = train_case(name, rc == "recompute", rank, world)
+        name, mode = case.split(":")
+        result = train_case(name, mode, rank, world)
         torch.save(result, f"{out}/{case}.rank{rank}.pt")
     fleet.barrier_worker()
 
