@@ -1,0 +1,7 @@
+"""``python -m metaopt.launch`` == ``metaoptrun``."""
+
+import sys
+
+from metaopt.launch import main
+
+sys.exit(main())

@@ -1,0 +1,280 @@
+"""Run a LaunchPlan under torch's LocalElasticAgent (the agent torchrun uses).
+
+torch does the process management: it rendezvous the nodes, sets RANK / LOCAL_RANK /
+WORLD_SIZE / MASTER_ADDR / MASTER_PORT, starts each worker in its own session, polls
+them, and when one fails ends the others (SIGTERM to each worker's process group, then
+SIGKILL) and restarts the group while ``--max_restarts`` allows. We add three things:
+
+* Fleet's environment. torch builds each worker's env inside ``_start_workers`` and hands
+  it to ``LogsSpecs.reify`` just before starting the processes (torch's own
+  ``DefaultLogsSpecs`` adds TORCHELASTIC_ERROR_FILE there), so ``WorkerFiles.reify`` adds
+  PADDLE_* there, derived from torch's values, so the two always agree.
+* Endpoints. PADDLE_TRAINER_ENDPOINTS must be the same list on every node, so after
+  torch's rendezvous each agent publishes its workers' ``ip:port`` in the rendezvous
+  store under their global ranks and reads everyone's back (``_rendezvous``).
+* Logs. ``workerlog.N`` is torch's stdout redirect for local rank N; the worker
+  bootstrap (``_worker.py``) sends stderr into it too. torch's tee (a tail of the file)
+  echoes local rank 0 to the launcher's stdout.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import socket
+import sys
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+
+from torch.distributed.elastic import metrics
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs, Std
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+
+from metaopt.launch._worker import LAUNCHER_PID_ENV
+from metaopt.launch.args import LaunchPlan
+
+WORKER_PY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
+RDZV_TIMEOUT_S = 900  # torchrun's default join timeout
+# torch's tee needs a non-empty prefix; "[rankN]:" is taken by torch's own traceback hook
+ECHO_PREFIX = "[worker${rank}] "
+_ENDPOINT_KEY = "metaopt/endpoints"
+
+
+def worker_log(log_dir: str, local_rank: int) -> str:
+    """Worker `local_rank`'s stdout+stderr of the current attempt (fleetrun's name)."""
+    return os.path.join(log_dir, f"workerlog.{local_rank}")
+
+
+def fleet_env(
+    torch_env: Mapping[str, str], endpoints: Sequence[str], gpus: Sequence[str] | None
+) -> dict[str, str]:
+    """Fleet's variables for the worker whose torch variables are `torch_env`.
+
+    `endpoints` is every worker's ``ip:port`` by global rank; `gpus` the CUDA_VISIBLE_DEVICES
+    entries of this node's workers by local rank (None: CPU workers).
+    """
+    rank, world = int(torch_env["RANK"]), int(torch_env["WORLD_SIZE"])
+    local_rank = int(torch_env["LOCAL_RANK"])
+    if len(endpoints) != world:
+        raise RuntimeError(f"metaoptrun: {len(endpoints)} endpoints for a world of {world} workers")
+    env = {
+        "PADDLE_TRAINER_ID": str(rank),
+        "PADDLE_TRAINERS_NUM": str(world),
+        "PADDLE_TRAINER_ENDPOINTS": ",".join(endpoints),
+        "PADDLE_CURRENT_ENDPOINT": endpoints[rank],
+        "PADDLE_RANK_IN_NODE": str(local_rank),
+    }
+    if gpus is not None:
+        # the workers see exactly the selected GPUs, so device index == LOCAL_RANK (what
+        # fleet.init passes to torch.cuda.set_device) == FLAGS_selected_gpus
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        env["FLAGS_selected_gpus"] = str(local_rank)
+    return env
+
+
+def free_ports(host: str, n: int) -> list[int]:
+    """`n` distinct ports free on `host` now (held together while choosing, so distinct)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            try:
+                s.bind((host, 0))
+            except OSError:  # `host` names another machine's address or a name: any local one
+                s.bind(("", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def address_towards(host: str) -> str:
+    """This machine's address on the route to `host` (a UDP connect sends nothing)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def _endpoint(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class WorkerFiles(LogsSpecs):
+    """Where each worker's output goes, and Fleet's part of its environment.
+
+    torch calls ``reify(envs)`` right before it starts each worker group (again after a
+    restart) with the env it built for each local rank; the endpoints come from the agent.
+    """
+
+    def __init__(
+        self,
+        plan: LaunchPlan,
+        on_start: Callable[[dict[int, dict[str, str]], int], None] | None = None,
+    ) -> None:
+        os.makedirs(plan.log_dir, exist_ok=True)
+        super().__init__(log_dir=plan.log_dir, redirects=Std.OUT, tee={0: Std.OUT})
+        self._plan = plan
+        self._on_start = on_start
+        self.endpoints: list[str] | None = None
+
+    @property
+    def root_log_dir(self) -> str:
+        return self._plan.log_dir
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        if self.endpoints is None:
+            raise RuntimeError("metaoptrun: workers started before the endpoints were exchanged")
+        attempt = int(envs[0].get("TORCHELASTIC_RESTART_COUNT", "0")) if envs else 0
+        for local_rank, env in envs.items():
+            env.update(fleet_env(env, self.endpoints, self._plan.gpus))
+            env[LAUNCHER_PID_ENV] = str(os.getpid())
+            if "OMP_NUM_THREADS" not in os.environ and len(envs) > 1:
+                env["OMP_NUM_THREADS"] = "1"  # as torchrun: N workers x all cores oversubscribes
+            self._keep_earlier_log(local_rank, attempt)
+        if self._on_start is not None:
+            self._on_start(envs, attempt)
+        logs = {i: worker_log(self._plan.log_dir, i) for i in envs}
+        return LogsDest(
+            stdouts=logs,
+            stderrs=dict.fromkeys(envs, ""),  # "": inherited; the bootstrap dup2s it onto stdout
+            tee_stdouts={0: logs[0]} if 0 in logs else {},
+            tee_stderrs={},
+            error_files=dict.fromkeys(envs, os.devnull),  # the log tail is the report
+        )
+
+    def _keep_earlier_log(self, local_rank: int, attempt: int) -> None:
+        # torch opens workerlog.N with "w"; move a failed attempt's log aside first
+        path = worker_log(self._plan.log_dir, local_rank)
+        if attempt == 0:
+            for stale in glob.glob(glob.escape(path) + ".attempt*"):  # from an earlier job
+                os.remove(stale)
+        elif os.path.exists(path):
+            os.replace(path, f"{path}.attempt{attempt - 1}")
+
+
+class FleetAgent(LocalElasticAgent):
+    """torch's local agent, plus the endpoint exchange and a report before each restart."""
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        files: WorkerFiles,
+        node_ip: str | None,
+        shutdown_timeout: int,
+        on_restart: Callable[[RunResult, int, int], None] | None = None,
+    ) -> None:
+        super().__init__(
+            spec=spec,
+            logs_specs=files,
+            start_method="spawn",
+            log_line_prefix_template=ECHO_PREFIX,
+            shutdown_timeout=shutdown_timeout,
+        )
+        self._files = files
+        self._node_ip = node_ip
+        self._on_restart = on_restart
+        self._last_result: RunResult | None = None
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        super()._rendezvous(worker_group)
+        spec = worker_group.spec
+        attempt = spec.max_restarts - self._remaining_restarts
+        host = self._node_ip or address_towards(str(worker_group.master_addr))
+        store = worker_group.store
+        assert store is not None  # set by the rendezvous
+        ports = free_ports(host, len(worker_group.workers))
+        for worker, port in zip(worker_group.workers, ports):
+            store.set(f"{_ENDPOINT_KEY}/{attempt}/{worker.global_rank}", _endpoint(host, port))
+        world = worker_group.workers[0].world_size
+        keys = [f"{_ENDPOINT_KEY}/{attempt}/{r}" for r in range(world)]
+        self._files.endpoints = [v.decode() for v in store.multi_get(keys)]  # waits for every node
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        self._last_result = super()._monitor_workers(worker_group)
+        return self._last_result
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        if self._on_restart is not None and self._last_result is not None:
+            spec = worker_group.spec
+            self._on_restart(
+                self._last_result, spec.max_restarts - self._remaining_restarts, spec.max_restarts
+            )
+        super()._restart_workers(worker_group)
+
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        # torch's default here is a fixed 30 s before SIGKILL; honour --shutdown_timeout
+        self._shutdown(timeout=self._shutdown_timeout)
+
+
+def worker_command(plan: LaunchPlan) -> tuple[str, tuple[str, ...]]:
+    """The executable and arguments torch starts for each worker."""
+    args = ["-u", WORKER_PY]
+    if plan.module:
+        args.append("-m")
+    return sys.executable, (*args, plan.script, *plan.script_args)
+
+
+def run_job(
+    plan: LaunchPlan,
+    on_start: Callable[[dict[int, dict[str, str]], int], None] | None = None,
+    on_restart: Callable[[RunResult, int, int], None] | None = None,
+) -> RunResult:
+    """Run `plan` on this node until the job succeeds or fails; the agent's result.
+
+    Raises torch's SignalException when the launcher gets SIGINT/SIGTERM (the workers
+    have been ended by then). `on_start(envs, attempt)` runs before each group starts;
+    `on_restart(failed_result, restart, max_restarts)` before each restart.
+    """
+    if plan.nnodes == 1 and plan.master_port is None:
+        # as torchrun --standalone: the store binds port 0 and keeps it, so two jobs on one
+        # machine cannot pick the same port (a probe-then-bind free port could race)
+        backend, endpoint, run_id = "c10d", "127.0.0.1:0", uuid.uuid4().hex
+        configs: dict[str, object] = {"timeout": RDZV_TIMEOUT_S}
+        master_addr, master_port, local_addr = None, None, plan.master_addr
+    else:
+        backend, endpoint, run_id = "static", _endpoint(plan.master_addr, plan.master_port or 0), "metaopt"
+        configs = {"timeout": RDZV_TIMEOUT_S, "rank": plan.node_rank}
+        master_addr, master_port, local_addr = plan.master_addr, plan.master_port, None
+    params = RendezvousParameters(
+        backend=backend,
+        endpoint=endpoint,
+        run_id=run_id,
+        min_nodes=plan.nnodes,
+        max_nodes=plan.nnodes,
+        local_addr=local_addr,
+        **configs,
+    )
+    entrypoint, args = worker_command(plan)
+    spec = WorkerSpec(
+        role="worker",
+        local_world_size=plan.nproc_per_node,
+        entrypoint=entrypoint,
+        args=args,
+        rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
+        max_restarts=plan.max_restarts,
+        monitor_interval=0.1,
+        master_addr=master_addr,
+        master_port=master_port,
+        local_addr=local_addr,
+    )
+    files = WorkerFiles(plan, on_start)
+    agent = FleetAgent(spec, files, plan.node_ip, plan.shutdown_timeout, on_restart)
+    metrics.initialize_metrics(metrics.MetricsConfig())
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    shutdown_rdzv = True
+    try:
+        return agent.run()
+    except SignalException:
+        shutdown_rdzv = False  # as torch's launch_agent: a signal must not close the rendezvous
+        raise
+    finally:
+        if shutdown_rdzv:
+            spec.rdzv_handler.shutdown()
