@@ -14,6 +14,7 @@ group: NCCL when CUDA is visible, else gloo, with a timeout of
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -202,7 +203,18 @@ def _join_process_group(env: WorkerEnv) -> bool:
         world_size=env.world_size,
         timeout=comm_timeout(),
     )
+    # torch 2.13's gloo group aborts the process (SIGABRT, "terminate called without an
+    # active exception") at interpreter exit if it was never destroyed: a finished job
+    # would look failed.
+    atexit.register(_destroy_at_exit)
     return True
+
+
+def _destroy_at_exit() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 # --- queries -------------------------------------------------------------------------------
