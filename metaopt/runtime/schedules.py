@@ -1,0 +1,451 @@
+"""Pipeline schedules (F-then-B, 1F1B, interleaved 1F1B) and a process-free simulator.
+
+Pure Python: the pipeline runtime asks `schedule()` for one worker's ordered actions
+per step and sizes its activation buffers with `in_flight_limit()`; `simulate()` runs
+every worker's list together, without processes or torch, so a schedule's deadlock
+freedom, send/recv matching, memory and bubble can be checked in milliseconds.
+
+Model. `num_stages` workers (p) run `micro_batches` (m) micro-batches per step. The
+interleaved schedule splits the model into p*v virtual stages (v = `chunks`); virtual
+stage k lives on worker k % p as its chunk k // p, as in Megatron-LM. The other
+schedules have chunks=1, so a virtual stage is a worker.
+
+Communication, as the runtime does it and the simulator models it:
+
+- F of micro-batch i on virtual stage k receives k-1's output activation for i
+  (unless k == 0), computes, then sends its output to k+1 (unless k is last).
+- B of i on k receives the grad from k+1 (unless k is last), computes, then sends
+  its input grad to k-1 (unless k == 0). B(i) on k needs F(i) on k done before it.
+- Sends never block (isend); a receive blocks until its matching send was issued.
+  Each worker runs its list strictly in order.
+
+Activations "in flight" are counted per micro-batch x chunk: F done minus B done.
+With chunks > 1 one unit is a chunk's activations, about 1/v of a worker's share.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "ScheduleError",
+    "SimResult",
+    "in_flight_limit",
+    "schedule",
+    "simulate",
+    "simulate_actions",
+]
+
+SCHEDULES = ("F-then-B", "1F1B", "interleaved")
+
+# Names users bring from other frameworks; only used to suggest, never accepted silently,
+# so a config always says exactly which schedule it runs.
+_ALIASES = {
+    "gpipe": "F-then-B",
+    "fthenb": "F-then-B",
+    "pipedream": "1F1B",
+    "pipedream-flush": "1F1B",
+    "interleaved-1f1b": "interleaved",
+    "virtual": "interleaved",
+}
+
+
+class ScheduleError(RuntimeError):
+    """A schedule that cannot run: deadlock, unmatched send/recv, B before its F, bad action list."""
+
+
+@dataclass(frozen=True, repr=False)
+class Action:
+    """One compute step of a worker: forward ("F") or backward ("B") of a micro-batch on a chunk."""
+
+    kind: str
+    micro_batch: int
+    chunk: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("F", "B"):
+            raise ValueError(f"Action kind must be 'F' or 'B', got {self.kind!r}")
+        _check_int("micro_batch", self.micro_batch, minimum=0)
+        _check_int("chunk", self.chunk, minimum=0)
+
+    def __str__(self) -> str:
+        # Chunk 0 is left out so non-interleaved schedules read like the papers ("F3", "B3").
+        suffix = f".c{self.chunk}" if self.chunk else ""
+        return f"{self.kind}{self.micro_batch}{suffix}"
+
+    __repr__ = __str__  # lists of actions print as readable schedules in errors and test output
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What `simulate` measured. Times are in the units of f_cost / b_cost.
+
+    timeline[w] is worker w's [(start, end, action)] in execution order;
+    max_in_flight[w] the peak of F done minus B done on worker w (per micro-batch x chunk);
+    bubble_fraction = 1 - compute_time / (num_stages * makespan).
+    out_of_order lists "src->dst" worker pairs whose receives are posted in another order
+    than the sends were issued: harmless with tagged point-to-point messages (gloo), a
+    mismatch for transports that pair messages by order only (NCCL send/recv).
+    """
+
+    num_stages: int
+    micro_batches: int
+    chunks: int
+    timeline: tuple[tuple[tuple[float, float, Action], ...], ...]
+    max_in_flight: tuple[int, ...]
+    makespan: float
+    compute_time: float
+    bubble_fraction: float
+    out_of_order: tuple[str, ...]
+
+
+# ---------------------------------------------------------------- argument checks
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> None:
+    # bool is an int subclass; `stage=True` is a bug, not stage 1.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_mode(mode: object) -> str:
+    if mode in SCHEDULES:
+        return mode  # type: ignore[return-value]
+    word = str(mode)
+    by_lower = {s.lower(): s for s in SCHEDULES}
+    close = [by_lower[word.lower()]] if word.lower() in by_lower else []
+    if word.lower() in _ALIASES and _ALIASES[word.lower()] not in close:
+        close.append(_ALIASES[word.lower()])
+    close += [
+        by_lower[c]
+        for c in difflib.get_close_matches(word.lower(), list(by_lower), n=3, cutoff=0.6)
+        if by_lower[c] not in close
+    ]
+    hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+    raise ValueError(f"unknown pipeline schedule {mode!r}{hint}; choose one of {', '.join(SCHEDULES)}")
+
+
+def _check_shape(mode: str, num_stages: int, micro_batches: int, chunks: int) -> None:
+    _check_int("num_stages", num_stages, minimum=1)
+    _check_int("micro_batches", micro_batches, minimum=1)
+    _check_int("chunks", chunks, minimum=1)
+    if mode != "interleaved" and chunks != 1:
+        raise ValueError(
+            f"chunks={chunks} only applies to the 'interleaved' schedule; {mode!r} runs one chunk per stage"
+        )
+    if mode == "interleaved" and chunks == 1:
+        raise ValueError("the 'interleaved' schedule needs chunks >= 2; with chunks=1 it is plain '1F1B'")
+    if mode == "interleaved" and micro_batches % num_stages:
+        # Megatron-LM's rule: micro-batches run in groups of num_stages per chunk.
+        lower = micro_batches // num_stages * num_stages
+        options = [n for n in (lower, lower + num_stages) if n >= 1]
+        raise ValueError(
+            f"the 'interleaved' schedule needs micro_batches ({micro_batches}) to be a multiple of "
+            f"num_stages ({num_stages}), as in Megatron-LM; use {' or '.join(map(str, options))} "
+            f"micro-batches, or the '1F1B' schedule"
+        )
+
+
+def _check_stage(stage: int, num_stages: int) -> None:
+    if isinstance(stage, bool) or not isinstance(stage, int):
+        raise ValueError(f"stage must be an int, got {stage!r}")
+    if not 0 <= stage < num_stages:
+        raise ValueError(
+            f"stage {stage} out of range for num_stages={num_stages} (valid: 0..{num_stages - 1})"
+        )
+
+
+# ---------------------------------------------------------------- schedules
+
+
+def schedule(mode: str, *, num_stages: int, stage: int, micro_batches: int, chunks: int = 1) -> list[Action]:
+    """Worker `stage`'s ordered actions for one step under `mode` (one of SCHEDULES).
+
+    - "F-then-B" (GPipe): F0..F(m-1), then B0..B(m-1). Backwards go in ascending order so
+      every link carries its grads in the order it carried the activations (FIFO), and
+      micro-batch 0, whose grad reaches a stage first, is processed first.
+    - "1F1B" (PipeDream-flush, Megatron-LM non-interleaved): min(p - stage - 1, m) warm-up
+      forwards, then alternate one F and one B, then the cool-down backwards.
+    - "interleaved" (Megatron-LM interleaved 1F1B): the same shape over m*v chunk-steps;
+      see `_interleaved`.
+
+    Every (F, i, c) and (B, i, c) appears exactly once.
+    """
+    mode = _check_mode(mode)
+    _check_shape(mode, num_stages, micro_batches, chunks)
+    _check_stage(stage, num_stages)
+    if mode == "F-then-B":
+        return _f_then_b(micro_batches)
+    if mode == "1F1B":
+        return _one_f_one_b(num_stages, stage, micro_batches)
+    return _interleaved(num_stages, stage, micro_batches, chunks)
+
+
+def _f_then_b(m: int) -> list[Action]:
+    return [Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)]
+
+
+def _one_f_one_b(p: int, s: int, m: int) -> list[Action]:
+    # Stage s must run p - s - 1 forwards before the first grad can come back from the last stage.
+    warmup = min(p - s - 1, m)
+    actions = [Action("F", i) for i in range(warmup)]
+    for j in range(m - warmup):
+        actions += [Action("F", warmup + j), Action("B", j)]
+    actions += [Action("B", j) for j in range(m - warmup, m)]
+    return actions
+
+
+def _interleaved_warmup(p: int, s: int, m: int, v: int) -> int:
+    """Megatron-LM's warm-up length (in chunk-forwards) of worker s.
+
+    (v-1)*p forwards fill every chunk but the last; 2*(p-s-1) more cover the round trip
+    to the last worker. Megatron-LM also runs all m*v forwards first when m == p; we do not:
+    under our communication model (isend, blocking recv) the formula below is deadlock-free
+    there too, with the same bubble and fewer activations in flight on the later stages
+    (the simulator checks both).
+    """
+    return min(2 * (p - s - 1) + (v - 1) * p, m * v)
+
+
+def _interleaved_step(k: int, p: int, v: int, forward: bool) -> Action:
+    """The k-th forward (or backward) of a worker, as Megatron-LM orders them.
+
+    Micro-batches go in groups of p: chunk 0 runs a group, then chunk 1 the same group, ...
+    Backwards visit the chunks in reverse (the last chunk's grads come first).
+    """
+    group, within = divmod(k, p * v)
+    chunk = within // p
+    micro_batch = group * p + k % p
+    return Action("F" if forward else "B", micro_batch, chunk if forward else v - 1 - chunk)
+
+
+def _interleaved(p: int, s: int, m: int, v: int) -> list[Action]:
+    total = m * v
+    warmup = _interleaved_warmup(p, s, m, v)
+    actions = [_interleaved_step(k, p, v, True) for k in range(warmup)]
+    for j in range(total - warmup):
+        actions += [_interleaved_step(warmup + j, p, v, True), _interleaved_step(j, p, v, False)]
+    actions += [_interleaved_step(j, p, v, False) for j in range(total - warmup, total)]
+    return actions
+
+
+def in_flight_limit(mode: str, num_stages: int, stage: int, micro_batches: int, chunks: int = 1) -> int:
+    """Most activations (micro-batch x chunk units) worker `stage` holds at once under `mode`.
+
+    - F-then-B: m (every forward runs before the first backward).
+    - 1F1B: min(p - stage, m): the warm-up's p - stage - 1 forwards plus the steady state's one.
+    - interleaved: Megatron-LM's bound, min(2*(p - stage - 1) + (v - 1)*p + 1, m*v) (Megatron
+      itself holds all m*v when m == p, see `_interleaved_warmup`). In units of a whole worker's
+      activations that is about p + (p - 1)/v on stage 0 (m > p): a little more than 1F1B's p,
+      the memory price Megatron-LM reports for the smaller bubble.
+
+    The bound is exact: `simulate` reaches it on every stage.
+    """
+    mode = _check_mode(mode)
+    _check_shape(mode, num_stages, micro_batches, chunks)
+    _check_stage(stage, num_stages)
+    if mode == "F-then-B":
+        return micro_batches
+    if mode == "1F1B":
+        return min(num_stages - stage, micro_batches)
+    warmup = _interleaved_warmup(num_stages, stage, micro_batches, chunks)
+    # The steady state runs one more F before each B; with no steady state the peak is the warm-up.
+    return min(warmup + 1, micro_batches * chunks)
+
+
+# ---------------------------------------------------------------- simulator
+
+# A message: (payload, micro_batch, sending virtual stage). "act" goes k -> k+1, "grad" k -> k-1.
+_Msg = tuple[str, int, int]
+
+
+def simulate(
+    mode: str,
+    *,
+    num_stages: int,
+    micro_batches: int,
+    chunks: int = 1,
+    f_cost: float = 1.0,
+    b_cost: float = 2.0,
+) -> SimResult:
+    """Run every worker's `schedule(mode, ...)` together; see `simulate_actions`."""
+    mode = _check_mode(mode)
+    _check_shape(mode, num_stages, micro_batches, chunks)
+    lists = [
+        schedule(mode, num_stages=num_stages, stage=s, micro_batches=micro_batches, chunks=chunks)
+        for s in range(num_stages)
+    ]
+    return simulate_actions(lists, micro_batches=micro_batches, chunks=chunks, f_cost=f_cost, b_cost=b_cost)
+
+
+def simulate_actions(
+    actions: Sequence[Sequence[Action]],
+    *,
+    micro_batches: int,
+    chunks: int = 1,
+    f_cost: float = 1.0,
+    b_cost: float = 2.0,
+) -> SimResult:
+    """Discrete-event run of per-worker action lists (actions[w] is worker w's list).
+
+    f_cost / b_cost are one micro-batch's forward / backward through a worker's whole share
+    of the model, so with chunks > 1 a chunk's action costs f_cost / chunks: makespans of
+    different schedules compare directly. Communication is free; a worker waits only on
+    receives. Raises ScheduleError on a malformed list, a B before its F, a deadlock (naming
+    every blocked worker and the message it waits for) or an unmatched send/recv.
+    """
+    _check_int("micro_batches", micro_batches, minimum=1)
+    _check_int("chunks", chunks, minimum=1)
+    for name, cost in (("f_cost", f_cost), ("b_cost", b_cost)):
+        if not isinstance(cost, (int, float)) or isinstance(cost, bool) or not cost > 0:
+            raise ValueError(f"{name} must be a positive number, got {cost!r}")
+    if not actions:
+        raise ValueError("actions must hold one list per worker, got none")
+    for w, acts in enumerate(actions):
+        _check_list(w, acts, micro_batches, chunks)
+    return _Sim(actions, micro_batches, chunks, f_cost / chunks, b_cost / chunks).run()
+
+
+def _check_list(worker: int, acts: Sequence[Action], m: int, v: int) -> None:
+    """Each (F, i, c) and (B, i, c) exactly once, nothing out of range."""
+    seen: set[Action] = set()
+    for a in acts:
+        if not isinstance(a, Action):
+            raise ScheduleError(f"worker {worker}: {a!r} is not an Action")
+        if a.micro_batch >= m or a.chunk >= v:
+            raise ScheduleError(f"worker {worker}: {a} is out of range (micro_batches={m}, chunks={v})")
+        if a in seen:
+            raise ScheduleError(f"worker {worker} runs {a} twice")
+        seen.add(a)
+    missing = [Action(k, i, c) for c in range(v) for i in range(m) for k in "FB"]
+    missing = [a for a in missing if a not in seen]
+    if missing:
+        raise ScheduleError(
+            f"worker {worker} never runs {', '.join(map(str, missing[:8]))}"
+            + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else "")
+        )
+
+
+class _Sim:
+    """State of one simulation; `run` advances workers until all finish or none can move."""
+
+    def __init__(self, actions: Sequence[Sequence[Action]], m: int, v: int, f: float, b: float) -> None:
+        self.actions = [list(a) for a in actions]
+        self.p, self.m, self.v = len(actions), m, v
+        self.cost = {"F": f, "B": b}
+        self.last_vstage = self.p * v - 1
+        self.sent: dict[_Msg, float] = {}  # message -> time its send was issued
+        self.received: set[_Msg] = set()
+        self.pos = [0] * self.p
+        self.clock = [0.0] * self.p
+        self.forwarded: list[set[tuple[int, int]]] = [set() for _ in range(self.p)]
+        self.in_flight = [0] * self.p
+        self.peak = [0] * self.p
+        self.timeline: list[list[tuple[float, float, Action]]] = [[] for _ in range(self.p)]
+        # Per directed worker pair, message order at the sender and at the receiver.
+        self.send_order: dict[tuple[int, int], list[_Msg]] = {}
+        self.recv_order: dict[tuple[int, int], list[_Msg]] = {}
+
+    def vstage(self, worker: int, a: Action) -> int:
+        return a.chunk * self.p + worker
+
+    def recv_of(self, worker: int, a: Action) -> _Msg | None:
+        k = self.vstage(worker, a)
+        if a.kind == "F":
+            return ("act", a.micro_batch, k - 1) if k > 0 else None
+        return ("grad", a.micro_batch, k + 1) if k < self.last_vstage else None
+
+    def send_of(self, worker: int, a: Action) -> _Msg | None:
+        k = self.vstage(worker, a)
+        if a.kind == "F":
+            return ("act", a.micro_batch, k) if k < self.last_vstage else None
+        return ("grad", a.micro_batch, k) if k > 0 else None
+
+    def msg_link(self, msg: _Msg) -> tuple[int, int]:
+        """(sending worker, receiving worker) of a message."""
+        payload, _, k = msg
+        return k % self.p, (k + 1 if payload == "act" else k - 1) % self.p
+
+    def run(self) -> SimResult:
+        progressed = True
+        while progressed:
+            progressed = False
+            for w in range(self.p):
+                while self.pos[w] < len(self.actions[w]) and self.step(w):
+                    progressed = True
+        blocked = [w for w in range(self.p) if self.pos[w] < len(self.actions[w])]
+        if blocked:
+            raise ScheduleError("deadlock: " + "; ".join(self.describe_block(w) for w in blocked))
+        unmatched = sorted(set(self.sent) - self.received)
+        if unmatched:  # unreachable for complete lists, kept as the simulator's own invariant
+            raise ScheduleError(f"sends never received: {unmatched}")
+        return self.result()
+
+    def step(self, w: int) -> bool:
+        """Run worker w's next action if its receive is satisfied; False if it must wait."""
+        a = self.actions[w][self.pos[w]]
+        need = self.recv_of(w, a)
+        if need is not None and need not in self.sent:
+            return False
+        if a.kind == "B" and (a.micro_batch, a.chunk) not in self.forwarded[w]:
+            forward = Action("F", a.micro_batch, a.chunk)
+            raise ScheduleError(
+                f"worker {w} runs {a} before {forward}: a backward needs its forward's activations"
+            )
+        start = self.clock[w] if need is None else max(self.clock[w], self.sent[need])
+        end = start + self.cost[a.kind]
+        if need is not None:
+            self.received.add(need)
+            self.recv_order.setdefault(self.msg_link(need), []).append(need)
+        out = self.send_of(w, a)
+        if out is not None:
+            self.sent[out] = end  # isend right after compute: never blocks
+            self.send_order.setdefault(self.msg_link(out), []).append(out)
+        self.track_memory(w, a)
+        self.timeline[w].append((start, end, a))
+        self.clock[w] = end
+        self.pos[w] += 1
+        return True
+
+    def track_memory(self, w: int, a: Action) -> None:
+        if a.kind == "F":
+            self.forwarded[w].add((a.micro_batch, a.chunk))
+            self.in_flight[w] += 1
+            self.peak[w] = max(self.peak[w], self.in_flight[w])
+        else:
+            self.in_flight[w] -= 1
+
+    def describe_block(self, w: int) -> str:
+        a = self.actions[w][self.pos[w]]
+        payload, i, k = self.recv_of(w, a)  # type: ignore[misc]  # blocked means it has a receive
+        what = "activation" if payload == "act" else "grad"
+        return (
+            f"worker {w} blocked at {a} (action {self.pos[w]}) waiting for the {what} of "
+            f"micro-batch {i} from virtual stage {k} (worker {k % self.p})"
+        )
+
+    def result(self) -> SimResult:
+        makespan = max(self.clock)
+        compute = sum(end - start for tl in self.timeline for start, end, _ in tl)
+        out_of_order = tuple(
+            f"{src}->{dst}"
+            for (src, dst), order in sorted(self.send_order.items())
+            if self.recv_order.get((src, dst)) != order
+        )
+        return SimResult(
+            num_stages=self.p,
+            micro_batches=self.m,
+            chunks=self.v,
+            timeline=tuple(tuple(tl) for tl in self.timeline),
+            max_in_flight=tuple(self.peak),
+            makespan=makespan,
+            compute_time=compute,
+            bubble_fraction=1.0 - compute / (self.p * makespan),
+            out_of_order=out_of_order,
+        )
