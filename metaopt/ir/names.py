@@ -94,3 +94,49 @@ def fresh(base: str, taken: Container[str]) -> str:
     while f"{base}_{k}" in taken:
         k += 1
     return f"{base}_{k}"
+
+
+# --- automatic mixed precision (passes/amp.py, fleet/amp_optimizer.py) --------------------
+
+_CAST_TAGS = {"float16": "FP16", "bfloat16": "BF16", "float32": "FP32", "float64": "FP64"}
+
+
+def cast(name: str, dtype: str) -> str:
+    """`name` cast to `dtype` by the AMP pass (Paddle: ``x.cast_fp16``): ``x@CAST_FP16``,
+    ``x@CAST_BF16``, ``x@CAST_FP32``. One such var per (var, dtype): casts are shared."""
+    return f"{name}@CAST_{_CAST_TAGS.get(dtype, dtype.upper())}"
+
+
+def scaled(name: str) -> str:
+    """The loss multiplied by the loss scale (the var the backward starts from)."""
+    return f"{name}@SCALED"
+
+
+def unscaled(name: str) -> str:
+    """Gradient `name` divided by the loss scale (what the optimizer reads under AMP)."""
+    return f"{name}@UNSCALED"
+
+
+def master(name: str) -> str:
+    """The float32 master copy of a low-precision param (AMP O2, ``use_pure_fp16``)."""
+    return f"{name}@MASTER"
+
+
+def loss_scaling() -> str:
+    """The persistable loss scale (Fleet: ``loss_scaling_0``)."""
+    return "loss_scaling"
+
+
+def good_steps() -> str:
+    """Persistable count of consecutive steps with finite grads (Fleet: ``num_good_steps_0``)."""
+    return "num_good_steps"
+
+
+def bad_steps() -> str:
+    """Persistable count of consecutive steps with inf/nan grads (Fleet: ``num_bad_steps_0``)."""
+    return "num_bad_steps"
+
+
+def found_inf() -> str:
+    """Whether any grad of this step is inf/nan (Fleet: ``find_infinite_scale``)."""
+    return "found_inf"

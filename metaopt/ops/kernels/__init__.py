@@ -5,6 +5,7 @@ One module per family; each registers its ops at import with `@register`.
 
 from metaopt.ops.kernels import (  # noqa: F401
     activation,
+    amp,
     attention,
     comm,
     elementwise,

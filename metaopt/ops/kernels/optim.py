@@ -17,8 +17,15 @@ in the rows' ``host_inputs``. The learning rate is float64 for the same reason: 
 ``lr`` is a Python (double) float, and ``float32(lr) / bc1`` rounds differently from
 ``lr / bc1`` in ~3% of Adam steps.
 
-Input order of the update ops: ``(param, grad, lr[, step], *state)``; outputs:
+Input order of the update ops: ``(param, grad, lr[, step], *state[, found_inf])``; outputs:
 ``(new param, *new state)`` in the state's order.
+
+Skipped steps (AMP's dynamic loss scaling). ``StepCounter`` and every update op take an
+optional trailing ``found_inf`` input (a bool scalar, at the index ``SKIP_INPUT`` gives
+for the op type). When it is true the step is skipped entirely, as
+``torch.amp.GradScaler.step`` skips ``optimizer.step()``: the param, every state var
+and the step counter keep their values (the update kernels return their inputs
+untouched). It is read on the host (``.item()``), like the learning rate.
 """
 
 from __future__ import annotations
@@ -30,10 +37,27 @@ from metaopt.ops.registry import register
 # --- step counter and learning-rate schedules ----------------------------------------
 
 
+# op type -> the input index of its optional ``found_inf`` (skip the step when true).
+SKIP_INPUT: dict[str, int] = {
+    "StepCounter": 1,
+    "SGDUpdate": 3,
+    "MomentumUpdate": 5,
+    "AdamUpdate": 7,
+    "AdamWUpdate": 7,
+}
+
+
+def _skip(found_inf: torch.Tensor | None) -> bool:
+    return found_inf is not None and bool(found_inf.item())  # host read, as torch's GradScaler.step
+
+
 @register("StepCounter", domain="metaopt", recomputable=False)
-def step_counter(step: torch.Tensor) -> torch.Tensor:
-    """``step + 1``: the 1-based number of the update being made (torch's ``state["step"]``)."""
-    return step + 1
+def step_counter(step: torch.Tensor, found_inf: torch.Tensor | None = None) -> torch.Tensor:
+    """``step + 1``: the 1-based number of the update being made (torch's ``state["step"]``);
+    ``step`` itself when `found_inf` is true (a skipped update is not counted)."""
+    if found_inf is None:
+        return step + 1
+    return step + torch.logical_not(found_inf).to(step.dtype)  # no host read
 
 
 def linear_warmup_decay_factor(step: int, warmup_steps: int, total_steps: int, end_ratio: float) -> float:
@@ -91,11 +115,17 @@ def clip_by_global_norm(*grads: torch.Tensor, clip_norm: float = 1.0, _nout: int
 # --- updates --------------------------------------------------------------------------
 
 
-@register("SGDUpdate", domain="metaopt", host_inputs=(2,), recomputable=False, inplace=((0, 0),))
+@register("SGDUpdate", domain="metaopt", host_inputs=(2, 3), recomputable=False, inplace=((0, 0),))
 def sgd_update(
-    param: torch.Tensor, grad: torch.Tensor, lr: torch.Tensor, weight_decay: float = 0.0
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    lr: torch.Tensor,
+    found_inf: torch.Tensor | None = None,
+    weight_decay: float = 0.0,
 ) -> torch.Tensor:
     """torch.optim.SGD (momentum 0): ``param -= lr * (grad + wd * param)``, in place."""
+    if _skip(found_inf):
+        return param
     lr_ = lr.item()  # host read: torch's lr is a Python float
     if weight_decay != 0:
         grad = grad.add(param, alpha=weight_decay)
@@ -105,7 +135,7 @@ def sgd_update(
 @register(
     "MomentumUpdate",
     domain="metaopt",
-    host_inputs=(2, 3),
+    host_inputs=(2, 3, 5),
     needs_outputs=True,
     recomputable=False,
     inplace=((0, 0), (1, 4)),
@@ -116,6 +146,7 @@ def momentum_update(
     lr: torch.Tensor,
     step: torch.Tensor,
     velocity: torch.Tensor,
+    found_inf: torch.Tensor | None = None,
     momentum: float = 0.9,
     dampening: float = 0.0,
     nesterov: int = 0,
@@ -127,6 +158,8 @@ def momentum_update(
     On the first update (``step == 1``) torch sets the buffer to a copy of the grad
     (no dampening); afterwards ``buf = momentum * buf + (1 - dampening) * grad``.
     """
+    if _skip(found_inf):
+        return param, velocity
     lr_ = lr.item()  # host reads: torch's lr is a Python float, and the first step is a branch
     first = int(step.item()) == 1
     if weight_decay != 0:
@@ -169,25 +202,27 @@ def _adam(param, grad, lr, step, exp_avg, exp_avg_sq, max_exp_avg_sq, beta1, bet
 
 _ADAM_DOC = """torch.optim.{cls} (single tensor): (new param, exp_avg, exp_avg_sq[, max_exp_avg_sq]).
 
-Inputs ``(param, grad, lr, step, exp_avg, exp_avg_sq[, max_exp_avg_sq])``; the third
-moment input/output is there iff ``amsgrad=1``. `step` is the 1-based update number.
+Inputs ``(param, grad, lr, step, exp_avg, exp_avg_sq[, max_exp_avg_sq][, found_inf])``; the
+third moment input/output is there iff ``amsgrad=1``. `step` is the 1-based update number.
 """
 
 
 @register(
     "AdamUpdate",
     domain="metaopt",
-    host_inputs=(2, 3),
+    host_inputs=(2, 3, 7),
     needs_outputs=True,
     recomputable=False,
     inplace=((0, 0), (1, 4), (2, 5), (3, 6)),
 )
 def adam_update(
-    param, grad, lr, step, exp_avg, exp_avg_sq, max_exp_avg_sq=None,
+    param, grad, lr, step, exp_avg, exp_avg_sq, max_exp_avg_sq=None, found_inf=None,
     beta1: float = 0.9, beta2: float = 0.999, epsilon: float = 1e-8, weight_decay: float = 0.0,
     amsgrad: int = 0, _nout: int = 3,
 ):  # fmt: skip
     _check_amsgrad("AdamUpdate", amsgrad, max_exp_avg_sq, _nout)
+    if _skip(found_inf):
+        return _unchanged(param, exp_avg, exp_avg_sq, max_exp_avg_sq)
     return _adam(
         param, grad, lr, step, exp_avg, exp_avg_sq, max_exp_avg_sq, beta1, beta2, epsilon, weight_decay, False
     )
@@ -196,17 +231,19 @@ def adam_update(
 @register(
     "AdamWUpdate",
     domain="metaopt",
-    host_inputs=(2, 3),
+    host_inputs=(2, 3, 7),
     needs_outputs=True,
     recomputable=False,
     inplace=((0, 0), (1, 4), (2, 5), (3, 6)),
 )
 def adamw_update(
-    param, grad, lr, step, exp_avg, exp_avg_sq, max_exp_avg_sq=None,
+    param, grad, lr, step, exp_avg, exp_avg_sq, max_exp_avg_sq=None, found_inf=None,
     beta1: float = 0.9, beta2: float = 0.999, epsilon: float = 1e-8, weight_decay: float = 0.01,
     amsgrad: int = 0, _nout: int = 3,
 ):  # fmt: skip
     _check_amsgrad("AdamWUpdate", amsgrad, max_exp_avg_sq, _nout)
+    if _skip(found_inf):
+        return _unchanged(param, exp_avg, exp_avg_sq, max_exp_avg_sq)
     return _adam(
         param, grad, lr, step, exp_avg, exp_avg_sq, max_exp_avg_sq, beta1, beta2, epsilon, weight_decay, True
     )
@@ -214,6 +251,10 @@ def adamw_update(
 
 adam_update.__doc__ = _ADAM_DOC.format(cls="Adam") + "L2 weight decay: ``grad + wd * param``.\n"
 adamw_update.__doc__ = _ADAM_DOC.format(cls="AdamW") + "Decoupled decay: ``param * (1 - lr * wd)`` first.\n"
+
+
+def _unchanged(param, exp_avg, exp_avg_sq, max_exp_avg_sq):
+    return (param, exp_avg, exp_avg_sq) + (() if max_exp_avg_sq is None else (max_exp_avg_sq,))
 
 
 def _check_amsgrad(op: str, amsgrad: int, max_exp_avg_sq, nout: int) -> None:
