@@ -16,8 +16,8 @@ out, so the first entry is the outermost wrapper and its ``minimize`` runs first
 pipeline is off: a pipeline replicates itself over ``pipeline_configs.dp_degree``).
 Offload is part of recompute (``recompute_configs.enable_offload``).
 
-Implemented: recompute (``fleet/recompute_optimizer.py``), data_parallel
-(``fleet/data_parallel_optimizer.py``). Every other ``_apply_*`` below raises NotImplementedError naming the feature and its strategy field; an issue
+Implemented: amp (``fleet/amp_optimizer.py``), recompute (``fleet/recompute_optimizer.py``),
+data_parallel (``fleet/data_parallel_optimizer.py``). Every other ``_apply_*`` below raises NotImplementedError naming the feature and its strategy field; an issue
 that implements one replaces that function and nothing else. Fleet features metaopt does not have
 (``UNSUPPORTED_FEATURES``: sharding, lamb, ...) and combinations it cannot honour
 (``CONFLICTS``) are refused before anything is rewritten — never silently dropped.
@@ -50,7 +50,10 @@ def _not_implemented(name: str, flag: str) -> NotImplementedError:
 
 
 def _apply_amp(inner: Any, strategy: DistributedStrategy) -> Any:
-    raise _not_implemented("amp", "amp")
+    """amp (``fleet/amp_optimizer.py``): casts, loss scaling, skipped overflow steps."""
+    from metaopt.fleet.amp_optimizer import AmpOptimizer
+
+    return AmpOptimizer(inner, strategy.amp_configs)
 
 
 def _apply_recompute(inner: Any, strategy: DistributedStrategy) -> Any:

@@ -1,0 +1,286 @@
+"""The AMP passes: precision rules, shared casts, torch.autocast equality, scaling ops, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import exported
+
+import metaopt
+import programs
+from metaopt.ir import Op, parse_program, verify
+from metaopt.ops import registry
+from metaopt.ops.kernels import amp as amp_kernels
+from metaopt.ops.kernels.amp import AmpDeviceError, check_amp_device
+from metaopt.passes.amp import (
+    BLACK_LIST,
+    FLOAT32_SLOTS,
+    WHITE_LIST,
+    AmpError,
+    amp,
+    plan_amp,
+    scale_loss,
+    unscale_grads,
+)
+from metaopt.passes.backward import append_backward
+
+LOW = ("float16", "bfloat16")
+
+
+def _forward(name: str, dropout: float = 0.0) -> metaopt.Program:
+    return exported(name, dropout=dropout)[2]
+
+
+def _precision(plan, op_type: str) -> set[str]:
+    return {d.precision for d in plan.ops if d.op.endswith(f"= {op_type}")}
+
+
+def test_lists_name_rows_of_the_op_table():
+    table = registry.table()
+    for t in [*WHITE_LIST, *BLACK_LIST, *FLOAT32_SLOTS]:
+        assert t in table, t
+    assert not WHITE_LIST & BLACK_LIST
+    # every matmul-class row (the selective recompute policy's `expensive`) is white
+    assert {t for t, row in table.items() if row.expensive} <= WHITE_LIST
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_bert_plan_white_black_gray(dtype):
+    p = _forward("bert", dropout=0.1)
+    plan = plan_amp(p, dtype=dtype)
+    by_out = {d.op.split(" = ")[0]: d for d in plan.ops}
+    assert _precision(plan, "Linear") == _precision(plan, "MatMul") == {"low"}
+    assert _precision(plan, "Softmax") == _precision(plan, "SoftmaxCrossEntropyLoss") == {"float32"}
+    # the attention-probability dropout follows the float32 softmax; gelu follows its Linear
+    assert by_out["bert.encoder.layer.0.attention.self/dropout"].precision == "float32"
+    assert by_out["bert.encoder.layer.0.intermediate"].precision == "low"
+    # embedding lookups read only params and feeds: no vote, unchanged; the layers' LayerNorms
+    # follow their low-precision inputs (statistics in float32)
+    assert by_out["bert.embeddings.word_embeddings"].precision == "keep"
+    assert by_out["bert.encoder.layer.0"].precision == "low"
+    assert by_out["loss"].precision == "float32"
+    q = amp(p, dtype=dtype)
+    verify(q)
+    assert q.vars["bert.encoder.layer.0"].dtype == dtype  # a checkpoint candidate, in low precision
+    assert q.vars["loss"].dtype == "float32"
+    ln = next(op for op in q.ops if op.outputs[:1] == ["bert.encoder.layer.0"])
+    assert [q.vars[x].dtype for x in ln.inputs] == [dtype, "float32", "float32"]  # scale, bias float32
+    assert all(q.vars[v.name].dtype == "float32" for v in p.params())  # master weights stay float32
+    assert "white list" in str(plan) and f"ops in {dtype}" in str(plan)
+
+
+def test_casts_are_shared_and_placed_before_their_first_use():
+    p = _forward("bert")
+    q = amp(p, dtype="float16")
+    casts = [op for op in q.ops if op.type == "Cast" and op.origin is not None]
+    keys = [(op.origin, op.attrs["to"]) for op in casts]
+    assert len(keys) == len(set(keys))  # one cast per (var, dtype)
+    # the padding mask feeds both layers' score Adds through one cast
+    mask_cast = [op for op in casts if op.origin == "bert/mul"]
+    assert len(mask_cast) == 1
+    readers = [op for op in q.ops if mask_cast[0].outputs[0] in op.inputs]
+    assert len(readers) == 2
+    consumers = q.consumers()
+    for i, op in enumerate(q.ops):
+        if op in casts:
+            assert consumers[op.outputs[0]][0] > i
+            # right before the first reader: nothing but other casts in between
+            assert all(o.type == "Cast" for o in q.ops[i + 1 : consumers[op.outputs[0]][0]])
+    # constants are converted once at rewrite time, not by an op per step
+    assert not [op for op in casts if q.vars[op.inputs[0]].kind == "constant"]
+    assert any(v.kind == "constant" and v.dtype == "float16" for v in q.vars.values())
+    # the tied word embedding: looked up in float32, cast once for the MLM decoder
+    word = "bert.embeddings.word_embeddings.weight"
+    assert [op.outputs[0] for op in casts if op.origin == word] == [f"{word}@CAST_FP16"]
+
+
+@pytest.mark.parametrize("name", ["mlp", "resnet"])
+@pytest.mark.parametrize("dtype", LOW)
+def test_loss_and_grads_bitwise_equal_to_torch_autocast_on_cpu(name, dtype):
+    """On these programs our lists make the same choices as torch.autocast on CPU (matmuls and
+    convs low; BatchNorm on low inputs with float32 stats; the loss float32): equal bit for bit."""
+    module, _, p = exported(name, dropout=0.0)
+    inputs = programs.get(name).example_inputs("tiny", 4, seed=3)
+    module.zero_grad()
+    with torch.autocast("cpu", dtype=getattr(torch, dtype)):
+        loss = module(*inputs)
+    loss.backward()
+    q, params_grads = append_backward(amp(p, dtype=dtype), loss="loss")
+    feed = dict(zip(programs.get(name).INPUT_NAMES, inputs, strict=True))
+    out = metaopt.Executor().run(
+        q, feed=feed, fetch_list=["loss", *(g for _, g in params_grads)], return_numpy=False
+    )
+    assert torch.equal(out[0], loss.detach())
+    grads = dict(module.named_parameters())
+    for (param, _), g in zip(params_grads, out[1:], strict=True):
+        assert g.dtype == torch.float32  # the grad of a float32 master weight (Cast's grad casts back)
+        assert torch.equal(g, grads[param].grad), param
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt"])
+def test_bert_gpt_grads_close_to_float32(name):
+    """bert/gpt keep LayerNorm and the residual stream in low precision (Paddle's rule), which
+    torch's autocast does not: compared with float32 instead. Tolerance: the median param grad
+    within 2% (float16: 11-bit, bfloat16: 8-bit mantissas; measured 0.08% / 0.6%)."""
+    _, _, p = exported(name, dropout=0.0)
+    mod = programs.get(name)
+    feed = dict(zip(mod.INPUT_NAMES, mod.example_inputs("tiny", 4, seed=3), strict=True))
+    ref, pg = append_backward(p, loss="loss")
+    want = metaopt.Executor().run(ref, feed=feed, fetch_list=[g for _, g in pg], return_numpy=False)
+    for dtype in LOW:
+        q, pg2 = append_backward(amp(p, dtype=dtype), loss="loss")
+        assert pg2 == pg
+        got = metaopt.Executor().run(q, feed=feed, fetch_list=[g for _, g in pg], return_numpy=False)
+        errs = sorted(((a - b).norm() / b.norm()).item() for a, b in zip(got, want) if b.norm() > 1e-3)
+        assert errs[len(errs) // 2] < 2e-2, (dtype, errs)
+        assert errs[-1] > 0  # really computed in low precision
+
+
+def test_custom_lists_and_black_varnames():
+    p = _forward("bert")
+    plan = plan_amp(p, dtype="bfloat16", custom_black_list=["MatMul"], custom_white_list=["Softmax"])
+    assert _precision(plan, "MatMul") == {"float32"}
+    assert _precision(plan, "Softmax") == {"low"}
+    assert any(d.reason == "black list (custom)" for d in plan.ops)
+    name = "bert.encoder.layer.0.intermediate.dense"
+    plan = plan_amp(p, custom_black_varnames=[name])
+    by_out = {d.op.split(" = ")[0]: d for d in plan.ops}
+    assert by_out[name].precision == "float32" and "custom_black_varnames" in by_out[name].reason
+
+
+def test_nothing_to_do_without_white_ops():
+    p = _forward("mlp")
+    plan = plan_amp(p, custom_black_list=["Gemm"])
+    assert plan.counts()["low"] == 0
+    q = amp(p, custom_black_list=["Gemm"])
+    assert not [op for op in q.ops if op.type == "Cast"]
+    assert all(q.vars[n].dtype == v.dtype for n, v in p.vars.items())
+    assert [op.type for op in q.ops[1:]] == [op.type for op in p.ops]
+
+
+def test_program_outputs_keep_their_dtype():
+    p = _forward("mlp").clone()
+    p.outputs.append("fc3")  # a fetched low-precision value comes back in float32
+    q = amp(p, dtype="bfloat16")
+    verify(q)
+    assert q.vars["fc3"].dtype == "float32"
+    gemm = next(op for op in q.ops if op.type == "Gemm" and op.scope == "fc3")
+    assert gemm.outputs == ["fc3@CAST_BF16"] and q.vars["fc3@CAST_BF16"].dtype == "bfloat16"
+
+
+def test_pure_fp16_stores_params_in_low_precision():
+    p = _forward("bert")
+    q = amp(p, dtype="float16", use_pure_fp16=True)
+    verify(q)
+    assert {v.dtype for v in q.params()} == {"float16"}
+    assert q.values["bert.pooler.dense.weight"].dtype == torch.float16
+    ln = next(op for op in q.ops if op.outputs[:1] == ["bert.encoder.layer.0"])
+    assert [q.vars[x].dtype for x in ln.inputs][1:] == ["float32", "float32"]  # cast up for the stats
+    assert plan_amp(p, use_pure_fp16=True).counts()["keep"] < plan_amp(p).counts()["keep"]
+
+
+def test_loss_scaling_ops():
+    p = scale_loss(_forward("mlp"), init_loss_scaling=1024.0)
+    assert p.loss_name == "loss" and p.vars["loss_scaling"].kind == "opt_state"
+    assert p.values["loss_scaling"].item() == 1024.0
+    mul = p.ops[p.producers()["loss@SCALED"]]
+    assert (mul.type, mul.inputs, mul.role) == ("Mul", ["loss", "loss_scaling"], "loss")
+    main = p.clone()
+    metaopt.optimizer.Adam(learning_rate=1e-3).minimize(main.var("loss@SCALED"))
+    q = unscale_grads(main, incr_every_n_steps=3)
+    verify(q)
+    check = next(op for op in q.ops if op.type == "CheckFiniteAndUnscale")
+    i = q.ops.index(check)
+    assert q.ops[i + 1].type == "UpdateLossScaling" and q.ops[i + 1].attrs["incr_every_n_steps"] == 3
+    assert q.ops[i + 2].type == "StepCounter" and q.ops[i + 2].inputs == ["global_step", "found_inf"]
+    updates = [op for op in q.ops if op.type == "AdamUpdate"]
+    assert len(updates) == 6 and all(op.inputs[7] == "found_inf" and op.inputs[6] == "" for op in updates)
+    assert all(op.inputs[1] == f"{op.origin}@GRAD@UNSCALED" for op in updates)
+    assert {"loss_scaling", "num_good_steps", "num_bad_steps"} <= set(q.updates)
+    static = unscale_grads(main, use_dynamic_loss_scaling=False)
+    assert (
+        not any(op.type == "UpdateLossScaling" for op in static.ops) and "num_good_steps" not in static.vars
+    )
+
+
+def test_check_comes_after_the_all_reduce():
+    """Data parallel's all-reduces (role comm) run on the scaled grads first: every rank then
+    checks the same reduced values and skips the same steps."""
+    p = scale_loss(_forward("mlp"))
+    metaopt.optimizer.SGD(learning_rate=0.1).minimize(p.var("loss@SCALED"))
+    first = next(i for i, op in enumerate(p.ops) if op.role in ("optimize", "lr-sched"))
+    w = "fc1.weight@GRAD"
+    p.add_var(metaopt.Var("fc1.weight@GRAD@REDUCED", "float32", (32, 16), "grad"))
+    p.ops.insert(first, Op("Identity", [w], ["fc1.weight@GRAD@REDUCED"], role="comm", origin=w))
+    for op in p.ops[first + 1 :]:
+        op.inputs = ["fc1.weight@GRAD@REDUCED" if x == w else x for x in op.inputs]
+    q = unscale_grads(p)
+    verify(q)
+    i = next(i for i, op in enumerate(q.ops) if op.type == "CheckFiniteAndUnscale")
+    assert q.ops[i - 1].role == "comm" and "fc1.weight@GRAD@REDUCED" in q.ops[i].inputs
+    assert w not in q.ops[i].inputs
+
+
+def test_amp_golden_parses_back(golden):
+    """Pass-level view of the forward rewrite on mlp (the fleet golden adds backward and scaling)."""
+    q = amp(_forward("mlp", dropout=0.1), dtype="bfloat16")
+    text = str(q)
+    golden("amp/mlp_forward_bf16", text)
+    assert str(parse_program(text)) == text
+
+
+# --- errors ---------------------------------------------------------------------------------
+
+
+def test_config_errors_name_the_thing_at_fault():
+    p = _forward("mlp")
+    with pytest.raises(
+        AmpError, match=r"custom_white_list: unknown op type 'Matmul' \(did you mean 'MatMul'"
+    ):
+        amp(p, custom_white_list=["Matmul"])
+    with pytest.raises(AmpError, match=r"custom_black_list: unknown op type 'Softmx'.*'Softmax'"):
+        amp(p, custom_black_list=["Softmx"])
+    with pytest.raises(AmpError, match=r"'Gemm' is in both"):
+        amp(p, custom_white_list=["Gemm"], custom_black_list=["Gemm"])
+    with pytest.raises(AmpError, match=r"got 'float61'.*did you mean 'float16'"):
+        amp(p, dtype="float61")
+    with pytest.raises(AmpError, match=r"custom_black_varnames: program 'mlp' has no var 'fc_1'.*'fc1'"):
+        amp(p, custom_black_varnames=["fc_1"])
+    trained = p.clone()
+    metaopt.optimizer.SGD(learning_rate=0.1).minimize(trained.loss)
+    with pytest.raises(AmpError, match=r"apply amp before append_backward"):
+        amp(trained)
+    with pytest.raises(AmpError, match=r"has no 'loss_scaling': apply scale_loss"):
+        unscale_grads(trained)
+
+
+@pytest.fixture
+def fresh_device_cache(monkeypatch):
+    monkeypatch.setattr(amp_kernels, "_SUPPORTED", set())
+
+
+def test_gpu_without_fp16_or_bf16_support_is_refused(monkeypatch, fresh_device_cache):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (5, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Tesla M60")
+    with pytest.raises(AmpDeviceError, match=r"'float16': cuda:0 \(Tesla M60, compute capability 5.0\) "
+                       r"has no float16 support \(needs 5.3 or newer\); turn strategy.amp off"):  # fmt: skip
+        check_amp_device("float16", torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (7, 0))
+    with pytest.raises(
+        AmpDeviceError, match=r"has no bfloat16 support \(needs 8.0.*use amp_configs\['dtype'\]='float16'"
+    ):
+        check_amp_device("bfloat16", torch.device("cuda", 0))
+    check_amp_device("float16", torch.device("cuda", 0))  # a V100 runs float16
+
+
+def test_a_device_without_kernels_is_refused_when_the_program_runs(monkeypatch, fresh_device_cache):
+    def no_half(*args, **kwargs):
+        raise RuntimeError("\"addmm_impl_cpu_\" not implemented for 'Half'")
+
+    monkeypatch.setattr(torch.nn.functional, "linear", no_half)
+    q = amp(_forward("mlp"), dtype="float16")
+    assert q.ops[0].type == "CheckAmpDevice"
+    mod = programs.get("mlp")
+    feed = dict(zip(mod.INPUT_NAMES, mod.example_inputs("tiny", 2), strict=True))
+    with pytest.raises(AmpDeviceError, match=r"this torch build has no float16 kernels on cpu \(.*addmm"):
+        metaopt.Executor("cpu").run(q, feed=feed, fetch_list=["loss"])
