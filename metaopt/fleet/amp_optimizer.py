@@ -13,7 +13,10 @@ It is the OUTERMOST wrapper (``META_OPTIMIZERS``), so its ``minimize``:
 4. inserts, after any all-reduce and before the optimizer ops, the fused
    ``CheckFiniteAndUnscale`` and Fleet's ``UpdateLossScaling``, rewires the optimizer
    to the unscaled grads and makes every update skip a step with inf/nan grads
-   (`unscale_grads`);
+   (`unscale_grads`); data-parallel workers check the same all-reduced grads, so they
+   skip the same steps; on a pipeline stage (the inner chain returned this worker's
+   stage program) the overflow flag is summed over the workers, so all stages skip the
+   same steps;
 5. with ``use_pure_fp16`` (O2) the params are stored in the low dtype and each update
    op updates a float32 master copy ``w@MASTER`` (persistable, with float32 optimizer
    state) from the float32 unscaled grad, then casts it back into ``w``;
@@ -107,7 +110,15 @@ class AmpOptimizer:
         final = work
         master = "float32" if self.use_pure_fp16 else None
         if self.loss_scaling:
-            final = unscale_grads(final, **self.scaling, master_dtype=master)
+            # a pipeline stage (the inner chain split the program): its stages agree on skips
+            stage = getattr(final, "pipeline", None) is not None
+            final = unscale_grads(
+                final,
+                **self.scaling,
+                master_dtype=master,
+                across_workers=stage,
+                init_loss_scaling=self.init_loss_scaling,
+            )
             dump(final, "amp_unscale")
         if self.use_pure_fp16:
             final = master_weights(final)

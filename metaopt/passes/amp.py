@@ -57,7 +57,9 @@ checks the same reduced grads and skips the same steps) and before the first
         UpdateLossScaling(found_inf, loss_scaling, num_good_steps, num_bad_steps, ...)
 
 (the second only with ``use_dynamic_loss_scaling``; Fleet's rule, ops/kernels/amp.py),
-rewires every optimizer op to read the unscaled grads, and gives ``StepCounter`` and
+(on a pipeline stage, ``across_workers``: then ``found_inf@REDUCED = AllReduce(found_inf)``
+so that every stage skips the same steps), rewires every optimizer op to read the
+unscaled grads, and gives ``StepCounter`` and
 every update op the trailing ``found_inf`` input (ops/kernels/optim.py ``SKIP_INPUT``): on
 a step with an inf or a nan in any grad the params, the optimizer state and the step
 counter are all left as they were (torch's ``GradScaler.step`` skips
@@ -441,16 +443,25 @@ def unscale_grads(
     incr_ratio: float = 2.0,
     decr_ratio: float = 0.8,
     master_dtype: str | None = None,
+    across_workers: bool = False,
+    init_loss_scaling: float = 32768.0,
 ) -> Program:
     """Check the grads for inf/nan, unscale them, skip overflowed steps (module doc).
 
     `master_dtype` (AMP O2): the dtype the unscaled grads are cast to (their master
-    weights'), by the same fused op.
+    weights'), by the same fused op. `across_workers`: the program is one worker's part
+    of a model split over workers (a pipeline stage), whose grads no all-reduce makes
+    equal: ``found_inf@REDUCED = AllReduce(found_inf, reduce=sum)`` (role ``optimize``,
+    over every worker) follows the check and the skip reads it, so every stage skips
+    the steps any stage overflowed on and their scales stay equal; a stage without the
+    loss gets its own ``loss_scaling`` (`init_loss_scaling`), updated by the same rule.
     """
     q = program.clone()
     scale = names.loss_scaling()
     if scale not in q.vars:
-        raise AmpError(f"program {q.name!r} has no {scale!r}: apply scale_loss before the backward")
+        if not across_workers:
+            raise AmpError(f"program {q.name!r} has no {scale!r}: apply scale_loss before the backward")
+        q.add_var(Var(scale, "float32", (), "opt_state"), torch.tensor(float(init_loss_scaling)))
     found = names.found_inf()
     if found in q.vars:
         raise AmpError(f"program {q.name!r} already has {found!r}: unscale_grads runs once")
@@ -481,11 +492,15 @@ def unscale_grads(
         name = names.fresh(names.unscaled(g), q.vars)
         q.add_var(Var(name, master_dtype or v.dtype, v.shape, "grad"))
         unscaled[g] = name
-    q.add_var(Var(found, "bool", ()))
+    q.add_var(Var(found, "float32", ()))  # 1.0 on overflow (torch's convention: summable)
     attrs = {"to": TORCH_TO_ONNX[torch_dtype(master_dtype)]} if master_dtype else {}
     inserted = [
         Op("CheckFiniteAndUnscale", [*grads, scale], [*unscaled.values(), found], attrs, role="optimize")
     ]
+    if across_workers:
+        local, found = found, names.reduced(found)
+        q.add_var(Var(found, "float32", ()))
+        inserted.append(Op("AllReduce", [local], [found], {"reduce": "sum"}, role="optimize", origin=local))
     if use_dynamic_loss_scaling:
         state = [scale, names.good_steps(), names.bad_steps()]
         for s in state[1:]:

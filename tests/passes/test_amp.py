@@ -221,6 +221,28 @@ def test_check_comes_after_the_all_reduce():
     assert w not in q.ops[i].inputs
 
 
+def test_pipeline_stages_sum_their_overflow_flags():
+    """A pipeline stage's grads are its own: the flag is summed over the workers before any
+    update reads it, and a stage without the loss (no scale_loss op) gets the scale var."""
+    stage = _forward("mlp").clone()  # stands for a stage without the loss-scaling op
+    metaopt.optimizer.SGD(learning_rate=0.1).minimize(stage.loss)
+    q = unscale_grads(stage, across_workers=True, init_loss_scaling=64.0)
+    verify(q)
+    assert q.values["loss_scaling"].item() == 64.0 and q.vars["loss_scaling"].kind == "opt_state"
+    reduce = next(op for op in q.ops if op.type == "AllReduce")
+    assert (reduce.inputs, reduce.outputs, reduce.attrs) == (
+        ["found_inf"],
+        ["found_inf@REDUCED"],
+        {"reduce": "sum"},
+    )
+    assert reduce.role == "optimize"  # the pipeline runs it once per step, with the updates
+    readers = [op for op in q.ops if "found_inf" in op.inputs]
+    assert readers == [reduce]
+    skippers = [op for op in q.ops if "found_inf@REDUCED" in op.inputs]
+    assert {op.type for op in skippers} == {"UpdateLossScaling", "StepCounter", "SGDUpdate"}
+    assert all(q.ops.index(op) > q.ops.index(reduce) for op in skippers)
+
+
 def test_amp_golden_parses_back(golden):
     """Pass-level view of the forward rewrite on mlp (the fleet golden adds backward and scaling)."""
     q = amp(_forward("mlp", dropout=0.1), dtype="bfloat16")

@@ -35,9 +35,11 @@ def check_finite_and_unscale(*inputs: torch.Tensor, to: int | None = None, _nout
     torch's GradScaler forms (exact for the power-of-two scales of the defaults), into
     new tensors (the scaled grads are left as they were: they may be fetched). `to`
     (an ONNX element type) casts the unscaled grads, e.g. half grads to the float32
-    of their master weights (AMP O2). ``found_inf`` is a bool scalar: whether any
+    of their master weights (AMP O2). ``found_inf`` is a float32 scalar, 1.0 when any
     unscaled grad holds an inf or a nan (the max-abs of each grad, which a nan
-    propagates through and a finite grad never overflows).
+    propagates through and a finite grad never overflows), else 0.0 — torch's
+    ``found_inf`` convention: a number, so that workers can sum it (an all-reduce) and
+    all skip a step any of them overflowed on. Its readers take nonzero as true.
     """
     *grads, scale = inputs
     if len(grads) + 1 != _nout or not grads:
@@ -52,7 +54,7 @@ def check_finite_and_unscale(*inputs: torch.Tensor, to: int | None = None, _nout
     # (a 0-dim half grad times the 0-dim float inv would promote: keep each grad's dtype)
     outs = [o if o.dtype == g.dtype else o.to(g.dtype) for o, g in zip(outs, grads, strict=True)]
     peaks = torch._foreach_norm(outs, float("inf"))
-    found_inf = torch.logical_not(torch.isfinite(torch.stack(peaks).float()).all())
+    found_inf = torch.logical_not(torch.isfinite(torch.stack(peaks).float()).all()).float()
     return (*outs, found_inf)
 
 
@@ -68,7 +70,9 @@ def update_loss_scaling(
     decr_ratio: float = 0.8,
     _nout: int = 3,
 ):
-    """``(found_inf, scale, good, bad) -> (new scale, new good, new bad)``: Fleet's rule (module doc)."""
+    """``(found_inf, scale, good, bad) -> (new scale, new good, new bad)``: Fleet's rule (module doc).
+
+    `found_inf` (bool or a number; nonzero = an overflow) may be a sum over workers."""
     found = found_inf.to(torch.bool)
     zero = torch.zeros_like(good_steps)
     good = torch.where(found, zero, good_steps + 1)

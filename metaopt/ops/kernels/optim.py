@@ -21,8 +21,8 @@ Input order of the update ops: ``(param, grad, lr[, step], *state[, found_inf])`
 ``(new param, *new state)`` in the state's order.
 
 Skipped steps (AMP's dynamic loss scaling). ``StepCounter`` and every update op take an
-optional trailing ``found_inf`` input (a bool scalar, at the index ``SKIP_INPUT`` gives
-for the op type). When it is true the step is skipped entirely, as
+optional trailing ``found_inf`` input (a scalar, nonzero = skip; at the index ``SKIP_INPUT``
+gives for the op type). When it is true the step is skipped entirely, as
 ``torch.amp.GradScaler.step`` skips ``optimizer.step()``: the param, every state var
 and the step counter keep their values (the update kernels return their inputs
 untouched). It is read on the host (``.item()``), like the learning rate.
@@ -57,7 +57,7 @@ def step_counter(step: torch.Tensor, found_inf: torch.Tensor | None = None) -> t
     ``step`` itself when `found_inf` is true (a skipped update is not counted)."""
     if found_inf is None:
         return step + 1
-    return step + torch.logical_not(found_inf).to(step.dtype)  # no host read
+    return step + (found_inf == 0).to(step.dtype)  # no host read
 
 
 def linear_warmup_decay_factor(step: int, warmup_steps: int, total_steps: int, end_ratio: float) -> float:
