@@ -2,7 +2,7 @@
 
 The meta optimizers and their order are ONE literal list, ``META_OPTIMIZERS``:
 
-    amp, recompute (+offload), pipeline, gradient_merge, data_parallel, then the inner optimizer
+    amp, pipeline, recompute (+offload), gradient_merge, data_parallel, then the inner optimizer
 
 Each entry is ``(name, strategy field, apply)``. ``apply(inner, strategy)`` wraps an
 optimizer-like object (anything with Fleet's ``minimize(loss, startup_program,
@@ -10,14 +10,19 @@ parameter_list, no_grad_set) -> (optimize_ops, params_grads)``) and returns anot
 Fleet's meta optimizers wrap their ``inner_opt``. The chain is built from the inside
 out, so the first entry is the outermost wrapper and its ``minimize`` runs first::
 
-    amp( recompute( pipeline( gradient_merge( data_parallel( Adam ) ) ) ) ).minimize(loss)
+    amp( pipeline( recompute( gradient_merge( data_parallel( Adam ) ) ) ) ).minimize(loss)
+
+The pipeline wraps recompute (unlike Fleet, whose recompute wraps the pipeline): it splits
+the finished single-process program, so every recompute and offload op goes to the stage
+of the forward var it stems from, and checkpoints are named for the whole model.
 
 ``data_parallel`` has no strategy field: it applies when ``fleet.worker_num() > 1`` (and
 pipeline is off: a pipeline replicates itself over ``pipeline_configs.dp_degree``).
 Offload is part of recompute (``recompute_configs.enable_offload``).
 
 Implemented: amp (``fleet/amp_optimizer.py``), recompute (``fleet/recompute_optimizer.py``),
-data_parallel (``fleet/data_parallel_optimizer.py``). Every other ``_apply_*`` below raises NotImplementedError naming the feature and its strategy field; an issue
+pipeline (``fleet/pipeline_optimizer.py``), data_parallel (``fleet/data_parallel_optimizer.py``).
+Every other ``_apply_*`` below raises NotImplementedError naming the feature and its strategy field; an issue
 that implements one replaces that function and nothing else. Fleet features metaopt does not have
 (``UNSUPPORTED_FEATURES``: sharding, lamb, ...) and combinations it cannot honour
 (``CONFLICTS``) are refused before anything is rewritten — never silently dropped.
@@ -64,7 +69,10 @@ def _apply_recompute(inner: Any, strategy: DistributedStrategy) -> Any:
 
 
 def _apply_pipeline(inner: Any, strategy: DistributedStrategy) -> Any:
-    raise _not_implemented("pipeline", "pipeline")
+    """One stage program per worker, micro-batches through a schedule (fleet/pipeline_optimizer.py)."""
+    from metaopt.fleet.pipeline_optimizer import PipelineOptimizer
+
+    return PipelineOptimizer(inner, strategy)
 
 
 def _apply_gradient_merge(inner: Any, strategy: DistributedStrategy) -> Any:
@@ -81,8 +89,8 @@ def _apply_data_parallel(inner: Any, strategy: DistributedStrategy) -> Any:
 # THE order (outermost first). Changing it changes what every program becomes.
 META_OPTIMIZERS: tuple[MetaOptimizer, ...] = (
     MetaOptimizer("amp", "amp", _apply_amp),
-    MetaOptimizer("recompute", "recompute", _apply_recompute),
     MetaOptimizer("pipeline", "pipeline", _apply_pipeline),
+    MetaOptimizer("recompute", "recompute", _apply_recompute),
     MetaOptimizer("gradient_merge", "gradient_merge", _apply_gradient_merge),
     MetaOptimizer("data_parallel", None, _apply_data_parallel),
 )
@@ -233,7 +241,7 @@ class DistributedOptimizer:
             wrappers.append(opt)
         result = opt.minimize(loss, startup_program, parameter_list, no_grad_set)
         for w in wrappers:  # what a meta optimizer reports (Fleet users read opt.<report>)
-            for report in ("recompute_plan", "memory_report", "data_parallel_plan"):
+            for report in ("recompute_plan", "memory_report", "data_parallel_plan", "pipeline_plan"):
                 if getattr(w, report, None) is not None:
                     setattr(self, report, getattr(w, report))
         self.applied_meta_list = plan.applied

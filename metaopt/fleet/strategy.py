@@ -123,12 +123,17 @@ AMP_CONFIGS: dict[str, Key] = {
 PIPELINE_CONFIGS: dict[str, Key] = {
     "micro_batch_size": Key(1, "int", "samples per micro-batch", check=_AT_LEAST_1),
     "accumulate_steps": Key(1, "int", "micro-batches per step (gradients accumulated)", check=_AT_LEAST_1),
-    "schedule_mode": Key("1F1B", "str", "micro-batch schedule", choices=("1F1B", "F-then-B")),
+    "schedule_mode": Key(
+        "1F1B", "str", "micro-batch schedule", choices=("1F1B", "F-then-B", "interleaved")
+    ),
+    "chunks": Key(
+        1, "int", "virtual stages per worker (the interleaved schedule)", extra=True, check=_AT_LEAST_1
+    ),
     "p2p_cache_shape": Key(True, "bool", "send/recv reuse the shapes of the first micro-batch"),
     "cuts": Key(
         [],
         "list[str]",
-        "vars (names or module paths) after which a new stage starts; [] = balanced",
+        "module paths or var names where a new stage begins; [] = balanced by estimated cost",
         extra=True,
     ),
     "num_stages": Key(

@@ -16,8 +16,6 @@ from metaopt.passes.dead_code import dead_code
 from metaopt.passes.fold_constants import fold_constants
 from metaopt.passes.fuse_linear import fuse_linear
 
-_KIND_ORDER = {"input": 0, "param": 1, "buffer": 2, "opt_state": 3, "constant": 4}
-
 
 def import_model(
     model: onnx.ModelProto,
@@ -42,24 +40,10 @@ def import_model(
         dump(p, step.__name__)
     if any(chains.values()):  # a torch export: its FX names mean nothing to users
         readable_names(p, chains)
-    _order_vars(p)
+    p.sort_vars()
     dump(p, "readable_names")
     verify(p)
     return p
-
-
-def _order_vars(p: Program) -> None:
-    # Inputs, params, buffers, constants, then activations in program order: the
-    # printed program reads top-down.
-    first_use = {o: i for i, op in reversed(list(enumerate(p.ops))) for o in op.outputs}
-    order = sorted(
-        p.vars.values(),
-        key=lambda v: (
-            _KIND_ORDER.get(v.kind, 5),
-            first_use.get(v.name, -1) if v.kind == "activation" else 0,
-        ),
-    )
-    p.vars = {v.name: v for v in order}
 
 
 def load(

@@ -18,7 +18,7 @@ import onnx
 from metaopt.frontend import onnx_save
 from metaopt.frontend.attrs import attr_value, tensor_value, torch_dtype
 from metaopt.frontend.sequences import split_sequences
-from metaopt.ir import Op, Program, Var, dtype_name
+from metaopt.ir import Op, PipelineInfo, Program, Var, dtype_name
 from metaopt.ops import registry
 
 CONTROL_FLOW = frozenset({"If", "Loop", "Scan", "SequenceMap"})
@@ -152,7 +152,7 @@ def to_program(
     model = _with_inferred_types(model)
     g = model.graph
     types = _value_types(g, opts.symbolic_dims)
-    meta = {vi.name: _meta(vi) for vi in g.value_info}
+    meta = {vi.name: _meta(vi) for vi in [*g.value_info, *g.output]}
     torch_kinds = {"PARAMETER": "param", "BUFFER": "buffer"}
     p = Program(name)
     chains: dict[str, list[str]] = {}
@@ -206,7 +206,8 @@ def to_program(
             p.add_var(Var(o, dtype, shape, kind=kind))
         op = Op(node.op_type, [rn(x, x) for x in node.input], list(node.output), attrs, scope=scope)
         _restore_fields(op, node)
-        chains[node.output[0]] = chain
+        if node.output:  # a Send has none
+            chains[node.output[0]] = chain
         p.ops.append(op)
 
     for prop in model.metadata_props:  # a file metaopt saved: its state updates
@@ -214,6 +215,8 @@ def to_program(
             p.updates[prop.key[len(onnx_save.UPDATE_PREFIX) :]] = prop.value
         elif prop.key == onnx_save.MODULES_KEY:
             p.modules = _modules(prop.value)
+        elif prop.key == onnx_save.PIPELINE_KEY:
+            p.pipeline = PipelineInfo.parse(prop.value)
     update_outputs = set(p.updates.values())
     p.outputs = [o.name for o in g.output if o.name not in update_outputs]
     if (
@@ -240,15 +243,29 @@ def _modules(text: str) -> dict[str, list[str]]:
     return {str(k): [str(x) for x in v] for k, v in mods.items()}
 
 
+def _mixed_list(text: str) -> list:
+    """A list attr of ints and symbolic dims (a Send/Recv shape), as metaopt saved it."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise ValueError(text) from None
+    if not isinstance(value, list) or not all(isinstance(x, (int, str)) for x in value):
+        raise ValueError(text)
+    return value
+
+
 def _restore_fields(op: Op, node: onnx.NodeProto) -> None:
     """Op fields of a file metaopt saved (role, stage, scope, origin)."""
     m = _meta(node)
     for key, value in m.items():
         if key.startswith(onnx_save.ATTR_PREFIX) and key[len(onnx_save.ATTR_PREFIX) :] in op.attrs:
             try:
-                op.attrs[key[len(onnx_save.ATTR_PREFIX) :]] = float(value)
+                exact = _mixed_list(value) if value.startswith("[") else float(value)
+                op.attrs[key[len(onnx_save.ATTR_PREFIX) :]] = exact
             except ValueError:
-                raise ImportError_(f"{_describe(node)}: metadata {key!r} is not a float: {value!r}") from None
+                raise ImportError_(
+                    f"{_describe(node)}: metadata {key!r} is not a float or a shape list: {value!r}"
+                ) from None
     pre = onnx_save.OP_FIELD_PREFIX
     if pre + "role" in m:
         op.role = m[pre + "role"]

@@ -31,6 +31,7 @@ DOMAIN = "metaopt"
 KIND_KEY = "metaopt.kind"
 FROZEN_KEY = "metaopt.frozen"
 UPDATE_PREFIX = "metaopt.update."
+PIPELINE_KEY = "metaopt.pipeline"  # a pipeline stage program's PipelineInfo, as printed
 MODULES_KEY = "metaopt.modules"
 ATTR_PREFIX = "metaopt.attr."
 OP_FIELD_PREFIX = "metaopt."
@@ -57,7 +58,13 @@ def _attr(key: str, value: Any) -> onnx.AttributeProto:
         return helper.make_attribute(key, _tensor("", value))
     if isinstance(value, bool):
         value = int(value)
+    if _mixed(value):  # a shape with symbolic dims (Send/Recv): strings in ONNX, exact in metadata
+        value = [str(x) for x in value]
     return helper.make_attribute(key, value)
+
+
+def _mixed(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and len({type(x) for x in value}) > 1
 
 
 def to_model_proto(p: Program, values: Mapping[str, torch.Tensor] | None = None) -> onnx.ModelProto:
@@ -81,6 +88,8 @@ def to_model_proto(p: Program, values: Mapping[str, torch.Tensor] | None = None)
             # ONNX float attributes are float32; keep the exact value for our own import.
             if isinstance(a, float) and float(np.float32(a)) != a and a == a:
                 node.metadata_props.add(key=ATTR_PREFIX + k, value=repr(a))
+            elif _mixed(a):
+                node.metadata_props.add(key=ATTR_PREFIX + k, value=json.dumps(list(a)))
         meta = {"role": op.role, "scope": op.scope}
         if op.stage is not None:
             meta["stage"] = str(op.stage)
@@ -98,7 +107,7 @@ def to_model_proto(p: Program, values: Mapping[str, torch.Tensor] | None = None)
         initializer=inits,
         value_info=[_value_info(p, n) for n in p.vars if n not in p.inputs and n not in outputs],
     )
-    for vi in graph.value_info:  # what a var is: read back by the importer
+    for vi in [*graph.value_info, *graph.output]:  # what a var is: read back by the importer
         v = p.vars[vi.name]
         if v.kind != "activation":
             vi.metadata_props.add(key=KIND_KEY, value=v.kind)
@@ -119,6 +128,8 @@ def to_model_proto(p: Program, values: Mapping[str, torch.Tensor] | None = None)
         model.metadata_props.add(key=MODULES_KEY, value=json.dumps(p.modules))
     for target, new in p.updates.items():
         model.metadata_props.add(key=UPDATE_PREFIX + target, value=new)
+    if p.pipeline is not None:
+        model.metadata_props.add(key=PIPELINE_KEY, value=str(p.pipeline))
     return model
 
 

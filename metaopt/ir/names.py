@@ -140,3 +140,16 @@ def bad_steps() -> str:
 def found_inf() -> str:
     """Whether any grad of this step is inf/nan (Fleet: ``find_infinite_scale``)."""
     return "found_inf"
+
+
+# --- pipeline (passes/pipeline.py) -------------------------------------------------------
+
+
+def stage_part(name: str, stage: int) -> str:
+    """The part of grad `name` made in pipeline (virtual) stage `stage` (a tied param's)."""
+    return f"{name}@STAGE{stage}"
+
+
+def micro_batch() -> str:
+    """The int64 input the pipeline runtime feeds: which micro-batch of the step runs."""
+    return "micro_batch@PIPELINE"

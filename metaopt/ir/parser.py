@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from metaopt.ir.printer import RESERVED_WORDS
-from metaopt.ir.program import Op, Program, Var, torch_dtype
+from metaopt.ir.program import Op, PipelineInfo, Program, Var, torch_dtype
 
 
 class ParseError(ValueError):
@@ -263,6 +263,8 @@ def parse_program(text: str) -> Program:
                     setattr(p, head, _names(rest))
                 elif head == "loss":
                     p.loss_name = _names(rest)[0]
+                elif head == "pipeline":
+                    p.pipeline = PipelineInfo.parse(rest)
                 elif head in ("vars", "modules", "updates", "ops") and not rest.strip():
                     section = head
                 else:

@@ -115,6 +115,8 @@ def print_program(p: Program) -> str:
     lines.append("outputs: " + ", ".join(fmt_name(x) for x in p.outputs))
     if p.loss_name is not None:
         lines.append(f"loss: {fmt_name(p.loss_name)}")
+    if p.pipeline is not None:
+        lines.append(f"pipeline: {p.pipeline}")
     lines.append("vars:")
     lines += ["  " + fmt_var(v, p.values.get(v.name)) for v in p.vars.values()]
     if p.modules:

@@ -23,6 +23,7 @@ Dim = int | str  # a str is a symbolic dim such as "batch"
 Shape = tuple[Dim, ...]
 
 VAR_KINDS = ("input", "param", "buffer", "activation", "grad", "opt_state", "constant")
+_KIND_ORDER = {"input": 0, "param": 1, "buffer": 2, "opt_state": 3, "constant": 4}
 PERSISTABLE_KINDS = frozenset({"param", "buffer", "opt_state", "constant"})
 ROLES = (
     "forward",
@@ -167,6 +168,38 @@ class Op:
             raise ValueError(f"op {self.type}: unknown role {self.role!r}{did_you_mean(self.role, ROLES)}")
 
 
+@dataclass(frozen=True)
+class PipelineInfo:
+    """Set on a pipeline stage program (passes/pipeline.py): which worker of the pipeline
+    runs it and how the executor drives it. Ops carry their virtual stage in ``Op.stage``;
+    with ``chunks`` > 1 (interleaved) worker w holds virtual stages w, w + num_stages, ..."""
+
+    stage: int  # this worker's place in the pipeline, 0 .. num_stages-1
+    num_stages: int
+    micro_batches: int
+    schedule: str  # one of metaopt.runtime.schedules.SCHEDULES
+    chunks: int = 1  # virtual stages per worker
+    groups: tuple[tuple[int, ...], ...] = ()  # every tied-param group of the pipeline (same on all)
+
+    def __str__(self) -> str:
+        text = (
+            f"stage={self.stage} num_stages={self.num_stages} micro_batches={self.micro_batches} "
+            f"schedule={self.schedule} chunks={self.chunks}"
+        )
+        if self.groups:
+            text += " groups=" + ";".join(",".join(str(r) for r in g) for g in self.groups)
+        return text
+
+    @classmethod
+    def parse(cls, text: str) -> PipelineInfo:
+        kv = dict(item.split("=", 1) for item in text.split())
+        groups = tuple(
+            tuple(int(r) for r in g.split(",")) for g in kv.pop("groups", "").split(";") if g
+        )
+        ints = {k: int(kv[k]) for k in ("stage", "num_stages", "micro_batches", "chunks")}
+        return cls(schedule=kv["schedule"], groups=groups, **ints)
+
+
 class Program:
     """A training or inference program: vars, ordered ops, inputs/outputs, loss."""
 
@@ -184,6 +217,8 @@ class Program:
         # that var (SSA keeps one producer per name; state is updated through this
         # map, e.g. BatchNorm running stats, optimizer state, params).
         self.updates: dict[str, str] = {}
+        # Set on a pipeline stage program: the executor then runs the pipeline schedule.
+        self.pipeline: PipelineInfo | None = None
         # Executors key their per-program plans (liveness, bound kernels) on (uid,
         # version): uid is unique per Program object for the life of the process (an
         # id() can be reused once a program is gone), version bumps on `replace_with`.
@@ -239,6 +274,19 @@ class Program:
             self.values[var.name] = value
         return var
 
+    def sort_vars(self) -> None:
+        """Inputs, params, buffers, optimizer state, constants, then the rest in program
+        order: the printed program reads top-down (and a saved one loads back the same)."""
+        first_use = {o: i for i, op in reversed(list(enumerate(self.ops))) for o in op.outputs}
+        order = sorted(
+            self.vars.values(),
+            key=lambda v: (
+                _KIND_ORDER.get(v.kind, 5),
+                first_use.get(v.name, -1) if v.kind not in _KIND_ORDER else 0,
+            ),
+        )
+        self.vars = {v.name: v for v in order}
+
     def clone(self) -> Program:
         """A deep copy of the structure; initial value tensors are shared (read-only)."""
         p = Program(self.name)
@@ -251,6 +299,7 @@ class Program:
         p.values = dict(self.values)
         p.modules = {k: list(v) for k, v in self.modules.items()}
         p.updates = dict(self.updates)
+        p.pipeline = self.pipeline
         return p
 
     def replace_with(self, other: Program) -> None:

@@ -16,7 +16,8 @@ class VerifyError(ValueError):
 
 def _fail(p: Program, i: int, op: Op, msg: str) -> VerifyError:
     # Line number as printed: header lines, one per var, modules block, "ops:".
-    header = 3 + (p.loss_name is not None) + 1 + len(p.vars) + (len(p.modules) + 1 if p.modules else 0)
+    header = 3 + (p.loss_name is not None) + (p.pipeline is not None) + 1 + len(p.vars)
+    header += len(p.modules) + 1 if p.modules else 0
     header += (len(p.updates) + 1 if p.updates else 0) + 1
     return VerifyError(f"{p.name}: line {header + i + 1} (op {i}): {msg}\n  {fmt_op(op)}")
 
@@ -36,6 +37,11 @@ def verify(p: Program) -> None:
     producer: dict[str, int] = {}
     phase = 0
     stage_of: dict[str, int | None] = {}
+    n = p.pipeline.num_stages if p.pipeline is not None else None
+
+    def worker(stage: int) -> int:  # a worker's chunks (interleaved) share its values
+        return stage % n if n else stage
+
     for i, op in enumerate(p.ops):
         for x in op.inputs:
             if not x:
@@ -45,7 +51,7 @@ def verify(p: Program) -> None:
             if x not in defined:
                 raise _fail(p, i, op, f"input {x!r} is used before it is defined")
             src = stage_of.get(x)
-            if op.stage is not None and src is not None and src != op.stage:
+            if op.stage is not None and src is not None and worker(src) != worker(op.stage):
                 raise _fail(p, i, op, f"input {x!r} comes from stage {src} without a Send/Recv pair")
         for o in op.outputs:
             if not o:
@@ -89,6 +95,8 @@ def verify(p: Program) -> None:
 
 
 def _check_offloads(p: Program) -> None:
+    if not any(op.role in ("backward", "prefetch") for op in p.ops):
+        return  # a forward alone (a pipeline's forward part): the backward fetches it back
     consumers = p.consumers()
     for i, op in enumerate(p.ops):
         if op.role != "offload":

@@ -13,7 +13,8 @@ def dead_code(p: Program) -> Program:
     keep = []
     for op in reversed(q.ops):
         row = registry.get(op.type)
-        removable = op.role == "forward" and row is not None and not row.random
+        # an op without outputs is there for its effect (Send, CopyWait): never dead
+        removable = op.role == "forward" and row is not None and not row.random and bool(op.outputs)
         if removable and not any(o and o in live for o in op.outputs):
             continue
         keep.append(op)

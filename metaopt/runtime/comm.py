@@ -12,16 +12,50 @@ from __future__ import annotations
 import datetime
 import os
 import time
+import zlib
 from collections.abc import Sequence
 
 import torch
 
 DEFAULT_TIMEOUT_S = 300.0
+_GROUPS: dict[tuple[int, ...], object] = {}  # sub-groups by their ranks (made once per process)
 _REDUCTIONS = ("avg", "sum")
 
 
 class CommError(RuntimeError):
     pass
+
+
+class PipelineCommError(CommError):
+    """A pipeline send/recv whose two sides disagree (shape, dtype, var)."""
+
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool)
+_MAX_DIMS = 8
+_REJECTED = -1  # the dtype code of a header refusing the peer's last send
+_REJECT_WAIT_S = 10.0
+_HEADER_LEN = 3 + _MAX_DIMS  # name hash, dtype code, ndim, dims
+
+
+def _hash(name: str) -> int:
+    return zlib.crc32(name.encode())
+
+
+def _header(var: str, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if len(shape) > _MAX_DIMS or dtype not in _DTYPES:
+        raise PipelineCommError(f"cannot send {var!r}: {dtype} with {len(shape)} dims is not supported")
+    dims = list(shape) + [0] * (_MAX_DIMS - len(shape))
+    return torch.tensor(
+        [_hash(var), _DTYPES.index(dtype), len(shape), *dims], dtype=torch.int64, device=device
+    )
+
+
+def _fits(shape: tuple[int, ...], expected: tuple[int | None, ...]) -> bool:
+    return len(shape) == len(expected) and all(e is None or e == d for d, e in zip(shape, expected))
+
+
+def _fmt(expected: tuple[int | None, ...]) -> str:
+    return "[" + ", ".join("?" if e is None else str(e) for e in expected) + "]"
 
 
 def timeout() -> datetime.timedelta:
@@ -61,38 +95,136 @@ class Communicator:
         self.timeout = timeout()
         self.seconds = 0.0  # time spent in collectives in the last run
         self.bytes = 0  # bytes all-reduced in the last run
+        self._pending: list = []  # (work, what, tensor) of sends not yet known to be done
+        self._sent_names: dict[int, str] = {}  # name hash -> var, for a peer's rejection
 
     def start_run(self) -> None:
         self.seconds = 0.0
         self.bytes = 0
 
-    def all_reduce(self, xs: Sequence[torch.Tensor], reduce: str, what: str) -> list[torch.Tensor]:
+    def all_reduce(
+        self, xs: Sequence[torch.Tensor], reduce: str, what: str, ranks: Sequence[int] | None = None
+    ) -> list[torch.Tensor]:
         """`xs` summed (``avg``: and divided by the world size) over every worker, as one
         fused buffer; returns new tensors (views of that buffer) of `xs`' shapes."""
         if reduce not in _REDUCTIONS:
             raise ValueError(f"AllReduce: reduce must be one of {_REDUCTIONS}, got {reduce!r}")
         flat = torch.cat([x.reshape(-1) for x in xs]) if len(xs) > 1 else xs[0].reshape(-1).clone()
-        self._run(lambda dist: dist.all_reduce(flat, async_op=True), f"AllReduce of {what}", flat)
+        group = self.group(ranks)
+        self._run(
+            lambda dist: dist.all_reduce(flat, group=group, async_op=True), f"AllReduce of {what}", flat
+        )
         if reduce == "avg":
-            flat.div_(self.world_size)
+            flat.div_(self.world_size if ranks is None else len(ranks))
         out, at = [], 0
         for x in xs:
             out.append(flat[at : at + x.numel()].view(x.shape))
             at += x.numel()
         return out
 
-    def broadcast(self, t: torch.Tensor, src: int, what: str) -> None:
-        """Overwrite `t` with worker `src`'s `t` (in place)."""
+    # --- point to point (pipeline): a header, then the data ------------------------------
+    def send(
+        self, t: torch.Tensor, peer: int, var: str, expected: tuple[int | None, ...], where: str
+    ) -> None:
+        """Send `t` (var `var`) to `peer` asynchronously; a header with its name, shape and
+        dtype goes first, so a mismatch is reported on both sides. Raises (after sending
+        the header) if `t` is not of the `expected` shape (None: any size in that dim)."""
+        header = _header(var, t.shape, t.dtype, self._p2p_device())
+        self._sent_names[_hash(var)] = var
+        self._isend(header, peer, f"Send of {var!r} to worker {peer} ({where})")
+        if not _fits(tuple(t.shape), expected):
+            raise PipelineCommError(
+                f"{where}: Send of {var!r}: its shape is {list(t.shape)} but the program expects "
+                f"{_fmt(expected)} (the receiving worker {peer} reports it too)"
+            )
+        data = t.contiguous() if self.backend != "nccl" else t.to(self.device).contiguous()
+        self._isend(data, peer, f"Send of {var!r} to worker {peer} ({where})")
+
+    def recv(
+        self, peer: int, var: str, expected: tuple[int | None, ...], dtype: torch.dtype, where: str
+    ) -> torch.Tensor:
+        header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self._p2p_device())
+        what = f"Recv of {var!r} from worker {peer} ({where})"
+        self._run(lambda dist: dist.irecv(header, src=peer), what, header)
+        name_hash, code, ndim, *dims = header.tolist()
+        shape = tuple(dims[:ndim])
+        if code == _REJECTED:
+            rejected = self._sent_names.get(name_hash, "a var this worker sent")
+            raise PipelineCommError(
+                f"{where}: worker {peer} rejected {rejected!r}, which this worker sent: it expects shape "
+                f"{_fmt(tuple(None if d < 0 else d for d in shape))} (see worker {peer}'s error)"
+            )
+        if name_hash != _hash(var):
+            raise PipelineCommError(
+                f"{what}: worker {peer} sent another var (shape {list(shape)}): the two programs' "
+                "send/recv orders disagree"
+            )
+        got_dtype = _DTYPES[code] if 0 <= code < len(_DTYPES) else None
+        if got_dtype != dtype or not _fits(shape, expected):
+            self._reject(peer, var, expected)
+            raise PipelineCommError(
+                f"{what}: worker {peer} sent shape {list(shape)} {got_dtype}, this program expects "
+                f"{_fmt(expected)} {dtype}"
+            )
+        out = torch.empty(shape, dtype=dtype, device=self._p2p_device())
+        self._run(lambda dist: dist.irecv(out, src=peer), what, out)
+        return out if out.device == self.device else out.to(self.device)
+
+    def _reject(self, peer: int, var: str, expected: tuple[int | None, ...]) -> None:
+        """Tell `peer` its send of `var` is refused: the next header it reads from this
+        worker says so (it is waiting for one: the grads or activations that follow), so
+        both sides fail naming the var instead of the sender timing out elsewhere."""
+        dims = [-1 if e is None else e for e in expected]
+        header = torch.tensor(
+            [_hash(var), _REJECTED, len(dims), *dims, *[0] * (_MAX_DIMS - len(dims))],
+            dtype=torch.int64,
+            device=self._p2p_device(),
+        )
+        try:
+            _dist().isend(header, dst=peer).wait(datetime.timedelta(seconds=_REJECT_WAIT_S))
+        except Exception:  # noqa: BLE001 - best effort: this worker is failing anyway
+            pass
+
+    def finish_sends(self) -> None:
+        """Wait for every send still in flight (end of a pipeline step)."""
+        pending, self._pending = self._pending, []
+        for work, what, t in pending:
+            self._wait(work, what, t)
+
+    def _isend(self, t: torch.Tensor, peer: int, what: str) -> None:
+        dist = _dist()
+        self._pending.append((dist.isend(t, dst=peer), what, t))  # t held until the send is done
+
+    def _p2p_device(self) -> torch.device:
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
+    def group(self, ranks: Sequence[int] | None):
+        """The process group of `ranks` (None: every worker). Groups are made on first use,
+        which torch requires of every worker in the same order: pipelines create theirs
+        together at their first run (`PipelineInfo.groups`)."""
+        if ranks is None or len(ranks) == self.world_size:
+            return None
+        key = tuple(sorted(ranks))
+        if key not in _GROUPS:
+            _GROUPS[key] = _dist().new_group(list(key), timeout=self.timeout)
+        return _GROUPS[key]
+
+    def broadcast(self, t: torch.Tensor, src: int, what: str, ranks: Sequence[int] | None = None) -> None:
+        """Overwrite `t` with worker `src`'s `t` (in place), among `ranks` (None: all)."""
         buf = t if self.backend != "nccl" else t.to(self.device)
-        self._run(lambda dist: dist.broadcast(buf, src=src, async_op=True), f"broadcast of {what}", buf)
+        group = self.group(ranks)
+        self._run(
+            lambda dist: dist.broadcast(buf, src=src, group=group, async_op=True), f"broadcast of {what}", buf
+        )
         if buf is not t:
             t.copy_(buf)
 
     def _run(self, start, what: str, t: torch.Tensor) -> None:
-        dist = _dist()
+        self._wait(start(_dist()), what, t)
+
+    def _wait(self, work, what: str, t: torch.Tensor) -> None:
         t0 = time.perf_counter()
         try:
-            work = start(dist)
             work.wait(self.timeout)
         except Exception as e:  # gloo/NCCL raise RuntimeError subclasses with their own text
             raise CommError(

@@ -13,6 +13,7 @@ class Runtime:
         self.device = device
         self.copies = CopyEngine(device)
         self._comm = None
+        self.pipeline = None  # the PipelineState of the pipeline step being run, if any
 
     @property
     def comm(self):

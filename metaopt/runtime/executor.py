@@ -33,6 +33,7 @@ class Executor:
         self._tracker = MemoryTracker()
         self.runtime = Runtime(self.device)  # copy streams, pinned buffers, communicator
         self._plans: dict[tuple, Plan] = {}
+        self._runners: dict[tuple, Any] = {}  # pipeline stage programs' runners
 
     # --- running ---------------------------------------------------------------
     def run(
@@ -44,6 +45,9 @@ class Executor:
     ) -> list[Any]:
         """Run `program` once; returns the fetched values in `fetch_list` order."""
         fetches = [f.name if isinstance(f, Var) else f for f in (fetch_list or [])]
+        if program.pipeline is not None:
+            out = self._pipeline_runner(program).run(feed or {}, fetches)
+            return [_to_numpy(t) if return_numpy and t is not None else t for t in out]
         key = (program.uid, program.version, tuple(fetches))
         plan = self._plans.pop(key, None)
         if plan is None:
@@ -68,6 +72,16 @@ class Executor:
         if return_numpy:
             return [_to_numpy(t) for t in out]
         return list(out)
+
+    def _pipeline_runner(self, program: Program):
+        """The runner of a pipeline stage program (micro-batches through its schedule)."""
+        from metaopt.runtime.pipeline import PipelineRunner
+
+        key = (program.uid, program.version)
+        runner = self._runners.get(key)
+        if runner is None:
+            runner = self._runners[key] = PipelineRunner(self, program)
+        return runner
 
     def _materialise(self, p: Program, names: Sequence[str]) -> None:
         for name in names:

@@ -153,14 +153,14 @@ def test_parameter_server_mode_is_refused():
 def test_meta_optimizer_order_is_the_documented_literal():
     assert [(m.name, m.field) for m in fleet.META_OPTIMIZERS] == [
         ("amp", "amp"),
-        ("recompute", "recompute"),
         ("pipeline", "pipeline"),
+        ("recompute", "recompute"),
         ("gradient_merge", "gradient_merge"),
         ("data_parallel", None),
     ]
     doc = dopt.__doc__
     assert (
-        "amp, recompute (+offload), pipeline, gradient_merge, data_parallel, then the inner optimizer" in doc
+        "amp, pipeline, recompute (+offload), gradient_merge, data_parallel, then the inner optimizer" in doc
     )
 
 
@@ -192,7 +192,7 @@ def test_default_strategy_comes_from_init():
     ).user_defined_strategy.recompute
 
 
-@pytest.mark.parametrize("flag", ["pipeline", "gradient_merge"])  # amp: tests/fleet/test_amp_optimizer.py
+@pytest.mark.parametrize("flag", ["gradient_merge"])  # amp, pipeline: their own tests
 def test_each_enabled_meta_optimizer_is_not_implemented_yet(flag):
     fleet.init()
     s = fleet.DistributedStrategy()

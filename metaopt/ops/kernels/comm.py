@@ -15,5 +15,53 @@ from metaopt.ops.registry import register
     recomputable=False,
     notes="outputs = inputs reduced over every worker, one fused buffer per op (a bucket)",
 )
-def all_reduce(*xs: torch.Tensor, reduce: str = "avg", _rt, _key: str) -> tuple[torch.Tensor, ...]:
-    return tuple(_rt.comm.all_reduce(xs, reduce, f"{len(xs)} tensor(s) ({_key}, ...)"))
+def all_reduce(
+    *xs: torch.Tensor, reduce: str = "avg", ranks: list[int] | None = None, _rt, _key: str
+) -> tuple[torch.Tensor, ...]:
+    """`ranks`: pipeline workers sharing a tied param (None: every worker)."""
+    if ranks is not None and _rt.pipeline is not None:
+        ranks = [_rt.pipeline.rank_of(r) for r in ranks]
+    return tuple(_rt.comm.all_reduce(xs, reduce, f"{len(xs)} tensor(s) ({_key}, ...)", ranks))
+
+
+# --- pipeline -----------------------------------------------------------------------------
+# Send/Recv move one var between neighbouring pipeline workers; the executor's pipeline
+# runtime sets `_rt.pipeline` (virtual stage, micro-batch, symbolic dims) before each
+# action, which the kernels use to check shapes and to name the place in errors.
+
+
+def _expected(shape: list, dims: dict[str, int]) -> tuple[int | None, ...]:
+    from metaopt.ir import eval_dim
+
+    return tuple(d if isinstance(d, int) else eval_dim(d, dims) for d in shape)
+
+
+@register("Send", domain="metaopt", needs_runtime=True, recomputable=False)
+def send(x: torch.Tensor, peer: int, shape: list, _rt, _key: str) -> None:
+    """Send `x` to pipeline worker `peer` (asynchronous: done by the end of the step)."""
+    where = _rt.pipeline.where()
+    _rt.comm.send(x, _rt.pipeline.rank_of(peer), _key, _expected(shape, _rt.pipeline.dims), where)
+
+
+@register("Recv", domain="metaopt", needs_runtime=True, recomputable=False, fresh_outputs=True)
+def recv(peer: int, shape: list, dtype: str, _rt, _key: str) -> torch.Tensor:
+    """The var this op produces, as pipeline worker `peer` sent it."""
+    from metaopt.ir import torch_dtype
+
+    where = _rt.pipeline.where()
+    expected = _expected(shape, _rt.pipeline.dims)
+    return _rt.comm.recv(_rt.pipeline.rank_of(peer), _key, expected, torch_dtype(dtype), where)
+
+
+@register(
+    "GradMerge",
+    domain="metaopt",
+    inplace=((0, 0),),
+    host_inputs=(2,),
+    recomputable=False,
+    notes="acc = grad at micro-batch 0, acc + grad after: the pipeline's per-step accumulator",
+)
+def grad_merge(acc: torch.Tensor, grad: torch.Tensor, micro_batch: torch.Tensor) -> torch.Tensor:
+    if int(micro_batch) == 0:
+        return acc.copy_(grad)
+    return acc.add_(grad)

@@ -1,0 +1,635 @@
+"""Pipeline parallel: split one training program into a stage program per worker.
+
+    plan = plan_pipeline(program, num_stages=2, cuts=["fc2"], micro_batches=4)
+    programs = pipeline(program, num_stages=2, cuts=["fc2"], micro_batches=4)   # one per worker
+
+The input is the finished single-process training program (forward, backward with any
+recompute/offload, optimizer). With ``chunks`` = v > 1 (the interleaved schedule) the
+model is cut into ``num_stages * v`` virtual stages and worker w holds virtual stages
+w, w + num_stages, ...
+
+* **Stages of the forward**: ``cuts`` are module paths or var names where a new virtual
+  stage begins (a module's first op, or a var's producer), or ``"auto"``: boundaries at
+  module starts that balance an estimated cost (2 x params read + elements produced, per
+  sample). Forward ops then have non-decreasing stages in program order.
+* **Everything else follows its origin**: a backward / recompute / offload / prefetch op
+  runs where the forward var it stems from (``origin``) was made; an update runs where its
+  param is read; ``lr-sched`` ops run on every worker (each keeps its own step and LR).
+  A param read in several stages (tied, e.g. GPT's embedding and LM head) is held by each;
+  its grad is summed per holder and all-reduced among exactly the holders' workers before
+  the update, so the copies stay identical.
+* **Transfers**: a var made in virtual stage s and read in t != s is sent by var name,
+  ``Send(x, peer=k+1)`` / ``x = Recv(peer=k)``, between neighbours, relayed through the
+  stages between (activations forward, grads backward). Receives come first in a stage's
+  phase, in the order the neighbour sends, so both sides agree without tags.
+* **Micro-batches**: the executor runs each worker's forward and backward once per
+  micro-batch and the optimizer once per step. The loss grad is scaled by 1/M, and every
+  param grad is accumulated by ``g@MERGED@NEW = GradMerge(g@MERGED, g, micro_batch)``
+  (a copy at micro-batch 0, then in-place adds) that the update reads.
+
+The pass is pure; the plans' and programs' meaning lives in op fields (``stage``,
+``role``, ``origin``) and in ``Program.pipeline``.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+import torch
+
+from metaopt.ir import Op, PipelineInfo, Program, Var, did_you_mean, names, torch_dtype
+
+FORWARD_ROLES = ("forward", "loss")
+BACKWARD_ROLES = ("backward", "recompute", "prefetch")
+OPTIMIZE_ROLES = ("optimize", "lr-sched")
+MICRO_BATCH = names.micro_batch()
+
+
+class PipelineError(ValueError):
+    pass
+
+
+def phase_of(op: Op) -> str:
+    """forward (once per micro-batch, first), backward (per micro-batch) or optimize (per step)."""
+    if op.role in FORWARD_ROLES or op.role == "offload":
+        return "forward"
+    if op.role in BACKWARD_ROLES:
+        return "backward"
+    if op.role in OPTIMIZE_ROLES:
+        return "optimize"
+    # Send/Recv carry their phase as their role; comm ops of other passes are refused.
+    raise PipelineError(f"pipeline: op role {op.role!r} has no pipeline phase: {op.type} -> {op.outputs}")
+
+
+@dataclass
+class PipelinePlan:
+    num_stages: int
+    chunks: int
+    micro_batches: int
+    schedule: str
+    cuts: list[tuple[str, int]]  # (cut, index of the op that begins its virtual stage)
+    op_stages: list[tuple[int, ...]]  # virtual stages running each op of the input program
+    costs: list[float]  # estimated forward cost per virtual stage
+    holders: dict[str, tuple[int, ...]]  # param -> virtual stages reading it
+    transfers: list[tuple[str, int, int]] = field(default_factory=list)  # (var, from, to) neighbours
+    # stage -> {recomputed copy made in another stage: the forward value it equals}: a
+    # recompute segment crossing a cut reads, in the later stage, the received original
+    substitute: dict[int, dict[str, str]] = field(default_factory=dict)
+    sends: dict[tuple[int, str], list[str]] = field(default_factory=dict)  # (stage, phase) -> vars
+    recvs: dict[tuple[int, str], list[str]] = field(default_factory=dict)  # (stage, phase) -> vars
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.num_stages * self.chunks
+
+    @property
+    def shared(self) -> dict[str, tuple[int, ...]]:
+        """Params held by more than one worker -> those workers."""
+        out = {}
+        for w, stages in self.holders.items():
+            workers = tuple(sorted({k % self.num_stages for k in stages}))
+            if len(workers) > 1:
+                out[w] = workers
+        return out
+
+    def worker(self, stage: int) -> int:
+        return stage % self.num_stages
+
+    def __str__(self) -> str:
+        lines = [
+            f"pipeline: {self.num_stages} workers x {self.chunks} chunk(s), {self.micro_batches} "
+            f"micro-batches, schedule {self.schedule}"
+        ]
+        total = sum(self.costs) or 1.0
+        begins = ["<start>", *[c for c, _ in self.cuts]]
+        for k in range(self.virtual_stages):
+            n = sum(1 for s in self.op_stages if k in s)
+            lines.append(
+                f"  stage {k} (worker {self.worker(k)}): begins at {begins[k]}, {n} ops, "
+                f"{100 * self.costs[k] / total:.0f}% of the forward cost"
+            )
+        for w, workers in self.shared.items():
+            lines.append(f"  shared {w}: workers {list(workers)} (grads all-reduced among them)")
+        lines.append(f"  transfers: {len(self.transfers)} sends between neighbours")
+        return "\n".join(lines)
+
+
+# --- planning ------------------------------------------------------------------------------
+
+
+def plan_pipeline(
+    p: Program,
+    *,
+    num_stages: int,
+    cuts: list[str] | str = "auto",
+    micro_batches: int = 1,
+    schedule: str = "1F1B",
+    chunks: int = 1,
+) -> PipelinePlan:
+    """Assign every op of `p` to its virtual stage(s) and list the transfers (see module doc)."""
+    if num_stages < 1 or chunks < 1 or micro_batches < 1:
+        raise PipelineError(
+            f"pipeline: num_stages={num_stages}, chunks={chunks}, micro_batches={micro_batches} must be >= 1"
+        )
+    n_virtual = num_stages * chunks
+    for op in p.ops:
+        phase_of(op)  # refuses roles it cannot place (e.g. data parallel's comm ops)
+    fwd = [i for i, op in enumerate(p.ops) if op.role in FORWARD_ROLES]
+    costs_per_op = {i: _cost(p, p.ops[i]) for i in fwd}
+    if cuts == "auto" or cuts == ["auto"]:
+        resolved = _auto_cuts(p, fwd, costs_per_op, n_virtual)
+    else:
+        if isinstance(cuts, str):
+            cuts = [cuts]
+        resolved = _resolve_cuts(p, list(cuts), fwd, n_virtual)
+    positions = [i for _, i in resolved]
+
+    op_stages: list[tuple[int, ...]] = [()] * len(p.ops)
+    made: dict[str, int] = {}  # forward var -> its virtual stage
+    costs = [0.0] * n_virtual
+    for i in fwd:
+        k = bisect.bisect_right(positions, i)
+        op_stages[i] = (k,)
+        costs[k] += costs_per_op[i]
+        made.update((o, k) for o in p.ops[i].outputs if o)
+    holders = _holders(p, op_stages)
+    params = {v.name for v in p.params(trainable_only=False)}
+    first_chunk = tuple(range(num_stages))  # lr-sched: one copy per worker
+    producers: dict[str, set[int]] = {}
+    chains: dict[str | None, list[int]] = {}  # offload/prefetch ops by the checkpoint they move
+    for i, op in enumerate(p.ops):
+        if op.role in ("offload", "prefetch"):
+            chains.setdefault(op.origin, []).append(i)
+            continue
+        if op_stages[i]:
+            pass
+        elif op.role == "lr-sched":
+            op_stages[i] = first_chunk
+        elif op.role == "optimize":
+            if op.origin not in holders:
+                raise PipelineError(
+                    f"pipeline: optimizer op {op.type} -> {op.outputs} updates no param read by the forward "
+                    "(grad clipping over all stages is not implemented with a pipeline)"
+                )
+            op_stages[i] = holders[op.origin]
+        elif op.origin in made:
+            op_stages[i] = (made[op.origin],)
+        elif op.origin in params and op.origin in holders:
+            op_stages[i] = holders[op.origin]  # the grad sum of a (maybe tied) param: split later
+        else:
+            stages = {k for x in op.inputs if x in producers for k in producers[x]}
+            if not stages:
+                raise PipelineError(
+                    f"pipeline: cannot place op {op.type} -> {op.outputs} (role {op.role}, origin "
+                    f"{op.origin}): it reads nothing made in a stage"
+                )
+            op_stages[i] = (min(stages),)
+        for o in op.outputs:
+            if o:
+                producers.setdefault(o, set()).update(op_stages[i])
+    _place_offload_chains(p, chains, op_stages, made)
+    plan = PipelinePlan(num_stages, chunks, micro_batches, schedule, resolved, op_stages, costs, holders)
+    plan.substitute = _cross_stage_recomputes(p, op_stages)
+    _plan_transfers(p, plan)
+    return plan
+
+
+def _place_offload_chains(
+    p: Program, chains: dict[str | None, list[int]], op_stages: list[tuple[int, ...]], made: dict[str, int]
+) -> None:
+    """A checkpoint's offload, prefetch and wait go where its fetched copy is read: a
+    checkpoint at a cut is made by one stage but read (received) by the next, whose
+    backward is what needs it back."""
+    for x, idx in chains.items():
+        outs = {o for i in idx for o in p.ops[i].outputs if o}
+        stages = {
+            k
+            for j, op in enumerate(p.ops)
+            if op.role not in ("offload", "prefetch") and outs.intersection(op.inputs)
+            for k in op_stages[j]
+        }
+        if not stages:
+            if x not in made:
+                raise PipelineError(f"pipeline: cannot place the offload of {x!r}: nothing reads it back")
+            stages = {made[x]}
+        for i in idx:
+            op_stages[i] = tuple(sorted(stages))
+
+
+def _cross_stage_recomputes(p: Program, op_stages: list[tuple[int, ...]]) -> dict[int, dict[str, str]]:
+    """Recompute is bit-identical to the forward (RNG replay), so a stage reading a copy
+    recomputed in an earlier stage reads the forward original instead (it has it: its own
+    forward received it) — grads flow down the pipeline, recomputed activations never up."""
+    producers = p.producers()
+    equals: dict[str, str] = {}
+    made_in: dict[str, tuple[int, ...]] = {}
+    for i, op in enumerate(p.ops):
+        for o in op.outputs:
+            if o:
+                made_in[o] = op_stages[i]
+        if op.role == "recompute" and op.origin in producers:
+            original = p.ops[producers[op.origin]]
+            equals.update((r, x) for r, x in zip(op.outputs, original.outputs) if r and x and r != x)
+    out: dict[int, dict[str, str]] = {}
+    for i, op in enumerate(p.ops):
+        for k in op_stages[i]:
+            for x in op.inputs:
+                if x in equals and k not in made_in[x]:
+                    out.setdefault(k, {})[x] = equals[x]
+    return out
+
+
+def _plan_transfers(p: Program, plan: PipelinePlan) -> None:
+    """Which vars each virtual stage sends to / receives from its neighbour, per phase:
+    every var read in a stage that did not make it, relayed stage by stage (a worker that
+    already holds the var, for an earlier chunk, passes it on without receiving it)."""
+    made: dict[str, set[int]] = {}
+    phase_made: dict[str, str] = {}
+    for i, op in enumerate(p.ops):
+        for o in op.outputs:
+            if o:
+                made.setdefault(o, set()).update(plan.op_stages[i])
+                phase_made[o] = phase_of(op)
+    local = {v.name for v in p.vars.values() if v.persistable or v.kind == "input"}
+    shared = plan.shared
+    needs: dict[str, set[int]] = {}
+    for i, op in enumerate(p.ops):
+        if phase_of(op) == "optimize":
+            continue  # updates read their own stage's (merged) grads
+        if op.origin in shared and names.grad(op.origin) in op.outputs:
+            continue  # a tied param's grad sum: each holder sums its own parts
+        for k in plan.op_stages[i]:
+            for x in op.inputs:
+                x = plan.substitute.get(k, {}).get(x, x)
+                if x and x not in local and k not in made[x]:
+                    needs.setdefault(x, set()).add(k)
+    held = {x: {plan.worker(k) for k in ks} for x, ks in made.items()}
+    for x in sorted(needs, key=lambda x: (min(made[x]), x)):
+        phase = phase_made[x]
+        src = min(made[x]) if phase == "forward" else max(made[x])
+        for t in sorted(needs[x]):
+            if (phase == "forward" and t < src) or (phase == "backward" and t > src) or phase == "optimize":
+                raise PipelineError(
+                    f"pipeline: virtual stage {t} reads {x!r}, made in the {phase} of stage {src}: only "
+                    "activations flow to later stages and grads to earlier ones"
+                )
+        far = max(needs[x]) if phase == "forward" else min(needs[x])
+        step = 1 if phase == "forward" else -1
+        for k in range(src + step, far + step, step):
+            w = plan.worker(k)
+            if w in held[x]:
+                continue
+            held[x].add(w)
+            plan.sends.setdefault((k - step, phase), []).append(x)
+            plan.recvs.setdefault((k, phase), []).append(x)
+            plan.transfers.append((x, k - step, k))
+
+
+def _cost(p: Program, op: Op) -> float:
+    params = sum(p.vars[x].nbytes({"batch": 1}) or 0 for x in op.inputs if x and p.vars[x].kind == "param")
+    out = sum(p.vars[o].nbytes({"batch": 1}) or 0 for o in op.outputs if o and o in p.vars)
+    return 2.0 * params + out
+
+
+def _module_starts(p: Program, fwd: list[int]) -> dict[str, int]:
+    starts: dict[str, int] = {}
+    for i in fwd:
+        scope = p.ops[i].scope
+        parts = scope.split(".") if scope else []
+        for n in range(1, len(parts) + 1):
+            starts.setdefault(".".join(parts[:n]), i)
+    return starts
+
+
+def _resolve_cuts(p: Program, cuts: list[str], fwd: list[int], n_virtual: int) -> list[tuple[str, int]]:
+    if len(cuts) != n_virtual - 1:
+        raise PipelineError(
+            f"pipeline_configs['cuts'] names {len(cuts)} cut(s) but {n_virtual} (virtual) stages need "
+            f"{n_virtual - 1}: {cuts}"
+        )
+    starts = _module_starts(p, fwd)
+    producers = p.producers()
+    fwd_set = set(fwd)
+    out = []
+    for c in cuts:
+        if c in starts:
+            out.append((c, starts[c]))
+        elif c in producers and producers[c] in fwd_set:
+            out.append((c, producers[c]))
+        else:
+            hint = did_you_mean(c, [*starts, *p.vars])
+            raise PipelineError(
+                f"pipeline_configs['cuts']: {c!r} is neither a module path nor a forward var{hint}"
+            )
+    for (a, i), (b, j) in zip(out, out[1:]):
+        if j <= i:
+            raise PipelineError(
+                f"pipeline_configs['cuts']: {b!r} begins at op {j}, not after {a!r} (op {i}): "
+                "cuts must follow the forward's order, each making a non-empty stage"
+            )
+    if out and out[0][1] <= fwd[0]:
+        raise PipelineError(f"pipeline_configs['cuts']: {out[0][0]!r} leaves stage 0 empty")
+    return out
+
+
+def _auto_cuts(p: Program, fwd: list[int], costs: dict[int, float], n_virtual: int) -> list[tuple[str, int]]:
+    starts = _module_starts(p, fwd)
+    candidates: dict[int, str] = {}
+    for name, i in sorted(starts.items(), key=lambda kv: (kv[1], kv[0].count("."))):
+        candidates.setdefault(i, name)  # the outermost module beginning at op i names the cut
+    positions = sorted(i for i in candidates if i > fwd[0])
+    if len(positions) < n_virtual - 1:
+        raise PipelineError(
+            f"pipeline cuts='auto': {n_virtual} stages need {n_virtual - 1} module boundaries, "
+            f"the forward has {len(positions)}"
+        )
+    prefix, acc = {}, 0.0
+    for i in fwd:
+        prefix[i] = acc  # cost before op i
+        acc += costs[i]
+    chosen: list[int] = []
+    for k in range(1, n_virtual):
+        target = acc * k / n_virtual
+        left = n_virtual - 1 - k  # boundaries still to place after this one
+        pool = [i for i in positions if (not chosen or i > chosen[-1])]
+        pool = pool[: len(pool) - left] if left else pool
+        chosen.append(min(pool, key=lambda i: abs(prefix[i] - target)))
+    return [(candidates[i], i) for i in chosen]
+
+
+def _holders(p: Program, op_stages: list[tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    out: dict[str, set[int]] = {}
+    for i, op in enumerate(p.ops):
+        if op.role in FORWARD_ROLES:
+            for x in op.inputs:
+                if x and p.vars[x].kind == "param":
+                    out.setdefault(x, set()).update(op_stages[i])
+    return {w: tuple(sorted(s)) for w, s in out.items()}
+
+
+# --- rewriting -----------------------------------------------------------------------------
+
+
+def pipeline(
+    p: Program,
+    *,
+    num_stages: int,
+    cuts: list[str] | str = "auto",
+    micro_batches: int = 1,
+    schedule: str = "1F1B",
+    chunks: int = 1,
+) -> list[Program]:
+    """One stage program per worker (see the module doc); ``Program.pipeline`` set on each."""
+    plan = plan_pipeline(
+        p, num_stages=num_stages, cuts=cuts, micro_batches=micro_batches, schedule=schedule, chunks=chunks
+    )
+    return _Splitter(p, plan).programs()
+
+
+@dataclass
+class _StageOps:
+    forward: list[Op] = field(default_factory=list)
+    backward: list[Op] = field(default_factory=list)
+
+
+class _Splitter:
+    def __init__(self, p: Program, plan: PipelinePlan) -> None:
+        self.p, self.plan = p, plan
+        self.V = plan.virtual_stages
+        self.shared = plan.shared
+        self.extra_vars: dict[str, Var] = {}
+        self.extra_values: dict[str, torch.Tensor] = {}
+        self.extra_updates: dict[int, dict[str, str]] = {}  # worker -> updates it adds
+        self.renames: dict[int, dict[str, str]] = {}  # worker -> {grad read by O: merged/reduced}
+
+    # the stage ops per phase, before transfers: (virtual stage -> ops)
+    def _assign(self) -> tuple[list[_StageOps], dict[int, list[Op]]]:
+        stages = [_StageOps() for _ in range(self.V)]
+        optimize: dict[int, list[Op]] = {}
+        seed = self._loss_seed()
+        for i, op in enumerate(self.p.ops):
+            for k in self.plan.op_stages[i]:
+                phase = phase_of(op)
+                sub = self.plan.substitute.get(k, {})
+                placed = _with(op, stage=k, inputs=[sub.get(x, x) for x in op.inputs])
+                if i == seed:
+                    placed = self._scaled_seed(placed)
+                if phase == "optimize":
+                    optimize.setdefault(self.plan.worker(k), []).append(placed)
+                elif op.origin in self.shared and names.grad(op.origin) in op.outputs:
+                    stages[k].backward.append(self._local_grad_sum(placed, k, i))
+                else:
+                    getattr(stages[k], phase).append(placed)
+        for st in stages:
+            st.backward = _drop_unread_recomputes(st.backward)
+        return stages, optimize
+
+    def _loss_seed(self) -> int | None:
+        """The op making the loss grad from constants (append_backward's seed)."""
+        loss = self.p.loss_name
+        if loss is None:
+            return None
+        target = names.grad(loss)
+        consts = {v.name for v in self.p.vars.values() if v.kind == "constant"}
+        for i, op in enumerate(self.p.ops):
+            if target in op.outputs and all(x in consts for x in op.inputs if x):
+                return i
+        return None
+
+    def _scaled_seed(self, op: Op) -> Op:
+        m = self.plan.micro_batches
+        if m == 1:
+            return op
+        const = op.inputs[0]
+        name = names.fresh(f"{const}@DIV{m}", {**self.p.vars, **self.extra_vars})
+        v = self.p.vars[const]
+        self.extra_vars[name] = Var(name, v.dtype, v.shape, "constant")
+        self.extra_values[name] = self.p.values[const] / m  # the loss grad of a mean over M micro-batches
+        return _with(op, inputs=[name, *op.inputs[1:]])
+
+    def _local_grad_sum(self, op: Op, k: int, i: int) -> Op:
+        """A tied param's grad sum, restricted to the parts made in virtual stage k."""
+        producers = self.p.producers()
+        local = [x for x in op.inputs if x and k in self.plan.op_stages[producers[x]]] if op.inputs else []
+        out = names.stage_part(op.outputs[0], k)
+        v = self.p.vars[op.outputs[0]]
+        self.extra_vars[out] = Var(out, v.dtype, v.shape, "grad")
+        if len(local) == 1:
+            return Op("Identity", local, [out], role=op.role, stage=k, scope=op.scope, origin=op.origin)
+        return Op("GradSum", local, [out], role=op.role, stage=k, scope=op.scope, origin=op.origin)
+
+    def programs(self) -> list[Program]:
+        stages, optimize = self._assign()
+        self._merge_grads(stages, optimize)
+        self._place(stages, self.plan.sends, self.plan.recvs)
+        return [self._program(w, stages, optimize.get(w, [])) for w in range(self.plan.num_stages)]
+
+    # --- grad accumulation over micro-batches (and tied params' all-reduce) ---------------
+    def _merge_grads(self, stages: list[_StageOps], optimize: dict[int, list[Op]]) -> None:
+        for w, ops in optimize.items():
+            reads: dict[str, str] = {}
+            for op in ops:
+                if op.role != "optimize" or op.origin is None:
+                    continue
+                g = names.grad(op.origin)
+                if g not in op.inputs:
+                    continue
+                k = next(s for s in self.plan.holders[op.origin] if self.plan.worker(s) == w)
+                made = names.stage_part(g, k) if op.origin in self.shared else g
+                reads[g] = self._merge(stages[k], made, g, w, k)
+            renamed = []
+            for op in ops:
+                renamed.append(_with(op, inputs=[reads.get(x, x) for x in op.inputs]))
+            # tied params: sum the holders' merged grads before their updates
+            comm = []
+            for param, workers in self.shared.items():
+                g = names.grad(param)
+                if w in workers and g in reads:
+                    out = names.reduced(g)
+                    self.extra_vars[out] = Var(out, self.p.vars[g].dtype, self.p.vars[g].shape, "grad")
+                    comm.append(
+                        Op(
+                            "AllReduce",
+                            [reads[g]],
+                            [out],
+                            {"reduce": "sum", "ranks": list(workers)},
+                            role="optimize",
+                            stage=w,
+                            origin=param,
+                        )
+                    )
+                    renamed = [
+                        _with(op, inputs=[out if x == reads[g] else x for x in op.inputs]) for op in renamed
+                    ]
+            optimize[w] = comm + renamed
+
+    def _merge(self, st: _StageOps, grad: str, param_grad: str, w: int, k: int) -> str:
+        acc = names.merged(grad)
+        new = names.new_state(acc)
+        v = self.p.vars[param_grad]
+        self.extra_vars[acc] = Var(acc, v.dtype, v.shape, "opt_state")
+        self.extra_values[acc] = torch.zeros(v.shape, dtype=torch_dtype(v.dtype))
+        self.extra_vars[new] = Var(new, v.dtype, v.shape, "grad")
+        self.extra_updates.setdefault(w, {})[acc] = new
+        self.extra_vars.setdefault(MICRO_BATCH, Var(MICRO_BATCH, "int64", (), "input"))
+        merge = Op("GradMerge", [acc, grad, MICRO_BATCH], [new], role="backward", stage=k, origin=param_grad)
+        # right after the grad is final, so it is freed early
+        at = next((j for j, op in enumerate(st.backward) if grad in op.outputs), len(st.backward) - 1)
+        st.backward.insert(at + 1, merge)
+        return new
+
+    def _place(self, stages, sends, recvs) -> None:
+        order = {"forward": range(self.V), "backward": range(self.V - 1, -1, -1)}
+        for phase, ks in order.items():
+            step = 1 if phase == "forward" else -1
+            emitted: dict[int, list[str]] = {}  # stage -> vars sent to its neighbour, in send order
+            for k in ks:
+                in_vars = recvs.get((k, phase), [])
+                if in_vars:
+                    in_vars = sorted(in_vars, key=emitted.get(k - step, []).index)
+                ops, sent = self._stage_phase(
+                    getattr(stages[k], phase), in_vars, sends.get((k, phase), []), k, step, phase
+                )
+                emitted[k] = sent
+                setattr(stages[k], phase, ops)
+
+    def _stage_phase(
+        self, ops: list[Op], in_vars: list[str], out_vars: list[str], k: int, step: int, phase: str
+    ) -> tuple[list[Op], list[str]]:
+        """Receives first (in the neighbour's send order), then the ops, each send right
+        after the op making its var (or at once, for a var already on this worker)."""
+        var = {**self.p.vars, **self.extra_vars}
+        new = [_recv(x, var[x], k, k - step, phase) for x in in_vars]
+        made_here = {o for op in ops for o in op.outputs if o}
+        pending = list(out_vars)
+        sent: list[str] = []
+        for i in range(-1, len(ops)):
+            if i >= 0:
+                new.append(ops[i])
+            for x in list(pending):
+                if (i < 0 and x not in made_here) or (i >= 0 and x in ops[i].outputs):
+                    new.append(_send(x, var[x], k, k + step, phase))
+                    sent.append(x)
+                    pending.remove(x)
+        if pending:
+            raise PipelineError(f"pipeline: stage {k} cannot send {pending} in its {phase}")
+        return new, sent
+
+    # --- one worker's program ----------------------------------------------------------------
+    def _program(self, w: int, stages: list[_StageOps], optimize: list[Op]) -> Program:
+        p, plan = self.p, self.plan
+        mine = [k for k in range(self.V) if plan.worker(k) == w]
+        ops = [op for k in mine for op in stages[k].forward]
+        ops += [op for k in reversed(mine) for op in stages[k].backward]
+        ops += optimize
+        q = Program(p.name)
+        q.pipeline = PipelineInfo(
+            stage=w,
+            num_stages=plan.num_stages,
+            micro_batches=plan.micro_batches,
+            schedule=plan.schedule,
+            chunks=plan.chunks,
+            groups=tuple(dict.fromkeys(self.shared.values())),
+        )
+        allvars = {**p.vars, **self.extra_vars}
+        values = {**p.values, **self.extra_values}
+        used = dict.fromkeys(x for op in ops for x in (*op.inputs, *op.outputs) if x)
+        produced = {o for op in ops for o in op.outputs if o}
+        for name in allvars:  # the input program's order, then the pass's vars
+            if name in used:
+                q.add_var(
+                    Var(
+                        **{
+                            f: getattr(allvars[name], f)
+                            for f in ("name", "dtype", "shape", "kind", "trainable")
+                        }
+                    ),
+                    values.get(name),
+                )
+        q.ops = ops
+        q.inputs = [x for x in [*p.inputs, MICRO_BATCH] if x in used and x not in produced]
+        q.outputs = [x for x in p.outputs if x in produced]
+        q.loss_name = p.loss_name if p.loss_name in produced else None
+        q.updates = {t: n for t, n in p.updates.items() if n in produced}
+        q.updates.update(self.extra_updates.get(w, {}))
+        q.modules = {m: outs for m, outs in p.modules.items() if all(o in produced for o in outs)}
+        q.sort_vars()
+        return q
+
+
+def _drop_unread_recomputes(ops: list[Op]) -> list[Op]:
+    """Recompute ops whose copies this stage no longer reads (a later stage reads the
+    original instead): dropped, last first, so chains of them go too."""
+    ops = list(ops)
+    while True:
+        read = {x for op in ops for x in op.inputs if x}
+        dead = [i for i, op in enumerate(ops) if op.role == "recompute" and not read.intersection(op.outputs)]
+        if not dead:
+            return ops
+        for i in reversed(dead):
+            del ops[i]
+
+
+def _with(op: Op, **changes) -> Op:
+    fields = {
+        "type": op.type,
+        "inputs": list(op.inputs),
+        "outputs": list(op.outputs),
+        "attrs": dict(op.attrs),
+        "role": op.role,
+        "stage": op.stage,
+        "scope": op.scope,
+        "origin": op.origin,
+    }
+    fields.update(changes)
+    return Op(**fields)
+
+
+def _send(x: str, v: Var, k: int, to: int, phase: str) -> Op:
+    return Op("Send", [x], [], {"peer": to, "shape": list(v.shape or [])}, role=phase, stage=k, origin=x)
+
+
+def _recv(x: str, v: Var, k: int, frm: int, phase: str) -> Op:
+    attrs = {"peer": frm, "shape": list(v.shape or []), "dtype": v.dtype}
+    return Op("Recv", [], [x], attrs, role=phase, stage=k, origin=x)

@@ -1,0 +1,278 @@
+"""Run one worker's pipeline stage program: micro-batches through a schedule.
+
+``Executor.run(stage_program, feed=whole_batch, fetch_list=[loss])`` lands here when
+``program.pipeline`` is set. The stage program (passes/pipeline.py) is cut once into
+sub-programs by (virtual stage, phase): the forward and the backward of each chunk this
+worker holds, run once per micro-batch, and the optimizer, run once per step. What one
+sub-program makes and a later one reads for the same micro-batch (activations the
+backward needs) is fetched, held until then and fed back; the updates' reads of
+accumulated grads come from the scope. The actions come from `runtime.schedules`;
+Send/Recv ops talk to the neighbours through the executor's communicator (gloo on CPU,
+NCCL on CUDA), every receive with the communicator's timeout.
+
+Held activations are counted in the executor's memory accounting, so
+``exe.memory_stats()`` shows what a schedule keeps in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from metaopt.ir import Op, PipelineInfo, Program, Var, names
+from metaopt.runtime import schedules
+
+_PHASES = ("forward", "backward", "optimize")
+_PHASE_OF_ROLE = {
+    "forward": "forward",
+    "loss": "forward",
+    "offload": "forward",
+    "backward": "backward",
+    "recompute": "backward",
+    "prefetch": "backward",
+    "optimize": "optimize",
+    "lr-sched": "optimize",
+}
+
+
+class PipelineState:
+    """What the Send/Recv kernels see of the step in progress (``Runtime.pipeline``)."""
+
+    def __init__(self, info: PipelineInfo) -> None:
+        self.info = info
+        self.stage = info.stage
+        self.micro_batch = 0
+        self.dims: dict[str, int] = {}
+
+    def where(self) -> str:
+        return f"pipeline stage {self.stage} (worker {self.info.stage}), micro-batch {self.micro_batch}"
+
+    def rank_of(self, stage: int) -> int:
+        """The torch.distributed rank running (virtual) pipeline stage `stage`."""
+        return stage % self.info.num_stages
+
+
+@dataclass
+class _Part:
+    program: Program
+    feeds: list[str]  # inputs of the whole program (sliced per micro-batch)
+    carried_in: list[str]  # values made by an earlier part for the same micro-batch
+    carried_out: list[str]  # values a later part reads
+    last_use: frozenset[str] = frozenset()  # carried_in values no later part reads
+
+
+class PipelineRunner:
+    def __init__(self, executor: Any, program: Program) -> None:
+        info = program.pipeline
+        if info is None:
+            raise ValueError(f"program {program.name!r} is not a pipeline stage program")
+        self.exe = executor
+        self.info = info
+        self.program = program
+        self.state = PipelineState(info)
+        self.parts = _cut(program)
+        self.actions = schedules.schedule(
+            info.schedule,
+            num_stages=info.num_stages,
+            stage=info.stage,
+            micro_batches=info.micro_batches,
+            chunks=info.chunks,
+        )
+        self._started = False
+
+    # --- one step --------------------------------------------------------------------
+    def run(self, feed: Mapping[str, Any], fetches: list[str]) -> list[Any]:
+        rt = self.exe.runtime
+        comm = rt.comm  # fails clearly without a process group
+        if not self._started:
+            self._start(comm)
+        m = self.info.micro_batches
+        needed = {x for part in self.parts.values() for x in part.feeds}
+        missing = sorted(needed - set(feed))
+        if missing:
+            raise KeyError(
+                f"pipeline stage {self.info.stage} of program {self.program.name!r} needs feed "
+                f"{missing[0]!r} (feed the whole batch on every worker)"
+            )
+        # every worker is fed the whole batch: its batch size gives the micro-batch size even
+        # on a stage that reads no feed (shapes of what it receives are checked against it)
+        micro = _split_feed(self.program, feed, m)
+        rt.pipeline = self.state
+        tracker = self.exe._tracker
+        held: dict[int, dict[str, torch.Tensor]] = {i: {} for i in range(m)}
+        losses: list[torch.Tensor] = []
+        loss = self.program.loss_name
+        try:
+            for action in self.actions:
+                k = action.chunk * self.info.num_stages + self.info.stage
+                part = self.parts[(k, "forward" if action.kind == "F" else "backward")]
+                i = action.micro_batch
+                self.state.stage, self.state.micro_batch = k, i
+                self.state.dims = {"batch": micro[i]["__batch__"]}
+                feed_i = {x: micro[i][x] for x in part.feeds}
+                if names.micro_batch() in part.program.inputs:
+                    feed_i[names.micro_batch()] = torch.tensor(i, dtype=torch.int64)
+                for x in part.carried_in:
+                    feed_i[x] = held[i].pop(x) if x in part.last_use else held[i][x]
+                want = list(part.carried_out) + ([loss] if loss in _produced(part.program) else [])
+                out = self.exe.run(part.program, feed=feed_i, fetch_list=want, return_numpy=False)
+                for x in part.last_use:
+                    tracker.release(feed_i[x])
+                for x, t in zip(want, out, strict=True):
+                    if x == loss and x not in part.carried_out:
+                        losses.append(t.detach())
+                        continue
+                    held[i][x] = t
+                    tracker.acquire(t)
+            comm.finish_sends()
+            opt = self.parts.get((-1, "optimize"))
+            if opt is not None:
+                self.exe.run(opt.program, feed={}, fetch_list=[], return_numpy=False)
+        finally:
+            rt.pipeline = None
+            for values in held.values():
+                for t in values.values():
+                    tracker.release(t)
+        return [self._fetch(f, losses) for f in fetches]
+
+    def _fetch(self, name: str, losses: list[torch.Tensor]) -> Any:
+        if name == self.program.loss_name:
+            # the mean over the micro-batches: the full batch's loss (equal micro-batches)
+            return torch.stack(losses).mean()
+        var = self.program.vars.get(name)
+        if var is None:
+            return None  # a var of another stage (the loss on any worker but the last)
+        if var.persistable:
+            return self.exe.scope[name].clone()
+        raise NotImplementedError(
+            f"fetch {name!r} from a pipeline stage program: only the loss and persistables "
+            "(params, optimizer state) can be fetched from a pipelined step"
+        )
+
+    def _start(self, comm) -> None:
+        """First run: make the tied-param groups (every worker, same order) and give each
+        group's copies the value of its first worker."""
+        for group in self.info.groups:
+            comm.group([self.state.rank_of(r) for r in group])
+        tied: list[tuple[str, tuple[int, ...]]] = []
+        for op in self.program.ops:
+            if op.type == "AllReduce" and op.attrs.get("ranks") is not None and op.origin:
+                tied.append((op.origin, tuple(op.attrs["ranks"])))
+        self.exe._materialise(self.program, [name for name, _ in tied])
+        for name, ranks in sorted(tied):
+            comm.broadcast(
+                self.exe.scope[name],
+                self.state.rank_of(min(ranks)),
+                f"the tied param {name!r}",
+                [self.state.rank_of(r) for r in ranks],
+            )
+        self._started = True
+
+
+# --- cutting the stage program ---------------------------------------------------------------
+
+
+def _phase(op: Op) -> str:
+    phase = _PHASE_OF_ROLE.get(op.role)
+    if phase is None:
+        raise ValueError(f"pipeline: op role {op.role!r} has no phase ({op.type} -> {op.outputs})")
+    return phase
+
+
+def _cut(p: Program) -> dict[tuple[int, str], _Part]:
+    """Sub-programs keyed (virtual stage, phase); the optimizer is (-1, "optimize")."""
+    groups: dict[tuple[int, str], list[Op]] = {}
+    for op in p.ops:
+        phase = _phase(op)
+        key = (-1, phase) if phase == "optimize" else (op.stage, phase)
+        groups.setdefault(key, []).append(op)
+    keys = list(groups)  # program order: forwards by chunk, backwards, then the optimizer
+    made_in = {o: key for key in keys for op in groups[key] for o in op.outputs if o}
+    reads = {key: {x for op in groups[key] for x in op.inputs if x} for key in keys}
+    update_of = {new: target for target, new in p.updates.items()}
+    parts: dict[tuple[int, str], _Part] = {}
+    for key in keys:
+        ops = groups[key]
+        produced = {o for op in ops for o in op.outputs if o}
+        later = [k2 for k2 in keys[keys.index(key) + 1 :] if k2[1] != "optimize"]
+        carried_out = sorted(
+            {x for k2 in later for x in reads[k2] if x in produced}, key=lambda x: list(p.vars).index(x)
+        )
+        sub, feeds, carried_in = _subprogram(p, key, ops, produced, made_in, update_of)
+        parts[key] = _Part(sub, feeds, carried_in, carried_out)
+    last_reader: dict[str, tuple[int, str]] = {}
+    for key, part in parts.items():  # key order = the order one micro-batch goes through them
+        for x in part.carried_in:
+            last_reader[x] = key
+    for key, part in parts.items():
+        part.last_use = frozenset(x for x in part.carried_in if last_reader[x] == key)
+    return parts
+
+
+def _subprogram(p, key, ops, produced, made_in, update_of):
+    name = f"{p.name}.{'optimizer' if key[0] < 0 else f'stage{key[0]}.{key[1]}'}"
+    q = Program(name)
+    renames: dict[str, str] = {}
+    if key[1] == "optimize":
+        # the updates read the accumulated grads: from the scope, where the backward put them
+        renames = {x: update_of[x] for op in ops for x in op.inputs if x in update_of and x not in produced}
+    # A part runs on one worker: the virtual stages of its ops (chunks) need no transfers.
+    ops = [Op(op.type, [renames.get(x, x) for x in op.inputs], *_rest(op)) for op in ops]
+    used = dict.fromkeys(x for op in ops for x in (*op.inputs, *op.outputs) if x)
+    feeds, carried_in = [], []
+    for x in used:
+        v = p.vars[x]
+        if v.persistable or x in produced:
+            q.add_var(_copy(v), p.values.get(x))
+            continue
+        if key[1] == "optimize":
+            raise ValueError(f"pipeline: the optimizer reads {x!r}, made once per micro-batch")
+        q.add_var(_copy(v, kind="input"))
+        if x == names.micro_batch():
+            continue  # fed by the runner
+        (feeds if v.kind == "input" else carried_in).append(x)
+        if v.kind != "input" and x not in made_in:
+            raise ValueError(f"pipeline: {x!r} is read by {name} but made by no part")
+    q.inputs = feeds + carried_in + ([names.micro_batch()] if names.micro_batch() in used else [])
+    q.ops = ops
+    q.updates = {t: n for t, n in p.updates.items() if n in produced}
+    q.loss_name = p.loss_name if p.loss_name in produced else None
+    q.outputs = [q.loss_name] if q.loss_name else []
+    return q, feeds, carried_in
+
+
+def _rest(op: Op) -> tuple:
+    return (list(op.outputs), dict(op.attrs), op.role, None, op.scope, op.origin)
+
+
+def _copy(v: Var, kind: str | None = None) -> Var:
+    return Var(v.name, v.dtype, v.shape, kind or v.kind, v.trainable)
+
+
+def _produced(p: Program) -> set[str]:
+    return {o for op in p.ops for o in op.outputs if o}
+
+
+def _split_feed(p: Program, feed: Mapping[str, Any], m: int) -> list[dict[str, Any]]:
+    """The whole batch's feeds cut into `m` equal micro-batches along dim 0."""
+    batch = None
+    out: list[dict[str, Any]] = [{} for _ in range(m)]
+    for name, value in feed.items():
+        t = torch.as_tensor(value)
+        n = t.shape[0] if t.dim() else None
+        if n is None or n % m:
+            raise ValueError(
+                f"pipeline: feed {name!r} has batch {n} ({list(t.shape)}), which does not split into "
+                f"{m} equal micro-batches (pipeline_configs accumulate_steps / micro_batch_size)"
+            )
+        if batch is not None and n != batch:
+            raise ValueError(f"pipeline: feed {name!r} has batch {n}, other feeds have {batch}")
+        batch = n
+        for i, piece in enumerate(t.chunk(m)):
+            out[i][name] = piece
+    for i in range(m):
+        out[i]["__batch__"] = (batch or 0) // m
+    return out

@@ -1,0 +1,82 @@
+"""One pipeline worker (started by test_pipeline.py with RANK/WORLD_SIZE/MASTER_*).
+
+argv: out dir, then cases "name:schedule:micro_batches:mode" (mode: plain | recompute |
+offload). For each case: export the model (same seed on every worker), split it into
+stages with fleet's pipeline meta optimizer, train STEPS Adam steps on the full batch
+(each worker is fed the whole batch; micro-batches are cut by the runtime) and write the
+losses (last stage) and this worker's params to `<out>/<case>.rank<r>.pt`.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import torch
+from dp_worker import full_batch
+
+import metaopt
+import programs
+from metaopt import fleet
+
+STEPS = 3
+CUTS = {  # where stage k begins, for 2 and 4 stages
+    ("mlp", 2): ["fc2"],
+    ("mlp", 4): ["relu1", "fc2", "fc3"],
+    ("mlp", 8): ["relu1", "dropout1", "fc2", "relu2", "dropout2", "fc3", "loss"],
+    ("bert", 2): ["bert.encoder.layer.1"],
+    ("bert", 4): ["bert.encoder.layer.0", "bert.encoder.layer.1", "cls"],
+    ("gpt", 2): ["transformer.h.1"],
+    ("gpt", 4): ["transformer.h.0", "transformer.h.1", "transformer.ln_f"],
+}
+CHECKPOINTS = {"mlp": ["fc1", "fc2"], "bert": ["bert.encoder.layer.*"], "gpt": ["transformer.h.*"]}
+
+
+@functools.cache
+def exported(name: str) -> metaopt.Program:
+    mod = programs.get(name)
+    model = mod.build("tiny", seed=0, dropout=0.0)
+    return metaopt.export(model, mod.example_inputs("tiny", 4, seed=1), name=name)
+
+
+def train_case(case: str, rank: int, world: int) -> dict:
+    """case = name:schedule:micro_batches:mode[:chunks[:steps]]"""
+    name, schedule, m, mode, *rest = case.split(":")
+    chunks = int(rest[0]) if rest else 1
+    steps = int(rest[1]) if len(rest) > 1 else STEPS
+    mod = programs.get(name)
+    main = exported(name).clone()
+    strategy = fleet.DistributedStrategy()
+    strategy.pipeline = True
+    strategy.pipeline_configs = {
+        "accumulate_steps": int(m),
+        "schedule_mode": schedule,
+        "cuts": CUTS[(name, world * chunks)],
+        "chunks": chunks,
+    }
+    if mode in ("recompute", "offload"):
+        strategy.recompute = True
+        strategy.recompute_configs = {"checkpoints": CHECKPOINTS[name], "enable_offload": mode == "offload"}
+    opt = fleet.distributed_optimizer(metaopt.optimizer.Adam(learning_rate=1e-2), strategy)
+    opt.minimize(main.loss)
+    exe = metaopt.Executor("cpu")
+    losses = []
+    for step in range(steps):
+        feed = dict(zip(mod.INPUT_NAMES, full_batch(name, step), strict=True))
+        (loss,) = exe.run(main, feed=feed, fetch_list=["loss"])
+        losses.append(None if loss is None else float(loss))
+    params = {v.name: exe.scope[v.name].clone() for v in main.params()}
+    return {"losses": losses, "params": params, "program": str(main)}
+
+
+def main() -> None:
+    out, cases = sys.argv[1], sys.argv[2:]
+    fleet.init(is_collective=True)
+    rank, world = fleet.worker_index(), fleet.worker_num()
+    for case in cases:
+        torch.save(train_case(case, rank, world), f"{out}/{case}.rank{rank}.pt")
+    fleet.barrier_worker()
+
+
+if __name__ == "__main__":
+    main()
