@@ -86,8 +86,9 @@ class PipelineRunner:
     # --- one step --------------------------------------------------------------------
     def run(self, feed: Mapping[str, Any], fetches: list[str]) -> list[Any]:
         rt = self.exe.runtime
-        comm = rt.comm  # fails clearly without a process group
-        if not self._started:
+        # one stage (gradient accumulation over micro-batches) talks to nobody
+        comm = rt.comm if self.info.num_stages > 1 else None  # fails clearly without a group
+        if not self._started and comm is not None:
             self._start(comm)
         m = self.info.micro_batches
         needed = {x for part in self.parts.values() for x in part.feeds}
@@ -127,7 +128,8 @@ class PipelineRunner:
                         continue
                     held[i][x] = t
                     tracker.acquire(t)
-            comm.finish_sends()
+            if comm is not None:
+                comm.finish_sends()
             opt = self.parts.get((-1, "optimize"))
             if opt is not None:
                 self.exe.run(opt.program, feed={}, fetch_list=[], return_numpy=False)

@@ -70,6 +70,7 @@ FLEET_DEFAULTS = {
         "num_stages": None,  # ours
         "dp_degree": 1,  # ours
         "shared": [],  # ours
+        "chunks": 1,  # ours: virtual stages per worker (interleaved)
     },
     "gradient_merge_configs": {"k_steps": 1, "avg": True},
 }
@@ -82,7 +83,7 @@ OURS = {
         "offload_checkpoints",
         "seed_random_ops",
     },
-    "pipeline_configs": {"cuts", "num_stages", "dp_degree", "shared"},
+    "pipeline_configs": {"cuts", "num_stages", "dp_degree", "shared", "chunks"},
 }
 
 
