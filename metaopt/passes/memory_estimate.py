@@ -44,20 +44,26 @@ def estimate_memory(p: Program, *, dims: dict[str, int], fetches: tuple[str, ...
             storage[x], refs[x] = x, 1
             live += nbytes(x)
     peak, peak_op = live, -1
+    host: set[str] = set()  # storages in host memory
     for i, op in enumerate(p.ops):
         row = registry.get(op.type)
         # Which input's storage each output reuses: a view's input 0; an in-place pair's input.
         shares = {k: j for k, j in (row.inplace if row is not None else ())}
         if row is not None and row.view:
             shares.update({k: 0 for k in range(len(op.outputs))})
+        # Outputs in host memory (offload's copies) are not device bytes: the executor
+        # counts them in its host account.
+        on_host = row is not None and row.host_memory is not None and row.host_memory(op.attrs)
         for k, o in enumerate(op.outputs):
             if not o:
                 continue
             src = op.inputs[shares[k]] if k in shares and shares[k] < len(op.inputs) else ""
             s = storage.get(src, src) if src in storage or src in persistent else o
             storage[o] = s
+            if s == o and on_host:
+                host.add(o)
             refs[s] = refs.get(s, 0) + 1
-            if s == o:
+            if s == o and not on_host:
                 live += nbytes(o)
         if live > peak:
             peak, peak_op = live, i
@@ -65,6 +71,6 @@ def estimate_memory(p: Program, *, dims: dict[str, int], fetches: tuple[str, ...
             if x and x in storage and x not in persistent and last.get(x) == i:
                 s = storage.pop(x)
                 refs[s] -= 1
-                if refs[s] == 0:
+                if refs[s] == 0 and s not in host:
                     live -= nbytes(s)
     return MemoryEstimate(peak, persistable, peak_op)

@@ -11,6 +11,7 @@ import metaopt
 import programs
 from metaopt import fleet
 from metaopt.ir import parse_program, verify
+from metaopt.passes.memory_estimate import estimate_memory
 from metaopt.passes.offload import OffloadError, offload, offloaded_bytes
 from metaopt.passes.recompute import plan_recompute, recompute
 
@@ -90,6 +91,10 @@ def test_bert_24_layers_offload_activation_peak_at_most_0_7_of_recompute():
     # batch 64: activations, not the (tiny-width) model's gradients, set the peak
     peaks = [_measured_activation_peak(prog, 64) for prog in (rc, of)]
     assert peaks[1] <= 0.7 * peaks[0], peaks
+    # the estimate predicts both: host copies are not device bytes
+    for prog, measured in zip((rc, of), peaks, strict=True):
+        est = estimate_memory(prog, dims={"batch": 64}, fetches=(prog.loss_name,))
+        assert est.activation_peak_bytes == measured
 
 
 def test_bad_input_errors():
