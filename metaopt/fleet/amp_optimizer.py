@@ -38,7 +38,9 @@ from typing import Any
 import torch
 
 from metaopt.dump import dump
+from metaopt.fleet import env
 from metaopt.ir import Op, Program, Var, names, torch_dtype
+from metaopt.ops.kernels.amp import check_amp_device
 from metaopt.ops.kernels.optim import SKIP_INPUT
 from metaopt.passes.amp import (
     LOW_DTYPES,
@@ -98,6 +100,11 @@ class AmpOptimizer:
         self, loss: Var, startup_program: Any = None, parameter_list: Any = None, no_grad_set: Any = None
     ) -> tuple[list, list]:
         program = loss.program
+        # The device this worker trains on, by fleet's convention (as data parallel's broadcast):
+        # refused here, before anything is rewritten; the program's first op checks the
+        # executor's actual device again when it runs.
+        cuda = torch.cuda.is_available()
+        check_amp_device(self.dtype, torch.device("cuda", env.local_rank()) if cuda else torch.device("cpu"))
         self.amp_plan = plan_amp(program, **self._how())
         work = amp(program, **self._how())
         dump(work, "amp")

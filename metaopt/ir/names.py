@@ -142,6 +142,11 @@ def found_inf() -> str:
     return "found_inf"
 
 
+def amp_device_ok() -> str:
+    """What the AMP device check yields (an ONNX node needs an output): true, or it raised."""
+    return "amp_device_ok"
+
+
 # --- pipeline (passes/pipeline.py) -------------------------------------------------------
 
 

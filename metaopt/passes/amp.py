@@ -405,8 +405,12 @@ def amp(
         out_ops.append(op)
         out_ops.extend(after)
     # The executor's device is known only when the program runs: refuse one without `dtype`
-    # kernels there, before the first low-precision op (ops/kernels/amp.py).
-    guard = Op("CheckAmpDevice", [], [], {"dtype": low}, role="forward")
+    # kernels there, before the first low-precision op (ops/kernels/amp.py). (Nothing reads
+    # its output: loading a saved program back drops it with the other dead forward ops;
+    # fleet's minimize also checks the worker's device.)
+    ok = names.fresh(names.amp_device_ok(), q.vars)
+    q.add_var(Var(ok, "bool", ()))
+    guard = Op("CheckAmpDevice", [], [ok], {"dtype": low}, role="forward")
     q.ops = [guard, *out_ops, *q.ops[end:]]
     return q
 

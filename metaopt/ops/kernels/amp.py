@@ -129,8 +129,10 @@ def check_amp_device(dtype: str, device: torch.device) -> None:
     _SUPPORTED.add(key)
 
 
-@register("CheckAmpDevice", domain="metaopt", needs_device=True, recomputable=False)
-def check_amp_device_op(*, dtype: str, _device: torch.device) -> None:
-    """No inputs, no outputs: refuses, before the first low-precision op runs, a device that
-    cannot run `dtype` (the executor's device is only known when the program runs)."""
+@register("CheckAmpDevice", domain="metaopt", needs_device=True, host_outputs=True, recomputable=False)
+def check_amp_device_op(*, dtype: str, _device: torch.device) -> torch.Tensor:
+    """Refuses, before the first low-precision op runs, a device that cannot run `dtype`
+    (the executor's device is only known when the program runs). No inputs; its output
+    (true, a host value nothing reads) is there because an ONNX node needs one."""
     check_amp_device(dtype, _device)
+    return torch.tensor(True)
