@@ -373,9 +373,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_data_parallel_ranks_skip_the_same_step(tmp_path):
-    """Only rank 1's batch overflows at step 2; the check reads the all-reduced grads, so both
-    ranks skip that step, shrink the scale alike and stay identical."""
+def _two_workers(script: str, out: Path) -> list:
     port = _free_port()
     procs = []
     for rank in range(2):
@@ -389,7 +387,7 @@ def test_data_parallel_ranks_skip_the_same_step(tmp_path):
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
             "OMP_NUM_THREADS": "1",
         }
-        cmd = [sys.executable, str(HERE / "amp_dp_worker.py"), str(tmp_path)]
+        cmd = [sys.executable, str(HERE / script), str(out)]
         procs.append(
             subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         )
@@ -399,9 +397,15 @@ def test_data_parallel_ranks_skip_the_same_step(tmp_path):
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            pytest.fail("AMP data-parallel workers did not finish in 180 s")
-        assert p.returncode == 0, f"worker {r} exited {p.returncode}:\n{log[-3000:]}"
-    traces = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+            pytest.fail(f"{script}: workers did not finish in 180 s")
+        assert p.returncode == 0, f"{script}: worker {r} exited {p.returncode}:\n{log[-3000:]}"
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+
+def test_data_parallel_ranks_skip_the_same_step(tmp_path):
+    """Only rank 1's batch overflows at step 2; the check reads the all-reduced grads, so both
+    ranks skip that step, shrink the scale alike and stay identical."""
+    traces = _two_workers("amp_dp_worker.py", tmp_path)
     for a, b in zip(*traces, strict=True):
         assert a["loss_scaling"] == b["loss_scaling"] and a["global_step"] == b["global_step"]
         assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
@@ -410,3 +414,16 @@ def test_data_parallel_ranks_skip_the_same_step(tmp_path):
     assert all(
         torch.equal(traces[0][1]["params"][k], traces[0][2]["params"][k]) for k in traces[0][1]["params"]
     )
+
+
+def test_pipeline_stages_skip_the_same_step(tmp_path):
+    """Only stage 0's grads overflow at step 2 (stage 1's are finite): the stages sum their
+    flags, so both skip that step (params untouched on both), halve the scale alike and go on."""
+    traces = _two_workers("amp_pp_worker.py", tmp_path)
+    for stage in traces:
+        assert [t["global_step"] for t in stage] == [1, 2, 2, 3, 4]
+        assert [t["loss_scaling"] for t in stage] == [1024.0, 1024.0, 512.0, 512.0, 512.0]
+        one, two, three = (stage[k]["params"] for k in (1, 2, 3))
+        assert all(torch.equal(one[k], two[k]) for k in one)  # the skipped step changed nothing
+        assert all(not torch.equal(two[k], three[k]) for k in two)  # the next one updated every param
+    assert set(traces[0][0]["params"]) == {"fc1.weight", "fc1.bias"}  # each stage has its own params
