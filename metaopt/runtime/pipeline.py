@@ -100,7 +100,7 @@ class PipelineRunner:
             )
         # every worker is fed the whole batch: its batch size gives the micro-batch size even
         # on a stage that reads no feed (shapes of what it receives are checked against it)
-        micro = _split_feed(self.program, feed, m)
+        micro = _split_feed(self.program, feed, m, keep=needed)
         rt.pipeline = self.state
         tracker = self.exe._tracker
         held: dict[int, dict[str, torch.Tensor]] = {i: {} for i in range(m)}
@@ -258,8 +258,9 @@ def _produced(p: Program) -> set[str]:
     return {o for op in p.ops for o in op.outputs if o}
 
 
-def _split_feed(p: Program, feed: Mapping[str, Any], m: int) -> list[dict[str, Any]]:
-    """The whole batch's feeds cut into `m` equal micro-batches along dim 0."""
+def _split_feed(p: Program, feed: Mapping[str, Any], m: int, keep: set[str]) -> list[dict[str, Any]]:
+    """The `keep` feeds cut into `m` equal micro-batches along dim 0 (every feed is checked:
+    the micro-batch size comes from the whole batch, whichever feeds this stage reads)."""
     batch = None
     out: list[dict[str, Any]] = [{} for _ in range(m)]
     for name, value in feed.items():
@@ -273,8 +274,9 @@ def _split_feed(p: Program, feed: Mapping[str, Any], m: int) -> list[dict[str, A
         if batch is not None and n != batch:
             raise ValueError(f"pipeline: feed {name!r} has batch {n}, other feeds have {batch}")
         batch = n
-        for i, piece in enumerate(t.chunk(m)):
-            out[i][name] = piece
+        if name in keep:  # a stage holds only what it reads (labels: the last stage)
+            for i, piece in enumerate(t.chunk(m)):
+                out[i][name] = piece
     for i in range(m):
         out[i]["__batch__"] = (batch or 0) // m
     return out
