@@ -213,6 +213,9 @@ def _join_process_group(env: WorkerEnv) -> bool:
 def _destroy_at_exit() -> None:
     import torch.distributed as dist
 
+    from metaopt.runtime.comm import forget_groups
+
+    forget_groups()
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -281,8 +284,5 @@ def barrier_worker() -> None:
 def reset() -> None:
     """Forget ``init`` (for tests and notebooks); destroys the process group ``init`` created."""
     if _STATE.created_group:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _destroy_at_exit()
     _STATE.__init__()

@@ -154,6 +154,14 @@ def plan_pipeline(
         costs[k] += costs_per_op[i]
         made.update((o, k) for o in p.ops[i].outputs if o)
     holders = _holders(p, op_stages)
+    for w, stages in holders.items():
+        workers = [k % num_stages for k in stages]
+        if len(set(workers)) < len(workers):
+            raise PipelineError(
+                f"pipeline: param {w!r} is read by virtual stages {list(stages)}, two of them on the same "
+                f"worker (chunks={chunks}): a param shared by two chunks of one worker is not supported "
+                "yet; choose cuts that keep its readers in one chunk per worker"
+            )
     params = {v.name for v in p.params(trainable_only=False)}
     first_chunk = tuple(range(num_stages))  # lr-sched: one copy per worker
     producers: dict[str, set[int]] = {}

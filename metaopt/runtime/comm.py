@@ -63,6 +63,11 @@ def timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=float(raw) if raw else DEFAULT_TIMEOUT_S)
 
 
+def forget_groups() -> None:
+    """Drop the sub-groups made so far (their default group is being destroyed)."""
+    _GROUPS.clear()
+
+
 def require_process_group() -> None:
     """Raise CommError unless torch.distributed's default group exists."""
     _dist()
@@ -137,7 +142,7 @@ class Communicator:
                 f"{where}: Send of {var!r}: its shape is {list(t.shape)} but the program expects "
                 f"{_fmt(expected)} (the receiving worker {peer} reports it too)"
             )
-        data = t.contiguous() if self.backend != "nccl" else t.to(self.device).contiguous()
+        data = t.to(self._p2p_device()).contiguous()
         self._isend(data, peer, f"Send of {var!r} to worker {peer} ({where})")
 
     def recv(
@@ -155,6 +160,7 @@ class Communicator:
                 f"{_fmt(tuple(None if d < 0 else d for d in shape))} (see worker {peer}'s error)"
             )
         if name_hash != _hash(var):
+            self._reject(peer, var, expected)
             raise PipelineCommError(
                 f"{what}: worker {peer} sent another var (shape {list(shape)}): the two programs' "
                 "send/recv orders disagree"
@@ -225,7 +231,13 @@ class Communicator:
     def _wait(self, work, what: str, t: torch.Tensor) -> None:
         t0 = time.perf_counter()
         try:
-            work.wait(self.timeout)
+            if self.backend == "nccl":
+                # NCCL: a wait with a timeout blocks the host until the kernel is done; a
+                # plain wait orders the compute stream after it, and the group's own timeout
+                # (fleet.init gives it METAOPT_COMM_TIMEOUT) ends a hang in its watchdog.
+                work.wait()
+            else:
+                work.wait(self.timeout)
         except Exception as e:  # gloo/NCCL raise RuntimeError subclasses with their own text
             raise CommError(
                 f"{what} failed on rank {self.rank} of {self.world_size} after "

@@ -30,23 +30,26 @@ class CopyEngine:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
-        self._buffers: dict[str, torch.Tensor] = {}  # var name -> flat pinned buffer (CUDA)
+        self._buffers: dict[object, torch.Tensor] = {}  # var (, micro-batch) -> flat pinned buffer
         self._offloaded: dict[int, torch.cuda.Event] = {}  # pinned storage ptr -> copy done
         self._fetched: dict[int, torch.cuda.Event] = {}  # device storage ptr -> prefetch done
         self._copy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._wait_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._copy_s = 0.0
+        self.offloaded_bytes = 0  # copied to host memory since start_run
+        self.fetched_bytes = 0  # copied back to the device since start_run
         if self.cuda:
             self.d2h = torch.cuda.Stream(device)
             self.h2d = torch.cuda.Stream(device)
 
     # --- per run ----------------------------------------------------------------
     def start_run(self) -> None:
+        """Reset the counters (once per executor run, or per pipeline step). The events of
+        copies in flight are kept: a pipeline's backward part waits on its forward's."""
         self._copy_s = 0.0
+        self.offloaded_bytes = self.fetched_bytes = 0
         self._copy_events.clear()
         self._wait_events.clear()
-        self._offloaded.clear()
-        self._fetched.clear()
 
     def seconds(self) -> tuple[float, float]:
         """(time the last run's copies took, time compute waited on them), in seconds."""
@@ -63,7 +66,10 @@ class CopyEngine:
         return sum(b.untyped_storage().nbytes() for b in self._buffers.values())
 
     # --- the ops ----------------------------------------------------------------
-    def to_host(self, x: torch.Tensor, key: str) -> torch.Tensor:
+    def to_host(self, x: torch.Tensor, key: object) -> torch.Tensor:
+        """`key` names the buffer reused every step: the var, and the micro-batch when a
+        pipeline holds several micro-batches' copies at once."""
+        self.offloaded_bytes += x.numel() * x.element_size()
         if not self.cuda:
             t0 = time.perf_counter()
             out = x.clone()
@@ -83,6 +89,7 @@ class CopyEngine:
         return buf
 
     def to_device(self, xh: torch.Tensor) -> torch.Tensor:
+        self.fetched_bytes += xh.numel() * xh.element_size()
         if not self.cuda:
             t0 = time.perf_counter()
             out = xh.to(self.device, copy=True)
@@ -91,7 +98,7 @@ class CopyEngine:
         compute = torch.cuda.current_stream(self.device)
         out = torch.empty(xh.shape, dtype=xh.dtype, device=self.device)  # allocated on compute
         self.h2d.wait_stream(compute)  # out's block may have been in use by compute until now
-        offloaded = self._offloaded.get(xh.untyped_storage().data_ptr())
+        offloaded = self._offloaded.pop(xh.untyped_storage().data_ptr(), None)
         if offloaded is not None:
             self.h2d.wait_event(offloaded)
         start, end = _timed_events()
@@ -100,6 +107,8 @@ class CopyEngine:
             out.copy_(xh, non_blocking=True)
             end.record()
         out.record_stream(self.h2d)
+        if xh.is_cuda:  # not expected (Memcpy reads the pinned copy), but then keep it alive too
+            xh.record_stream(self.h2d)
         self._fetched[out.untyped_storage().data_ptr()] = end
         self._copy_events.append((start, end))
         return out
@@ -118,7 +127,7 @@ class CopyEngine:
         after.record(compute)
         self._wait_events.append((before, after))
 
-    def _buffer(self, key: str, x: torch.Tensor) -> torch.Tensor:
+    def _buffer(self, key: object, x: torch.Tensor) -> torch.Tensor:
         n = x.numel()
         buf = self._buffers.get(key)
         if buf is None or buf.dtype != x.dtype or buf.numel() < n:

@@ -46,8 +46,28 @@ class Executor:
         """Run `program` once; returns the fetched values in `fetch_list` order."""
         fetches = [f.name if isinstance(f, Var) else f for f in (fetch_list or [])]
         if program.pipeline is not None:
+            self._start_step()  # one step of counters for all the micro-batches' parts
             out = self._pipeline_runner(program).run(feed or {}, fetches)
             return [_to_numpy(t) if return_numpy and t is not None else t for t in out]
+        self._start_step()
+        out = self._run_part(program, feed or {}, fetches)
+        if return_numpy:
+            return [_to_numpy(t) for t in out]
+        return list(out)
+
+    def _start_step(self) -> None:
+        self._tracker.start_run()
+        self.runtime.start_run()
+
+    def _run_part(
+        self,
+        program: Program,
+        feed: Mapping[str, Any],
+        fetches: list[str],
+        carried: Mapping[str, torch.Tensor] | None = None,
+    ) -> tuple:
+        """Run `program` within the current step. `carried`: values a pipeline part made for
+        a later one, passed as they are (a pinned host copy stays on the host)."""
         key = (program.uid, program.version, tuple(fetches))
         plan = self._plans.pop(key, None)
         if plan is None:
@@ -62,16 +82,13 @@ class Executor:
                         self._tracker.release(t)
         self._plans[key] = plan  # most recently used last
         self._materialise(program, plan.persistables)
-        feeds = self._feeds(program, feed or {}, plan.feeds)
-        self._tracker.start_run()
-        self.runtime.start_run()
+        carried = carried or {}
+        feeds = self._feeds(program, feed, [x for x in plan.feeds if x not in carried])
+        feeds.update(carried)
         try:
-            out = plan.fn(self.scope, feeds, self._tracker)
+            return plan.fn(self.scope, feeds, self._tracker)
         finally:
             self._tracker.end_run()
-        if return_numpy:
-            return [_to_numpy(t) for t in out]
-        return list(out)
 
     def _pipeline_runner(self, program: Program):
         """The runner of a pipeline stage program (micro-batches through its schedule)."""
@@ -127,8 +144,9 @@ class Executor:
             "last_run_peak_bytes": t.run_peak,
             "persistable_bytes": persist,
             "host_peak_bytes": t.host_peak,
-            "offloaded_bytes": t.offloaded,  # copied to host memory in the last run
-            "fetched_bytes": t.fetched,  # copied back to the device in the last run
+            # copied to host memory and back in the last run (a pipeline's: its last step)
+            "offloaded_bytes": self.runtime.copies.offloaded_bytes,
+            "fetched_bytes": self.runtime.copies.fetched_bytes,
         }
         # Offload copies of the last run: their own time, and how long compute waited on them
         # (on CUDA, read from events: this synchronises the device).

@@ -11,7 +11,7 @@ import torch
 
 
 class MemoryTracker:
-    __slots__ = ("refs", "live", "peak", "host_live", "host_peak", "run_peak", "offloaded", "fetched")
+    __slots__ = ("refs", "live", "peak", "host_live", "host_peak", "run_peak")
 
     def __init__(self) -> None:
         self.refs: dict[int, list[int]] = {}  # storage ptr -> [refcount, nbytes, is_host]
@@ -20,8 +20,6 @@ class MemoryTracker:
         self.run_peak = 0
         self.host_live = 0
         self.host_peak = 0
-        self.offloaded = 0  # bytes copied to host memory in the last run
-        self.fetched = 0  # bytes copied back from host memory in the last run
 
     def acquire(self, t: torch.Tensor | None, host: bool = False) -> None:
         if t is None:
@@ -35,7 +33,6 @@ class MemoryTracker:
         n = s.nbytes()
         self.refs[key] = [1, n, host]
         if host:
-            self.offloaded += n
             self.host_live += n
             if self.host_live > self.host_peak:
                 self.host_peak = self.host_live
@@ -60,13 +57,8 @@ class MemoryTracker:
             else:
                 self.live -= r[1]
 
-    def fetch(self, t: torch.Tensor) -> None:
-        """`t` was copied back from host memory."""
-        self.fetched += t.untyped_storage().nbytes()
-
     def start_run(self) -> None:
         self.run_peak = self.live
-        self.offloaded = self.fetched = 0
 
     def end_run(self) -> None:
         self.peak = max(self.peak, self.run_peak)

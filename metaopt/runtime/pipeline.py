@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from metaopt.ir import Op, PipelineInfo, Program, Var, names
+from metaopt.ops import registry
 from metaopt.runtime import schedules
 
 _PHASES = ("forward", "backward", "optimize")
@@ -62,6 +63,8 @@ class _Part:
     carried_in: list[str]  # values made by an earlier part for the same micro-batch
     carried_out: list[str]  # values a later part reads
     last_use: frozenset[str] = frozenset()  # carried_in values no later part reads
+    produced: frozenset[str] = frozenset()
+    host_out: frozenset[str] = frozenset()  # carried_out values in host memory (offloaded copies)
 
 
 class PipelineRunner:
@@ -116,23 +119,22 @@ class PipelineRunner:
                 feed_i = {x: micro[i][x] for x in part.feeds}
                 if names.micro_batch() in part.program.inputs:
                     feed_i[names.micro_batch()] = torch.tensor(i, dtype=torch.int64)
-                for x in part.carried_in:
-                    feed_i[x] = held[i].pop(x) if x in part.last_use else held[i][x]
-                want = list(part.carried_out) + ([loss] if loss in _produced(part.program) else [])
-                out = self.exe.run(part.program, feed=feed_i, fetch_list=want, return_numpy=False)
+                carried = {x: held[i].pop(x) if x in part.last_use else held[i][x] for x in part.carried_in}
+                want = list(part.carried_out) + ([loss] if loss in part.produced else [])
+                out = self.exe._run_part(part.program, feed_i, want, carried)
                 for x in part.last_use:
-                    tracker.release(feed_i[x])
+                    tracker.release(carried[x])
                 for x, t in zip(want, out, strict=True):
-                    if x == loss and x not in part.carried_out:
+                    if x == loss:
                         losses.append(t.detach())
-                        continue
-                    held[i][x] = t
-                    tracker.acquire(t)
+                    if x in part.carried_out:
+                        held[i][x] = t
+                        tracker.acquire(t, x in part.host_out)  # offloaded copies: host bytes
             if comm is not None:
                 comm.finish_sends()
             opt = self.parts.get((-1, "optimize"))
             if opt is not None:
-                self.exe.run(opt.program, feed={}, fetch_list=[], return_numpy=False)
+                self.exe._run_part(opt.program, {}, [])
         finally:
             rt.pipeline = None
             for values in held.values():
@@ -204,7 +206,15 @@ def _cut(p: Program) -> dict[tuple[int, str], _Part]:
             {x for k2 in later for x in reads[k2] if x in produced}, key=lambda x: list(p.vars).index(x)
         )
         sub, feeds, carried_in = _subprogram(p, key, ops, produced, made_in, update_of)
-        parts[key] = _Part(sub, feeds, carried_in, carried_out)
+        host_out = {
+            o
+            for op in ops
+            if (row := registry.get(op.type)) is not None and row.host_memory and row.host_memory(op.attrs)
+            for o in op.outputs
+            if o in carried_out
+        }
+        parts[key] = _Part(sub, feeds, carried_in, carried_out, produced=frozenset(produced))
+        parts[key].host_out = frozenset(host_out)
     last_reader: dict[str, tuple[int, str]] = {}
     for key, part in parts.items():  # key order = the order one micro-batch goes through them
         for x in part.carried_in:
@@ -252,10 +262,6 @@ def _rest(op: Op) -> tuple:
 
 def _copy(v: Var, kind: str | None = None) -> Var:
     return Var(v.name, v.dtype, v.shape, kind or v.kind, v.trainable)
-
-
-def _produced(p: Program) -> set[str]:
-    return {o for op in p.ops for o in op.outputs if o}
 
 
 def _split_feed(p: Program, feed: Mapping[str, Any], m: int, keep: set[str]) -> list[dict[str, Any]]:

@@ -192,7 +192,6 @@ def build_plan(p: Program, fetches: list[str], device: torch.device, track: bool
             frees.setdefault(i, []).append(name)
 
     g: dict[str, object] = {}
-    host_vars: set[str] = set()  # values in host memory (the outputs of host_memory rows)
     lines = ["def run(S, F, T):"]
     if device.type == "cpu":
         host_reads: set[tuple[int, int]] = set()  # host and device are the same memory
@@ -237,14 +236,9 @@ def build_plan(p: Program, fetches: list[str], device: torch.device, track: bool
         if track:
             row = registry.get(op.type)
             to_host = row is not None and row.host_memory is not None and row.host_memory(op.attrs)
-            from_host = not to_host and any(x in host_vars for x in op.inputs)
-            if to_host:
-                host_vars.update(o for o in outs if o)
             for o in outs:
                 if o:
                     lines.append(f"    T.acquire({local(o)}{', True' if to_host else ''})")
-                    if from_host and row is not None and row.host_memory is not None:
-                        lines.append(f"    T.fetch({local(o)})")  # a copy back to the device
             lines.append("    T.mark()")
         for target, new in update_at.get(i, []):
             lines.append(f"    S[{target!r}] = {local(new)}")

@@ -149,3 +149,40 @@ def test_a_micro_batch_shape_mismatch_fails_both_workers_naming_the_var():
         assert "PipelineCommError" in out and "'dropout1'" in out, f"worker {r}:\n{out[-3000:]}"
     assert "expects [3, 32]" in outs[1] and "sent shape [4, 32]" in outs[1]
     assert "worker 1 rejected 'dropout1'" in outs[0]
+
+
+def test_one_stage_pipeline_offload_counts_host_bytes_and_matches_recompute():
+    """Gradient accumulation over 4 micro-batches in one process (a 1-stage pipeline):
+    offload moves every micro-batch's checkpoints to the host account and back, and
+    changes no bit of the result."""
+    from metaopt.passes.offload import offload
+    from metaopt.passes.pipeline import pipeline
+    from metaopt.passes.recompute import plan_recompute, recompute
+
+    sys.path.insert(0, str(HERE))
+    import dp_worker
+    import pp_worker
+
+    base = pp_worker.exported("bert").clone()
+    metaopt.optimizer.Adam(learning_rate=1e-2).minimize(base.loss)
+    ck = ["bert.encoder.layer.*"]
+    rc = recompute(base, checkpoints=ck)
+    of = offload(rc, checkpoints=plan_recompute(base, checkpoints=ck).checkpoints)
+    mod = programs.get("bert")
+    results = []
+    for prog in (rc, of):
+        (stage,) = pipeline(prog, num_stages=1, cuts=[], micro_batches=4)
+        exe = metaopt.Executor("cpu")
+        losses = []
+        for step in range(2):
+            feed = dict(zip(mod.INPUT_NAMES, dp_worker.full_batch("bert", step), strict=True))
+            (loss,) = exe.run(stage, feed=feed, fetch_list=["loss"], return_numpy=False)
+            losses.append(loss)
+        results.append((losses, {v.name: exe.scope[v.name] for v in stage.params()}, exe.memory_stats()))
+    (l_rc, p_rc, s_rc), (l_of, p_of, s_of) = results
+    assert all(torch.equal(a, b) for a, b in zip(l_rc, l_of, strict=True))
+    assert all(torch.equal(p_rc[k], p_of[k]) for k in p_rc)
+    moved = sum(of.vars[op.inputs[0]].nbytes({"batch": 2}) for op in of.ops if op.role == "offload")
+    assert moved > 0
+    assert s_of["offloaded_bytes"] == s_of["fetched_bytes"] == 4 * moved  # every micro-batch, one step
+    assert s_of["host_peak_bytes"] >= moved and s_rc["host_peak_bytes"] == 0

@@ -33,7 +33,9 @@ def memcpy(x: torch.Tensor, dst: str, _rt, _key: str) -> torch.Tensor:
     if dst not in _DSTS:
         raise ValueError(f"Memcpy: dst must be one of {_DSTS}, got {dst!r}")
     if dst == "pinned":
-        return _rt.copies.to_host(x, _key)
+        # a pipeline holds one copy per micro-batch in flight: each its own buffer
+        key = _key if _rt.pipeline is None else (_key, _rt.pipeline.micro_batch)
+        return _rt.copies.to_host(x, key)
     return _rt.copies.to_device(x)
 
 
