@@ -180,12 +180,17 @@ class PipelineInfo:
     schedule: str  # one of metaopt.runtime.schedules.SCHEDULES
     chunks: int = 1  # virtual stages per worker
     groups: tuple[tuple[int, ...], ...] = ()  # every tied-param group of the pipeline (same on all)
+    # replicas of the whole pipeline (data parallel over pipelines): worker rank =
+    # replica * num_stages + stage; a stage's grads are averaged over its replicas
+    dp_degree: int = 1
 
     def __str__(self) -> str:
         text = (
             f"stage={self.stage} num_stages={self.num_stages} micro_batches={self.micro_batches} "
             f"schedule={self.schedule} chunks={self.chunks}"
         )
+        if self.dp_degree > 1:
+            text += f" dp_degree={self.dp_degree}"
         if self.groups:
             text += " groups=" + ";".join(",".join(str(r) for r in g) for g in self.groups)
         return text
@@ -197,6 +202,7 @@ class PipelineInfo:
             tuple(int(r) for r in g.split(",")) for g in kv.pop("groups", "").split(";") if g
         )
         ints = {k: int(kv[k]) for k in ("stage", "num_stages", "micro_batches", "chunks")}
+        ints["dp_degree"] = int(kv.get("dp_degree", 1))
         return cls(schedule=kv["schedule"], groups=groups, **ints)
 
 

@@ -387,12 +387,17 @@ def pipeline(
     micro_batches: int = 1,
     schedule: str = "1F1B",
     chunks: int = 1,
+    dp_degree: int = 1,
 ) -> list[Program]:
-    """One stage program per worker (see the module doc); ``Program.pipeline`` set on each."""
+    """One stage program per pipeline worker (see the module doc); ``Program.pipeline`` set
+    on each. With `dp_degree` > 1 every replica of the pipeline runs the same stage
+    programs, and each update reads its grad averaged over the stage's replicas."""
+    if dp_degree < 1:
+        raise PipelineError(f"pipeline: dp_degree must be >= 1, got {dp_degree}")
     plan = plan_pipeline(
         p, num_stages=num_stages, cuts=cuts, micro_batches=micro_batches, schedule=schedule, chunks=chunks
     )
-    return _Splitter(p, plan).programs()
+    return _Splitter(p, plan, dp_degree).programs()
 
 
 @dataclass
@@ -402,8 +407,9 @@ class _StageOps:
 
 
 class _Splitter:
-    def __init__(self, p: Program, plan: PipelinePlan) -> None:
+    def __init__(self, p: Program, plan: PipelinePlan, dp_degree: int = 1) -> None:
         self.p, self.plan = p, plan
+        self.dp_degree = dp_degree
         self.V = plan.virtual_stages
         self.shared = plan.shared
         self.extra_vars: dict[str, Var] = {}
@@ -486,11 +492,29 @@ class _Splitter:
                 k = next(s for s in self.plan.holders[op.origin] if self.plan.worker(s) == w)
                 made = names.stage_part(g, k) if op.origin in self.shared else g
                 reads[g] = self._merge(stages[k], made, g, w, k)
+            comm = []
+            if self.dp_degree > 1 and reads:
+                # data parallel over pipeline replicas: this stage's grads averaged over its replicas
+                avg = {}
+                for g, merged in reads.items():
+                    avg[g] = names.reduced(merged)
+                    v = self.p.vars[g]
+                    self.extra_vars[avg[g]] = Var(avg[g], v.dtype, v.shape, "grad")
+                comm.append(
+                    Op(
+                        "AllReduce",
+                        list(reads.values()),
+                        list(avg.values()),
+                        {"reduce": "avg", "group": "data_parallel"},
+                        role="optimize",
+                        stage=w,
+                    )
+                )
+                reads = avg
             renamed = []
             for op in ops:
                 renamed.append(_with(op, inputs=[reads.get(x, x) for x in op.inputs]))
             # tied params: sum the holders' merged grads before their updates
-            comm = []
             for param, workers in self.shared.items():
                 g = names.grad(param)
                 if w in workers and g in reads:
@@ -579,6 +603,7 @@ class _Splitter:
             schedule=plan.schedule,
             chunks=plan.chunks,
             groups=tuple(dict.fromkeys(self.shared.values())),
+            dp_degree=self.dp_degree,
         )
         allvars = {**p.vars, **self.extra_vars}
         values = {**p.values, **self.extra_values}

@@ -42,18 +42,25 @@ _PHASE_OF_ROLE = {
 class PipelineState:
     """What the Send/Recv kernels see of the step in progress (``Runtime.pipeline``)."""
 
-    def __init__(self, info: PipelineInfo) -> None:
+    def __init__(self, info: PipelineInfo, replica: int = 0) -> None:
         self.info = info
+        self.replica = replica  # which copy of the pipeline (data parallel over pipelines)
         self.stage = info.stage
         self.micro_batch = 0
         self.dims: dict[str, int] = {}
 
     def where(self) -> str:
-        return f"pipeline stage {self.stage} (worker {self.info.stage}), micro-batch {self.micro_batch}"
+        rep = f", replica {self.replica}" if self.info.dp_degree > 1 else ""
+        return f"pipeline stage {self.stage} (worker {self.info.stage}{rep}), micro-batch {self.micro_batch}"
 
     def rank_of(self, stage: int) -> int:
-        """The torch.distributed rank running (virtual) pipeline stage `stage`."""
-        return stage % self.info.num_stages
+        """The torch.distributed rank running (virtual) pipeline stage `stage` in this replica."""
+        return self.replica * self.info.num_stages + stage % self.info.num_stages
+
+    def dp_ranks(self, stage: int | None = None) -> list[int]:
+        """The ranks running this worker's stage (or `stage`) in every replica."""
+        s = self.info.stage if stage is None else stage
+        return [d * self.info.num_stages + s for d in range(self.info.dp_degree)]
 
 
 @dataclass
@@ -75,7 +82,7 @@ class PipelineRunner:
         self.exe = executor
         self.info = info
         self.program = program
-        self.state = PipelineState(info)
+        self.state = PipelineState(info, _replica(info))
         self.parts = _cut(program)
         self.actions = schedules.schedule(
             info.schedule,
@@ -157,10 +164,22 @@ class PipelineRunner:
         )
 
     def _start(self, comm) -> None:
-        """First run: make the tied-param groups (every worker, same order) and give each
-        group's copies the value of its first worker."""
-        for group in self.info.groups:
-            comm.group([self.state.rank_of(r) for r in group])
+        """First run: make the sub-groups (every worker makes every group, in the same
+        order, as torch requires), give each tied group's copies the value of its first
+        worker, and each stage's replicas the values of replica 0."""
+        p, dp = self.info.num_stages, self.info.dp_degree
+        for d in range(dp):
+            for group in self.info.groups:
+                comm.group([d * p + r for r in group])
+        if dp > 1:
+            for s in range(p):
+                comm.group(self.state.dp_ranks(s))
+            persist = [v.name for v in self.program.vars.values() if v.kind in ("param", "buffer")]
+            self.exe._materialise(self.program, persist)
+            for name in persist:
+                comm.broadcast(
+                    self.exe.scope[name], self.info.stage, f"{name!r} (replica 0's)", self.state.dp_ranks()
+                )
         tied: list[tuple[str, tuple[int, ...]]] = []
         for op in self.program.ops:
             if op.type == "AllReduce" and op.attrs.get("ranks") is not None and op.origin:
@@ -174,6 +193,22 @@ class PipelineRunner:
                 [self.state.rank_of(r) for r in ranks],
             )
         self._started = True
+
+
+def _replica(info: PipelineInfo) -> int:
+    if info.dp_degree == 1:
+        return 0
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError("a pipeline with dp_degree > 1 needs torch.distributed: call fleet.init")
+    replica, stage = divmod(dist.get_rank(), info.num_stages)
+    if stage != info.stage:
+        raise ValueError(
+            f"rank {dist.get_rank()} runs stage {stage} of its replica, "
+            f"but this program is stage {info.stage}"
+        )
+    return replica
 
 
 # --- cutting the stage program ---------------------------------------------------------------

@@ -29,6 +29,11 @@ CUTS = {  # where stage k begins, for 2 and 4 stages
     ("gpt", 2): ["transformer.h.1"],
     ("gpt", 4): ["transformer.h.0", "transformer.h.1", "transformer.ln_f"],
 }
+# mode "tied": two layers' query weights declared one param (pipeline_configs["shared"])
+TIED_QUERY = [
+    "bert.encoder.layer.0.attention.self.query.weight",
+    "bert.encoder.layer.1.attention.self.query.weight",
+]
 CHECKPOINTS = {"mlp": ["fc1", "fc2"], "bert": ["bert.encoder.layer.*"], "gpt": ["transformer.h.*"]}
 
 
@@ -40,10 +45,12 @@ def exported(name: str) -> metaopt.Program:
 
 
 def train_case(case: str, rank: int, world: int) -> dict:
-    """case = name:schedule:micro_batches:mode[:chunks[:steps]]"""
+    """case = name:schedule:micro_batches:mode[:chunks[:steps[:dp_degree]]]"""
     name, schedule, m, mode, *rest = case.split(":")
     chunks = int(rest[0]) if rest else 1
     steps = int(rest[1]) if len(rest) > 1 else STEPS
+    dp = int(rest[2]) if len(rest) > 2 else 1
+    stages = world // dp
     mod = programs.get(name)
     main = exported(name).clone()
     strategy = fleet.DistributedStrategy()
@@ -51,8 +58,10 @@ def train_case(case: str, rank: int, world: int) -> dict:
     strategy.pipeline_configs = {
         "accumulate_steps": int(m),
         "schedule_mode": schedule,
-        "cuts": CUTS[(name, world * chunks)],
+        "cuts": CUTS[(name, stages * chunks)],
         "chunks": chunks,
+        "dp_degree": dp,
+        "shared": [TIED_QUERY] if mode == "tied" else [],
     }
     if mode in ("recompute", "offload"):
         strategy.recompute = True
@@ -62,7 +71,9 @@ def train_case(case: str, rank: int, world: int) -> dict:
     exe = metaopt.Executor("cpu")
     losses = []
     for step in range(steps):
-        feed = dict(zip(mod.INPUT_NAMES, full_batch(name, step), strict=True))
+        replica, share = rank // stages, full_batch(name, step)[0].shape[0] // dp
+        part = [x[replica * share : (replica + 1) * share] for x in full_batch(name, step)]
+        feed = dict(zip(mod.INPUT_NAMES, part, strict=True))
         (loss,) = exe.run(main, feed=feed, fetch_list=["loss"])
         losses.append(None if loss is None else float(loss))
     params = {v.name: exe.scope[v.name].clone() for v in main.params()}

@@ -16,10 +16,22 @@ from metaopt.ops.registry import register
     notes="outputs = inputs reduced over every worker, one fused buffer per op (a bucket)",
 )
 def all_reduce(
-    *xs: torch.Tensor, reduce: str = "avg", ranks: list[int] | None = None, _rt, _key: str
+    *xs: torch.Tensor,
+    reduce: str = "avg",
+    ranks: list[int] | None = None,
+    group: str | None = None,
+    _rt,
+    _key: str,
 ) -> tuple[torch.Tensor, ...]:
-    """`ranks`: pipeline workers sharing a tied param (None: every worker)."""
-    if ranks is not None and _rt.pipeline is not None:
+    """`ranks`: pipeline workers sharing a tied param, in this worker's pipeline replica;
+    ``group="data_parallel"``: this stage in every replica; neither: every worker."""
+    if group not in (None, "data_parallel"):
+        raise ValueError(f"AllReduce: group must be 'data_parallel' or absent, got {group!r}")
+    if (ranks is not None or group is not None) and _rt.pipeline is None:
+        raise ValueError("AllReduce with ranks/group runs in a pipeline stage program only")
+    if group == "data_parallel":
+        ranks = _rt.pipeline.dp_ranks()
+    elif ranks is not None:
         ranks = [_rt.pipeline.rank_of(r) for r in ranks]
     return tuple(_rt.comm.all_reduce(xs, reduce, f"{len(xs)} tensor(s) ({_key}, ...)", ranks))
 
