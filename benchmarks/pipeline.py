@@ -8,8 +8,9 @@ bytes minus persistables, held micro-batch activations included) under F-then-B 
 1F1B, their ratio against the bound 1F1B promises (p/m + 0.1), and the step time
 against single-process gradient accumulation over the same m micro-batches (a
 1-stage pipeline). The model is a BERT of `--layers` tiny-width layers cut into equal
-stages. On CUDA add `--gpt117m` for Paddle's published shape (GPT-2 117M, seq 1024):
-memory and tokens/s with and without recompute, and with offload.
+stages. `--gpt117m` adds Paddle's published shape (GPT-2 117M, seq `--gpt-seq`, default
+1024, 2 stages 1F1B): each stage's peak memory and tokens/s, plain, with recompute and
+with offload (`--skip-schedules` runs only those rows).
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def worker(args: argparse.Namespace) -> None:
     fleet.init(is_collective=True)
     cfg = {"num_layers": args.layers, "seq_len": args.seq}
     out = {}
-    for schedule in ("F-then-B", "1F1B"):
+    for schedule in () if args.skip_schedules else ("F-then-B", "1F1B"):
         for m in args.micro_batches:
             out[f"{schedule}:{m}"] = run_one(cfg, schedule, m, args.mbs, args.steps, args.device, {})
     if args.gpt117m:
@@ -98,10 +99,51 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def _gpt117m(args) -> dict:
-    """Paddle's table: GPT-2 117M, seq 1024, 1F1B over the workers (GPU only)."""
-    raise NotImplementedError(
-        "--gpt117m: the GPT-117M rows need a GPU run (no GPU was lent when this was written)"
-    )
+    """Paddle's table: GPT-2 117M (12 layers, hidden 768), 1F1B over the workers, micro-batches
+    of `--gpt-mbs` sequences of `--gpt-seq` tokens: this worker's peak memory and the
+    step's tokens/s, plain, with recompute (one checkpoint per block), and with offload."""
+    gpt = programs.get("gpt")
+    cfg = {"seq_len": args.gpt_seq}
+    model = gpt.build("gpt2", seed=0, dropout=0.0, **cfg)
+    base = metaopt.export(model, gpt.example_inputs("gpt2", 2, **cfg), name="gpt")
+    per = 12 // fleet.worker_num()
+    cuts = [f"transformer.h.{k * per}" for k in range(1, fleet.worker_num())]
+    out = {}
+    for variant in ("plain", "recompute", "offload"):
+        main = base.clone()
+        strategy = fleet.DistributedStrategy()
+        strategy.pipeline = True
+        strategy.pipeline_configs = {"accumulate_steps": args.gpt_m, "schedule_mode": "1F1B", "cuts": cuts}
+        if variant != "plain":
+            strategy.recompute = True
+            strategy.recompute_configs = {
+                "checkpoints": ["transformer.h.*"],
+                "enable_offload": variant == "offload",
+            }
+        opt = metaopt.optimizer.AdamW(learning_rate=1e-4)
+        fleet.distributed_optimizer(opt, strategy).minimize(main.loss)
+        exe = metaopt.Executor(args.device)
+        batch = args.gpt_m * args.gpt_mbs
+        times = []
+        for step in range(args.steps + 1):
+            inputs = gpt.example_inputs("gpt2", batch, seed=step, **cfg)
+            feed = dict(zip(gpt.INPUT_NAMES, inputs, strict=True))
+            fleet.barrier_worker()
+            t0 = time.perf_counter()
+            exe.run(main, feed=feed, fetch_list=["loss"])
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            if step:
+                times.append(time.perf_counter() - t0)
+        stats = exe.memory_stats()
+        out[f"gpt117m:{variant}"] = {
+            "peak_bytes": stats["peak_bytes"],
+            "activation_peak": stats["peak_bytes"] - stats["persistable_bytes"],
+            "host_peak_bytes": stats["host_peak_bytes"],
+            "cuda_max_allocated": stats.get("cuda_max_allocated"),
+            "tokens_per_s": batch * args.gpt_seq / statistics.median(times),
+        }
+    return out
 
 
 def launch(p: int, args: argparse.Namespace, out: str) -> None:
@@ -119,6 +161,11 @@ def launch(p: int, args: argparse.Namespace, out: str) -> None:
         f"--mbs={args.mbs}",
         f"--steps={args.steps}",
         f"--device={args.device}",
+        f"--gpt-seq={args.gpt_seq}",
+        f"--gpt-m={args.gpt_m}",
+        f"--gpt-mbs={args.gpt_mbs}",
+        *(["--gpt117m"] if args.gpt117m else []),
+        *(["--skip-schedules"] if args.skip_schedules else []),
         "--micro-batches",
         *[str(m) for m in args.micro_batches],
     ]
@@ -152,7 +199,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--gpt117m", action="store_true")
+    ap.add_argument("--gpt117m", action="store_true", help="add Paddle's GPT-117M rows (p=2)")
+    ap.add_argument("--gpt-seq", type=int, default=1024, help="GPT-117M sequence length")
+    ap.add_argument("--gpt-m", type=int, default=4, help="GPT-117M micro-batches per step")
+    ap.add_argument("--gpt-mbs", type=int, default=1, help="GPT-117M sequences per micro-batch")
+    ap.add_argument("--skip-schedules", action="store_true", help="only the GPT-117M rows")
     ap.add_argument("--json", default=os.path.join(RESULTS, "pipeline.json"))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -163,12 +214,25 @@ def main() -> None:
         args.layers, args.seq, args.steps, args.micro_batches = 4, 16, 1, [4, 8]
     t_start = time.perf_counter()
     rows = []
-    base = single_process(args)
+    gpt_rows: dict[str, list[dict]] = {}
+    base = {} if args.skip_schedules else single_process(args)
     for p in args.stages:
+        gpt = args.gpt117m and p == 2
+        if args.skip_schedules and not gpt:
+            continue
+        run_args = argparse.Namespace(**{**vars(args), "gpt117m": gpt})
         with tempfile.TemporaryDirectory() as out:
-            launch(p, args, out)
-            with open(os.path.join(out, "rank0.json")) as f:
-                r0 = json.load(f)
+            launch(p, run_args, out)
+            ranks = []
+            for r in range(p):
+                with open(os.path.join(out, f"rank{r}.json")) as f:
+                    ranks.append(json.load(f))
+        r0 = ranks[0]
+        if gpt:
+            for key in ("plain", "recompute", "offload"):
+                gpt_rows[key] = [rk[f"gpt117m:{key}"] for rk in ranks]
+        if args.skip_schedules:
+            continue
         for m in args.micro_batches:
             gpipe, ofob = r0[f"F-then-B:{m}"], r0[f"1F1B:{m}"]
             rows.append(
@@ -184,30 +248,47 @@ def main() -> None:
                     "single_process_s": base[m],
                 }
             )
-    print(
-        f"bert {args.layers} layers (tiny width), seq {args.seq}, {args.mbs} samples per micro-batch, "
-        f"{args.device}; stage 0 activation peak from the executor's accounting"
-    )
-    head = (
-        f"{'p':>2} {'m':>3} {'F-then-B KiB':>13} {'1F1B KiB':>9} {'1F1B/FtB':>9} {'bound':>6} "
-        f"{'1F1B ms':>8} {'FtB ms':>7} {'1-proc ms':>9} {'1F1B/1-proc':>11}"
-    )
-    print(head)
-    for r in rows:
+    if rows:
         print(
-            f"{r['p']:>2} {r['m']:>3} {r['stage0_act_fthenb'] / 1024:>13.1f} "
-            f"{r['stage0_act_1f1b'] / 1024:>9.1f} "
-            f"{r['ratio']:>9.2f} {r['bound']:>6.2f} {1e3 * r['step_1f1b_s']:>8.1f} "
-            f"{1e3 * r['step_fthenb_s']:>7.1f} {1e3 * r['single_process_s']:>9.1f} "
-            f"{r['step_1f1b_s'] / r['single_process_s']:>11.2f}"
+            f"bert {args.layers} layers (tiny width), seq {args.seq}, {args.mbs} samples per micro-batch, "
+            f"{args.device}; stage 0 activation peak from the executor's accounting"
         )
+        head = (
+            f"{'p':>2} {'m':>3} {'F-then-B KiB':>13} {'1F1B KiB':>9} {'1F1B/FtB':>9} {'bound':>6} "
+            f"{'1F1B ms':>8} {'FtB ms':>7} {'1-proc ms':>9} {'1F1B/1-proc':>11}"
+        )
+        print(head)
+        for r in rows:
+            print(
+                f"{r['p']:>2} {r['m']:>3} {r['stage0_act_fthenb'] / 1024:>13.1f} "
+                f"{r['stage0_act_1f1b'] / 1024:>9.1f} "
+                f"{r['ratio']:>9.2f} {r['bound']:>6.2f} {1e3 * r['step_1f1b_s']:>8.1f} "
+                f"{1e3 * r['step_fthenb_s']:>7.1f} {1e3 * r['single_process_s']:>9.1f} "
+                f"{r['step_1f1b_s'] / r['single_process_s']:>11.2f}"
+            )
     ok = all(r["ratio"] <= r["bound"] for r in rows if r["m"] >= r["p"])
-    print(f"1F1B stage-0 peak <= (p/m + 0.1) x F-then-B's (m >= p): {'pass' if ok else 'FAIL'}")
+    if rows:
+        print(f"1F1B stage-0 peak <= (p/m + 0.1) x F-then-B's (m >= p): {'pass' if ok else 'FAIL'}")
+    if gpt_rows:
+        print(
+            f"\nGPT-2 117M, seq {args.gpt_seq}, 2 stages 1F1B, {args.gpt_m} micro-batches of {args.gpt_mbs}, "
+            f"{args.device} (memory per stage: executor accounting)"
+        )
+        print(
+            f"{'':<10} {'stage0 MiB':>11} {'stage1 MiB':>11} {'host MiB':>9} {'tokens/s':>9} {'vs plain':>9}"
+        )
+        plain_tps = gpt_rows["plain"][0]["tokens_per_s"]
+        for key, per_rank in gpt_rows.items():
+            mib = [r["peak_bytes"] / 2**20 for r in per_rank]
+            host = max(r["host_peak_bytes"] for r in per_rank) / 2**20
+            tps = per_rank[0]["tokens_per_s"]
+            print(
+                f"{key:<10} {mib[0]:>11.0f} {mib[1]:>11.0f} {host:>9.0f} {tps:>9.1f} {tps / plain_tps:>9.2f}"
+            )
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump(
-            {"machine": machine(torch.device(args.device)), "args": vars(args), "rows": rows}, f, indent=1
-        )
+        report = {"machine": machine(torch.device(args.device)), "args": vars(args), "rows": rows}
+        json.dump({**report, "gpt117m": gpt_rows}, f, indent=1)
     print(f"wrote {args.json} ({time.perf_counter() - t_start:.0f} s)")
 
 
