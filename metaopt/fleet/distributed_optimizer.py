@@ -241,7 +241,13 @@ class DistributedOptimizer:
             wrappers.append(opt)
         result = opt.minimize(loss, startup_program, parameter_list, no_grad_set)
         for w in wrappers:  # what a meta optimizer reports (Fleet users read opt.<report>)
-            for report in ("recompute_plan", "memory_report", "data_parallel_plan", "pipeline_plan"):
+            for report in (
+                "amp_plan",
+                "recompute_plan",
+                "memory_report",
+                "data_parallel_plan",
+                "pipeline_plan",
+            ):
                 if getattr(w, report, None) is not None:
                     setattr(self, report, getattr(w, report))
         self.applied_meta_list = plan.applied
