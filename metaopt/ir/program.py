@@ -36,6 +36,18 @@ ROLES = (
     "prefetch",
     "comm",
 )
+# When an op of each role runs in a pipelined step: once per micro-batch in its forward
+# or backward, or once per step (optimizer). `comm` (data parallel's all-reduce) has none.
+PHASE_OF_ROLE = {
+    "forward": "forward",
+    "loss": "forward",
+    "offload": "forward",
+    "backward": "backward",
+    "recompute": "backward",
+    "prefetch": "backward",
+    "optimize": "optimize",
+    "lr-sched": "optimize",
+}
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

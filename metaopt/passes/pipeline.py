@@ -39,10 +39,9 @@ from dataclasses import dataclass, field
 import torch
 
 from metaopt.ir import Op, PipelineInfo, Program, Var, did_you_mean, names, torch_dtype
+from metaopt.ir.program import PHASE_OF_ROLE
 
 FORWARD_ROLES = ("forward", "loss")
-BACKWARD_ROLES = ("backward", "recompute", "prefetch")
-OPTIMIZE_ROLES = ("optimize", "lr-sched")
 MICRO_BATCH = names.micro_batch()
 
 
@@ -52,14 +51,10 @@ class PipelineError(ValueError):
 
 def phase_of(op: Op) -> str:
     """forward (once per micro-batch, first), backward (per micro-batch) or optimize (per step)."""
-    if op.role in FORWARD_ROLES or op.role == "offload":
-        return "forward"
-    if op.role in BACKWARD_ROLES:
-        return "backward"
-    if op.role in OPTIMIZE_ROLES:
-        return "optimize"
-    # Send/Recv carry their phase as their role; comm ops of other passes are refused.
-    raise PipelineError(f"pipeline: op role {op.role!r} has no pipeline phase: {op.type} -> {op.outputs}")
+    phase = PHASE_OF_ROLE.get(op.role)
+    if phase is None:  # data parallel's comm ops: a pipeline replicates itself (dp_degree)
+        raise PipelineError(f"pipeline: op role {op.role!r} has no pipeline phase: {op.type} -> {op.outputs}")
+    return phase
 
 
 @dataclass

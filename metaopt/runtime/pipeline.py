@@ -23,20 +23,9 @@ from typing import Any
 import torch
 
 from metaopt.ir import Op, PipelineInfo, Program, Var, names
+from metaopt.ir.program import PHASE_OF_ROLE
 from metaopt.ops import registry
 from metaopt.runtime import schedules
-
-_PHASES = ("forward", "backward", "optimize")
-_PHASE_OF_ROLE = {
-    "forward": "forward",
-    "loss": "forward",
-    "offload": "forward",
-    "backward": "backward",
-    "recompute": "backward",
-    "prefetch": "backward",
-    "optimize": "optimize",
-    "lr-sched": "optimize",
-}
 
 
 class PipelineState:
@@ -215,7 +204,7 @@ def _replica(info: PipelineInfo) -> int:
 
 
 def _phase(op: Op) -> str:
-    phase = _PHASE_OF_ROLE.get(op.role)
+    phase = PHASE_OF_ROLE.get(op.role)
     if phase is None:
         raise ValueError(f"pipeline: op role {op.role!r} has no phase ({op.type} -> {op.outputs})")
     return phase
