@@ -195,6 +195,9 @@ class PipelineInfo:
     # replicas of the whole pipeline (data parallel over pipelines): worker rank =
     # replica * num_stages + stage; a stage's grads are averaged over its replicas
     dp_degree: int = 1
+    # the whole program's loss: fetched on the last stage, None on the others (any other
+    # name a stage does not hold is an error, not a silent None)
+    loss: str | None = None
 
     def __str__(self) -> str:
         text = (
@@ -203,6 +206,8 @@ class PipelineInfo:
         )
         if self.dp_degree > 1:
             text += f" dp_degree={self.dp_degree}"
+        if self.loss is not None:
+            text += f" loss={self.loss}"
         if self.groups:
             text += " groups=" + ";".join(",".join(str(r) for r in g) for g in self.groups)
         return text
@@ -215,6 +220,7 @@ class PipelineInfo:
         )
         ints = {k: int(kv[k]) for k in ("stage", "num_stages", "micro_batches", "chunks")}
         ints["dp_degree"] = int(kv.get("dp_degree", 1))
+        ints["loss"] = kv.get("loss")
         return cls(schedule=kv["schedule"], groups=groups, **ints)
 
 

@@ -599,6 +599,7 @@ class _Splitter:
             chunks=plan.chunks,
             groups=tuple(dict.fromkeys(self.shared.values())),
             dp_degree=self.dp_degree,
+            loss=p.loss_name,
         )
         allvars = {**p.vars, **self.extra_vars}
         values = {**p.values, **self.extra_values}

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from metaopt.ir import Op, PipelineInfo, Program, Var, names
+from metaopt.ir import Op, PipelineInfo, Program, Var, did_you_mean, names
 from metaopt.ir.program import PHASE_OF_ROLE
 from metaopt.ops import registry
 from metaopt.runtime import schedules
@@ -139,12 +139,17 @@ class PipelineRunner:
         return [self._fetch(f, losses) for f in fetches]
 
     def _fetch(self, name: str, losses: list[torch.Tensor]) -> Any:
-        if name == self.program.loss_name:
-            # the mean over the micro-batches: the full batch's loss (equal micro-batches)
-            return torch.stack(losses).mean()
+        if name == self.info.loss:
+            # the mean over the micro-batches: the full batch's loss (equal micro-batches);
+            # the loss lives on the last stage
+            return torch.stack(losses).mean() if self.program.loss_name == name else None
         var = self.program.vars.get(name)
         if var is None:
-            return None  # a var of another stage (the loss on any worker but the last)
+            hint = did_you_mean(name, [*self.program.vars, *([self.info.loss] if self.info.loss else [])])
+            raise KeyError(
+                f"fetch {name!r}: not a var of pipeline stage {self.info.stage} of {self.program.name!r} "
+                f"(the loss is {self.info.loss!r}){hint}"
+            )
         if var.persistable:
             return self.exe.scope[name].clone()
         raise NotImplementedError(

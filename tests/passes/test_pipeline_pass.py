@@ -142,3 +142,15 @@ def test_single_stage_pipeline_is_the_program_with_merged_grads():
     assert not any(op.type in ("Send", "Recv") for op in only.ops)
     verify(only)
     assert torch.equal(only.values["fc1.weight"], main.values["fc1.weight"])
+
+
+def test_fetching_a_name_no_stage_holds_is_an_error_not_none():
+    (stage,) = pipeline(_train("mlp"), num_stages=1, cuts=[], micro_batches=2)
+    assert stage.pipeline.loss == "loss"
+    _, inputs, _ = exported("mlp")
+    feed = dict(zip(["x", "label"], [torch.cat([t, t]) for t in inputs], strict=True))
+    exe = metaopt.Executor("cpu")
+    (loss,) = exe.run(stage, feed=feed, fetch_list=["loss"])
+    assert loss is not None and float(loss) > 0
+    with pytest.raises(KeyError, match=r"fetch 'los'.*did you mean"):
+        exe.run(stage, feed=feed, fetch_list=["los"])
