@@ -86,7 +86,16 @@ def linear() -> onnx.FunctionProto:
     )
 
 
-_FUNCTIONS = {"BatchNormTraining": batch_norm_training, "Linear": linear}
+def embedding() -> onnx.FunctionProto:
+    """torch's F.embedding forward (its attrs matter only to the gradient)."""
+    nodes = [helper.make_node("Gather", ["weight", "indices"], ["output"], axis=0)]
+    return helper.make_function(
+        DOMAIN, "Embedding", ["weight", "indices"], ["output"], nodes, [helper.make_opsetid("", 20)],
+        attributes=["padding_idx", "scale_grad_by_freq"],
+    )
+
+
+_FUNCTIONS = {"BatchNormTraining": batch_norm_training, "Embedding": embedding, "Linear": linear}
 
 
 def for_ops(op_types: set[str]) -> list[onnx.FunctionProto]:

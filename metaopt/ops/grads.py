@@ -209,6 +209,13 @@ def _gather(g, op, dy):
     return g.vjp(op, dy)
 
 
+@grad_rule("Embedding")
+def _embedding(g, op, dy):
+    weight, idx = op.inputs
+    attrs = {k: op.attrs[k] for k in ("padding_idx", "scale_grad_by_freq") if k in op.attrs}
+    return [g.emit1("EmbeddingGrad", [dy[0], idx, weight], like=weight, **attrs), None]
+
+
 @grad_rule("LayerNormalization")
 def _layer_norm(g, op, dy):
     x, scale = op.inputs[:2]

@@ -30,7 +30,7 @@ CPU while data is on the device; kernels that read such a tensor call
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,10 +69,15 @@ class OpDef:
     # Every output is new storage (never a view of an input): a grad made by such an
     # op may be accumulated into in place (GradAccumulate) once nothing else reads it.
     fresh_outputs: bool = False
-    # An output may share storage with an input (a view, or the input itself: Reshape,
-    # Transpose, Identity, Dropout when off, Cast to the same dtype ...). The executor's
-    # in-place check follows these links; ops without it make new outputs.
-    may_alias: bool = False
+    # Which outputs may share storage with which inputs: (output, input) index pairs where
+    # the output may be that input or a view of it (Reshape, Transpose, Identity, Dropout
+    # when off, Cast to the same dtype ...); output index ALL stands for every output
+    # (Split). A callable gets the op and returns the pairs, for rows whose aliasing depends
+    # on attrs (Vjp: its grads may be the incoming output grads, never its forward inputs).
+    # The executor's in-place check follows exactly these links (a false one refuses a
+    # valid program, a missing one lets an update corrupt a value still to be read), and
+    # METAOPT_CHECK_ALIASES=1 makes every run check them against the storage kernels return.
+    aliases: tuple[tuple[int, int], ...] | Callable[[Any], Iterable[tuple[int, int]]] = ()
     # Outputs are views of input 0 (no new storage): memory estimates count them as free.
     view: bool = False
     # Whether the op's outputs live in host memory, given its attrs (Memcpy to pinned
@@ -89,6 +94,32 @@ class OpDef:
 
 
 _TABLE: dict[str, OpDef] = {}
+
+ALL = -1  # in `aliases`: every output
+SAME = ((0, 0),)  # output 0 may be input 0 or a view of it
+
+
+def ANY_INPUT(op: Any) -> list[tuple[int, int]]:  # noqa: N802 (a constant-like row value)
+    """Output 0 may be a view of any input (Einsum: "ij->ji" is a transpose view)."""
+    return [(0, j) for j in range(len(op.inputs))]
+
+
+def LONE_INPUT(op: Any) -> tuple[tuple[int, int], ...]:  # noqa: N802
+    """Variadic Sum/Max/Min/Mean: with one input, torch hands that input back."""
+    return ((0, 0),) if len(op.inputs) == 1 else ()
+
+
+def alias_pairs(op: Any) -> list[tuple[int, int]] | None:
+    """(output, input) index pairs of `op` that may share storage, ALL expanded; None when the
+    op type has no row (then anything may alias anything)."""
+    row = get(op.type)
+    if row is None:
+        return None
+    pairs = row.aliases(op) if callable(row.aliases) else row.aliases
+    out = []
+    for k, j in pairs:
+        out.extend((kk, j) for kk in range(len(op.outputs))) if k == ALL else out.append((k, j))
+    return out
 
 
 def register(type: str, **row: Any) -> Callable[[Kernel], Kernel]:

@@ -9,6 +9,7 @@ Memory accounting calls are emitted next to allocations and frees.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -71,14 +72,48 @@ def _bind(op, device: torch.device, runtime):
             raise ValueError(f"op needs an executor's runtime (copies, collectives): {fmt_op(op)}")
         kw["_rt"] = runtime
         kw["_key"] = next((o for o in op.outputs if o), None) or next((x for x in op.inputs if x), "")
-    return functools.partial(row.kernel, **kw) if kw else row.kernel
+    kernel = functools.partial(row.kernel, **kw) if kw else row.kernel
+    return _alias_checked(kernel, op, row) if os.environ.get(CHECK_ALIASES) == "1" else kernel
+
+
+CHECK_ALIASES = "METAOPT_CHECK_ALIASES"
+
+
+def _alias_checked(kernel, op, row):
+    """`kernel`, checking after every call that an output shares storage with an input only
+    where the row declares it (`aliases`, `inplace`): a debugging mode (the zoo runs with it),
+    since an undeclared alias lets an in-place update corrupt a value still to be read."""
+    declared = set(registry.alias_pairs(op) or ()) | set(row.inplace)
+
+    def checked(*args):
+        out = kernel(*args)
+        outs = out if isinstance(out, tuple) else (out,)
+        for k, o in enumerate(outs):
+            if not isinstance(o, torch.Tensor) or not o.numel():
+                continue
+            ptr = o.untyped_storage().data_ptr()
+            for j, x in enumerate(args):
+                if (
+                    isinstance(x, torch.Tensor)
+                    and x.numel()
+                    and (k, j) not in declared
+                    and x.untyped_storage().data_ptr() == ptr
+                ):
+                    raise AssertionError(
+                        f"{op.type}'s output {k} shares storage with its input {j}, which its row's "
+                        f"`aliases` does not declare: {fmt_op(op)}"
+                    )
+        return out
+
+    return checked
 
 
 class _Aliases:
     """Union-find of vars that may share storage, grown op by op.
 
-    Storage is shared along rows marked `may_alias` (views, pass-throughs; only inputs of
-    the output's dtype: a Reshape's int64 shape is not aliased) and along in-place pairs.
+    Storage is shared along the pairs a row declares in `aliases` (views, pass-throughs; only
+    inputs of the output's dtype: a same-dtype Cast may return its input, another may not)
+    and along in-place pairs. An op without a row may alias anything.
     """
 
     def __init__(self) -> None:
@@ -95,9 +130,14 @@ class _Aliases:
         for k, j in row.inplace if row is not None else ():
             if k < len(op.outputs) and op.outputs[k] and j < len(op.inputs) and op.inputs[j]:
                 links.add((op.outputs[k], op.inputs[j]))
-        if row is None or row.may_alias:
-            for o in filter(None, op.outputs):
-                links.update((o, x) for x in op.inputs if x and p.vars[x].dtype == p.vars[o].dtype)
+        pairs = registry.alias_pairs(op)
+        if pairs is None:
+            pairs = [(k, j) for k in range(len(op.outputs)) for j in range(len(op.inputs))]
+        for k, j in pairs:
+            o = op.outputs[k] if k < len(op.outputs) else ""
+            x = op.inputs[j] if j < len(op.inputs) else ""
+            if o and x and p.vars[x].dtype == p.vars[o].dtype:
+                links.add((o, x))
         for a, b in links:
             ra, rb = self.find(a), self.find(b)
             if ra != rb:

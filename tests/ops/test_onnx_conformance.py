@@ -158,6 +158,13 @@ KNOWN_UNSUPPORTED: dict[str, str] = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _check_aliases(monkeypatch):
+    # Every kernel's storage sharing must be what its row declares (`aliases`): a missed alias
+    # lets an in-place update corrupt a value still to be read, a false one refuses a program.
+    monkeypatch.setenv("METAOPT_CHECK_ALIASES", "1")
+
+
 # --------------------------------------------------------------------------- cases
 
 

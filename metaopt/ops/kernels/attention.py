@@ -45,7 +45,7 @@ def _per_batch(bias: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
     return bias + (extra.unsqueeze(1) if extra.dim() == 3 else extra)
 
 
-@register("Attention", needs_outputs=True)
+@register("Attention", needs_outputs=True, aliases=((1, 1), (2, 2)))  # present key/value: K, V when no past
 def attention(
     Q: torch.Tensor,
     K: torch.Tensor,

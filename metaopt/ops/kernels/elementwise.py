@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from metaopt.ops.registry import register
+from metaopt.ops.registry import LONE_INPUT, SAME, register
 
 # ONNX op type -> torch function with identical semantics (same dtypes, broadcasting, NaN rules).
 _DIRECT = {
@@ -185,7 +185,7 @@ def is_inf(x: torch.Tensor, detect_negative: int = 1, detect_positive: int = 1) 
     return torch.zeros_like(x, dtype=torch.bool)
 
 
-@register("Clip", may_alias=True)
+@register("Clip", aliases=SAME)
 def clip(x: torch.Tensor, min=None, max=None) -> torch.Tensor:
     # `min`/`max` are optional tensor inputs (opset >= 11) or float attributes (opset < 11).
     if min is None and max is None:
@@ -200,21 +200,21 @@ def _fold(fn, xs: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return out
 
 
-@register("Max")
+@register("Max", aliases=LONE_INPUT)
 def max_(*xs: torch.Tensor) -> torch.Tensor:
     return _fold(_maximum, xs)
 
 
-@register("Min")
+@register("Min", aliases=LONE_INPUT)
 def min_(*xs: torch.Tensor) -> torch.Tensor:
     return _fold(_minimum, xs)
 
 
-@register("Sum")
+@register("Sum", aliases=LONE_INPUT)
 def sum_(*xs: torch.Tensor) -> torch.Tensor:
     return _fold(add, xs)
 
 
-@register("Mean")
+@register("Mean", aliases=LONE_INPUT)
 def mean(*xs: torch.Tensor) -> torch.Tensor:
     return _fold(torch.add, xs) / len(xs) if len(xs) > 1 else xs[0]

@@ -12,7 +12,7 @@ import torch
 
 from metaopt.ops import registry
 from metaopt.ops.kernels.loss import _NO_IGNORE as NO_IGNORE  # the forward kernel's choice
-from metaopt.ops.registry import register
+from metaopt.ops.registry import SAME, register
 
 aten = torch.ops.aten
 
@@ -35,7 +35,7 @@ def grad_sum(*parts: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@register("GradAccumulate", domain="metaopt", inplace=((0, 0),), may_alias=True)
+@register("GradAccumulate", domain="metaopt", inplace=((0, 0),), aliases=SAME)
 def grad_accumulate(acc: torch.Tensor, *parts: torch.Tensor) -> torch.Tensor:
     """The sum of a var's grad contributions, added into the first one in place, as
     torch's AccumulateGrad adds into .grad: the backward emits it only when that first
@@ -161,11 +161,18 @@ def matmul_grad(
 
 
 @register("EmbeddingGrad", domain="metaopt", fresh_outputs=True)
-def embedding_grad(dy: torch.Tensor, indices: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Gather(weight, indices, axis=0)'s weight grad: what nn.Embedding's backward computes.
+def embedding_grad(
+    dy: torch.Tensor,
+    indices: torch.Tensor,
+    weight: torch.Tensor,
+    padding_idx: int = -1,
+    scale_grad_by_freq: int = 0,
+) -> torch.Tensor:
+    """The weight grad of a lookup (Gather on axis 0, or our Embedding): what nn.Embedding's
+    backward computes, the padding_idx row left zero and counts scaled as torch does.
 
     `weight` is read for its row count only (a param: alive anyway)."""
-    return aten.embedding_dense_backward(dy, indices, weight.shape[0], -1, False)
+    return aten.embedding_dense_backward(dy, indices, weight.shape[0], padding_idx, bool(scale_grad_by_freq))
 
 
 @register("ConvGrad", domain="metaopt", needs_outputs=True, fresh_outputs=True)
@@ -216,7 +223,14 @@ def softmax_cross_entropy_loss_grad(
     return aten._log_softmax_backward_data(g, log_prob, 1, log_prob.dtype)
 
 
-@register("Vjp", domain="metaopt", needs_outputs=True, may_alias=True)  # autograd may pass dy through
+def _vjp_aliases(op) -> list[tuple[int, int]]:
+    # autograd may hand an incoming output grad through (Identity, Add, a view's backward),
+    # never a forward input: grads alias grads only.
+    n_in = op.attrs["n_in"]
+    return [(k, j) for k in range(len(op.outputs)) for j in range(n_in, len(op.inputs))]
+
+
+@register("Vjp", domain="metaopt", needs_outputs=True, aliases=_vjp_aliases)
 def vjp(*args: torch.Tensor | None, op: str, n_in: int, wrt: list[int], n_out: int, _nout: int, **fwd_attrs):
     """Generic gradient: re-run forward kernel `op` on inputs `args[:n_in]` under autograd and
     return d(outputs)/d(inputs[wrt]) applied to the output grads `args[n_in:]` (None = no grad)."""

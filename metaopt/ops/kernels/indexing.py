@@ -10,14 +10,14 @@ import math
 
 import torch
 
-from metaopt.ops.registry import register
+from metaopt.ops.registry import SAME, register
 
 
 def _fix_negative(indices: torch.Tensor, n) -> torch.Tensor:
     return torch.where(indices < 0, indices + n, indices)
 
 
-@register("Gather")
+@register("Gather", aliases=SAME)  # a scalar index on the CPU selects a view
 def gather(data: torch.Tensor, indices: torch.Tensor, axis: int = 0) -> torch.Tensor:
     if indices.dim() == 0 and indices.device.type == "cpu":
         return data.select(axis, int(indices))  # a view; python-int indexing handles negatives
@@ -27,6 +27,15 @@ def gather(data: torch.Tensor, indices: torch.Tensor, axis: int = 0) -> torch.Te
     if axis == 0:
         return data[indices]
     return data[(slice(None),) * (axis % data.dim()) + (indices,)]
+
+
+@register("Embedding", domain="metaopt")
+def embedding(
+    weight: torch.Tensor, indices: torch.Tensor, padding_idx: int = -1, scale_grad_by_freq: int = 0
+):
+    """torch's F.embedding: Gather(weight, indices, axis=0) forward; the attrs shape only the
+    weight's grad (the row's rule hands them to EmbeddingGrad)."""
+    return torch.nn.functional.embedding(indices.to(device=weight.device), weight)
 
 
 @register("GatherElements")

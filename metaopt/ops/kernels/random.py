@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from metaopt.frontend.attrs import torch_dtype
-from metaopt.ops.registry import register
+from metaopt.ops.registry import SAME, register
 
 _FLOAT = 1  # ONNX TensorProto.FLOAT, the default dtype of the random generators
 _INT32 = 6  # ONNX TensorProto.INT32, Multinomial's default output dtype
@@ -22,7 +22,7 @@ def _ratio(ratio) -> float:
     return ratio if isinstance(ratio, float) else float(ratio)
 
 
-@register("Dropout", needs_outputs=True, random=True, host_inputs=(1, 2), may_alias=True)
+@register("Dropout", needs_outputs=True, random=True, host_inputs=(1, 2), aliases=SAME)
 def dropout(
     data: torch.Tensor,
     ratio: torch.Tensor | float | None = None,

@@ -116,6 +116,11 @@ def _log_sum_exp(x: torch.Tensor, dims, keepdim: bool) -> torch.Tensor:
     return torch.logsumexp(x, dim=dims, keepdim=keepdim)
 
 
+def _noop_alias(op) -> tuple[tuple[int, int], ...]:
+    # Only noop_with_empty_axes may hand back the input itself (when the axes are empty).
+    return ((0, 0),) if op.attrs.get("noop_with_empty_axes", 0) else ()
+
+
 for _type, _fn in (
     ("ReduceMax", _max),
     ("ReduceMin", _min),
@@ -128,7 +133,7 @@ for _type, _fn in (
     ("ReduceLogSum", _log_sum),
     ("ReduceLogSumExp", _log_sum_exp),
 ):
-    register(_type, host_inputs=(1,), may_alias=True)(_reducer(_fn))  # noop_with_empty_axes: the input
+    register(_type, host_inputs=(1,), aliases=_noop_alias)(_reducer(_fn))
 
 
 @register("ArgMax")

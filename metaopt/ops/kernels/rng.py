@@ -22,8 +22,23 @@ def rng_state(_device: torch.device) -> torch.Tensor:
     return torch.get_rng_state()
 
 
+def _replay_aliases(op) -> list[tuple[int, int]]:
+    # The replayed op's own aliases, its inputs shifted by the state input.
+    inner = registry.get(op.attrs["op"])
+    if inner is None or callable(inner.aliases):
+        return [(k, j) for k in range(len(op.outputs)) for j in range(1, len(op.inputs))]
+    return [(k, j + 1) for k, j in inner.aliases if k != registry.ALL] + [
+        (k, j + 1) for kk, j in inner.aliases if kk == registry.ALL for k in range(len(op.outputs))
+    ]
+
+
 @register(
-    "RngReplay", domain="metaopt", needs_outputs=True, needs_device=True, host_inputs=(0,), may_alias=True
+    "RngReplay",
+    domain="metaopt",
+    needs_outputs=True,
+    needs_device=True,
+    host_inputs=(0,),
+    aliases=_replay_aliases,
 )
 def rng_replay(
     state: torch.Tensor,

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from metaopt.frontend.attrs import torch_dtype
-from metaopt.ops.registry import register
+from metaopt.ops.registry import ALL, SAME, register
 
 
 def _ints(v) -> list[int]:
@@ -21,7 +21,7 @@ def _ints(v) -> list[int]:
     return v.tolist() if isinstance(v, torch.Tensor) else list(v)
 
 
-@register("Identity", may_alias=True, view=True)
+@register("Identity", aliases=SAME, view=True)
 def identity(input: torch.Tensor) -> torch.Tensor:
     return input
 
@@ -36,7 +36,7 @@ def size(data: torch.Tensor) -> torch.Tensor:
     return torch.tensor(data.numel(), dtype=torch.int64)
 
 
-@register("Reshape", host_inputs=(1,), may_alias=True, view=True)
+@register("Reshape", host_inputs=(1,), aliases=SAME, view=True)
 def reshape(data: torch.Tensor, shape: torch.Tensor, allowzero: int = 0) -> torch.Tensor:
     dims = shape.tolist()
     if not allowzero and 0 in dims:
@@ -45,7 +45,7 @@ def reshape(data: torch.Tensor, shape: torch.Tensor, allowzero: int = 0) -> torc
     return data.reshape(dims)
 
 
-@register("Flatten", may_alias=True, view=True)
+@register("Flatten", aliases=SAME, view=True)
 def flatten(x: torch.Tensor, axis: int = 1) -> torch.Tensor:
     if axis < 0:
         axis += x.dim()
@@ -53,14 +53,14 @@ def flatten(x: torch.Tensor, axis: int = 1) -> torch.Tensor:
     return x.reshape(outer, math.prod(x.shape[axis:]))
 
 
-@register("Squeeze", host_inputs=(1,), may_alias=True, view=True)
+@register("Squeeze", host_inputs=(1,), aliases=SAME, view=True)
 def squeeze(data: torch.Tensor, axes=None) -> torch.Tensor:
     if axes is None:
         return data.squeeze()
     return data.squeeze(tuple(_ints(axes)))
 
 
-@register("Unsqueeze", host_inputs=(1,), may_alias=True, view=True)
+@register("Unsqueeze", host_inputs=(1,), aliases=SAME, view=True)
 def unsqueeze(data: torch.Tensor, axes) -> torch.Tensor:
     axes = _ints(axes)
     if len(axes) == 1:
@@ -77,7 +77,7 @@ def concat(*inputs: torch.Tensor, axis: int) -> torch.Tensor:
     return torch.cat(inputs, axis)
 
 
-@register("Split", needs_outputs=True, host_inputs=(1,), may_alias=True, view=True)
+@register("Split", needs_outputs=True, host_inputs=(1,), aliases=((ALL, 0),), view=True)
 def split(
     input: torch.Tensor, split=None, axis: int = 0, num_outputs: int | None = None, _nout: int = 1
 ) -> tuple[torch.Tensor, ...]:
@@ -91,7 +91,7 @@ def split(
     return torch.split(input, -(-n // parts), axis)
 
 
-@register("Slice", host_inputs=(1, 2, 3, 4), may_alias=True, view=True)
+@register("Slice", host_inputs=(1, 2, 3, 4), aliases=SAME, view=True)
 def slice_(data: torch.Tensor, starts, ends, axes=None, steps=None) -> torch.Tensor:
     # Inputs since opset 10; the same names as attributes (lists, no steps) before.
     starts, ends = _ints(starts), _ints(ends)
@@ -116,7 +116,7 @@ def slice_(data: torch.Tensor, starts, ends, axes=None, steps=None) -> torch.Ten
     return data[tuple(index)]
 
 
-@register("Expand", host_inputs=(1,), may_alias=True, view=True)
+@register("Expand", host_inputs=(1,), aliases=SAME, view=True)
 def expand(input: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
     # ONNX Expand broadcasts both ways: a 1 in `shape` keeps the input's dim (torch's -1), and
     # `shape` may have fewer dims than the input. (torch.broadcast_shapes costs ~8 us a call.)
@@ -128,25 +128,25 @@ def expand(input: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
     return input.expand([-1 if i >= lead and d == 1 else d for i, d in enumerate(dims)])
 
 
-@register("Tile", host_inputs=(1,), may_alias=True)
+@register("Tile", host_inputs=(1,), aliases=SAME)
 def tile(input: torch.Tensor, repeats: torch.Tensor) -> torch.Tensor:
     return input.repeat(repeats.tolist())
 
 
-@register("Transpose", may_alias=True, view=True)
+@register("Transpose", aliases=SAME, view=True)
 def transpose(data: torch.Tensor, perm: list[int] | None = None) -> torch.Tensor:
     if perm is None:
         return data.permute(*range(data.dim() - 1, -1, -1))
     return data.permute(perm)
 
 
-@register("Cast", may_alias=True)
+@register("Cast", aliases=SAME)
 def cast(input: torch.Tensor, to: int, saturate: int = 1, round_mode: str = "up") -> torch.Tensor:
     # saturate/round_mode only concern float8/float4 targets, which torch_dtype refuses.
     return input.to(torch_dtype(to, what="Cast"))
 
 
-@register("CastLike", meta_inputs=(1,), may_alias=True)
+@register("CastLike", meta_inputs=(1,), aliases=SAME)
 def cast_like(
     input: torch.Tensor, target_type: torch.Tensor, saturate: int = 1, round_mode: str = "up"
 ) -> torch.Tensor:
@@ -218,7 +218,7 @@ def _pad_index(n: int, before: int, after: int, mode: str, device: torch.device)
     return torch.where(idx >= n, period - idx, idx)
 
 
-@register("Pad", host_inputs=(1, 2, 3), may_alias=True)
+@register("Pad", host_inputs=(1, 2, 3), aliases=SAME)
 def pad(
     data: torch.Tensor,
     pads=None,
