@@ -1,4 +1,8 @@
-"""`metaopt.export(module, args)`: torch.onnx.export, then import as a training program.
+"""`metaopt.export(module, args)`: torch.export, torch.onnx.export, then import as a training program.
+
+The capture is ours (frontend/capture.py): a batch dim the code fixes is an error naming the
+line (``dynamic_batch=False`` exports fixed on purpose), and repeated module calls are numbered
+(``layer@1``). An exporter failure names the aten op, the module and the source line.
 
 Export settings that matter for training (DESIGN.md, "Known traps"):
 ``dynamo=True, optimize=False`` keeps every parameter an initializer under its
@@ -17,17 +21,16 @@ import warnings
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from metaopt.frontend.capture import ExportError, capture, explain_failure
 from metaopt.frontend.importer import import_model
 from metaopt.frontend.onnx_import import ImportOptions
 from metaopt.frontend.shape_probe import probe_shapes
+from metaopt.frontend.translations import translation_table
 from metaopt.ir import Program, Var, dtype_name
 
 BATCH = "batch"
-
-
-class ExportError(RuntimeError):
-    pass
 
 
 def export(
@@ -48,11 +51,20 @@ def export(
         args = (args,)
     kwargs = dict(kwargs or {})
     dynamic_shapes = _batch_dims(module, args, kwargs) if dynamic_batch else None
+    ep = None
     try:
-        onnx_program = _run_exporter(module, args, kwargs, dynamic_shapes)
-    except Exception as e:  # the exporter raises many types; say which setting to change
-        hint = " (a batch-dependent shape? try dynamic_batch=False)" if dynamic_batch else ""
-        raise ExportError(f"torch.onnx.export failed for {type(module).__name__}{hint}: {e}") from e
+        # The ONNX exporter re-traces the captured graph to decompose it, and a view recorded
+        # after attention must stay valid there: SDPA's fake output layout has to be the same
+        # in both traces, which only the math backend's (contiguous) is. (T5 and Swin failed
+        # with "Cannot view a tensor with shape ... strides ..." otherwise.) ONNX has no layouts:
+        # the program is the same whichever backend the trace saw.
+        with sdpa_kernel([SDPBackend.MATH]):
+            ep = capture(module, args, kwargs, dynamic_shapes)
+            onnx_program = _run_exporter(ep, args, kwargs, dynamic_shapes)
+    except ExportError:
+        raise
+    except Exception as e:  # the exporters raise many types: name the op, module and line
+        raise ExportError(explain_failure(module, ep, e)) from e
     opts = _options(module)
     bn = {
         n: m.momentum
@@ -94,7 +106,7 @@ def _batch_dims(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str,
     return shapes
 
 
-def _run_exporter(module: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any):
+def _run_exporter(ep: torch.export.ExportedProgram, args: tuple, kwargs: dict, dynamic_shapes: Any):
     # The exporter prints progress lines and warns about train mode; a training
     # export is intended here, and the progress belongs to torch, not our users.
     quiet = logging.getLogger("torch.onnx._internal.exporter._registration")
@@ -104,14 +116,15 @@ def _run_exporter(module: torch.nn.Module, args: tuple, kwargs: dict, dynamic_sh
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
             return torch.onnx.export(
-                module,
+                ep,
                 args,
                 kwargs=kwargs or None,
                 dynamo=True,
                 optimize=False,
-                dynamic_shapes=dynamic_shapes,
+                dynamic_shapes=dynamic_shapes,  # names the ONNX dims ("batch", not torch's s77)
                 verbose=False,
                 report=False,
+                custom_translation_table=translation_table(),
             )
     finally:
         quiet.setLevel(level)

@@ -5,7 +5,9 @@
     program = recompute(program, checkpoints=["bert.encoder.layer.*"])
 
 * Checkpoints are var names, module paths, or module-path patterns where ``*``
-  stands for one path component (``"encoder.layer.*"`` = each layer's output), or
+  stands for one path component (``"encoder.layer.*"`` = each layer's output); a module
+  called several times has one output per call (``layer``, ``layer@1``, ``layer@2``: the
+  export numbers repeated calls as torch.export does), and its path names every call; or
   ``"auto"``: every sqrt(n)-th of the model's n repeated blocks, or with a memory
   budget the fewest evenly spaced blocks whose predicted activation peak fits it;
   order does not matter, duplicates are ignored; an unknown name is an error with a
@@ -32,6 +34,7 @@ program: forward, backward, optimizer).
 from __future__ import annotations
 
 import fnmatch
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -97,10 +100,10 @@ def resolve_checkpoints(
             found = auto_checkpoints(
                 p, memory_budget=memory_budget, batch=batch, policy=policy, keep_op_types=keep_op_types
             )
-        elif name in p.vars:
-            found = [name]
-        else:
+        else:  # a module first: its path names every call's output, not just the first's var
             found = [v for m in _match_modules(p, name) for v in p.modules[m]]
+            if not found and name in p.vars:
+                found = [name]
         if not found:
             choices = [*p.vars, *p.modules]
             raise RecomputeError(
@@ -112,16 +115,23 @@ def resolve_checkpoints(
 
 
 def block_outputs(p: Program) -> list[str]:
-    """The outputs of the model's repeated blocks (``encoder.layer.0``, ``.1`` ...: the
-    largest family of sibling modules with numbered names), in program order."""
+    """The outputs of the model's repeated blocks, in program order: the largest family of
+    sibling modules with numbered names (``encoder.layer.0``, ``.1`` ...), or of the calls of
+    one module called several times (ALBERT's shared ``layer``, ``layer@1`` ...)."""
     families: dict[str, list[str]] = {}
     for m, outs in p.modules.items():
-        parent, _, last = m.rpartition(".")
-        if last.isdigit() and len(outs) == 1:
+        base = _call_base(m)
+        parent, _, last = base.rpartition(".")
+        if len(outs) != 1:
+            continue
+        if last.isdigit() and base == m:
             families.setdefault(parent, []).append(outs[0])
+        if base != m or f"{m}@1" in p.modules:  # a module called more than once: each call
+            families.setdefault(f"{base}@", []).append(outs[0])
     if not families or max(map(len, families.values())) < 2:
         return []
-    best = max(families.values(), key=len)
+    # The largest family; among equals the outermost (a shared layer's calls, not its sublayers').
+    best = families[max(families, key=lambda k: (len(families[k]), -k.count(".")))]
     order = {o: i for i, op in enumerate(p.ops) for o in op.outputs if o}
     return sorted(dict.fromkeys(best), key=lambda v: order.get(v, -1))
 
@@ -164,14 +174,20 @@ def auto_checkpoints(
     )
 
 
+def _call_base(m: str) -> str:
+    """The module path of a call: ``layer@2`` (its third call, torch.export's numbering) -> ``layer``."""
+    return re.sub(r"@\d+$", "", m)
+
+
 def _match_modules(p: Program, pattern: str) -> list[str]:
     # One path component per "*": "encoder.layer.*" is each layer, not what is inside it.
+    # A path names every call of its module ("layer" = layer, layer@1, ...); "layer@1" one call.
     parts = pattern.split(".")
     return [
         m
         for m in p.modules
-        if len(m.split(".")) == len(parts)
-        and all(fnmatch.fnmatchcase(a, b) for a, b in zip(m.split("."), parts))
+        if len((path := (m if "@" in parts[-1] else _call_base(m))).split(".")) == len(parts)
+        and all(fnmatch.fnmatchcase(a, b) for a, b in zip(path.split("."), parts))
     ]
 
 

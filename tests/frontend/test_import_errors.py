@@ -92,3 +92,31 @@ def test_load_round_trip_and_garbage(tmp_path):
 def test_export_with_batch_one_is_explained():
     with pytest.raises(metaopt.frontend.torch_export.ExportError, match="batch size 1"):
         metaopt.export(torch.nn.Linear(2, 2), (torch.randn(1, 2),))
+
+
+@torch.library.custom_op("metaopt_test::twice", mutates_args=())
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_twice.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class _NoOnnx(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _twice(self.inner(x)).sum()
+
+
+def test_export_failure_names_the_op_and_suggests_no_wrong_cure():
+    with pytest.raises(metaopt.frontend.torch_export.ExportError) as err:
+        metaopt.export(_NoOnnx(), (torch.randn(4, 3),))
+    msg = str(err.value)
+    assert "metaopt_test" in msg and "twice" in msg, msg
+    assert "_NoOnnx" in msg
+    assert "dynamic_batch" not in msg  # the batch has nothing to do with it
