@@ -1,0 +1,80 @@
+"""Run the whole zoo and print one table: `python tests/zoo/table.py [NAME ...] [--json FILE]`.
+
+Every entry is exported and checked (grads against float64 torch, SGD against torch.optim,
+recompute and offload bit-identity, a second batch size); a failing check prints its reason
+and the table says which check failed. Exit code 1 when any entry fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (for `zoo`)
+sys.path.insert(1, str(Path(__file__).resolve().parents[2]))  # the repo (for `programs`)
+
+from zoo import harness, models  # noqa: E402
+
+CHECKS = ("export", "grads", "sgd", "recompute")
+
+
+def run_entry(entry) -> dict:
+    row: dict = {"name": entry.name, "family": entry.family, "why": entry.why}
+    t0 = time.perf_counter()
+    for check in CHECKS:
+        try:
+            if check == "export":
+                _, program = harness.export(entry, 0.0)
+                row["ops"] = len(program.ops)
+                row["params"] = sum(1 for v in program.params())
+            elif check == "grads":
+                verdicts = harness.check_grads(entry)
+                row["worst_ratio"] = max((v.ratio for v in verdicts), default=0.0)
+            elif check == "sgd":
+                row["sgd_rel"] = harness.check_sgd(entry)
+            elif check == "recompute":
+                row.update(harness.check_recompute(entry))
+            row[check] = "ok"
+        except Exception as e:  # the table reports every failure, the process goes on
+            row[check] = "FAIL"
+            row["error"] = f"{check}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            row["traceback"] = traceback.format_exc()
+            break
+    row["seconds"] = round(time.perf_counter() - t0, 1)
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("names", nargs="*", help="entries to run (default: all)")
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("-v", action="store_true", help="print tracebacks of failures")
+    args = ap.parse_args()
+    chosen = [e for e in models.entries() if not args.names or e.name in args.names]
+    rows = []
+    print(f"{'model':20} {'family':16} " + " ".join(f"{c:9}" for c in CHECKS) + "  act ratio    s  error")
+    for entry in chosen:
+        row = run_entry(entry)
+        rows.append(row)
+        ratio = f"{row['recompute_act_peak'] / row['act_peak']:.2f}" if row.get("act_peak") else "-"
+        print(
+            f"{row['name']:20} {row['family']:16} "
+            + " ".join(f"{row.get(c, '-'):9}" for c in CHECKS)
+            + f"  {ratio:>10} {row['seconds']:5.1f}  {row.get('error', '')}",
+            flush=True,
+        )
+        if args.v and "traceback" in row:
+            print(row["traceback"])
+    bad = [r for r in rows if "error" in r]
+    print(f"{len(rows) - len(bad)} passed, {len(bad)} failed")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
