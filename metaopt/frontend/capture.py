@@ -124,12 +124,19 @@ def explain_failure(module: torch.nn.Module, ep: torch.export.ExportedProgram | 
     reason = re.search(r"<class '([\w.]+)'>: (.+)", text)
     node = re.search(r"While executing %(\w+) : .*?target=([\w.]+)", text)
     frames = re.findall(r'File "([^"]+)", line (\d+), in (\w+)\n\s+(.+)', text)
-    parts = [f"torch.onnx.export failed for {type(module).__name__}"]
+    parts = [f"export of {type(module).__name__} failed"]
     if node:
         parts.append(f"at the aten op {node[2]} (node {node[1]})")
         scope = _node_scope(ep, node[1])
-        if scope:
-            parts.append(f"in module {scope!r}")
+    else:  # no node named (an op with no ONNX translation): find the op in the captured graph
+        overload = re.search(r"OpOverload\(op='([\w.]+)', overload='(\w+)'\)", text)
+        scope = None
+        if overload:
+            target = f"{overload[1]}.{overload[2]}"
+            parts.append(f"at the op {target}")
+            scope = _node_scope(ep, target=target)
+    if scope:
+        parts.append(f"in module {scope!r}")
     if frames:
         f = frames[-1]
         parts.append(f"from {f[0]}:{f[1]} in {f[2]}: {f[3].strip()}")
@@ -138,11 +145,14 @@ def explain_failure(module: torch.nn.Module, ep: torch.export.ExportedProgram | 
     return f"{head}: {why}"
 
 
-def _node_scope(ep: torch.export.ExportedProgram | None, name: str) -> str | None:
+def _node_scope(
+    ep: torch.export.ExportedProgram | None, name: str | None = None, *, target: str | None = None
+) -> str | None:
+    """The module path of the node called `name`, or of the first calling `target`."""
     if ep is None:
         return None
     for node in ep.graph.nodes:
-        if node.name == name:
+        if node.name == name or (target is not None and str(node.target) == target):
             stack = node.meta.get("nn_module_stack") or {}
             paths = [p for p, _ in stack.values() if p]
             return paths[-1] if paths else None

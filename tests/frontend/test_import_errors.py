@@ -104,13 +104,19 @@ def _(x):
     return torch.empty_like(x)
 
 
+class _Twice(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _twice(x)
+
+
 class _NoOnnx(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.inner = torch.nn.Linear(3, 3)
+        self.act = _Twice()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _twice(self.inner(x)).sum()
+        return self.act(self.inner(x)).sum()
 
 
 def test_export_failure_names_the_op_and_suggests_no_wrong_cure():
@@ -118,5 +124,5 @@ def test_export_failure_names_the_op_and_suggests_no_wrong_cure():
         metaopt.export(_NoOnnx(), (torch.randn(4, 3),))
     msg = str(err.value)
     assert "metaopt_test" in msg and "twice" in msg, msg
-    assert "_NoOnnx" in msg
+    assert "_NoOnnx" in msg and "in module 'act'" in msg, msg
     assert "dynamic_batch" not in msg  # the batch has nothing to do with it
