@@ -116,9 +116,9 @@ def alias_pairs(op: Any) -> list[tuple[int, int]] | None:
     if row is None:
         return None
     pairs = row.aliases(op) if callable(row.aliases) else row.aliases
-    out = []
+    out: list[tuple[int, int]] = []
     for k, j in pairs:
-        out.extend((kk, j) for kk in range(len(op.outputs))) if k == ALL else out.append((k, j))
+        out += [(kk, j) for kk in range(len(op.outputs))] if k == ALL else [(k, j)]
     return out
 
 
