@@ -27,6 +27,7 @@ Differences from Fleet, on purpose:
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -310,6 +311,9 @@ def _conform(value: Any, spec: str) -> Any:
             return value
     elif spec == "float":
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                # inf passes "> 0" and "> 1": init_loss_scaling=inf then skipped every step forever
+                raise _Mismatch(f"got {value!r} (must be finite)")
             return float(value)
     elif spec == "str":
         if isinstance(value, str):

@@ -112,6 +112,19 @@ def test_unknown_config_key_has_did_you_mean():
 
 
 @pytest.mark.parametrize(
+    "key, value",
+    [("init_loss_scaling", float("inf")), ("incr_ratio", float("inf")), ("decr_ratio", float("nan"))],
+)
+def test_non_finite_floats_are_refused(key, value):
+    # init_loss_scaling=inf passed "> 0", and then every step was skipped forever (inf * decr_ratio)
+    s = fleet.DistributedStrategy()
+    want = rf"strategy\.amp_configs\['{key}'\]: expected float, got {value!r} \(must be finite\)"
+    with pytest.raises(TypeError, match=want):
+        s.amp_configs = {key: value}
+    assert s.amp_configs["init_loss_scaling"] == 32768.0  # unchanged
+
+
+@pytest.mark.parametrize(
     "config, key, value, expected, got",
     [
         ("amp_configs", "init_loss_scaling", "1024", "float", "str"),
