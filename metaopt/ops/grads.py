@@ -205,15 +205,19 @@ def _gemm(g, op, dy):
 def _gather(g, op, dy):
     data, idx = op.inputs
     if op.attrs.get("axis", 0) == 0 and len(g.shape(data)) == 2 and g.var(data).persistable:
-        return [g.emit1("EmbeddingGrad", [dy[0], idx, data], like=data), None]
+        return _lookup_grad(g, op, dy)
     return g.vjp(op, dy)
 
 
-@grad_rule("Embedding")
-def _embedding(g, op, dy):
+def _lookup_grad(g, op, dy):
+    """A table lookup's weight grad (Gather of a param on axis 0, or our Embedding, whose
+    padding_idx / scale_grad_by_freq attrs pass through); none for the indices."""
     weight, idx = op.inputs
     attrs = {k: op.attrs[k] for k in ("padding_idx", "scale_grad_by_freq") if k in op.attrs}
     return [g.emit1("EmbeddingGrad", [dy[0], idx, weight], like=weight, **attrs), None]
+
+
+grad_rule("Embedding")(_lookup_grad)
 
 
 @grad_rule("LayerNormalization")

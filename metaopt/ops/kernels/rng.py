@@ -8,6 +8,8 @@ preserve_rng_state, one random op at a time.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from metaopt.ops import registry
@@ -23,13 +25,17 @@ def rng_state(_device: torch.device) -> torch.Tensor:
 
 
 def _replay_aliases(op) -> list[tuple[int, int]]:
-    # The replayed op's own aliases, its inputs shifted by the state input.
-    inner = registry.get(op.attrs["op"])
-    if inner is None or callable(inner.aliases):
+    # The replayed op's own pairs (its row, its attrs), its inputs shifted past the state input.
+    inner = SimpleNamespace(
+        type=op.attrs["op"],
+        inputs=op.inputs[1:],
+        outputs=op.outputs,
+        attrs={k.removeprefix("f_"): v for k, v in op.attrs.items()},
+    )
+    pairs = registry.alias_pairs(inner)
+    if pairs is None:  # no row: anything may alias anything
         return [(k, j) for k in range(len(op.outputs)) for j in range(1, len(op.inputs))]
-    return [(k, j + 1) for k, j in inner.aliases if k != registry.ALL] + [
-        (k, j + 1) for kk, j in inner.aliases if kk == registry.ALL for k in range(len(op.outputs))
-    ]
+    return [(k, j + 1) for k, j in pairs]
 
 
 @register(
