@@ -21,6 +21,14 @@ Differences from Fleet, on purpose:
   mode, which metaopt refuses at ``fleet.init``). Here every feature flag metaopt does not
   implement (``UNSUPPORTED_FEATURES``) is accepted but refused at ``minimize`` when True,
   so a default of True would refuse every program.
+- Fleet reads some fields metaopt has no code for. Those are never silently ignored: a
+  value other than the default of a field or config key in ``UNIMPLEMENTED`` is refused
+  at ``minimize``, naming the field (``unimplemented(strategy)`` lists the errors; a config
+  key only while its feature flag is on: otherwise the whole config is unused). Refused
+  there, not at assignment, like ``UNSUPPORTED_FEATURES``: a Fleet script or a saved
+  strategy still loads, and the optimizer's plan lists every refusal at once.
+  ``NO_EFFECT`` fields are accepted with either value: metaopt's behaviour is fixed, and
+  it is what the non-default value asks for (the reason says what metaopt does).
 - ``save_to_json`` / ``load_from_json`` replace Fleet's prototxt files.
 """
 
@@ -122,15 +130,23 @@ AMP_CONFIGS: dict[str, Key] = {
 }
 
 PIPELINE_CONFIGS: dict[str, Key] = {
-    "micro_batch_size": Key(1, "int", "samples per micro-batch", check=_AT_LEAST_1),
-    "accumulate_steps": Key(1, "int", "micro-batches per step (gradients accumulated)", check=_AT_LEAST_1),
-    "schedule_mode": Key(
-        "1F1B", "str", "micro-batch schedule", choices=("1F1B", "F-then-B", "interleaved")
+    "micro_batch_size": Key(
+        1,
+        "int",
+        "samples per micro-batch; metaopt takes the fed batch / accumulate_steps (UNIMPLEMENTED)",
+        check=_AT_LEAST_1,
     ),
+    "accumulate_steps": Key(1, "int", "micro-batches per step (gradients accumulated)", check=_AT_LEAST_1),
+    "schedule_mode": Key("1F1B", "str", "micro-batch schedule", choices=("1F1B", "F-then-B", "interleaved")),
     "chunks": Key(
         1, "int", "virtual stages per worker (the interleaved schedule)", extra=True, check=_AT_LEAST_1
     ),
-    "p2p_cache_shape": Key(True, "bool", "send/recv reuse the shapes of the first micro-batch"),
+    "p2p_cache_shape": Key(
+        True,
+        "bool",
+        "Fleet: send/recv reuse the shapes of the first micro-batch; metaopt sends the shape "
+        "with every message, as False does (NO_EFFECT)",
+    ),
     "cuts": Key(
         [],
         "list[str]",
@@ -189,17 +205,103 @@ FIELDS: dict[str, Key] = {
     # communication flags of data parallel
     "fuse_all_reduce_ops": Key(True, "bool", "all-reduce gradients in fused buckets"),
     "fuse_grad_size_in_MB": Key(32, "int", "bucket size of fused all-reduce, MB", check=_POSITIVE),
-    "nccl_comm_num": Key(1, "int", "communicators used for all-reduce", check=_AT_LEAST_1),
-    "sync_nccl_allreduce": Key(True, "bool", "wait for each all-reduce before going on"),
-    "find_unused_parameters": Key(
-        False, "bool", "params without a gradient get a zero one before all-reduce"
+    "nccl_comm_num": Key(
+        1, "int", "communicators used for all-reduce; metaopt: 1 (UNIMPLEMENTED)", check=_AT_LEAST_1
     ),
-    "without_graph_optimization": Key(True, "bool", "run the rewritten program as is (Fleet 2.x default)"),
+    "sync_nccl_allreduce": Key(
+        True, "bool", "wait for each all-reduce before going on; metaopt: True (UNIMPLEMENTED)"
+    ),
+    "find_unused_parameters": Key(
+        False,
+        "bool",
+        "DDP's flag for params that get no gradient; metaopt leaves them out on every worker "
+        "alike, as True asks (NO_EFFECT)",
+    ),
+    "without_graph_optimization": Key(
+        True,
+        "bool",
+        "run the rewritten program as is (Fleet 2.x default); metaopt: True (UNIMPLEMENTED)",
+    ),
     **{
         name: Key(False, "bool", f"Fleet's {name}: not implemented in metaopt (refused at minimize)")
         for name in UNSUPPORTED_FEATURES
     },
 }
+
+# Fields and config keys ("<flag>_configs.<key>") that metaopt has no code for, with what it
+# does instead: a value other than the default is refused at minimize (``unimplemented``).
+# An issue that implements one reads it where it is used and deletes its row here.
+UNIMPLEMENTED: dict[str, str] = {
+    "nccl_comm_num": "all-reduces run on one communicator",
+    "sync_nccl_allreduce": "each all-reduce is waited for before the ops after it run",
+    "without_graph_optimization": "the rewritten program runs as is, with no graph optimization passes",
+    "pipeline_configs.micro_batch_size": (
+        "the micro-batch size is the fed batch divided by pipeline_configs['accumulate_steps']"
+    ),
+}
+
+# Fields and config keys accepted with either value: metaopt's behaviour is fixed and is what
+# the non-default value asks for, so there is nothing to refuse (the reason says what it does).
+NO_EFFECT: dict[str, str] = {
+    "find_unused_parameters": (
+        "a param off the loss's path gets no gradient and no update, on every worker alike "
+        "(a static program knows them, so nothing waits for their all-reduce): what True asks"
+    ),
+    "pipeline_configs.p2p_cache_shape": (
+        "every Send carries the shape and the Recv checks it, so shapes may change from one "
+        "step to the next: what False asks"
+    ),
+}
+
+
+def _entry(path: str) -> tuple[str | None, str, Key]:
+    """A row of UNIMPLEMENTED / NO_EFFECT: (config name or None, field or key, its Key)."""
+    config, _, name = path.rpartition(".")
+    if not config:
+        return None, name, FIELDS[name]
+    return config, name, CONFIGS[config[: -len("_configs")]][name]
+
+
+for _path in (*UNIMPLEMENTED, *NO_EFFECT):  # a typo in the tables above fails at import
+    _entry(_path)
+del _path
+
+
+def unimplemented(strategy: DistributedStrategy) -> list[NotImplementedError]:
+    """One NotImplementedError per ``UNIMPLEMENTED`` field or config key of `strategy` that is
+    not at its default (a config key only while its feature flag is on), in table order.
+
+    ``minimize`` refuses them before the program is touched; each message names the field,
+    its value, what metaopt does instead and the default to go back to::
+
+        strategy.nccl_comm_num=2: not implemented in metaopt (all-reduces run on one
+        communicator); leave it at its default 1
+    """
+    return [
+        NotImplementedError(
+            f"{where}={value!r}: not implemented in metaopt ({UNIMPLEMENTED[path]}); "
+            f"leave it at its default {default!r}"
+        )
+        for path, where, value, default in _unimplemented_set(strategy)
+    ]
+
+
+def _unimplemented_set(strategy: DistributedStrategy) -> list[tuple[str, str, Any, Any]]:
+    """(path, 'strategy.<field>' or "strategy.<config>['<key>']", value, default) of each
+    UNIMPLEMENTED row not at its default."""
+    values = strategy._values
+    out = []
+    for path in UNIMPLEMENTED:
+        config, name, key = _entry(path)
+        if config is None:
+            value, where = values[name], f"strategy.{name}"
+        elif values[config[: -len("_configs")]]:
+            value, where = values[config][name], f"strategy.{config}[{name!r}]"
+        else:  # the feature is off: its config is unused (the plan warns if it is set)
+            continue
+        if value != key.default:
+            out.append((path, where, value, key.default))
+    return out
 
 
 # --- values ---------------------------------------------------------------------------------
@@ -422,6 +524,11 @@ class DistributedStrategy:
         else:
             raise AttributeError(self._unknown(name))
 
+    def unimplemented(self) -> list[NotImplementedError]:
+        """What ``minimize`` refuses of this strategy's ``UNIMPLEMENTED`` fields (see the
+        module function ``unimplemented``); empty when every such field is at its default."""
+        return unimplemented(self)
+
     def __delattr__(self, name: str) -> None:
         raise AttributeError(f"strategy.{name} cannot be deleted; assign its default instead")
 
@@ -536,6 +643,13 @@ class DistributedStrategy:
         ]
         if changed:
             sections.append(("Environment Flags, Communication Flags", changed))
+        refused = [(name, "True, default False") for name in UNSUPPORTED_FEATURES if self._values[name]]
+        refused += [
+            (where[len("strategy.") :], f"{value}, default {default}")
+            for _, where, value, default in _unimplemented_set(self)
+        ]
+        if refused:
+            sections.append(("Not implemented in metaopt: refused at minimize", refused))
         if not sections:
             sections.append(("no meta optimizer enabled, every field at its default", []))
 

@@ -6,11 +6,20 @@ import copy
 import json
 import os
 import re
+from pathlib import Path
 
 import pytest
 
+import metaopt
 from metaopt import fleet
-from metaopt.fleet.strategy import CONFIGS, FIELDS, UNSUPPORTED_FEATURES
+from metaopt.fleet.strategy import (
+    CONFIGS,
+    FIELDS,
+    NO_EFFECT,
+    UNIMPLEMENTED,
+    UNSUPPORTED_FEATURES,
+    unimplemented,
+)
 from metaopt.ir import Var
 
 # Fleet's defaults (paddle/fluid/framework/distributed_strategy.proto), written out by hand
@@ -347,3 +356,113 @@ def test_unsupported_features_are_fields():
     for name in UNSUPPORTED_FEATURES:
         setattr(s, name, True)
         assert getattr(s, name) is True
+
+
+# --- fields metaopt has no code for (issue 13): refused at minimize, never silently ignored -----
+
+
+def test_unimplemented_top_level_field_is_refused_naming_it():
+    s = fleet.DistributedStrategy()
+    s.nccl_comm_num = 2  # accepted here (a Fleet script still runs) ...
+    (e,) = unimplemented(s)  # ... and refused at minimize
+    assert isinstance(e, NotImplementedError)
+    assert str(e) == (
+        "strategy.nccl_comm_num=2: not implemented in metaopt (all-reduces run on one "
+        "communicator); leave it at its default 1"
+    )
+    assert [str(x) for x in s.unimplemented()] == [str(e)]  # the method is the same list
+    s.sync_nccl_allreduce = False
+    s.without_graph_optimization = False
+    assert [str(e).split(":")[0] for e in unimplemented(s)] == [
+        "strategy.nccl_comm_num=2",
+        "strategy.sync_nccl_allreduce=False",
+        "strategy.without_graph_optimization=False",
+    ]
+
+
+def test_unimplemented_config_key_is_refused_naming_it_while_its_feature_is_on():
+    s = fleet.DistributedStrategy()
+    s.pipeline_configs = {"micro_batch_size": 4, "accumulate_steps": 8}
+    assert unimplemented(s) == []  # pipeline off: the config is unused (the plan warns)
+    s.pipeline = True
+    (e,) = unimplemented(s)
+    assert isinstance(e, NotImplementedError)
+    assert str(e).startswith("strategy.pipeline_configs['micro_batch_size']=4: not implemented in metaopt (")
+    assert "accumulate_steps" in str(e) and str(e).endswith("leave it at its default 1")
+
+
+def test_defaults_are_not_refused():
+    s = fleet.DistributedStrategy()
+    s.pipeline = True
+    assert unimplemented(s) == []
+    # a Fleet script that spells the defaults out is fine too
+    s.nccl_comm_num = 1
+    s.sync_nccl_allreduce = True
+    s.without_graph_optimization = True
+    s.pipeline_configs = {"micro_batch_size": 1, "accumulate_steps": 4}
+    assert unimplemented(s) == []
+
+
+def test_no_effect_fields_are_accepted_with_either_value():
+    s = fleet.DistributedStrategy()
+    s.pipeline = True
+    s.find_unused_parameters = True
+    s.pipeline_configs = {"p2p_cache_shape": False}
+    assert unimplemented(s) == []
+
+
+def test_unimplemented_and_no_effect_rows_name_real_fields():
+    for path in (*UNIMPLEMENTED, *NO_EFFECT):
+        config, _, name = path.rpartition(".")
+        if config:
+            assert name in CONFIGS[config.removesuffix("_configs")], path
+        else:
+            assert name in FIELDS, path
+    assert not set(UNIMPLEMENTED) & set(NO_EFFECT)
+    assert not set(UNIMPLEMENTED) & set(UNSUPPORTED_FEATURES)
+    assert all(UNIMPLEMENTED.values()) and all(NO_EFFECT.values())
+
+
+# gradient_merge raises NotImplementedError as a whole until it is implemented (then it reads these)
+_PENDING = {"gradient_merge_configs.k_steps", "gradient_merge_configs.avg"}
+
+
+def test_every_field_and_config_key_is_read_or_refused():
+    """The audit of issue 13 as a test: each field and config key is named somewhere in
+    metaopt outside strategy.py (``.name`` or ``'name'``), or is refused (UNSUPPORTED_FEATURES,
+    UNIMPLEMENTED) or has no effect by design (NO_EFFECT). A mention is not proof of a read,
+    but a key never mentioned is certainly never read."""
+    root = Path(metaopt.__file__).parent
+    strategy_py = root / "fleet" / "strategy.py"
+    text = "\n".join(p.read_text(encoding="utf-8") for p in root.rglob("*.py") if p != strategy_py)
+    accounted = {*UNSUPPORTED_FEATURES, *UNIMPLEMENTED, *NO_EFFECT, *_PENDING}
+    paths = [*FIELDS, *(f"{flag}_configs.{k}" for flag, table in CONFIGS.items() for k in table)]
+    unread = []
+    for path in paths:
+        name = path.rpartition(".")[2]
+        if path not in accounted and not re.search(rf"\.{name}\b|[\"']{name}[\"']", text):
+            unread.append(path)
+    assert unread == [], (
+        f"strategy fields/keys nothing reads: {unread}; implement them, or add them to "
+        "UNIMPLEMENTED (refused when not at the default) or NO_EFFECT in metaopt/fleet/strategy.py"
+    )
+
+
+def test_unimplemented_values_still_load_and_print_as_refused(tmp_path):
+    s = fleet.DistributedStrategy()
+    s.pipeline = True
+    s.nccl_comm_num = 2
+    s.pipeline_configs = {"micro_batch_size": 4}
+    s.sharding = True
+    path = tmp_path / "s.json"
+    s.save_to_json(path)
+    t = fleet.DistributedStrategy()
+    t.load_from_json(path)  # a saved strategy loads; minimize is where it is refused
+    assert t == s and [str(e) for e in unimplemented(t)] == [str(e) for e in unimplemented(s)]
+    text = str(t)
+    assert "Not implemented in metaopt: refused at minimize" in text
+    assert re.search(r"^\s*\|\s+nccl_comm_num\s+2, default 1\s+\|$", text, re.M)
+    assert re.search(r"^\s*\|\s+pipeline_configs\['micro_batch_size'\]\s+4, default 1\s+\|$", text, re.M)
+    assert re.search(r"^\s*\|\s+sharding\s+True, default False\s+\|$", text, re.M)
+    assert len({len(line) for line in text.splitlines()}) == 1  # still a box
+    assert "refused" not in str(fleet.DistributedStrategy())
