@@ -4,13 +4,26 @@ Like torch.fx's codegen: each var is a local, each op one call of its bound
 kernel, and a non-persistable var is dropped (``del``) right after its last
 use, so the interpreter frees it exactly when torch.fx's Interpreter would.
 Memory accounting calls are emitted next to allocations and frees.
+
+Errors name the op. The generated source is registered with `linecache` under a
+unique filename (``<metaopt plan NAME #N>``), so a traceback through a plan shows its
+generated lines, and `Plan.run` turns an exception escaping the plan into one whose
+message starts ``while running op I: <the op's printed line>``, with the original as
+``__cause__``. The op is found from the traceback's line in the generated source
+(`Plan.op_of_line`, kept while generating): the hot path has no per-op try/except.
+Tracebacks formatted by the `traceback` module (pytest, logging, ``traceback.print_exc``,
+the default hook from Python 3.13) show the generated lines; the interpreter's own printer
+of an uncaught error before 3.13 reads real files only, and shows the frame without it.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
+import linecache
 import os
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +41,74 @@ class Plan:
     constants: dict[str, torch.Tensor]  # the program's constants on the device, held by the plan
     feeds: list[str]
     fetches: list[str]
+    filename: str = ""  # the generated source's name in tracebacks (registered with linecache)
+    ops: list[Op] = field(default_factory=list)  # the program's ops when compiled, by index
+    op_of_line: dict[int, int] = field(default_factory=dict)  # source line (1-based) -> op index
+
+    def run(self, S, F, T) -> tuple:
+        """`fn(S, F, T)`, naming the op in an error that escapes it.
+
+        An `Exception` raised while running op ``i`` (its kernel, or the bookkeeping lines
+        emitted with it) is re-raised as ``while running op i: <fmt_op line>``, followed on
+        the next line by the original message, ``from`` the original (its traceback, through
+        the generated source, is the cause's). The new error keeps the original's type where
+        that is exact: ``type(e)(message)`` must build an exception whose ``args`` and
+        ``str`` are the message (so ``except ValueError`` and ``pytest.raises(CommError,
+        match=...)`` still catch it; the original's instance attributes are copied over).
+        Otherwise (a constructor taking other arguments, a KeyError's quoting ``str``) it is
+        a `RuntimeError` whose second line names the original type. An error outside any
+        op (reading the scope or feeds, returning fetches) and a `BaseException` that is not
+        an `Exception` (KeyboardInterrupt, SystemExit) pass through untouched.
+        """
+        try:
+            return self.fn(S, F, T)
+        except Exception as e:
+            err = self.op_error(e)
+            if err is None:
+                raise
+            raise err from e
+
+    def op_error(self, e: BaseException) -> BaseException | None:
+        """The error naming the op that raised `e` (see `run`); None if no op did."""
+        code = getattr(self.fn, "__code__", None)
+        line = None
+        tb = e.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code is code:
+                line = tb.tb_lineno  # the plan is one frame: the first match is the op's line
+                break
+            tb = tb.tb_next
+        i = self.op_of_line.get(line) if line is not None else None
+        if i is None:
+            return None
+        head = f"while running op {i}: {fmt_op(self.ops[i])}"
+        msg = f"{head}\n{e}" if str(e) else head
+        try:
+            err = type(e)(msg)
+            exact = err.args == (msg,) and str(err) == msg
+        except Exception:  # noqa: BLE001 - a constructor that takes other arguments
+            exact = False
+        if not exact:
+            return RuntimeError(f"{head}\n{type(e).__name__}: {e}")
+        extra = {k: v for k, v in vars(e).items() if k != "__notes__"}
+        err.__dict__.update(extra)
+        return err
+
+
+_PLAN_IDS = itertools.count()
+
+
+def _register_source(source: str, name: str, g: dict) -> tuple[object, str]:
+    """Compile `source` under a unique filename whose lines `linecache` holds (for tracebacks)
+    while the generated code lives; exec it into `g`. Returns (g["run"], filename)."""
+    filename = f"<metaopt plan {name} #{next(_PLAN_IDS)}>"
+    exec(compile(source, filename, "exec"), g)
+    fn = g["run"]
+    # mtime None: `linecache.checkcache` keeps the entry (there is no file to re-read).
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    # Dropped with the code object (held by the plan's function and any traceback's frames).
+    weakref.finalize(fn.__code__, linecache.cache.pop, filename, None)
+    return fn, filename
 
 
 def host_placement(p: Program) -> tuple[set[str], set[tuple[int, int]]]:
@@ -251,7 +332,9 @@ def build_plan(p: Program, fetches: list[str], device: torch.device, track: bool
             lines.append(f"    {local(name)} = F[{name!r}]")
             if track:
                 lines.append(f"    T.acquire({local(name)})")
+    op_of_line: dict[int, int] = {}
     for i, op in enumerate(p.ops):
+        first = len(lines) + 1  # the 1-based line number of this op's first generated line
         k = f"k{i}"
         g[k] = _bind(op, device, runtime)
         args = ", ".join(
@@ -293,6 +376,7 @@ def build_plan(p: Program, fetches: list[str], device: torch.device, track: bool
             if track:
                 lines.append(f"    T.release({local(name)})")
             lines.append(f"    del {local(name)}")
+        op_of_line.update(dict.fromkeys(range(first, len(lines) + 1), i))
     # A fetched persistable is its value after the run (updated, as Fleet's in-place ops
     # leave it). Whatever may share storage with state or constants is returned as a
     # copy: the next run updates state in place, and constants are the plan's.
@@ -311,7 +395,6 @@ def build_plan(p: Program, fetches: list[str], device: torch.device, track: bool
             if f not in pset and f not in consts:
                 lines.insert(-1, f"    T.release({local(f)})")
     source = "\n".join(lines) + "\n"
-    code = compile(source, f"<metaopt plan {p.name}>", "exec")
-    exec(code, g)
+    fn, filename = _register_source(source, p.name, g)
     feeds = [x for x in p.inputs if x in last]
-    return Plan(g["run"], source, used_persist, dev_consts, feeds, list(fetches))
+    return Plan(fn, source, used_persist, dev_consts, feeds, list(fetches), filename, list(p.ops), op_of_line)
