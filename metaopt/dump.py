@@ -1,7 +1,7 @@
 """METAOPT_DUMP=dir: write the program after every pass, in the golden text format.
 
 Passes never read the environment; the drivers that run them (import, the
-optimizers' minimize, the fleet meta optimizers) call `dump` after each step. Files
+optimizers' minimize, the training driver passes/driver.py) call `dump` after each step. Files
 are numbered in the order they are written in this process:
 ``dir/000_<program>_<step>.txt``.
 """

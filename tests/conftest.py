@@ -62,3 +62,20 @@ def exported(name: str, config: str = "tiny", dropout: float = 0.0, batch: int =
     inputs = mod.example_inputs(config, batch, seed=1)
     program = metaopt.export(module, inputs, name=name)
     return module, inputs, program
+
+
+def backward_links(program) -> dict:
+    """What append_backward handed on, recovered from a training program by the naming
+    convention (tests only: passes get these from the driver's context): each param's grad
+    and the loss grad's seed."""
+    from metaopt.ir import names
+
+    grads = {v.name: names.grad(v.name) for v in program.params() if names.grad(v.name) in program.vars}
+    return {"grads": grads, "loss_grad": names.grad(program.loss_name)}
+
+
+def pipeline_split(program, **how) -> list:
+    """passes.pipeline.pipeline with the backward's links of `program` (see backward_links)."""
+    from metaopt.passes.pipeline import pipeline
+
+    return pipeline(program, **how, **backward_links(program))

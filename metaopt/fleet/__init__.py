@@ -8,15 +8,10 @@
     optimize_ops, params_grads = opt.minimize(loss)      # rewrites loss.program in place
 
 State (this worker's rank, the job's size) lives in ``metaopt.fleet.env``; the meta
-optimizers and their literal order in ``metaopt.fleet.distributed_optimizer``.
+training rewrite's steps, in their literal order, in ``metaopt.fleet.steps.STEPS``.
 """
 
-from metaopt.fleet.distributed_optimizer import (
-    META_OPTIMIZERS,
-    DistributedOptimizer,
-    MetaPlan,
-    distributed_optimizer,
-)
+from metaopt.fleet.distributed_optimizer import DistributedOptimizer, TrainPlan, distributed_optimizer
 from metaopt.fleet.env import (
     barrier_worker,
     init,
@@ -28,13 +23,14 @@ from metaopt.fleet.env import (
     worker_num,
 )
 from metaopt.fleet.io import load_persistables, save_persistables
+from metaopt.fleet.steps import STEPS
 from metaopt.fleet.strategy import DistributedStrategy
 
 __all__ = [
-    "META_OPTIMIZERS",
+    "STEPS",
     "DistributedOptimizer",
     "DistributedStrategy",
-    "MetaPlan",
+    "TrainPlan",
     "barrier_worker",
     "distributed_optimizer",
     "init",

@@ -1,129 +1,51 @@
-"""fleet.distributed_optimizer: the strategy's meta optimizers around the user's optimizer.
+"""fleet.distributed_optimizer: the strategy's training rewrite around the user's optimizer.
 
-The meta optimizers and their order are ONE literal list, ``META_OPTIMIZERS``:
+``minimize(loss)`` runs THE list of steps, ``metaopt.fleet.steps.STEPS`` (its docstring gives
+the order and why), with one driver (``metaopt.passes.driver.run_steps``): every enabled
+step plans once, rewrites with a pure pass, is verified, dumped and logged; the user's
+program is replaced once, at the end, so a refused configuration leaves it untouched.
+``opt.plan()`` prints the steps in order, each with why it runs or is skipped, and what
+would be refused.
 
-    amp, pipeline, recompute (+offload), gradient_merge, data_parallel, then the inner optimizer
-
-Each entry is ``(name, strategy field, apply)``. ``apply(inner, strategy)`` wraps an
-optimizer-like object (anything with Fleet's ``minimize(loss, startup_program,
-parameter_list, no_grad_set) -> (optimize_ops, params_grads)``) and returns another, as
-Fleet's meta optimizers wrap their ``inner_opt``. The chain is built from the inside
-out, so the first entry is the outermost wrapper and its ``minimize`` runs first::
-
-    amp( pipeline( recompute( gradient_merge( data_parallel( Adam ) ) ) ) ).minimize(loss)
-
-The pipeline wraps recompute (unlike Fleet, whose recompute wraps the pipeline): it splits
-the finished single-process program, so every recompute and offload op goes to the stage
-of the forward var it stems from, and checkpoints are named for the whole model.
-
-``data_parallel`` has no strategy field: it applies when ``fleet.worker_num() > 1`` (and
-pipeline is off: a pipeline replicates itself over ``pipeline_configs.dp_degree``).
-Offload is part of recompute (``recompute_configs.enable_offload``).
-
-Implemented: amp (``fleet/amp_optimizer.py``), recompute (``fleet/recompute_optimizer.py``),
-pipeline (``fleet/pipeline_optimizer.py``), data_parallel (``fleet/data_parallel_optimizer.py``).
-Every other ``_apply_*`` below raises NotImplementedError naming the feature and its strategy field; an issue
-that implements one replaces that function and nothing else. Fleet features metaopt does not have
-(``UNSUPPORTED_FEATURES``: sharding, lamb, ...) and combinations it cannot honour
-(``CONFLICTS``) are refused before anything is rewritten — never silently dropped.
+Fleet features metaopt does not have (``UNSUPPORTED_FEATURES``: sharding, lamb, ...),
+strategy fields nothing implements yet (set to a non-default value) and combinations it
+cannot honour (``CONFLICTS``) are refused before anything is rewritten — never silently
+dropped. ``opt.applied_meta_list`` names, in Fleet's words, the meta optimizers that ran.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from metaopt.fleet import env
+from metaopt.fleet.steps import CONFLICTS, FLEET_META_OPTIMIZERS, META_OF_STEP, STEPS, requirement_errors
 from metaopt.fleet.strategy import CONFIGS, UNSUPPORTED_FEATURES, DistributedStrategy
-from metaopt.ir import Var
+from metaopt.ir import Program, Var
+from metaopt.passes.driver import Context, StepRow, check_steps, plan_rows, run_steps
 
 logger = logging.getLogger("metaopt.fleet")
 
 
-class MetaOptimizer(NamedTuple):
-    name: str
-    field: str | None  # the strategy flag enabling it; None: data_parallel (worker_num() > 1)
-    apply: Callable[[Any, DistributedStrategy], Any]  # (inner optimizer, strategy) -> optimizer
-
-
-def _not_implemented(name: str, flag: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"strategy.{flag}=True: the {name} meta optimizer is not implemented yet; set strategy.{flag} = False"
-    )
-
-
-def _apply_amp(inner: Any, strategy: DistributedStrategy) -> Any:
-    """amp (``fleet/amp_optimizer.py``): casts, loss scaling, skipped overflow steps."""
-    from metaopt.fleet.amp_optimizer import AmpOptimizer
-
-    return AmpOptimizer(inner, strategy.amp_configs)
-
-
-def _apply_recompute(inner: Any, strategy: DistributedStrategy) -> Any:
-    """recompute (offload, ``recompute_configs['enable_offload']``, raises: not implemented yet)."""
-    from metaopt.fleet.recompute_optimizer import RecomputeOptimizer
-
-    return RecomputeOptimizer(inner, strategy.recompute_configs)
-
-
-def _apply_pipeline(inner: Any, strategy: DistributedStrategy) -> Any:
-    """One stage program per worker, micro-batches through a schedule (fleet/pipeline_optimizer.py)."""
-    from metaopt.fleet.pipeline_optimizer import PipelineOptimizer
-
-    return PipelineOptimizer(inner, strategy)
-
-
-def _apply_gradient_merge(inner: Any, strategy: DistributedStrategy) -> Any:
-    raise _not_implemented("gradient_merge", "gradient_merge")
-
-
-def _apply_data_parallel(inner: Any, strategy: DistributedStrategy) -> Any:
-    """Grads averaged over the workers by fused AllReduce ops; initial values from rank 0."""
-    from metaopt.fleet.data_parallel_optimizer import DataParallelOptimizer
-
-    return DataParallelOptimizer(inner, strategy)
-
-
-# THE order (outermost first). Changing it changes what every program becomes.
-META_OPTIMIZERS: tuple[MetaOptimizer, ...] = (
-    MetaOptimizer("amp", "amp", _apply_amp),
-    MetaOptimizer("pipeline", "pipeline", _apply_pipeline),
-    MetaOptimizer("recompute", "recompute", _apply_recompute),
-    MetaOptimizer("gradient_merge", "gradient_merge", _apply_gradient_merge),
-    MetaOptimizer("data_parallel", None, _apply_data_parallel),
-)
-
-# Combinations refused, with the reason (every flag named in a conflict appears in the error).
-CONFLICTS: tuple[tuple[tuple[str, ...], str], ...] = (
-    (
-        ("pipeline", "gradient_merge"),
-        "a pipeline already accumulates gradients over pipeline_configs['accumulate_steps'] "
-        "micro-batches; use that instead of gradient_merge",
-    ),
-)
-
-
 @dataclass
-class PlanRow:
-    name: str
-    applies: bool
-    reason: str
+class TrainPlan:
+    """The steps ``minimize`` would run, in order, each with its reason; what it refuses."""
 
-
-@dataclass
-class MetaPlan:
-    """Which meta optimizers ``minimize`` would apply and why the others are skipped."""
-
-    rows: list[PlanRow]
+    rows: list[StepRow]
     optimizer: str
     errors: list[Exception] = field(default_factory=list)  # what minimize would refuse, in order
     warnings: list[str] = field(default_factory=list)
 
     @property
+    def steps(self) -> list[str]:
+        return [r.name for r in self.rows if r.runs]
+
+    @property
     def applied(self) -> list[str]:
-        return [r.name for r in self.rows if r.applies]
+        """Fleet's names of the meta optimizers that run (``applied_meta_list``)."""
+        used = {META_OF_STEP[s] for s in self.steps if s in META_OF_STEP}
+        return [m for m in FLEET_META_OPTIMIZERS if m in used]
 
     def check(self) -> None:
         """Raise the first thing ``minimize`` refuses (unsupported feature, conflict)."""
@@ -132,45 +54,15 @@ class MetaPlan:
 
     def __str__(self) -> str:
         width = max(len(r.name) for r in self.rows)
-        lines = ["meta optimizer plan (outermost first):"]
+        lines = [f"training rewrite (metaopt.fleet.steps.STEPS, in order; optimizer {self.optimizer}):"]
         for r in self.rows:
-            lines.append(f"  {r.name:<{width}}  {'apply' if r.applies else 'skip '}  {r.reason}")
-        lines.append(f"  {'optimizer':<{width}}  apply  {self.optimizer}.minimize")
+            lines.append(f"  {r.name:<{width}}  {'run ' if r.runs else 'skip'}  {r.reason}")
         lines += [f"  refused: {e}" for e in self.errors]
         lines += [f"  note: {w}" for w in self.warnings]
         return "\n".join(lines)
 
 
-def plan_meta_optimizers(strategy: DistributedStrategy, optimizer: Any = None) -> MetaPlan:
-    """The plan for `strategy` on this worker (needs ``fleet.init``: data parallel reads worker_num)."""
-    world = env.worker_num()
-    defaults = DistributedStrategy()
-    rows: list[PlanRow] = []
-    warnings: list[str] = []
-    for meta in META_OPTIMIZERS:
-        if meta.field is None:
-            if world == 1:
-                rows.append(PlanRow(meta.name, False, "fleet.worker_num()=1"))
-            elif strategy.pipeline:
-                rows.append(
-                    PlanRow(
-                        meta.name,
-                        False,
-                        "strategy.pipeline=True replicates over pipeline_configs['dp_degree']",
-                    )
-                )
-            else:
-                rows.append(PlanRow(meta.name, True, f"fleet.worker_num()={world}"))
-            continue
-        on = bool(getattr(strategy, meta.field))
-        reason = f"strategy.{meta.field}={on}"
-        if on and meta.name == "recompute" and strategy.recompute_configs["enable_offload"]:
-            reason += " (+offload: recompute_configs['enable_offload']=True)"
-        cfg = f"{meta.field}_configs"
-        if not on and meta.field in CONFIGS and getattr(strategy, cfg) != getattr(defaults, cfg):
-            warnings.append(f"strategy.{cfg} is set but strategy.{meta.field}=False: the config is unused")
-        rows.append(PlanRow(meta.name, on, reason))
-
+def _refusals(strategy: DistributedStrategy) -> list[Exception]:
     errors: list[Exception] = []
     for name in UNSUPPORTED_FEATURES:
         if getattr(strategy, name):
@@ -180,33 +72,71 @@ def plan_meta_optimizers(strategy: DistributedStrategy, optimizer: Any = None) -
                     f"set strategy.{name} = False"
                 )
             )
+    unimplemented = getattr(strategy, "unimplemented", None)
+    if unimplemented is not None:
+        errors += unimplemented()
+    errors += requirement_errors(strategy)
     for flags, why in CONFLICTS:
         if all(getattr(strategy, f) for f in flags):
             both = " and ".join(f"strategy.{f}=True" for f in flags)
             errors.append(ValueError(f"{both} cannot be combined: {why}"))
-    for w in warnings:
-        logger.warning(w)
-    name = type(optimizer).__name__ if optimizer is not None else "the inner optimizer"
-    return MetaPlan(rows, name, errors, warnings)
+    return errors
+
+
+def _unused_configs(strategy: DistributedStrategy) -> list[str]:
+    defaults = DistributedStrategy()
+    out = []
+    for flag in CONFIGS:
+        cfg = f"{flag}_configs"
+        if not getattr(strategy, flag) and getattr(strategy, cfg) != getattr(defaults, cfg):
+            out.append(f"strategy.{cfg} is set but strategy.{flag}=False: the config is unused")
+    return out
 
 
 class DistributedOptimizer:
-    """Fleet's distributed optimizer: ``minimize`` applies the strategy's meta optimizers
-    (``META_OPTIMIZERS`` order) around `optimizer` and rewrites ``loss.program`` in place."""
+    """Fleet's distributed optimizer: ``minimize`` runs the training rewrite (`STEPS`) with
+    `optimizer`'s updates and rewrites ``loss.program`` in place.
+
+    ``loss_scaling`` (None: on for float16 AMP, off for bfloat16, as Paddle) forces AMP's
+    loss scaling on or off."""
 
     def __init__(self, optimizer: Any, strategy: DistributedStrategy) -> None:
         self.user_defined_optimizer = optimizer
         # A copy, as in Fleet: changing the strategy afterwards does not change this optimizer.
         self.user_defined_strategy = strategy.copy()
         self.applied_meta_list: list[str] = []
+        self.loss_scaling: bool | None = None
+        self.context: Context | None = None  # what the last minimize's steps handed each other
+        self.amp_plan = self.recompute_plan = self.memory_report = None
+        self.data_parallel_plan = self.pipeline_plan = None
+        self.stage_programs: list[Program] = []
 
     @property
     def inner_opt(self) -> Any:
         return self.user_defined_optimizer
 
-    def plan(self, loss: Var | None = None) -> MetaPlan:
-        """What ``minimize`` would apply (printable); `loss` is accepted for memory plans to come."""
-        return plan_meta_optimizers(self.user_defined_strategy, self.user_defined_optimizer)
+    def _context(self) -> Context:
+        s = self.user_defined_strategy
+        scaling = self.loss_scaling
+        if scaling is None:
+            scaling = s.amp_configs["dtype"] == "float16"
+        return Context(
+            strategy=s,
+            optimizer=self.user_defined_optimizer,
+            world_size=env.worker_num(),
+            rank=env.worker_index(),
+            loss_scaling=bool(scaling),
+        )
+
+    def plan(self, loss: Var | None = None) -> TrainPlan:
+        """What ``minimize`` would do (printable); needs ``fleet.init`` (data parallel reads
+        the worker count). `loss` is accepted for Fleet-style calls and unused."""
+        s = self.user_defined_strategy
+        warnings = _unused_configs(s)
+        for w in warnings:
+            logger.warning(w)
+        name = type(self.user_defined_optimizer).__name__
+        return TrainPlan(plan_rows(STEPS, self._context()), name, _refusals(s), warnings)
 
     def minimize(
         self,
@@ -217,48 +147,88 @@ class DistributedOptimizer:
     ) -> tuple[Any, Any]:
         """Rewrite ``loss.program`` in place into a training program; (optimize_ops, params_grads).
 
-        Everything refused (unsupported features, conflicts, meta optimizers not
-        implemented) is refused before the program is touched.
+        Everything refused is refused before the program is touched. ``params_grads`` pairs
+        each param of the resulting program with the grad its update reads (the reduced,
+        unscaled one where data parallel and AMP apply), by name.
         """
         if not isinstance(loss, Var):
             raise TypeError(f"minimize: loss must be a Var of a Program, got {type(loss).__name__}")
         if loss.program is None:
             raise ValueError(f"minimize: loss {loss.name!r} belongs to no program (use program.loss)")
-        strategy_ = self.user_defined_strategy
-        if strategy_.recompute_configs["enable_offload"] and not strategy_.recompute:
-            raise ValueError(
-                "recompute_configs['enable_offload']=True needs strategy.recompute=True: offload moves "
-                "the recompute checkpoints to host memory"
-            )
         plan = self.plan(loss)
         plan.check()
-        strategy = self.user_defined_strategy
-        metas = {m.name: m for m in META_OPTIMIZERS}
+        ctx = self._context()
+        ctx.loss = loss.name
+        ctx.parameter_list = _names(parameter_list)
+        ctx.no_grad_set = set(_names(no_grad_set) or ()) or None
         opt = self.user_defined_optimizer
-        wrappers = []
-        for name in reversed(plan.applied):
-            opt = metas[name].apply(opt, strategy)
-            wrappers.append(opt)
-        result = opt.minimize(loss, startup_program, parameter_list, no_grad_set)
-        for w in wrappers:  # what a meta optimizer reports (Fleet users read opt.<report>)
-            for report in (
-                "amp_plan",
-                "recompute_plan",
-                "memory_report",
-                "data_parallel_plan",
-                "pipeline_plan",
-            ):
-                if getattr(w, report, None) is not None:
-                    setattr(self, report, getattr(w, report))
+        check_steps(STEPS, ctx)  # refusals of the enabled steps come before anything else
+        if not _is_metaopt_optimizer(opt):
+            rewriting = [s for s in plan.steps if s not in ("append_backward", "apply_optimizer")]
+            if rewriting:
+                raise TypeError(
+                    f"steps {rewriting} rewrite the optimizer's update ops: they need a "
+                    f"metaopt.optimizer optimizer, got {type(opt).__name__}"
+                )
+            # nothing to rewrite: Fleet hands the whole minimize to the inner optimizer
+            self.applied_meta_list = []
+            logger.info("applied meta optimizers: []")
+            return opt.minimize(loss, startup_program, parameter_list, no_grad_set)
+        program = loss.program
+        final = run_steps(program, STEPS, ctx)
+        self.context = ctx
+        self._keep_reports(ctx)
+        program.replace_with(final)
         self.applied_meta_list = plan.applied
-        logger.info("applied meta optimizers: %s", self.applied_meta_list)
-        return result
+        logger.info("training rewrite: %s; applied meta optimizers: %s", plan.steps, self.applied_meta_list)
+        from metaopt.fleet.steps import _warn_if_nothing_saved
+
+        _warn_if_nothing_saved(ctx)
+        optimize_ops = [op for op in program.ops if op.role == "optimize"]
+        return optimize_ops, _params_grads(program, ctx.params_grads, ctx.tied)
+
+    def _keep_reports(self, ctx: Context) -> None:
+        """Fleet users read ``opt.<report>``: the plans of the steps that ran."""
+        self.amp_plan = ctx.plans.get("amp_casts")
+        self.recompute_plan = ctx.plans.get("recompute")
+        self.data_parallel_plan = ctx.plans.get("data_parallel")
+        self.pipeline_plan = ctx.plans.get("pipeline_split")
+        self.memory_report = ctx.extra.get("memory_report")
+        self.stage_programs = list(ctx.parts) if self.pipeline_plan is not None else []
+
+
+def _is_metaopt_optimizer(opt: Any) -> bool:
+    from metaopt.optimizer import Optimizer
+
+    return isinstance(opt, Optimizer)
+
+
+def _names(xs: Any) -> list[str] | None:
+    if xs is None:
+        return None
+    return [x.name if isinstance(x, Var) else x for x in xs]
+
+
+def _params_grads(p: Program, pairs: list[tuple[str, str]], tied: dict[str, str]) -> list[tuple[str, str]]:
+    """(param, the grad its update reads) for the params this program updates."""
+    from metaopt.ops import registry
+
+    reads: dict[str, str] = {}
+    for op in p.ops:  # an update op reads (param, grad, lr, ...)
+        if registry.is_update(op.type) and op.origin is not None and len(op.inputs) > 1:
+            reads[op.origin] = op.inputs[1]
+    out = []
+    for param, _ in pairs:
+        param = tied.get(param, param)
+        if param in reads and param in p.vars:
+            out.append((param, reads[param]))
+    return out
 
 
 def distributed_optimizer(
     optimizer: Any, strategy: DistributedStrategy | None = None
 ) -> DistributedOptimizer:
-    """Fleet's ``fleet.distributed_optimizer``: `optimizer` with `strategy`'s meta optimizers.
+    """Fleet's ``fleet.distributed_optimizer``: `optimizer` with `strategy`'s training rewrite.
 
     Without `strategy`, the one given to ``fleet.init`` is used (else the defaults); a
     `strategy` given here wins over ``fleet.init``'s, as in Fleet 2.x.

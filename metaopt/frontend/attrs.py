@@ -9,38 +9,12 @@ import onnx
 import torch
 from onnx import numpy_helper
 
-# ONNX TensorProto.DataType -> torch dtype, for every type our kernels handle.
-ONNX_TO_TORCH: dict[int, torch.dtype] = {
-    onnx.TensorProto.FLOAT: torch.float32,
-    onnx.TensorProto.DOUBLE: torch.float64,
-    onnx.TensorProto.FLOAT16: torch.float16,
-    onnx.TensorProto.BFLOAT16: torch.bfloat16,
-    onnx.TensorProto.INT8: torch.int8,
-    onnx.TensorProto.UINT8: torch.uint8,
-    onnx.TensorProto.INT16: torch.int16,
-    onnx.TensorProto.UINT16: torch.uint16,
-    onnx.TensorProto.INT32: torch.int32,
-    onnx.TensorProto.UINT32: torch.uint32,
-    onnx.TensorProto.INT64: torch.int64,
-    onnx.TensorProto.UINT64: torch.uint64,
-    onnx.TensorProto.BOOL: torch.bool,
-    onnx.TensorProto.COMPLEX64: torch.complex64,
-    onnx.TensorProto.COMPLEX128: torch.complex128,
-}
-TORCH_TO_ONNX: dict[torch.dtype, int] = {v: k for k, v in ONNX_TO_TORCH.items()}
+# The dtype tables live in the IR (metaopt.ir.dtypes: ops and passes use them too); these names
+# stay importable from here for older callers.
+from metaopt.ir.dtypes import ONNX_TO_TORCH, TORCH_TO_ONNX
+from metaopt.ir.dtypes import torch_dtype_from_onnx as torch_dtype
 
-
-def torch_dtype(onnx_type: int, *, what: str = "value") -> torch.dtype:
-    """The torch dtype of an ONNX element type; unsupported types name `what`."""
-    try:
-        return ONNX_TO_TORCH[onnx_type]
-    except KeyError:
-        name = (
-            onnx.TensorProto.DataType.Name(onnx_type)
-            if onnx_type in onnx.TensorProto.DataType.values()
-            else onnx_type
-        )
-        raise NotImplementedError(f"{what}: ONNX element type {name} is not supported") from None
+__all__ = ["ONNX_TO_TORCH", "TORCH_TO_ONNX", "attr_value", "tensor_value", "torch_dtype"]
 
 
 def tensor_value(t: onnx.TensorProto) -> torch.Tensor:

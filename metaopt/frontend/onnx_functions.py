@@ -90,7 +90,12 @@ def embedding() -> onnx.FunctionProto:
     """torch's F.embedding forward (its attrs matter only to the gradient)."""
     nodes = [helper.make_node("Gather", ["weight", "indices"], ["output"], axis=0)]
     return helper.make_function(
-        DOMAIN, "Embedding", ["weight", "indices"], ["output"], nodes, [helper.make_opsetid("", 20)],
+        DOMAIN,
+        "Embedding",
+        ["weight", "indices"],
+        ["output"],
+        nodes,
+        [helper.make_opsetid("", 20)],
         attributes=["padding_idx", "scale_grad_by_freq"],
     )
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import onnx
 
 from metaopt.frontend import onnx_save
-from metaopt.frontend.attrs import attr_value, tensor_value, torch_dtype
+from metaopt.frontend.attrs import attr_value, tensor_value
 from metaopt.frontend.sequences import split_sequences
-from metaopt.ir import Op, PipelineInfo, Program, Var, dtype_name
+from metaopt.ir import GradientMergeInfo, Op, PipelineInfo, Program, Var, dtype_name, torch_dtype_from_onnx
 from metaopt.ops import registry
 
 CONTROL_FLOW = frozenset({"If", "Loop", "Scan", "SequenceMap"})
@@ -87,7 +87,7 @@ def _value_types(graph: onnx.GraphProto, dims: dict[str, str]) -> dict[str, tupl
         tt = vi.type.tensor_type
         if vi.type.HasField("tensor_type") and tt.elem_type:
             out[vi.name] = (
-                dtype_name(torch_dtype(tt.elem_type, what=f"value {vi.name!r}")),
+                dtype_name(torch_dtype_from_onnx(tt.elem_type, what=f"value {vi.name!r}")),
                 _shape_of(vi.type, dims),
             )
     return out
@@ -217,6 +217,8 @@ def to_program(
             p.modules = _modules(prop.value)
         elif prop.key == onnx_save.PIPELINE_KEY:
             p.pipeline = PipelineInfo.parse(prop.value)
+        elif prop.key == onnx_save.GRADIENT_MERGE_KEY:
+            p.gradient_merge = GradientMergeInfo.parse(prop.value)
     update_outputs = set(p.updates.values())
     p.outputs = [o.name for o in g.output if o.name not in update_outputs]
     if (

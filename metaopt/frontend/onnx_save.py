@@ -21,8 +21,7 @@ import torch
 from onnx import helper
 
 from metaopt.atomic import atomic_write
-from metaopt.frontend.attrs import TORCH_TO_ONNX
-from metaopt.ir import Program, torch_dtype
+from metaopt.ir import TORCH_TO_ONNX, Program, torch_dtype
 from metaopt.ops import registry
 
 OPSET = 20
@@ -31,6 +30,7 @@ DOMAIN = "metaopt"
 KIND_KEY = "metaopt.kind"
 FROZEN_KEY = "metaopt.frozen"
 UPDATE_PREFIX = "metaopt.update."
+GRADIENT_MERGE_KEY = "metaopt.gradient_merge"  # a gradient-merge program's GradientMergeInfo
 PIPELINE_KEY = "metaopt.pipeline"  # a pipeline stage program's PipelineInfo, as printed
 MODULES_KEY = "metaopt.modules"
 ATTR_PREFIX = "metaopt.attr."
@@ -130,6 +130,8 @@ def to_model_proto(p: Program, values: Mapping[str, torch.Tensor] | None = None)
         model.metadata_props.add(key=UPDATE_PREFIX + target, value=new)
     if p.pipeline is not None:
         model.metadata_props.add(key=PIPELINE_KEY, value=str(p.pipeline))
+    if p.gradient_merge is not None:
+        model.metadata_props.add(key=GRADIENT_MERGE_KEY, value=str(p.gradient_merge))
     return model
 
 

@@ -1,11 +1,13 @@
 """Training-mode repairs of torch 2.13 exports (DESIGN.md, "Known traps").
 
-* Dropout: `scaled_dot_product_attention`'s probability dropout is exported as a
-  2-input Dropout (inference semantics); every Dropout of a module exported in
-  train mode gets ``training_mode=True``.
-* BatchNormalization is exported with inference semantics. In train mode it
-  becomes our ``BatchNormTraining`` (torch semantics: batch statistics, running
-  stats updated with the unbiased variance and torch's momentum), and the new
+Which op needs which repair is its op-table row's ``train_repair`` (ops/registry.py):
+
+* ``training_mode_input`` (Dropout): `scaled_dot_product_attention`'s probability
+  dropout is exported as a 2-input Dropout (inference semantics); every Dropout of a
+  module exported in train mode gets ``training_mode=True`` (ONNX's input 2).
+* ``batch_norm_training`` (BatchNormalization): exported with inference semantics. In
+  train mode it becomes our ``BatchNormTraining`` (torch semantics: batch statistics,
+  running stats updated with the unbiased variance and torch's momentum), and the new
   running stats are written back through ``Program.updates``.
 """
 
@@ -14,20 +16,23 @@ from __future__ import annotations
 import torch
 
 from metaopt.ir import Op, Program, Var, names
+from metaopt.ops import registry
 
 
 def repair_training(p: Program, *, bn_momentum: dict[str, float]) -> None:
     """Rewrite in place (import time only). `bn_momentum`: module path -> torch momentum."""
     true_name = None
     for i, op in enumerate(p.ops):
-        if op.type == "Dropout":
+        row = registry.get(op.type)
+        repair = row.train_repair if row is not None else None
+        if repair == "training_mode_input":
             if true_name is None:
                 true_name = names.fresh("training_mode", p.vars)
                 p.add_var(Var(true_name, "bool", (), kind="constant"), torch.tensor(True))
             ins = op.inputs + [""] * (3 - len(op.inputs))
             ins[2] = true_name
             op.inputs = ins
-        elif op.type == "BatchNormalization" and not op.attrs.get("training_mode", 0):
+        elif repair == "batch_norm_training" and not op.attrs.get("training_mode", 0):
             p.ops[i] = _bn_training(p, op, bn_momentum)
 
 

@@ -96,7 +96,7 @@ def fresh(base: str, taken: Container[str]) -> str:
     return f"{base}_{k}"
 
 
-# --- automatic mixed precision (passes/amp.py, fleet/amp_optimizer.py) --------------------
+# --- automatic mixed precision (passes/amp.py, fleet/steps.py) --------------------
 
 _CAST_TAGS = {"float16": "FP16", "bfloat16": "BF16", "float32": "FP32", "float64": "FP64"}
 
@@ -155,6 +155,19 @@ def stage_part(name: str, stage: int) -> str:
     return f"{name}@STAGE{stage}"
 
 
+def divided(const: str, m: int) -> str:
+    """Constant `const` divided by `m` (the loss grad's seed of a mean over m micro-batches)."""
+    return f"{const}@DIV{m}"
+
+
 def micro_batch() -> str:
     """The int64 input the pipeline runtime feeds: which micro-batch of the step runs."""
     return "micro_batch@PIPELINE"
+
+
+# --- gradient merge (passes/gradient_merge.py) ---------------------------------------------
+
+
+def merge_step() -> str:
+    """The persistable int64 run index within a gradient-merge window (0 .. k-1)."""
+    return "gradient_merge_step"

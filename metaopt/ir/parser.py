@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from metaopt.ir.printer import RESERVED_WORDS
-from metaopt.ir.program import Op, PipelineInfo, Program, Var, torch_dtype
+from metaopt.ir.program import GradientMergeInfo, Op, PipelineInfo, Program, Var, torch_dtype
 
 
 class ParseError(ValueError):
@@ -265,6 +265,8 @@ def parse_program(text: str) -> Program:
                     p.loss_name = _names(rest)[0]
                 elif head == "pipeline":
                     p.pipeline = PipelineInfo.parse(rest)
+                elif head == "gradient_merge":
+                    p.gradient_merge = GradientMergeInfo.parse(rest)
                 elif head in ("vars", "modules", "updates", "ops") and not rest.strip():
                     section = head
                 else:

@@ -117,6 +117,8 @@ def print_program(p: Program) -> str:
         lines.append(f"loss: {fmt_name(p.loss_name)}")
     if p.pipeline is not None:
         lines.append(f"pipeline: {p.pipeline}")
+    if p.gradient_merge is not None:
+        lines.append(f"gradient_merge: {p.gradient_merge}")
     lines.append("vars:")
     lines += ["  " + fmt_var(v, p.values.get(v.name)) for v in p.vars.values()]
     if p.modules:

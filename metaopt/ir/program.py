@@ -19,35 +19,18 @@ from typing import Any
 
 import torch
 
+from metaopt.ir import roles as _roles
+
 Dim = int | str  # a str is a symbolic dim such as "batch"
 Shape = tuple[Dim, ...]
 
 VAR_KINDS = ("input", "param", "buffer", "activation", "grad", "opt_state", "constant")
 _KIND_ORDER = {"input": 0, "param": 1, "buffer": 2, "opt_state": 3, "constant": 4}
 PERSISTABLE_KINDS = frozenset({"param", "buffer", "opt_state", "constant"})
-ROLES = (
-    "forward",
-    "loss",
-    "backward",
-    "optimize",
-    "lr-sched",
-    "recompute",
-    "offload",
-    "prefetch",
-    "comm",
-)
-# When an op of each role runs in a pipelined step: once per micro-batch in its forward
-# or backward, or once per step (optimizer). `comm` (data parallel's all-reduce) has none.
-PHASE_OF_ROLE = {
-    "forward": "forward",
-    "loss": "forward",
-    "offload": "forward",
-    "backward": "backward",
-    "recompute": "backward",
-    "prefetch": "backward",
-    "optimize": "optimize",
-    "lr-sched": "optimize",
-}
+# The role table (and when each role runs in a pipelined step) is metaopt.ir.roles; these two
+# names stay importable from here.
+ROLES = _roles.ROLES
+PHASE_OF_ROLE = _roles.PHASE_OF_ROLE
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -215,13 +198,30 @@ class PipelineInfo:
     @classmethod
     def parse(cls, text: str) -> PipelineInfo:
         kv = dict(item.split("=", 1) for item in text.split())
-        groups = tuple(
-            tuple(int(r) for r in g.split(",")) for g in kv.pop("groups", "").split(";") if g
-        )
+        groups = tuple(tuple(int(r) for r in g.split(",")) for g in kv.pop("groups", "").split(";") if g)
         ints = {k: int(kv[k]) for k in ("stage", "num_stages", "micro_batches", "chunks")}
         ints["dp_degree"] = int(kv.get("dp_degree", 1))
         ints["loss"] = kv.get("loss")
         return cls(schedule=kv["schedule"], groups=groups, **ints)
+
+
+@dataclass(frozen=True)
+class GradientMergeInfo:
+    """Set on a gradient-merge program (passes/gradient_merge.py): the executor runs the
+    update phase on the `k_steps`-th run of each window only; `step` is the persistable
+    holding the run index within the window (0 .. k_steps-1)."""
+
+    k_steps: int
+    avg: bool
+    step: str
+
+    def __str__(self) -> str:
+        return f"k_steps={self.k_steps} avg={int(self.avg)} step={self.step}"
+
+    @classmethod
+    def parse(cls, text: str) -> GradientMergeInfo:
+        kv = dict(item.split("=", 1) for item in text.split())
+        return cls(k_steps=int(kv["k_steps"]), avg=bool(int(kv["avg"])), step=kv["step"])
 
 
 class Program:
@@ -243,6 +243,8 @@ class Program:
         self.updates: dict[str, str] = {}
         # Set on a pipeline stage program: the executor then runs the pipeline schedule.
         self.pipeline: PipelineInfo | None = None
+        # Set on a gradient-merge program: the executor updates every k-th run.
+        self.gradient_merge: GradientMergeInfo | None = None
         # Executors key their per-program plans (liveness, bound kernels) on (uid,
         # version): uid is unique per Program object for the life of the process (an
         # id() can be reused once a program is gone), version bumps on `replace_with`.
@@ -324,6 +326,7 @@ class Program:
         p.modules = {k: list(v) for k, v in self.modules.items()}
         p.updates = dict(self.updates)
         p.pipeline = self.pipeline
+        p.gradient_merge = self.gradient_merge
         return p
 
     def replace_with(self, other: Program) -> None:

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
+from metaopt.ir import roles
 from metaopt.ir.printer import fmt_op
 from metaopt.ir.program import Op, Program
-
-# Once an op of a later phase has run, no op of an earlier phase may follow.
-# Roles not listed (offload, comm, lr-sched) may appear in any phase.
-_PHASE = {"forward": 0, "loss": 0, "backward": 1, "recompute": 1, "prefetch": 1, "optimize": 2}
 
 
 class VerifyError(ValueError):
@@ -16,7 +13,8 @@ class VerifyError(ValueError):
 
 def _fail(p: Program, i: int, op: Op, msg: str) -> VerifyError:
     # Line number as printed: header lines, one per var, modules block, "ops:".
-    header = 3 + (p.loss_name is not None) + (p.pipeline is not None) + 1 + len(p.vars)
+    header = 3 + (p.loss_name is not None) + (p.pipeline is not None) + (p.gradient_merge is not None)
+    header += 1 + len(p.vars)
     header += len(p.modules) + 1 if p.modules else 0
     header += (len(p.updates) + 1 if p.updates else 0) + 1
     return VerifyError(f"{p.name}: line {header + i + 1} (op {i}): {msg}\n  {fmt_op(op)}")
@@ -74,7 +72,9 @@ def verify(p: Program) -> None:
             producer[o] = i
             defined.add(o)
             stage_of[o] = op.stage
-        ph = _PHASE.get(op.role)
+        # Once an op of a later phase has run, no op of an earlier phase may follow; roles
+        # the table does not order (offload, comm, lr-sched) may appear in any phase.
+        ph = roles.phase_rank(op.role)
         if ph is not None:
             if ph < phase:
                 raise _fail(p, i, op, f"role {op.role} after a later phase has begun (roles out of order)")
@@ -95,7 +95,7 @@ def verify(p: Program) -> None:
 
 
 def _check_offloads(p: Program) -> None:
-    if not any(op.role in ("backward", "prefetch") for op in p.ops):
+    if not any(roles.is_backward(op.role) or op.role == "prefetch" for op in p.ops):
         return  # a forward alone (a pipeline's forward part): the backward fetches it back
     consumers = p.consumers()
     for i, op in enumerate(p.ops):

@@ -1,9 +1,9 @@
 """Gradient rules: one per op type, attached to that op's row in the op table.
 
-A rule receives a `GradBuilder` (see passes/backward.py) for one forward op and the
-names of its output grads (None where an output has none), emits backward ops
-through the builder, and returns one grad name (or None) per op input. Inputs the
-builder says need no grad (`g.needs(i)` false) may get None.
+A rule receives a `GradBuilder` (the protocol below; passes/backward.py implements it)
+for one forward op and the names of its output grads (None where an output has none),
+emits backward ops through the builder, and returns one grad name (or None) per op
+input. Inputs the builder says need no grad (`g.needs(i)` false) may get None.
 
 Ops without a rule here fall back to the generic `Vjp` rule (torch autograd on the
 op's own kernel: exact, but it recomputes that op's forward in the backward); random
@@ -14,15 +14,36 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from metaopt.ops import registry
 
 if TYPE_CHECKING:
-    from metaopt.ir import Op
-    from metaopt.passes.backward import GradBuilder
+    from metaopt.ir import Op, Var
 
-Rule = Callable[["GradBuilder", "Op", list], list]
+
+class GradBuilder(Protocol):
+    """What a gradient rule uses of the backward pass's builder (passes/backward.py implements
+    it: the ops layer does not import the passes)."""
+
+    def needs(self, i: int) -> bool: ...  # does input i of the current op need a grad?
+    def var(self, name: str) -> Var: ...
+    def shape(self, name: str) -> tuple: ...
+    def dtype(self, name: str) -> str: ...
+    def onnx_dtype(self, name: str) -> int: ...
+    def constant_value(self, name: str) -> Any: ...
+    def contrib(self, x: str) -> str: ...
+    def contribs(self, n: int | None = None) -> tuple[list[str], list[int]]: ...
+    def const(self, value: Any, dtype: str) -> str: ...
+    def emit(self, type: str, inputs: list[str], outputs: list[str], **attrs: Any) -> list[str]: ...
+    def emit1(self, type: str, inputs: list[str], *, like: str, **attrs: Any) -> str: ...
+    def unbroadcast(self, grad: str, x: str) -> str: ...
+    def reshape_like(self, grad: str, x: str) -> str: ...
+    def saved_outputs(self, op: Op, what: list[tuple[str, tuple, str]], count: int) -> list[str]: ...
+    def vjp(self, op: Op, dy: list[str | None]) -> list[str | None]: ...
+
+
+Rule = Callable[[GradBuilder, "Op", list], list]
 
 
 def grad_rule(*op_types: str) -> Callable[[Rule], Rule]:

@@ -86,11 +86,76 @@ class OpDef:
     # Matmul-class work (MatMul, Gemm, Conv, Linear ...): the selective recompute policy
     # keeps these outputs and recomputes only the cheap ops around them (Megatron-style).
     expensive: bool = False
+    # Automatic mixed precision (passes/amp.py): "white" runs in the low dtype (matmul-class
+    # work), "black" in float32 (numerically sensitive), "gray" follows its inputs. The user's
+    # custom_white_list / custom_black_list override this per run.
+    amp: str = "gray"
+    # Inputs and outputs that stay float32 when the op runs in low precision (norm statistics:
+    # scale, bias, running stats, saved mean and inverse std).
+    amp_float32_inputs: tuple[int, ...] = ()
+    amp_float32_outputs: tuple[int, ...] = ()
+    # The op sets its output dtype itself (Cast, CastLike): its inputs may be of any dtype, and
+    # AMP leaves it alone.
+    sets_dtype: bool = False
+    # A param update op (SGDUpdate, AdamUpdate ...): inputs (param, grad, lr, ...), outputs
+    # (new param, *new state); `origin` names the param.
+    update: bool = False
+    # The input index of the optional ``found_inf`` scalar that makes the op skip its step
+    # (AMP's dynamic loss scaling): every update op and the step counter have one.
+    skip_input: int | None = None
+    # A collective over workers (runtime's communicator); its attr ``ranks``, when set, names
+    # the workers taking part (pipeline workers holding copies of the tied param `origin`).
+    collective: bool = False
+    # Shape-value propagation (passes/fold_constants.py): the op's output as a shape value
+    # (dims, is_scalar), dims ints or symbols such as "batch", from a `ShapeArgs`; None when
+    # not known. Lets the exporter's Shape -> Gather/Slice/Concat chains fold once the dims they
+    # pick are static.
+    shape_value: Callable[[ShapeArgs], tuple[list, bool] | None] | None = field(default=None, compare=False)
+    # The op's shape input (input 1: Reshape's shape, Expand's) as a constant, given the op's
+    # attrs, its inferred output shape and input 0's shape: (target, attrs to set) or None.
+    # fold_constants puts it in place of a run-time computed target.
+    static_target: Callable[[dict, tuple, tuple | None], tuple[list[int], dict] | None] | None = field(
+        default=None, compare=False
+    )
+    # Fold this op and neighbours into one op (passes/fuse_linear.py; MatMul: torch's exported
+    # Linear): (program, op index, producers, consumers) -> (indices of the other ops it
+    # absorbs, the op replacing this one) or None.
+    fuse: Callable[..., tuple[list[int], Any] | None] | None = field(default=None, compare=False)
+    # The import-time repair the op needs when its module is exported in train mode (torch's
+    # exporter loses training semantics; frontend/repair.py): "training_mode_input" (Dropout:
+    # its training_mode input set true) or "batch_norm_training" (-> BatchNormTraining).
+    train_repair: str | None = None
     # Filled by later capabilities (backward, cost model); None = not known yet.
     grad: Callable[..., Any] | None = None
     cost: Callable[..., Any] | None = None
     domain: str = ""  # "" = the ONNX default domain; ours use "metaopt"
     notes: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.amp not in AMP_CLASSES:
+            raise ValueError(f"op {self.type}: amp must be one of {AMP_CLASSES}, got {self.amp!r}")
+        if self.update and self.skip_input is None:
+            raise ValueError(f"op {self.type}: an update op needs a skip_input (its found_inf input)")
+        if self.train_repair not in TRAIN_REPAIRS:
+            raise ValueError(f"op {self.type}: train_repair must be one of {TRAIN_REPAIRS}")
+
+
+AMP_CLASSES = ("white", "black", "gray")
+TRAIN_REPAIRS = (None, "training_mode_input", "batch_norm_training")
+
+
+@dataclass(frozen=True)
+class ShapeArgs:
+    """What a row's `shape_value` rule sees of its op (passes/fold_constants.py makes it)."""
+
+    attrs: dict
+    # Per input: its value as a shape value (dims, is_scalar) when known (tracked so far, or an
+    # int64 constant of rank <= 1), else None.
+    values: list
+    # Per input: the shape value tracked so far (it has symbolic dims: not a constant), else None.
+    tracked: list
+    # Per input: its var's inferred shape (None: unknown or an omitted input).
+    shapes: list
 
 
 _TABLE: dict[str, OpDef] = {}
@@ -120,6 +185,25 @@ def alias_pairs(op: Any) -> list[tuple[int, int]] | None:
     for k, j in pairs:
         out += [(kk, j) for kk in range(len(op.outputs))] if k == ALL else [(k, j)]
     return out
+
+
+def skip_input(op_type: str) -> int | None:
+    """The index of the op's optional ``found_inf`` input (skip the step when true), or None."""
+    row = get(op_type)
+    return row.skip_input if row is not None else None
+
+
+def is_update(op_type: str) -> bool:
+    """Is `op_type` a param update op (its row's `update`)?"""
+    row = get(op_type)
+    return row is not None and row.update
+
+
+def amp_types(amp_class: str) -> frozenset[str]:
+    """The op types whose row has AMP class `amp_class` ("white", "black" or "gray")."""
+    if amp_class not in AMP_CLASSES:
+        raise ValueError(f"amp class must be one of {AMP_CLASSES}, got {amp_class!r}")
+    return frozenset(t for t, row in table().items() if row.amp == amp_class)
 
 
 def register(type: str, **row: Any) -> Callable[[Kernel], Kernel]:

@@ -7,28 +7,32 @@ Three pure passes, each ``Program -> Program`` with keyword-only configuration:
 ``"bfloat16"``), black-listed ops in float32, and gray ops follow their inputs
 (`plan_amp` says which op runs in what and why; ``print(plan)``):
 
-* white (``WHITE_LIST``: MatMul, Gemm, Linear, Conv, ConvTranspose, Einsum, Attention —
-  the matmul-class work): float32 inputs are cast to `dtype`, float outputs become `dtype`;
-* black (``BLACK_LIST``: softmax-with-loss and other losses, Softmax/LogSoftmax,
-  reductions, exp/log/pow and friends, cumulative sums, the norms that have no mixed
-  kernels), the loss op (role ``loss``: the loss stays float32) and any op reading or
-  writing a var of ``custom_black_varnames``: low-precision inputs are cast back to
-  float32;
+Each op's class is its op-table row's ``amp`` field (ops/registry.py; ``WHITE_LIST`` and
+``BLACK_LIST`` here are the types the table classes white and black), overridden by the
+user's ``custom_white_list`` / ``custom_black_list``:
+
+* white (MatMul, Gemm, Linear, Conv, ConvTranspose, Einsum, Attention — the matmul-class
+  work): float32 inputs are cast to `dtype`, float outputs become `dtype`;
+* black (softmax-with-loss and other losses, Softmax/LogSoftmax, reductions,
+  exp/log/pow and friends, cumulative sums, the norms that have no mixed kernels), the
+  loss op (role ``loss``: the loss stays float32) and any op reading or writing a var of
+  ``custom_black_varnames``: low-precision inputs are cast back to float32;
 * gray (every other op), Paddle's rule: an input made by a float32-forced op (black, or
   gray made float32 by one) makes it float32; else an input made by a low-precision op
   makes it low precision; else it keeps its dtypes. Params, constants and feeds do not
   vote (a gray op reading only them, like an embedding lookup, stays float32).
   With ``use_pure_fp16`` (O2) every gray op runs in `dtype` and trainable params are
   stored in `dtype` (their float32 master copies live in the optimizer:
-  fleet/amp_optimizer.py).
-* LayerNormalization and BatchNormTraining are gray with their statistics in float32:
-  x and y follow the rule, the scale, bias and running statistics (and the saved mean
-  and inverse std) stay float32 — Paddle keeps those inputs float32, and torch's
-  kernels accumulate the statistics in float32 for half inputs.
-* Ops that set their output dtype themselves (Cast, CastLike) and inputs read for their
-  value on the host (Dropout's ratio, shapes) or for their dtype are left alone; an op
-  writing persistable state (BatchNormalization's running stats in ONNX training mode)
-  or an op with float64 tensors keeps float32.
+  passes/master_weights.py).
+* LayerNormalization and BatchNormTraining are gray with their statistics in float32 (their
+  rows' ``amp_float32_inputs`` / ``amp_float32_outputs``): x and y follow the rule, the
+  scale, bias and running statistics (and the saved mean and inverse std) stay float32 —
+  Paddle keeps those inputs float32, and torch's kernels accumulate the statistics in
+  float32 for half inputs.
+* Ops that set their output dtype themselves (rows with ``sets_dtype``: Cast, CastLike)
+  and inputs read for their value on the host (Dropout's ratio, shapes) or for their
+  dtype are left alone; an op writing persistable state (BatchNormalization's running
+  stats in ONNX training mode) or an op with float64 tensors keeps float32.
 
 Casts are ONNX ``Cast`` ops (role ``forward``, the consumer's scope, origin = the var
 cast), named ``x@CAST_FP16`` / ``x@CAST_BF16`` / ``x@CAST_FP32`` (metaopt.ir.names),
@@ -60,7 +64,7 @@ checks the same reduced grads and skips the same steps) and before the first
 (on a pipeline stage, ``across_workers``: then ``found_inf@REDUCED = AllReduce(found_inf)``
 so that every stage skips the same steps), rewires every optimizer op to read the
 unscaled grads, and gives ``StepCounter`` and
-every update op the trailing ``found_inf`` input (ops/kernels/optim.py ``SKIP_INPUT``): on
+every update op the trailing ``found_inf`` input (at their rows' ``skip_input``): on
 a step with an inf or a nan in any grad the params, the optimizer state and the step
 counter are all left as they were (torch's ``GradScaler.step`` skips
 ``optimizer.step()``), and the scale shrinks by Fleet's rule. The counters are
@@ -74,65 +78,30 @@ from dataclasses import dataclass, field
 
 import torch
 
-from metaopt.frontend.attrs import TORCH_TO_ONNX
-from metaopt.ir import Op, Program, Var, did_you_mean, names, torch_dtype
+from metaopt.ir import TORCH_TO_ONNX, Op, Program, Var, did_you_mean, names, roles, torch_dtype
 from metaopt.ops import registry
-from metaopt.ops.kernels.optim import SKIP_INPUT
 
 LOW_DTYPES = ("float16", "bfloat16")
 
-# Matmul-class work: what mixed precision speeds up (torch autocast's lower-precision list).
-WHITE_LIST: frozenset[str] = frozenset(
-    {"Attention", "Conv", "ConvTranspose", "Einsum", "Gemm", "Linear", "MatMul"}
-)
-# Numerically sensitive ops, kept in float32 (Paddle's black list, torch autocast's float32 list).
-BLACK_LIST: frozenset[str] = frozenset(
-    {
-        # losses: softmax-with-loss and the others
-        "SoftmaxCrossEntropyLoss",
-        "NegativeLogLikelihoodLoss",
-        "Softmax",
-        "LogSoftmax",
-        # reductions (ReduceMax/ReduceMin are exact in any dtype: gray)
-        "ReduceSum",
-        "ReduceMean",
-        "ReduceProd",
-        "ReduceL1",
-        "ReduceL2",
-        "ReduceLogSum",
-        "ReduceLogSumExp",
-        "ReduceSumSquare",
-        "CumSum",
-        "CumProd",
-        # exponentials, logarithms and powers overflow or lose digits in half precision
-        "Exp",
-        "Log",
-        "Pow",
-        "Reciprocal",
-        "Softplus",
-        "Acos",
-        "Asin",
-        "Cosh",
-        "Sinh",
-        "Tan",
-        # norms without a mixed-precision kernel here: their statistics in float32
-        "GroupNormalization",
-        "InstanceNormalization",
-        "RMSNormalization",
-        "LpNormalization",
-        "MeanVarianceNormalization",
-    }
-)
-# Norms that run on low-precision x with float32 statistics: the inputs and outputs that stay
-# float32 (scale, bias, running stats; saved mean and inverse std).
-FLOAT32_SLOTS: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
-    "LayerNormalization": ((1, 2), (1, 2)),
-    "BatchNormTraining": ((1, 2, 3, 4), (1, 2, 3, 4)),
-}
-# Ops that set their output dtype themselves: their inputs may be of any dtype.
-DTYPE_SETTING = frozenset({"Cast", "CastLike"})
-
 LOW, FP32, KEEP = "low", "float32", "keep"
+
+
+def __getattr__(name: str):
+    # The op table holds each op's AMP class (rows' `amp`, `amp_float32_inputs/outputs`,
+    # `sets_dtype`); these names are views of it, kept for older callers.
+    if name == "WHITE_LIST":  # matmul-class work: what mixed precision speeds up
+        return registry.amp_types("white")
+    if name == "BLACK_LIST":  # numerically sensitive ops, kept in float32
+        return registry.amp_types("black")
+    if name == "FLOAT32_SLOTS":  # op type -> (inputs, outputs) kept float32 in a low-precision op
+        return {
+            t: (row.amp_float32_inputs, row.amp_float32_outputs)
+            for t, row in registry.table().items()
+            if row.amp_float32_inputs or row.amp_float32_outputs
+        }
+    if name == "DTYPE_SETTING":  # ops that set their output dtype themselves
+        return frozenset(t for t, row in registry.table().items() if row.sets_dtype)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class AmpError(ValueError):
@@ -185,8 +154,8 @@ class AmpPlan:
 
 def _forward_end(p: Program) -> int:
     """Index one past the last forward/loss op; refuses a program that has a backward."""
-    if any(op.role not in ("forward", "loss") for op in p.ops):
-        bad = next(op for op in p.ops if op.role not in ("forward", "loss"))
+    if any(not roles.is_forward(op.role) for op in p.ops):
+        bad = next(op for op in p.ops if not roles.is_forward(op.role))
         raise AmpError(
             f"amp rewrites the forward of program {p.name!r}, but it already has a {bad.role} op "
             f"({bad.type}): apply amp before append_backward / minimize"
@@ -209,13 +178,33 @@ def check_op_types(what: str, types: Iterable[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _lists(custom_white_list, custom_black_list) -> tuple[frozenset[str], frozenset[str]]:
+def _custom_classes(custom_white_list, custom_black_list) -> dict[str, str]:
+    """op type -> "white" / "black" for the user's lists (they override the rows' `amp`)."""
     white = check_op_types("amp custom_white_list", custom_white_list)
     black = check_op_types("amp custom_black_list", custom_black_list)
     both = sorted(set(white) & set(black))
     if both:
         raise AmpError(f"op type {both[0]!r} is in both amp custom_white_list and custom_black_list")
-    return (WHITE_LIST - set(black)) | set(white), (BLACK_LIST - set(white)) | set(black)
+    return {**dict.fromkeys(white, "white"), **dict.fromkeys(black, "black")}
+
+
+def _amp_class(op_type: str, custom: dict[str, str]) -> str:
+    """white, black or gray: the user's lists, else the op's row (gray without one)."""
+    if op_type in custom:
+        return custom[op_type]
+    row = registry.get(op_type)
+    return row.amp if row is not None else "gray"
+
+
+def _float32_slots(op: Op) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Inputs and outputs of `op` that stay float32 when it runs in low precision."""
+    row = registry.get(op.type)
+    return (row.amp_float32_inputs, row.amp_float32_outputs) if row is not None else ((), ())
+
+
+def _sets_dtype(op: Op) -> bool:
+    row = registry.get(op.type)
+    return row is not None and row.sets_dtype
 
 
 def _check_dtype(dtype: str) -> None:
@@ -242,7 +231,10 @@ def plan_amp(
 ) -> AmpPlan:
     """The precision of every forward op of `program` (see the module doc for the rules)."""
     _check_dtype(dtype)
-    white, black = _lists(custom_white_list, custom_black_list)
+    custom = _custom_classes(custom_white_list, custom_black_list)
+    table = registry.table()
+    white = frozenset(t for t in table if _amp_class(t, custom) == "white")
+    black = frozenset(t for t in table if _amp_class(t, custom) == "black")
     for v in custom_black_varnames:
         if v not in program.vars:
             raise AmpError(
@@ -251,9 +243,7 @@ def plan_amp(
             )
     ctx = _Rules(
         dtype=dtype,
-        white=white,
-        black=black,
-        custom=set(custom_white_list) | set(custom_black_list),
+        custom=custom,
         black_vars=set(custom_black_varnames),
         new_state=set(program.updates.values()),
         pure=bool(use_pure_fp16),
@@ -266,7 +256,7 @@ def plan_amp(
         label = f"{op.outputs[0] if op.outputs else ''} = {op.type}"
         plan.ops.append(OpPrecision(i, label, precision, reason))
         if precision != KEEP:
-            keep_out = FLOAT32_SLOTS.get(op.type, ((), ()))[1]
+            keep_out = _float32_slots(op)[1]
             for k, o in enumerate(op.outputs):
                 if o and k not in keep_out and _is_float(program, o):
                     vote[o] = precision
@@ -280,20 +270,19 @@ def _is_float(p: Program, x: str) -> bool:
 @dataclass
 class _Rules:
     dtype: str
-    white: frozenset[str]
-    black: frozenset[str]
-    custom: set[str]
+    custom: dict[str, str]  # op type -> its class in the user's lists
     black_vars: set[str]
     new_state: set[str]
     pure: bool
 
     def decide(self, p: Program, op: Op, vote: dict[str, str]) -> tuple[str, str]:
-        keep_out = FLOAT32_SLOTS.get(op.type, ((), ()))[1]
+        keep_out = _float32_slots(op)[1]
         skipped = _skipped_inputs(op)
         f_in = [x for j, x in enumerate(op.inputs) if x and j not in skipped and _is_float(p, x)]
         f_out = [o for o in op.outputs if o and _is_float(p, o)]
-        custom = " (custom)" if op.type in self.custom else ""
-        if op.type in DTYPE_SETTING:
+        cls = _amp_class(op.type, self.custom)
+        custom = " (custom)" if self.custom.get(op.type) else ""
+        if _sets_dtype(op):
             return KEEP, "sets its own output dtype"
         if not f_in and not f_out:
             return KEEP, "no float tensors"
@@ -308,9 +297,9 @@ class _Rules:
         hit = [x for x in (*op.inputs, *op.outputs) if x in self.black_vars]
         if hit:
             return FP32, f"reads or writes {hit[0]!r} (custom_black_varnames)"
-        if op.type in self.white:
+        if cls == "white":
             return LOW, "white list" + custom
-        if op.type in self.black:
+        if cls == "black":
             return FP32, "black list" + custom
         # gray: follow the inputs (Paddle's rule: a float32-forced input wins)
         fp32_in = next((x for x in f_in if vote.get(x) == FP32), None)
@@ -332,16 +321,19 @@ def amp(
     custom_black_list: Sequence[str] = (),
     custom_black_varnames: Sequence[str] = (),
     use_pure_fp16: bool = False,
+    plan: AmpPlan | None = None,
 ) -> Program:
-    """A copy of `program` whose forward runs in mixed precision (module doc)."""
-    plan = plan_amp(
-        program,
-        dtype=dtype,
-        custom_white_list=custom_white_list,
-        custom_black_list=custom_black_list,
-        custom_black_varnames=custom_black_varnames,
-        use_pure_fp16=use_pure_fp16,
-    )
+    """A copy of `program` whose forward runs in mixed precision (module doc); `plan`: the
+    one `plan_amp` made for these arguments (else it is made here)."""
+    if plan is None:
+        plan = plan_amp(
+            program,
+            dtype=dtype,
+            custom_white_list=custom_white_list,
+            custom_black_list=custom_black_list,
+            custom_black_varnames=custom_black_varnames,
+            use_pure_fp16=use_pure_fp16,
+        )
     q = program.clone()
     end = _forward_end(q)
     low = dtype
@@ -376,7 +368,7 @@ def amp(
     outputs = set(q.outputs) - {q.loss_name}
     for i, op in enumerate(q.ops[:end]):
         precision = plan.precision_of(i)
-        keep_in, keep_out = FLOAT32_SLOTS.get(op.type, ((), ()))
+        keep_in, keep_out = _float32_slots(op)
         skipped = _skipped_inputs(op)
         after: list[Op] = []
         if precision == LOW:
@@ -469,16 +461,16 @@ def unscale_grads(
     found = names.found_inf()
     if found in q.vars:
         raise AmpError(f"program {q.name!r} already has {found!r}: unscale_grads runs once")
-    first = next((i for i, op in enumerate(q.ops) if op.role in ("optimize", "lr-sched")), None)
+    first = next((i for i, op in enumerate(q.ops) if roles.is_update(op.role)), None)
     if first is None:
         raise AmpError(f"program {q.name!r} has no optimizer ops: unscale_grads runs after the optimizer")
     last_comm = max((i for i, op in enumerate(q.ops) if op.role == "comm"), default=-1)
     pos = max(first, last_comm + 1)
     # Optimizer ops placed before the last all-reduce (none are, today) move after the check.
-    moved = [op for op in q.ops[first:pos] if op.role in ("optimize", "lr-sched")]
-    head = [op for op in q.ops[:pos] if op.role not in ("optimize", "lr-sched")]
+    moved = [op for op in q.ops[first:pos] if roles.is_update(op.role)]
+    head = [op for op in q.ops[:pos] if not roles.is_update(op.role)]
     for op in moved:
-        reads = {x for h in q.ops[:pos] if h.role not in ("optimize", "lr-sched") for x in h.inputs}
+        reads = {x for h in q.ops[:pos] if not roles.is_update(h.role) for x in h.inputs}
         if reads & set(op.outputs):
             raise AmpError(f"op {op.type} ({op.role}) is read before the last all-reduce: cannot check grads")
     tail = moved + q.ops[pos:]
@@ -525,13 +517,13 @@ def unscale_grads(
     state_new = set(q.updates.values())
     for op in tail:
         op.inputs = [unscaled.get(x, x) for x in op.inputs]
-        if op.type in SKIP_INPUT:
-            k = SKIP_INPUT[op.type]
+        k = registry.skip_input(op.type)
+        if k is not None:
             op.inputs = op.inputs[:k] + [""] * (k - len(op.inputs)) + [found] + op.inputs[k + 1 :]
         elif op.role == "optimize" and set(op.outputs) & state_new:
             raise AmpError(
                 f"optimizer op {op.type} updates state but cannot skip a step with inf/nan grads "
-                f"(no found_inf input; ops/kernels/optim.py SKIP_INPUT)"
+                f"(no found_inf input: its op-table row has no skip_input)"
             )
     q.ops = head + inserted + tail
     return q

@@ -24,8 +24,7 @@ from typing import Any
 
 import torch
 
-from metaopt.frontend.attrs import TORCH_TO_ONNX
-from metaopt.ir import Op, Program, Var, did_you_mean, names, torch_dtype
+from metaopt.ir import TORCH_TO_ONNX, Op, Program, Var, did_you_mean, names, torch_dtype
 from metaopt.ir.printer import fmt_op
 from metaopt.ops import registry
 

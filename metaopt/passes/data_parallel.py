@@ -15,8 +15,11 @@ the backward::
 
 Every later reader of a grad (clipping, the optimizer's updates) reads its reduced
 copy. ``bucket_bytes=0`` gives one op per grad (Fleet's ``fuse_all_reduce_ops=False``).
-Initial values are made equal by the caller (fleet's data-parallel meta optimizer
-broadcasts them from rank 0), not by the program. The pass is pure.
+With ``at_update=True`` (grads summed over several runs first: gradient merge) every
+bucket goes right before the first update-phase op instead, where the grads are final,
+so the all-reduce runs with the updates: once per k runs. Initial values are made equal by
+the caller (fleet's ``broadcast_init`` step broadcasts them from rank 0), not by the
+program. The pass is pure.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from metaopt.ir import Op, Program, Var, did_you_mean, names
+from metaopt.ir import Op, Program, Var, did_you_mean, names, roles
 
 
 class DataParallelError(ValueError):
@@ -62,7 +65,7 @@ class DataParallelPlan:
 
 
 def plan_data_parallel(
-    p: Program, *, grads: list[str], world_size: int, bucket_bytes: int
+    p: Program, *, grads: list[str], world_size: int, bucket_bytes: int, at_update: bool = False
 ) -> DataParallelPlan:
     """Which grads go into which bucket, and where each bucket's AllReduce goes."""
     if world_size < 1:
@@ -100,12 +103,28 @@ def plan_data_parallel(
         else:
             current = Bucket([g], n, at)
             plan.buckets.append(current)
+    if at_update:
+        first = next((i for i, op in enumerate(p.ops) if roles.is_update(op.role)), len(p.ops))
+        for b in plan.buckets:
+            b.after = first - 1
     return plan
 
 
-def data_parallel(p: Program, *, grads: list[str], world_size: int, bucket_bytes: int) -> Program:
-    """A clone of `p` whose grads are averaged over `world_size` workers (see the module doc)."""
-    plan = plan_data_parallel(p, grads=grads, world_size=world_size, bucket_bytes=bucket_bytes)
+def data_parallel(
+    p: Program,
+    *,
+    grads: list[str],
+    world_size: int,
+    bucket_bytes: int,
+    at_update: bool = False,
+    plan: DataParallelPlan | None = None,
+) -> Program:
+    """A clone of `p` whose grads are averaged over `world_size` workers (see the module doc);
+    `plan`: the one `plan_data_parallel` made for these arguments (else it is made here)."""
+    if plan is None:
+        plan = plan_data_parallel(
+            p, grads=grads, world_size=world_size, bucket_bytes=bucket_bytes, at_update=at_update
+        )
     q = p.clone()
     after: dict[int, list[Bucket]] = {}
     for b in plan.buckets:

@@ -3,13 +3,16 @@
 * An op whose inputs are all constants is evaluated with its kernel and its
   outputs become constants (unless an output is large: folding must not turn a
   cheap Expand into megabytes of program data).
-* ``Shape``/``Size`` of a var whose (selected) dims are all static is a constant;
-  a shape with symbolic dims is tracked as a list of dims through Gather, Slice,
-  Concat, Squeeze and Unsqueeze, so picking its static dims folds too.
-* A ``Reshape`` whose target is computed at run time but whose output shape has
-  exactly one symbolic dim gets a constant target with ``-1`` there; an
-  ``Expand`` whose symbolic output dims come from the input gets ``1`` there.
-  The chain that computed the target then dies (see `dead_code`).
+* Shape values: an op whose row has a ``shape_value`` rule (ops/registry.py) gives its
+  output as a list of dims, ints or symbols. ``Shape``/``Size`` of a var whose (selected)
+  dims are all static is a constant; a shape with symbolic dims is tracked as a list of
+  dims through Gather, Slice, Concat, Squeeze and Unsqueeze (their rows' rules), so
+  picking its static dims folds too.
+* An op whose row has a ``static_target`` rule (``Reshape``, ``Expand``) and whose target
+  is computed at run time gets the constant target the rule derives from the inferred
+  output shape (Reshape: ``-1`` at its one symbolic dim; Expand: ``1`` where a symbolic
+  output dim comes from the input). The chain that computed the target then dies (see
+  `dead_code`).
 
 * An all-zeros constant bias (a row's ``zero_bias_input``: bias-free convs come out
   of the exporter with one) is dropped.
@@ -23,6 +26,7 @@ import torch
 
 from metaopt.ir import Op, Program, Var, dtype_name, names, torch_dtype
 from metaopt.ops import registry
+from metaopt.ops.registry import ShapeArgs
 
 MAX_FOLDED_NUMEL = 1 << 12
 
@@ -57,8 +61,6 @@ def _fold(q: Program, op: Op, consts: dict[str, torch.Tensor], max_numel: int) -
     row = registry.get(op.type)
     if row is None or row.random or row.domain:
         return None
-    if op.type in ("Shape", "Size"):
-        return _fold_shape(q, op)
     args = []
     for i, x in enumerate(op.inputs):
         if not x:
@@ -85,6 +87,10 @@ def _fold_shape_value(
     q: Program, op: Op, consts: dict[str, torch.Tensor], shapes: dict[str, tuple[list, bool]]
 ) -> list[torch.Tensor] | None:
     """Track shape values with symbolic dims; fold once the selected dims are static."""
+    row = registry.get(op.type)
+    rule = row.shape_value if row is not None else None
+    if rule is None:
+        return None
 
     def dims_of(name: str) -> tuple[list, bool] | None:
         if name in shapes:
@@ -94,27 +100,13 @@ def _fold_shape_value(
             return c.reshape(-1).tolist(), c.dim() == 0
         return None
 
-    ins = [dims_of(x) if x else None for x in op.inputs]
-    result: tuple[list, bool] | None = None
-    if op.type == "Shape":
-        shape = q.vars[op.inputs[0]].shape
-        if shape is not None:
-            start, end = op.attrs.get("start", 0), op.attrs.get("end", len(shape))
-            result = (list(shape)[slice(start, end)], False)
-    elif not op.inputs or any(x is None for x in ins[:1]) or op.inputs[0] not in shapes:
-        return None
-    elif op.type == "Gather" and op.attrs.get("axis", 0) == 0 and ins[1] is not None:
-        idx, scalar = ins[1]
-        result = ([ins[0][0][i] for i in idx], scalar)
-    elif op.type == "Slice" and all(x is not None for x in ins[1:]):
-        starts, ends = ins[1][0], ins[2][0]
-        step = ins[4][0][0] if len(ins) > 4 else 1
-        if len(starts) == 1:
-            result = (ins[0][0][slice(starts[0], ends[0], step)], False)
-    elif op.type == "Concat" and all(x is not None and not x[1] for x in ins):
-        result = ([d for x in ins for d in x[0]], False)
-    elif op.type in ("Squeeze", "Unsqueeze") and len(ins[0][0]) == 1:
-        result = (ins[0][0], op.type == "Squeeze")
+    args = ShapeArgs(
+        attrs=op.attrs,
+        values=[dims_of(x) if x else None for x in op.inputs],
+        tracked=[shapes.get(x) if x else None for x in op.inputs],
+        shapes=[q.vars[x].shape if x else None for x in op.inputs],
+    )
+    result = rule(args)
     if result is None:
         return None
     dims, scalar = result
@@ -125,24 +117,6 @@ def _fold_shape_value(
     return None
 
 
-def _fold_shape(q: Program, op: Op) -> list[torch.Tensor] | None:
-    shape = q.vars[op.inputs[0]].shape
-    if shape is None:
-        return None
-    if op.type == "Size":
-        if not all(isinstance(d, int) for d in shape):
-            return None
-        n = 1
-        for d in shape:
-            n *= d
-        return [torch.tensor(n, dtype=torch.int64)]
-    start, end = op.attrs.get("start", 0), op.attrs.get("end", len(shape))
-    dims = list(shape)[slice(start, end)]
-    if not all(isinstance(d, int) for d in dims):
-        return None
-    return [torch.tensor(dims, dtype=torch.int64)]
-
-
 def _drop_zero_bias(op: Op, consts: dict[str, torch.Tensor]) -> None:
     row = registry.get(op.type)
     k = row.zero_bias_input if row is not None else None
@@ -151,31 +125,20 @@ def _drop_zero_bias(op: Op, consts: dict[str, torch.Tensor]) -> None:
 
 
 def _static_target(q: Program, op: Op, consts: dict[str, torch.Tensor]) -> None:
-    """Give a Reshape/Expand a constant target when only the batch-like dim is symbolic."""
-    if op.type not in ("Reshape", "Expand") or len(op.inputs) < 2 or op.inputs[1] in consts:
+    """Give a Reshape/Expand (a row with a `static_target` rule) a constant target when only
+    the batch-like dim is symbolic."""
+    row = registry.get(op.type)
+    rule = row.static_target if row is not None else None
+    if rule is None or len(op.inputs) < 2 or op.inputs[1] in consts:
         return
     out = q.vars[op.outputs[0]].shape
     if out is None:
         return
-    if op.type == "Reshape":
-        sym = [i for i, d in enumerate(out) if isinstance(d, str)]
-        if len(sym) != 1 or (op.attrs.get("allowzero", 0) and 0 in out):
-            return
-        target = [-1 if isinstance(d, str) else d for d in out]
-        op.attrs["allowzero"] = 0
-    else:
-        src = q.vars[op.inputs[0]].shape
-        if src is None:
-            return
-        aligned = [None] * (len(out) - len(src)) + list(src)
-        target = []
-        for d, s in zip(out, aligned, strict=True):
-            if isinstance(d, str):
-                if d != s:
-                    return
-                target.append(1)
-            else:
-                target.append(d)
+    found = rule(op.attrs, out, q.vars[op.inputs[0]].shape)
+    if found is None:
+        return
+    target, attrs = found
+    op.attrs.update(attrs)
     name = names.fresh("const", q.vars)
     value = torch.tensor(target, dtype=torch.int64)
     q.add_var(Var(name, "int64", (len(target),), kind="constant"), value)

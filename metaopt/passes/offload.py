@@ -19,9 +19,7 @@ The pass is pure.
 
 from __future__ import annotations
 
-from metaopt.ir import Op, Program, Var, did_you_mean, eval_dim, names
-
-PHASE_AFTER_FORWARD = frozenset({"backward", "recompute", "prefetch", "optimize", "lr-sched"})
+from metaopt.ir import Op, Program, Var, did_you_mean, eval_dim, names, roles
 
 
 class OffloadError(ValueError):
@@ -63,7 +61,7 @@ def offload(
             raise OffloadError(f"checkpoint {c!r} is not a var of {p.name!r}{did_you_mean(c, p.vars)}")
     check_checkpoint_shape(p, checkpoints, list(checkpoint_shape or ()))
     q = p.clone()
-    first_after = next((i for i, op in enumerate(q.ops) if op.role in PHASE_AFTER_FORWARD), None)
+    first_after = next((i for i, op in enumerate(q.ops) if roles.after_forward(op.role)), None)
     if first_after is None:
         raise OffloadError(f"program {p.name!r} has no backward: offload rewrites a training program")
     prod = {o: i for i, op in enumerate(q.ops[:first_after]) for o in op.outputs if o}
@@ -134,10 +132,8 @@ def _new_var(q: Program, name: str, like: str) -> str:
 
 
 def offloaded_bytes(p: Program, *, batch: int) -> int:
-    """Bytes the program's offload ops copy to host per run, at `batch`."""
-    return sum(
-        eval_dim_bytes(p, op.inputs[0], batch) for op in p.ops if op.role == "offload" and op.type == "Memcpy"
-    )
+    """Bytes the program's offload ops (role ``offload``: the copies to host) copy per run, at `batch`."""
+    return sum(eval_dim_bytes(p, op.inputs[0], batch) for op in p.ops if op.role == "offload")
 
 
 def eval_dim_bytes(p: Program, name: str, batch: int) -> int:

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from metaopt.ir import Op, Program, Var, did_you_mean, names, torch_dtype
+from metaopt.ir import Op, Program, Var, did_you_mean, names, roles, torch_dtype
 
 LEARNING_RATE = "learning_rate"
 STEP = "global_step"
@@ -96,6 +96,18 @@ def apply_optimizer(
         q.ops.append(op)
         appended.append(op)
     return q, appended
+
+
+def update_grads(p: Program) -> list[str]:
+    """The grads the update-phase ops read (clipping, the updates), made before the first
+    of them: what data parallel averages."""
+    first = next((i for i, op in enumerate(p.ops) if roles.is_update(op.role)), len(p.ops))
+    made = {o for op in p.ops[:first] for o in op.outputs if o}
+    out: dict[str, None] = {}
+    for op in p.ops[first:]:
+        if roles.is_update(op.role):
+            out.update((x, None) for x in op.inputs if x in made and p.vars[x].kind == "grad")
+    return list(out)
 
 
 def _add(q: Program, var: Var, value: torch.Tensor | None = None) -> None:

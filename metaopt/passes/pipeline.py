@@ -1,7 +1,10 @@
 """Pipeline parallel: split one training program into a stage program per worker.
 
-    plan = plan_pipeline(program, num_stages=2, cuts=["fc2"], micro_batches=4)
-    programs = pipeline(program, num_stages=2, cuts=["fc2"], micro_batches=4)   # one per worker
+    plan = plan_pipeline(program, num_stages=2, cuts=["fc2"], micro_batches=4, grads=grads)
+    programs = pipeline(program, plan=plan, loss_grad=seed)   # one per worker
+
+(`grads`, `seed`: what append_backward made: each param's grad, the loss grad's seed; the
+training driver hands them on through its context.)
 
 The input is the finished single-process training program (forward, backward with any
 recompute/offload, optimizer). With ``chunks`` = v > 1 (the interleaved schedule) the
@@ -34,14 +37,13 @@ The pass is pure; the plans' and programs' meaning lives in op fields (``stage``
 from __future__ import annotations
 
 import bisect
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-from metaopt.ir import Op, PipelineInfo, Program, Var, did_you_mean, names, torch_dtype
-from metaopt.ir.program import PHASE_OF_ROLE
+from metaopt.ir import Op, PipelineInfo, Program, Var, did_you_mean, names, roles, torch_dtype
 
-FORWARD_ROLES = ("forward", "loss")
 MICRO_BATCH = names.micro_batch()
 
 
@@ -51,7 +53,7 @@ class PipelineError(ValueError):
 
 def phase_of(op: Op) -> str:
     """forward (once per micro-batch, first), backward (per micro-batch) or optimize (per step)."""
-    phase = PHASE_OF_ROLE.get(op.role)
+    phase = roles.phase(op.role)
     if phase is None:  # data parallel's comm ops: a pipeline replicates itself (dp_degree)
         raise PipelineError(f"pipeline: op role {op.role!r} has no pipeline phase: {op.type} -> {op.outputs}")
     return phase
@@ -67,6 +69,7 @@ class PipelinePlan:
     op_stages: list[tuple[int, ...]]  # virtual stages running each op of the input program
     costs: list[float]  # estimated forward cost per virtual stage
     holders: dict[str, tuple[int, ...]]  # param -> virtual stages reading it
+    grads: dict[str, str]  # param -> its grad as the backward made it
     transfers: list[tuple[str, int, int]] = field(default_factory=list)  # (var, from, to) neighbours
     # stage -> {recomputed copy made in another stage: the forward value it equals}: a
     # recompute segment crossing a cut reads, in the later stage, the received original
@@ -121,8 +124,11 @@ def plan_pipeline(
     micro_batches: int = 1,
     schedule: str = "1F1B",
     chunks: int = 1,
+    grads: Mapping[str, str],
 ) -> PipelinePlan:
-    """Assign every op of `p` to its virtual stage(s) and list the transfers (see module doc)."""
+    """Assign every op of `p` to its virtual stage(s) and list the transfers (see module doc).
+
+    `grads`: each param's grad as the backward made it (append_backward's pairs)."""
     if num_stages < 1 or chunks < 1 or micro_batches < 1:
         raise PipelineError(
             f"pipeline: num_stages={num_stages}, chunks={chunks}, micro_batches={micro_batches} must be >= 1"
@@ -130,7 +136,7 @@ def plan_pipeline(
     n_virtual = num_stages * chunks
     for op in p.ops:
         phase_of(op)  # refuses roles it cannot place (e.g. data parallel's comm ops)
-    fwd = [i for i, op in enumerate(p.ops) if op.role in FORWARD_ROLES]
+    fwd = [i for i, op in enumerate(p.ops) if roles.is_forward(op.role)]
     costs_per_op = {i: _cost(p, p.ops[i]) for i in fwd}
     if cuts == "auto" or cuts == ["auto"]:
         resolved = _auto_cuts(p, fwd, costs_per_op, n_virtual)
@@ -162,7 +168,7 @@ def plan_pipeline(
     producers: dict[str, set[int]] = {}
     chains: dict[str | None, list[int]] = {}  # offload/prefetch ops by the checkpoint they move
     for i, op in enumerate(p.ops):
-        if op.role in ("offload", "prefetch"):
+        if roles.is_host_copy(op.role):
             chains.setdefault(op.origin, []).append(i)
             continue
         if op_stages[i]:
@@ -192,7 +198,9 @@ def plan_pipeline(
             if o:
                 producers.setdefault(o, set()).update(op_stages[i])
     _place_offload_chains(p, chains, op_stages, made)
-    plan = PipelinePlan(num_stages, chunks, micro_batches, schedule, resolved, op_stages, costs, holders)
+    plan = PipelinePlan(
+        num_stages, chunks, micro_batches, schedule, resolved, op_stages, costs, holders, dict(grads)
+    )
     plan.substitute = _cross_stage_recomputes(p, op_stages)
     _plan_transfers(p, plan)
     return plan
@@ -209,7 +217,7 @@ def _place_offload_chains(
         stages = {
             k
             for j, op in enumerate(p.ops)
-            if op.role not in ("offload", "prefetch") and outs.intersection(op.inputs)
+            if not roles.is_host_copy(op.role) and outs.intersection(op.inputs)
             for k in op_stages[j]
         }
         if not stages:
@@ -260,7 +268,7 @@ def _plan_transfers(p: Program, plan: PipelinePlan) -> None:
     for i, op in enumerate(p.ops):
         if phase_of(op) == "optimize":
             continue  # updates read their own stage's (merged) grads
-        if op.origin in shared and names.grad(op.origin) in op.outputs:
+        if op.origin in shared and plan.grads.get(op.origin) in op.outputs:
             continue  # a tied param's grad sum: each holder sums its own parts
         for k in plan.op_stages[i]:
             for x in op.inputs:
@@ -364,7 +372,7 @@ def _auto_cuts(p: Program, fwd: list[int], costs: dict[int, float], n_virtual: i
 def _holders(p: Program, op_stages: list[tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
     out: dict[str, set[int]] = {}
     for i, op in enumerate(p.ops):
-        if op.role in FORWARD_ROLES:
+        if roles.is_forward(op.role):
             for x in op.inputs:
                 if x and p.vars[x].kind == "param":
                     out.setdefault(x, set()).update(op_stages[i])
@@ -377,22 +385,39 @@ def _holders(p: Program, op_stages: list[tuple[int, ...]]) -> dict[str, tuple[in
 def pipeline(
     p: Program,
     *,
-    num_stages: int,
+    num_stages: int = 0,
     cuts: list[str] | str = "auto",
     micro_batches: int = 1,
     schedule: str = "1F1B",
     chunks: int = 1,
     dp_degree: int = 1,
+    grads: Mapping[str, str] | None = None,
+    loss_grad: str | None,
+    plan: PipelinePlan | None = None,
 ) -> list[Program]:
     """One stage program per pipeline worker (see the module doc); ``Program.pipeline`` set
     on each. With `dp_degree` > 1 every replica of the pipeline runs the same stage
-    programs, and each update reads its grad averaged over the stage's replicas."""
+    programs, and each update reads its grad averaged over the stage's replicas.
+
+    `loss_grad` is the backward's seed (the split scales it by 1/M) and `grads` maps each param
+    to the grad the backward made for it (accumulated over micro-batches), as append_backward
+    made them. `plan`: the one `plan_pipeline` made for these arguments (it holds `grads`);
+    else it is made here."""
     if dp_degree < 1:
         raise PipelineError(f"pipeline: dp_degree must be >= 1, got {dp_degree}")
-    plan = plan_pipeline(
-        p, num_stages=num_stages, cuts=cuts, micro_batches=micro_batches, schedule=schedule, chunks=chunks
-    )
-    return _Splitter(p, plan, dp_degree).programs()
+    if plan is None:
+        if grads is None:
+            raise PipelineError("pipeline: give the backward's grads (or a plan made with them)")
+        plan = plan_pipeline(
+            p,
+            num_stages=num_stages,
+            cuts=cuts,
+            micro_batches=micro_batches,
+            schedule=schedule,
+            chunks=chunks,
+            grads=grads,
+        )
+    return _Splitter(p, plan, dp_degree, loss_grad).programs()
 
 
 @dataclass
@@ -402,8 +427,9 @@ class _StageOps:
 
 
 class _Splitter:
-    def __init__(self, p: Program, plan: PipelinePlan, dp_degree: int = 1) -> None:
+    def __init__(self, p: Program, plan: PipelinePlan, dp_degree: int, loss_grad: str | None) -> None:
         self.p, self.plan = p, plan
+        self.grads, self.loss_grad = plan.grads, loss_grad
         self.dp_degree = dp_degree
         self.V = plan.virtual_stages
         self.shared = plan.shared
@@ -426,7 +452,7 @@ class _Splitter:
                     placed = self._scaled_seed(placed)
                 if phase == "optimize":
                     optimize.setdefault(self.plan.worker(k), []).append(placed)
-                elif op.origin in self.shared and names.grad(op.origin) in op.outputs:
+                elif op.origin in self.shared and self.grads.get(op.origin) in op.outputs:
                     stages[k].backward.append(self._local_grad_sum(placed, k, i))
                 else:
                     getattr(stages[k], phase).append(placed)
@@ -436,10 +462,9 @@ class _Splitter:
 
     def _loss_seed(self) -> int | None:
         """The op making the loss grad from constants (append_backward's seed)."""
-        loss = self.p.loss_name
-        if loss is None:
+        target = self.loss_grad
+        if target is None:
             return None
-        target = names.grad(loss)
         consts = {v.name for v in self.p.vars.values() if v.kind == "constant"}
         for i, op in enumerate(self.p.ops):
             if target in op.outputs and all(x in consts for x in op.inputs if x):
@@ -451,7 +476,7 @@ class _Splitter:
         if m == 1:
             return op
         const = op.inputs[0]
-        name = names.fresh(f"{const}@DIV{m}", {**self.p.vars, **self.extra_vars})
+        name = names.fresh(names.divided(const, m), {**self.p.vars, **self.extra_vars})
         v = self.p.vars[const]
         self.extra_vars[name] = Var(name, v.dtype, v.shape, "constant")
         self.extra_values[name] = self.p.values[const] / m  # the loss grad of a mean over M micro-batches
@@ -481,8 +506,8 @@ class _Splitter:
             for op in ops:
                 if op.role != "optimize" or op.origin is None:
                     continue
-                g = names.grad(op.origin)
-                if g not in op.inputs:
+                g = self.grads.get(op.origin)
+                if g is None or g not in op.inputs:
                     continue
                 k = next(s for s in self.plan.holders[op.origin] if self.plan.worker(s) == w)
                 made = names.stage_part(g, k) if op.origin in self.shared else g
@@ -511,7 +536,7 @@ class _Splitter:
                 renamed.append(_with(op, inputs=[reads.get(x, x) for x in op.inputs]))
             # tied params: sum the holders' merged grads before their updates
             for param, workers in self.shared.items():
-                g = names.grad(param)
+                g = self.grads.get(param)
                 if w in workers and g in reads:
                     out = names.reduced(g)
                     self.extra_vars[out] = Var(out, self.p.vars[g].dtype, self.p.vars[g].shape, "grad")

@@ -39,10 +39,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from metaopt.ir import Op, Program, Var, did_you_mean, names
+from metaopt.ir import Op, Program, Var, did_you_mean, names, roles
 from metaopt.ops import registry
 
-BACKWARD_ROLES = frozenset({"backward"})
 # The CPU generator's state (what RngState records on CPU; a CUDA state is 16 bytes):
 # declared so memory estimates count the states held from forward to recompute.
 RNG_STATE_BYTES = torch.get_rng_state().numel()
@@ -218,7 +217,7 @@ def plan_recompute(
     resolved = resolve_checkpoints(
         p, checkpoints, memory_budget=memory_budget, batch=batch, policy=policy, keep_op_types=keep_op_types
     )
-    first_bw = next((i for i, op in enumerate(p.ops) if op.role in BACKWARD_ROLES), None)
+    first_bw = next((i for i, op in enumerate(p.ops) if roles.is_backward(op.role)), None)
     if first_bw is None:
         raise RecomputeError(f"program {p.name!r} has no backward ops: recompute rewrites a training program")
     fwd = p.ops[:first_bw]
@@ -308,26 +307,33 @@ def _loss_depends_on(p: Program, fwd: list[Op], prod: dict[str, int]) -> set[str
 def recompute(
     p: Program,
     *,
-    checkpoints: list,
+    checkpoints: list | None = None,
     policy: str = "full",
     keep_op_types: tuple[str, ...] = (),
     seed_random_ops: bool = True,
     memory_budget: int | None = None,
     batch: int = 8,
+    plan: RecomputePlan | None = None,
 ) -> Program:
-    """Rewrite `p` (a training program) so each segment is recomputed before its backward."""
-    plan = plan_recompute(
-        p,
-        checkpoints=checkpoints,
-        policy=policy,
-        keep_op_types=keep_op_types,
-        memory_budget=memory_budget,
-        batch=batch,
-    )
+    """Rewrite `p` (a training program) so each segment is recomputed before its backward.
+
+    `plan`: the one `plan_recompute` made for `p` (the other arguments then only say how to
+    re-emit: `seed_random_ops`); else it is made here from `checkpoints` and the rest."""
+    if plan is None:
+        if checkpoints is None:
+            raise RecomputeError("recompute needs checkpoints (or a plan made from them)")
+        plan = plan_recompute(
+            p,
+            checkpoints=checkpoints,
+            policy=policy,
+            keep_op_types=keep_op_types,
+            memory_budget=memory_budget,
+            batch=batch,
+        )
     q = p.clone()
     if not plan.checkpoints:
         return q
-    first_bw = next(i for i, op in enumerate(q.ops) if op.role in BACKWARD_ROLES)
+    first_bw = next(i for i, op in enumerate(q.ops) if roles.is_backward(op.role))
     kept = set(plan.checkpoints) | set(plan.held) | set(plan.kept_by_policy)
     seg_of_value = {
         o: j

@@ -247,3 +247,24 @@ class Communicator:
             ) from e
         self.seconds += time.perf_counter() - t0
         self.bytes += t.numel() * t.element_size()
+
+
+def broadcast_initial_values(p, src: int = 0, *, device: torch.device | None = None) -> int:
+    """Overwrite the initial values of `p`'s params and buffers with worker `src`'s (in
+    place, in ``p.values``), as DDP's constructor does; returns the bytes broadcast. Every
+    worker must call it (fleet's ``broadcast_init`` step, at minimize)."""
+    import logging
+
+    comm = Communicator(device or torch.device("cpu"))
+    total = 0
+    for v in p.vars.values():
+        if v.kind in ("param", "buffer") and v.name in p.values:
+            t = p.values[v.name]
+            if not t.is_contiguous():
+                t = p.values[v.name] = t.contiguous()
+            comm.broadcast(t, src, f"the initial value of {v.name!r}")
+            total += t.numel() * t.element_size()
+    logging.getLogger("metaopt.fleet").info(
+        "data parallel: broadcast %d bytes of params and buffers from rank %d", total, src
+    )
+    return total

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from metaopt.ir import Program, Var, did_you_mean, torch_dtype
+from metaopt.ir import Program, Var, did_you_mean, roles, torch_dtype
 from metaopt.runtime.context import Runtime
 from metaopt.runtime.memory import MemoryTracker
 from metaopt.runtime.place import Place, resolve
@@ -50,7 +50,10 @@ class Executor:
             out = self._pipeline_runner(program).run(feed or {}, fetches)
             return [_to_numpy(t) if return_numpy and t is not None else t for t in out]
         self._start_step()
-        out = self._run_part(program, feed or {}, fetches)
+        if program.gradient_merge is not None:
+            out = self._run_merging(program, feed or {}, fetches)
+        else:
+            out = self._run_part(program, feed or {}, fetches)
         if return_numpy:
             return [_to_numpy(t) for t in out]
         return list(out)
@@ -85,10 +88,53 @@ class Executor:
         carried = carried or {}
         feeds = self._feeds(program, feed, [x for x in plan.feeds if x not in carried])
         feeds.update(carried)
-        try:
-            return plan.fn(self.scope, feeds, self._tracker)
+        try:  # an error inside the plan is re-raised naming its op (see `Plan.run`)
+            return plan.run(self.scope, feeds, self._tracker)
         finally:
             self._tracker.end_run()
+
+    def _run_merging(self, program: Program, feed: Mapping[str, Any], fetches: list[str]) -> tuple:
+        """One run of a gradient-merge program: forward, backward and the merge every run;
+        the update phase (and the all-reduce placed with it) on the k-th run of a window.
+
+        The window's run index is the persistable ``gm.step``, kept on the host (reading it
+        never synchronises a device) and advanced here after each run."""
+        gm = program.gradient_merge
+        step_t = self.scope.get(gm.step)
+        if step_t is None or step_t.device.type != "cpu":
+            self._materialise(program, [gm.step])
+            self.scope[gm.step] = self.scope[gm.step].cpu()
+        step = int(self.scope[gm.step])
+        if not 0 <= step < gm.k_steps:
+            raise ValueError(f"scope holds {gm.step}={step}, outside 0..{gm.k_steps - 1} (k_steps)")
+        part = program if step == gm.k_steps - 1 else self._accumulate_part(program)
+        if part is not program:
+            made = {o for op in part.ops for o in op.outputs if o} | set(part.inputs)
+            for f in fetches:
+                if f not in made and f in program.vars and not program.vars[f].persistable:
+                    raise ValueError(
+                        f"fetch {f!r} is made by the update phase, which runs on every "
+                        f"{gm.k_steps}-th run under gradient merge (this is run {step + 1} of the window)"
+                    )
+        out = self._run_part(part, feed, fetches)
+        self.scope[gm.step].fill_((step + 1) % gm.k_steps)
+        return out
+
+    def _accumulate_part(self, program: Program) -> Program:
+        """`program` without its update phase: what a gradient-merge run that does not
+        update runs (cached per program version)."""
+        key = ("accumulate", program.uid, program.version)
+        part = self._runners.get(key)
+        if part is None:
+            part = program.clone()
+            part.ops = [op for op in part.ops if not _once_per_update(op.role)]
+            made = {o for op in part.ops for o in op.outputs if o}
+            part.updates = {t: n for t, n in part.updates.items() if n in made}
+            part.outputs = [x for x in part.outputs if x in made or x in part.inputs]
+            part.gradient_merge = None
+            self._runners = {k: v for k, v in self._runners.items() if k[:2] != ("accumulate", program.uid)}
+            self._runners[key] = part
+        return part
 
     def _pipeline_runner(self, program: Program):
         """The runner of a pipeline stage program (micro-batches through its schedule)."""
@@ -166,6 +212,11 @@ class Executor:
         """The generated Python of `program` (for debugging what the executor does)."""
         fetches = [f.name if isinstance(f, Var) else f for f in fetch_list]
         return build_plan(program, fetches, self.device, self.track_memory, self.runtime).source
+
+
+def _once_per_update(role: str) -> bool:
+    """The update phase (optimizer, lr schedule) and the collectives placed with it."""
+    return roles.is_update(role) or roles.phase(role) is None
 
 
 def _check_scope_entry(p: Program, name: str, t: torch.Tensor) -> None:

@@ -22,8 +22,7 @@ from typing import Any
 
 import torch
 
-from metaopt.ir import Op, PipelineInfo, Program, Var, did_you_mean, names
-from metaopt.ir.program import PHASE_OF_ROLE
+from metaopt.ir import Op, PipelineInfo, Program, Var, did_you_mean, names, roles
 from metaopt.ops import registry
 from metaopt.runtime import schedules
 
@@ -108,7 +107,7 @@ class PipelineRunner:
         try:
             for action in self.actions:
                 k = action.chunk * self.info.num_stages + self.info.stage
-                part = self.parts[(k, "forward" if action.kind == "F" else "backward")]
+                part = self.parts[(k, roles.FORWARD if action.kind == "F" else roles.BACKWARD)]
                 i = action.micro_batch
                 self.state.stage, self.state.micro_batch = k, i
                 self.state.dims = {"batch": micro[i]["__batch__"]}
@@ -128,7 +127,7 @@ class PipelineRunner:
                         tracker.acquire(t, x in part.host_out)  # offloaded copies: host bytes
             if comm is not None:
                 comm.finish_sends()
-            opt = self.parts.get((-1, "optimize"))
+            opt = self.parts.get((-1, roles.OPTIMIZE))
             if opt is not None:
                 self.exe._run_part(opt.program, {}, [])
         finally:
@@ -175,8 +174,9 @@ class PipelineRunner:
                     self.exe.scope[name], self.info.stage, f"{name!r} (replica 0's)", self.state.dp_ranks()
                 )
         tied: list[tuple[str, tuple[int, ...]]] = []
-        for op in self.program.ops:
-            if op.type == "AllReduce" and op.attrs.get("ranks") is not None and op.origin:
+        for op in self.program.ops:  # the collectives over the copies of a tied param
+            row = registry.get(op.type)
+            if row is not None and row.collective and op.attrs.get("ranks") is not None and op.origin:
                 tied.append((op.origin, tuple(op.attrs["ranks"])))
         self.exe._materialise(self.program, [name for name, _ in tied])
         for name, ranks in sorted(tied):
@@ -209,7 +209,7 @@ def _replica(info: PipelineInfo) -> int:
 
 
 def _phase(op: Op) -> str:
-    phase = PHASE_OF_ROLE.get(op.role)
+    phase = roles.phase(op.role)
     if phase is None:
         raise ValueError(f"pipeline: op role {op.role!r} has no phase ({op.type} -> {op.outputs})")
     return phase
@@ -220,7 +220,7 @@ def _cut(p: Program) -> dict[tuple[int, str], _Part]:
     groups: dict[tuple[int, str], list[Op]] = {}
     for op in p.ops:
         phase = _phase(op)
-        key = (-1, phase) if phase == "optimize" else (op.stage, phase)
+        key = (-1, phase) if phase == roles.OPTIMIZE else (op.stage, phase)
         groups.setdefault(key, []).append(op)
     keys = list(groups)  # program order: forwards by chunk, backwards, then the optimizer
     made_in = {o: key for key in keys for op in groups[key] for o in op.outputs if o}
@@ -230,7 +230,7 @@ def _cut(p: Program) -> dict[tuple[int, str], _Part]:
     for key in keys:
         ops = groups[key]
         produced = {o for op in ops for o in op.outputs if o}
-        later = [k2 for k2 in keys[keys.index(key) + 1 :] if k2[1] != "optimize"]
+        later = [k2 for k2 in keys[keys.index(key) + 1 :] if k2[1] != roles.OPTIMIZE]
         carried_out = sorted(
             {x for k2 in later for x in reads[k2] if x in produced}, key=lambda x: list(p.vars).index(x)
         )
@@ -257,7 +257,7 @@ def _subprogram(p, key, ops, produced, made_in, update_of):
     name = f"{p.name}.{'optimizer' if key[0] < 0 else f'stage{key[0]}.{key[1]}'}"
     q = Program(name)
     renames: dict[str, str] = {}
-    if key[1] == "optimize":
+    if key[1] == roles.OPTIMIZE:
         # the updates read the accumulated grads: from the scope, where the backward put them
         renames = {x: update_of[x] for op in ops for x in op.inputs if x in update_of and x not in produced}
     # A part runs on one worker: the virtual stages of its ops (chunks) need no transfers.
@@ -269,7 +269,7 @@ def _subprogram(p, key, ops, produced, made_in, update_of):
         if v.persistable or x in produced:
             q.add_var(_copy(v), p.values.get(x))
             continue
-        if key[1] == "optimize":
+        if key[1] == roles.OPTIMIZE:
             raise ValueError(f"pipeline: the optimizer reads {x!r}, made once per micro-batch")
         q.add_var(_copy(v, kind="input"))
         if x == names.micro_batch():

@@ -18,7 +18,6 @@ from conftest import exported
 import metaopt
 import programs
 from metaopt import fleet
-from metaopt.fleet.amp_optimizer import AmpOptimizer
 from metaopt.ir import Op, Var, parse_program, verify
 from metaopt.ops import registry
 from metaopt.passes.amp import AmpError, amp, scale_loss, unscale_grads
@@ -357,8 +356,9 @@ def test_amp_training_program_survives_onnx_save_and_load(tmp_path, configs):
 def test_amp_optimizer_takes_loss_scaling_for_bf16():
     fleet.init(is_collective=True)
     main = exported("mlp")[2].clone()
-    cfg = _strategy({"dtype": "bfloat16"}).amp_configs
-    AmpOptimizer(metaopt.optimizer.SGD(0.1), cfg, loss_scaling=True).minimize(main.loss)
+    opt = fleet.distributed_optimizer(metaopt.optimizer.SGD(0.1), _strategy({"dtype": "bfloat16"}))
+    opt.loss_scaling = True
+    opt.minimize(main.loss)
     assert any(op.type == "CheckFiniteAndUnscale" for op in main.ops)
     losses, exe = _run(main, "mlp", 2)
     assert exe.scope["num_good_steps"].item() == 2 and all(torch.isfinite(x) for x in losses)

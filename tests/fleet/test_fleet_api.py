@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 
+import metaopt
 from metaopt import fleet
 from metaopt.fleet import env
 from metaopt.ir import Op, Program, Var
@@ -150,18 +151,30 @@ def test_parameter_server_mode_is_refused():
 # --- distributed_optimizer ----------------------------------------------------------------
 
 
-def test_meta_optimizer_order_is_the_documented_literal():
-    assert [(m.name, m.field) for m in fleet.META_OPTIMIZERS] == [
-        ("amp", "amp"),
-        ("pipeline", "pipeline"),
-        ("recompute", "recompute"),
-        ("gradient_merge", "gradient_merge"),
-        ("data_parallel", None),
-    ]
-    doc = dopt.__doc__
-    assert (
-        "amp, pipeline, recompute (+offload), gradient_merge, data_parallel, then the inner optimizer" in doc
-    )
+STEP_ORDER = [
+    "amp_casts",
+    "scale_loss",
+    "tie_params",
+    "append_backward",
+    "apply_optimizer",
+    "gradient_merge",
+    "data_parallel",
+    "broadcast_init",
+    "recompute",
+    "offload",
+    "pipeline_split",
+    "unscale_grads",
+    "master_weights",
+]
+
+
+def test_steps_are_the_documented_literal():
+    from metaopt.fleet import steps
+
+    assert [s.name for s in fleet.STEPS] == STEP_ORDER
+    doc = steps.__doc__
+    listed = [line.split()[0] for line in doc.splitlines() if line.startswith("    ") and line.split()]
+    assert listed == STEP_ORDER  # the module doc lists them in the same order
 
 
 def test_plain_path_delegates_to_the_inner_optimizer(caplog):
@@ -192,15 +205,14 @@ def test_default_strategy_comes_from_init():
     ).user_defined_strategy.recompute
 
 
-@pytest.mark.parametrize("flag", ["gradient_merge"])  # amp, pipeline: their own tests
-def test_each_enabled_meta_optimizer_is_not_implemented_yet(flag):
+def test_a_rewriting_step_needs_a_metaopt_optimizer():
     fleet.init()
     s = fleet.DistributedStrategy()
-    setattr(s, flag, True)
+    s.gradient_merge = True
     inner = FakeOptimizer()
     p = _program()
     before = str(p)
-    with pytest.raises(NotImplementedError, match=rf"strategy\.{flag}=True: the {flag} meta optimizer"):
+    with pytest.raises(TypeError, match=r"steps \['gradient_merge'\] rewrite .* need a metaopt.optimizer"):
         fleet.distributed_optimizer(inner, s).minimize(p.loss)
     assert inner.calls == [] and str(p) == before  # refused before anything was touched
 
@@ -235,47 +247,39 @@ def test_pipeline_with_gradient_merge_is_refused_naming_both():
         fleet.distributed_optimizer(FakeOptimizer(), s).minimize(_program().loss)
 
 
-def _wrapping(name, log):
-    def apply(inner, strategy):
-        log.append(name)
-
-        class Wrapped:
-            def minimize(self, loss, startup_program=None, parameter_list=None, no_grad_set=None):
-                log.append(f"{name}.minimize")
-                return inner.minimize(loss, startup_program, parameter_list, no_grad_set)
-
-        return Wrapped()
-
-    return apply
-
-
-def test_meta_optimizers_wrap_in_list_order(monkeypatch):
-    """With real apply functions, the first entry is the outermost wrapper."""
+def test_steps_run_in_list_order_and_report_fleet_names():
     fleet.init()
-    monkeypatch.setattr(env._STATE, "env", env.WorkerEnv(rank=0, world_size=2))
-    log: list[str] = []
-    metas = tuple(m._replace(apply=_wrapping(m.name, log)) for m in dopt.META_OPTIMIZERS)
-    monkeypatch.setattr(dopt, "META_OPTIMIZERS", metas)
     s = fleet.DistributedStrategy()
-    s.amp = s.recompute = s.gradient_merge = True
-    inner = FakeOptimizer()
-    opt = fleet.distributed_optimizer(inner, s)
-    plan = opt.plan()
-    assert plan.applied == ["amp", "recompute", "gradient_merge", "data_parallel"]
-    opt.minimize(_program().loss)
-    assert opt.applied_meta_list == ["amp", "recompute", "gradient_merge", "data_parallel"]
-    # built inside-out, run outside-in
-    assert log == [
-        "data_parallel",
-        "gradient_merge",
-        "recompute",
-        "amp",
-        "amp.minimize",
-        "recompute.minimize",
-        "gradient_merge.minimize",
-        "data_parallel.minimize",
-    ]
-    assert len(inner.calls) == 1
+    s.recompute = True
+    s.recompute_configs = {"checkpoints": ["h"]}
+    p = _program()
+    opt = fleet.distributed_optimizer(metaopt.optimizer.SGD(0.1), s)
+    assert opt.plan().steps == ["append_backward", "apply_optimizer", "recompute"]
+    with pytest.warns(UserWarning, match="does not lower the predicted activation peak"):
+        opt.minimize(p.loss)
+    assert opt.applied_meta_list == ["recompute"]
+    assert list(opt.context.plans) == ["recompute"]  # the one step that plans, planned once
+
+
+def test_a_step_that_breaks_an_invariant_is_named(monkeypatch):
+    from metaopt.fleet import steps
+    from metaopt.passes.driver import Step, StepError
+
+    def dangle(p, plan, ctx):
+        q = p.clone()
+        q.ops.append(Op("Relu", ["nowhere"], ["h2"], role="optimize"))
+        q.add_var(Var("h2", "float32", ("batch", 3)))
+        return q
+
+    bad = Step("dangling_read", lambda ctx: (True, "test"), dangle)
+    monkeypatch.setattr(dopt, "STEPS", (*steps.STEPS, bad))
+    fleet.init()
+    p = _program()
+    before = str(p)
+    with pytest.raises(StepError, match=r"step 'dangling_read' broke an invariant of 'tiny'.*nowhere") as e:
+        fleet.distributed_optimizer(metaopt.optimizer.SGD(0.1)).minimize(p.loss)
+    assert "Relu" in str(e.value.__cause__)
+    assert str(p) == before  # the user's program is replaced only at the end
 
 
 def test_plan_is_printable_with_reasons():
@@ -286,10 +290,11 @@ def test_plan_is_printable_with_reasons():
     s.amp_configs = {"incr_ratio": 4.0}  # set but amp is off
     s.dgc = True
     text = str(fleet.distributed_optimizer(FakeOptimizer(), s).plan())
-    assert "recompute       apply  strategy.recompute=True (+offload" in text
-    assert "amp             skip   strategy.amp=False" in text
-    assert "data_parallel   skip   fleet.worker_num()=1" in text
-    assert "optimizer       apply  FakeOptimizer.minimize" in text
+    assert "  recompute        run   strategy.recompute=True" in text
+    assert "  offload          run   recompute_configs['enable_offload']=True" in text
+    assert "  amp_casts        skip  strategy.amp=False" in text
+    assert "  data_parallel    skip  fleet.worker_num()=1" in text
+    assert "optimizer FakeOptimizer" in text
     assert "refused: strategy.dgc=True" in text
     assert "note: strategy.amp_configs is set but strategy.amp=False" in text
 
@@ -307,3 +312,18 @@ def test_bad_arguments():
 def test_minimize_before_init_raises():
     with pytest.raises(RuntimeError, match=r"fleet\.init"):
         fleet.distributed_optimizer(FakeOptimizer()).minimize(_program().loss)
+
+
+def test_the_step_order_is_pinned_by_a_golden_plan(monkeypatch, golden):
+    """Every step enabled that can be at once (pipeline and gradient merge exclude each
+    other): the printed plan lists all steps in the one documented order."""
+    fleet.init()
+    monkeypatch.setattr(env._STATE, "env", env.WorkerEnv(rank=0, world_size=2))
+    s = fleet.DistributedStrategy()
+    s.amp = s.recompute = s.gradient_merge = True
+    s.amp_configs = {"use_pure_fp16": True, "use_fp16_guard": False}
+    s.recompute_configs = {"checkpoints": ["h"], "enable_offload": True}
+    s.gradient_merge_configs = {"k_steps": 4}
+    text = str(fleet.distributed_optimizer(metaopt.optimizer.Adam(), s).plan())
+    golden("train/steps_plan", text)
+    assert [line.split()[0] for line in text.splitlines()[1:]] == STEP_ORDER

@@ -7,12 +7,12 @@ import functools
 
 import pytest
 import torch
-from conftest import exported
+from conftest import backward_links, exported, pipeline_split
 
 import metaopt
 from metaopt.frontend import onnx_save
 from metaopt.ir import parse_program, verify
-from metaopt.passes.pipeline import PipelineError, pipeline, plan_pipeline
+from metaopt.passes.pipeline import PipelineError, plan_pipeline
 from metaopt.passes.recompute import recompute
 
 
@@ -44,7 +44,7 @@ def _sends_match_recvs(stages: list[metaopt.Program]) -> int:
 )
 def test_stage_programs_verify_and_every_send_has_its_recv(name, cuts):
     main = _train(name)
-    stages = pipeline(main, num_stages=2, cuts=cuts, micro_batches=4)
+    stages = pipeline_split(main, num_stages=2, cuts=cuts, micro_batches=4)
     assert [q.pipeline.stage for q in stages] == [0, 1]
     for q in stages:
         verify(q)
@@ -61,7 +61,7 @@ def test_stage_programs_verify_and_every_send_has_its_recv(name, cuts):
 
 
 def test_the_loss_grad_is_scaled_by_one_over_m_and_grads_merge():
-    stages = pipeline(_train("mlp"), num_stages=2, cuts=["fc2"], micro_batches=4)
+    stages = pipeline_split(_train("mlp"), num_stages=2, cuts=["fc2"], micro_batches=4)
     last = stages[-1]
     seed = next(op for op in last.ops if op.outputs == ["loss@GRAD"])
     assert last.values[seed.inputs[0]].item() == pytest.approx(0.25)
@@ -75,9 +75,9 @@ def test_the_loss_grad_is_scaled_by_one_over_m_and_grads_merge():
 
 def test_tied_embedding_is_held_by_both_ends_and_all_reduced():
     main = _train("gpt")
-    plan = plan_pipeline(main, num_stages=2, cuts=["transformer.h.1"])
+    plan = plan_pipeline(main, grads=backward_links(main)["grads"], num_stages=2, cuts=["transformer.h.1"])
     assert plan.shared == {"transformer.wte.weight": (0, 1)}
-    stages = pipeline(main, num_stages=2, cuts=["transformer.h.1"])
+    stages = pipeline_split(main, num_stages=2, cuts=["transformer.h.1"])
     for q in stages:
         assert "transformer.wte.weight" in q.vars
         reduce = [op for op in q.ops if op.type == "AllReduce"]
@@ -88,7 +88,7 @@ def test_tied_embedding_is_held_by_both_ends_and_all_reduced():
 def test_recompute_across_a_cut_reads_the_received_original():
     main = _train("gpt")
     rc = recompute(main, checkpoints=["transformer.h.*"])
-    stages = pipeline(rc, num_stages=4, cuts=["transformer.h.0", "transformer.h.1", "transformer.ln_f"])
+    stages = pipeline_split(rc, num_stages=4, cuts=["transformer.h.0", "transformer.h.1", "transformer.ln_f"])
     for q in stages:
         verify(q)
         produced = {o for op in q.ops for o in op.outputs}
@@ -98,7 +98,7 @@ def test_recompute_across_a_cut_reads_the_received_original():
 
 def test_auto_cuts_balance_the_forward_cost_at_module_starts():
     main = _train("bert")
-    plan = plan_pipeline(main, num_stages=2)
+    plan = plan_pipeline(main, grads=backward_links(main)["grads"], num_stages=2)
     ((cut, at),) = plan.cuts
     assert main.ops[at].scope == cut or main.ops[at].scope.startswith(cut + ".")  # a module's first op
     share = max(plan.costs) / sum(plan.costs)
@@ -110,19 +110,19 @@ def test_auto_cuts_balance_the_forward_cost_at_module_starts():
 def test_cut_errors_name_the_cut():
     main = _train("mlp")
     with pytest.raises(PipelineError, match=r"names 2 cut\(s\) but 2 \(virtual\) stages need 1"):
-        plan_pipeline(main, num_stages=2, cuts=["fc2", "fc3"])
+        plan_pipeline(main, grads=backward_links(main)["grads"], num_stages=2, cuts=["fc2", "fc3"])
     with pytest.raises(
         PipelineError, match=r"'fc22' is neither a module path nor a forward var.*did you mean"
     ):
-        plan_pipeline(main, num_stages=2, cuts=["fc22"])
+        plan_pipeline(main, grads=backward_links(main)["grads"], num_stages=2, cuts=["fc22"])
     with pytest.raises(PipelineError, match=r"'fc2' begins at op .*not after 'fc3'"):
-        plan_pipeline(main, num_stages=3, cuts=["fc3", "fc2"])
+        plan_pipeline(main, grads=backward_links(main)["grads"], num_stages=3, cuts=["fc3", "fc2"])
     with pytest.raises(PipelineError, match="leaves stage 0 empty"):
-        plan_pipeline(main, num_stages=2, cuts=["fc1"])
+        plan_pipeline(main, grads=backward_links(main)["grads"], num_stages=2, cuts=["fc1"])
 
 
 def test_stage_program_saves_and_loads_as_onnx(tmp_path):
-    stages = pipeline(_train("mlp"), num_stages=2, cuts=["fc2"], micro_batches=2, schedule="F-then-B")
+    stages = pipeline_split(_train("mlp"), num_stages=2, cuts=["fc2"], micro_batches=2, schedule="F-then-B")
     for q in stages:
         onnx_save.save(q, tmp_path / f"stage{q.pipeline.stage}.onnx")
         again = metaopt.load(tmp_path / f"stage{q.pipeline.stage}.onnx")
@@ -132,20 +132,20 @@ def test_stage_program_saves_and_loads_as_onnx(tmp_path):
 
 @pytest.mark.parametrize("name,cuts", [("mlp", ["fc2"]), ("gpt", ["transformer.h.1"])])
 def test_pipeline_golden(name, cuts, golden):
-    stages = pipeline(_train(name), num_stages=2, cuts=cuts, micro_batches=4)
+    stages = pipeline_split(_train(name), num_stages=2, cuts=cuts, micro_batches=4)
     golden(f"pipeline/{name}", "".join(str(q) for q in stages))
 
 
 def test_single_stage_pipeline_is_the_program_with_merged_grads():
     main = _train("mlp")
-    (only,) = pipeline(main, num_stages=1, cuts=[], micro_batches=1)
+    (only,) = pipeline_split(main, num_stages=1, cuts=[], micro_batches=1)
     assert not any(op.type in ("Send", "Recv") for op in only.ops)
     verify(only)
     assert torch.equal(only.values["fc1.weight"], main.values["fc1.weight"])
 
 
 def test_fetching_a_name_no_stage_holds_is_an_error_not_none():
-    (stage,) = pipeline(_train("mlp"), num_stages=1, cuts=[], micro_batches=2)
+    (stage,) = pipeline_split(_train("mlp"), num_stages=1, cuts=[], micro_batches=2)
     assert stage.pipeline.loss == "loss"
     _, inputs, _ = exported("mlp")
     feed = dict(zip(["x", "label"], [torch.cat([t, t]) for t in inputs], strict=True))

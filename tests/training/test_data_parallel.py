@@ -20,7 +20,15 @@ from metaopt.passes.data_parallel import data_parallel, plan_data_parallel
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
-CASES = ["mlp:plain", "mlp:recompute", "bert:plain", "bert:recompute", "bert:offload"]
+CASES = [
+    "mlp:plain",
+    "mlp:recompute",
+    "mlp:merge",
+    "bert:plain",
+    "bert:recompute",
+    "bert:offload",
+    "bert:merge",
+]
 
 
 def _free_port() -> int:
@@ -106,6 +114,10 @@ def test_two_workers_on_half_batches_equal_one_process_on_the_full_batch(two_wor
         assert ranks[0]["copies"] > 0 and ranks[0]["offloaded_bytes"] > 0
     # mlp: unfused, one AllReduce per grad; bert tiny (0.1 MB of grads): one 1 MB bucket
     assert ranks[0]["buckets"] == (6 if name == "mlp" else 1)
+    # one all-reduce per bucket and update: with gradient merge (k runs a step), once per k runs
+    import dp_worker
+
+    assert ranks[0]["all_reduce_calls"] == dp_worker.STEPS * ranks[0]["buckets"]
     # The mean of the two half-batch losses is the full batch's loss; grads are averaged
     # over two halves instead of summed over one batch, so float32 sums round differently:
     # the bar rtol 1e-5, atol 4e-5 over 5 Adam steps.

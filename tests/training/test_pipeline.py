@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import backward_links
 from test_data_parallel import _start_workers
 
 import metaopt
@@ -26,13 +27,13 @@ def reference(name: str, tied: bool = False) -> dict:
     import dp_worker
     import pp_worker
 
-    from metaopt.fleet.pipeline_optimizer import _tie
+    from metaopt.passes.tie import tie_params
 
     env.reset()
     mod = programs.get(name)
     main = pp_worker.exported(name).clone()
     if tied:
-        _tie(main, pp_worker.TIED_QUERY)
+        main = tie_params(main, groups=[pp_worker.TIED_QUERY])
     metaopt.optimizer.Adam(learning_rate=1e-2).minimize(main.loss)
     exe = metaopt.Executor("cpu")
     losses = []
@@ -191,7 +192,7 @@ def test_one_stage_pipeline_offload_counts_host_bytes_and_matches_recompute():
     mod = programs.get("bert")
     results = []
     for prog in (rc, of):
-        (stage,) = pipeline(prog, num_stages=1, cuts=[], micro_batches=4)
+        (stage,) = pipeline(prog, num_stages=1, cuts=[], micro_batches=4, **backward_links(prog))
         exe = metaopt.Executor("cpu")
         losses = []
         for step in range(2):
@@ -209,7 +210,7 @@ def test_one_stage_pipeline_offload_counts_host_bytes_and_matches_recompute():
 
 
 def test_declared_ties_are_checked():
-    from metaopt.fleet.pipeline_optimizer import _tie
+    from metaopt.passes.tie import tie_params
 
     sys.path.insert(0, str(HERE))
     import pp_worker
@@ -218,12 +219,15 @@ def test_declared_ties_are_checked():
     with pytest.raises(
         ValueError, match=r"'bert.encoder.layer.0.attention.self.querry.weight' is not a param.*did you"
     ):
-        _tie(p, ["bert.encoder.layer.0.attention.self.querry.weight"])
+        tie_params(p, groups=[["bert.encoder.layer.0.attention.self.querry.weight"]])
     with pytest.raises(ValueError, match="tied params must agree"):
-        _tie(
-            p, ["bert.encoder.layer.0.attention.self.query.weight", "bert.embeddings.word_embeddings.weight"]
+        tie_params(
+            p,
+            groups=[
+                ["bert.encoder.layer.0.attention.self.query.weight", "bert.embeddings.word_embeddings.weight"]
+            ],
         )
-    _tie(p, pp_worker.TIED_QUERY)
+    p = tie_params(p, groups=[pp_worker.TIED_QUERY])
     assert pp_worker.TIED_QUERY[1] not in p.vars
     readers = [op for op in p.ops if pp_worker.TIED_QUERY[0] in op.inputs]
     assert len(readers) == 2  # both layers read the one param

@@ -230,6 +230,7 @@ def check_recompute(entry, *, with_offload: bool = True) -> dict:
     got = _train(rec, module, entry)
     if not _identical(ref, got):
         raise ZooFailure(f"{entry.name}: recompute is not bit-identical to no recompute")
+
     def act(stats) -> int:  # the activation peak: what recompute and offload lower
         return stats["peak_bytes"] - stats["persistable_bytes"]
 

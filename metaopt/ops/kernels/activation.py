@@ -49,7 +49,7 @@ def hard_sigmoid(X: torch.Tensor, alpha: float = 0.2, beta: float = 0.5) -> torc
     return torch.clamp(X * alpha + beta, 0.0, 1.0)
 
 
-@register("Softplus")
+@register("Softplus", amp="black")
 def softplus(X: torch.Tensor) -> torch.Tensor:
     return F.softplus(X)
 
@@ -86,12 +86,12 @@ def swish(X: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
     return X * torch.sigmoid(alpha * X)
 
 
-@register("Softmax")
+@register("Softmax", amp="black")
 def softmax(input: torch.Tensor, axis: int = -1) -> torch.Tensor:
     return torch.softmax(input, axis)
 
 
-@register("LogSoftmax")
+@register("LogSoftmax", amp="black")
 def log_softmax(input: torch.Tensor, axis: int = -1) -> torch.Tensor:
     return torch.log_softmax(input, axis)
 

@@ -1,4 +1,4 @@
-"""Ops of automatic mixed precision's dynamic loss scaling (passes/amp.py, fleet/amp_optimizer.py).
+"""Ops of automatic mixed precision's dynamic loss scaling (passes/amp.py, fleet/steps.py).
 
 ``CheckFiniteAndUnscale`` is Paddle's ``check_finite_and_unscale`` (torch:
 ``GradScaler.unscale_``): every grad times ``1 / loss_scaling`` and one flag saying
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from metaopt.frontend.attrs import torch_dtype
+from metaopt.ir.dtypes import torch_dtype_from_onnx
 from metaopt.ops.registry import register
 
 
@@ -48,7 +48,7 @@ def check_finite_and_unscale(*inputs: torch.Tensor, to: int | None = None, _nout
         )
     inv = scale.double().reciprocal().float()
     if to is not None:
-        dtype = torch_dtype(to, what="CheckFiniteAndUnscale")
+        dtype = torch_dtype_from_onnx(to, what="CheckFiniteAndUnscale")
         grads = [g.to(dtype) for g in grads]
     outs = torch._foreach_mul(list(grads), inv)
     # (a 0-dim half grad times the 0-dim float inv would promote: keep each grad's dtype)

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from metaopt.frontend.attrs import torch_dtype
+from metaopt.ir.dtypes import torch_dtype_from_onnx
 from metaopt.ops.registry import register
 
 _MODE_WITH_BIAS = 2
@@ -45,7 +45,8 @@ def _per_batch(bias: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
     return bias + (extra.unsqueeze(1) if extra.dim() == 3 else extra)
 
 
-@register("Attention", needs_outputs=True, aliases=((1, 1), (2, 2)))  # present key/value: K, V when no past
+# aliases: the present key/value are K, V when there is no past
+@register("Attention", needs_outputs=True, aliases=((1, 1), (2, 2)), amp="white")
 def attention(
     Q: torch.Tensor,
     K: torch.Tensor,
@@ -121,7 +122,7 @@ def attention(
     scores = qk + bias
     qk_out = scores if qk_matmul_output_mode == _MODE_WITH_BIAS else qk
     if softmax_precision is not None:
-        scores = scores.to(torch_dtype(softmax_precision, what="Attention softmax_precision"))
+        scores = scores.to(torch_dtype_from_onnx(softmax_precision, what="Attention softmax_precision"))
     # Rows with every key masked have no attendable key: ONNX gives them zeros, not NaN.
     dead = torch.isneginf(bias.amax(-1, keepdim=True))
     probs = torch.softmax(scores, -1)

@@ -11,6 +11,7 @@ from metaopt.ops.registry import register
     "AllReduce",
     domain="metaopt",
     needs_runtime=True,
+    collective=True,
     fresh_outputs=True,
     recomputable=False,
     notes="outputs = inputs reduced over every worker, one fused buffer per op (a bucket)",
@@ -71,7 +72,7 @@ def recv(peer: int, shape: list, dtype: str, _rt, _key: str) -> torch.Tensor:
     inplace=((0, 0),),
     host_inputs=(2,),
     recomputable=False,
-    notes="acc = grad at micro-batch 0, acc + grad after: the pipeline's per-step accumulator",
+    notes="acc = grad at run 0, acc + grad after: pipeline micro-batches' and gradient merge's accumulator",
 )
 def grad_merge(acc: torch.Tensor, grad: torch.Tensor, micro_batch: torch.Tensor) -> torch.Tensor:
     if int(micro_batch) == 0:

@@ -55,8 +55,11 @@ _DIRECT = {
     "IsNaN": torch.isnan,
     "Where": torch.where,
 }
+# Exponentials, logarithms and their kin overflow or lose digits in half precision: AMP keeps
+# them in float32 (the rows' amp="black"; every other op above is gray).
+_AMP_FLOAT32 = frozenset({"Exp", "Log", "Reciprocal", "Acos", "Asin", "Cosh", "Sinh", "Tan"})
 for _type, _fn in _DIRECT.items():
-    register(_type)(_fn)
+    register(_type, amp="black" if _type in _AMP_FLOAT32 else "gray")(_fn)
 
 
 # torch has almost no CPU kernels for uint16/32/64 (add, compare, divide, ... raise
@@ -135,7 +138,7 @@ def bitwise_not(x: torch.Tensor) -> torch.Tensor:
         return torch.bitwise_not(x.to(torch.int64)).to(x.dtype)
 
 
-@register("Pow")
+@register("Pow", amp="black")
 def pow_(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     out = torch.pow(x, y)
     # ONNX allows a differently typed exponent; the result keeps the base's type.

@@ -10,14 +10,22 @@ import math
 
 import torch
 
-from metaopt.ops.registry import SAME, register
+from metaopt.ops.registry import SAME, ShapeArgs, register
 
 
 def _fix_negative(indices: torch.Tensor, n) -> torch.Tensor:
     return torch.where(indices < 0, indices + n, indices)
 
 
-@register("Gather", aliases=SAME)  # a scalar index on the CPU selects a view
+def _shape_value_of_gather(a: ShapeArgs) -> tuple[list, bool] | None:
+    """Picking dims of a tracked shape value (passes/fold_constants.py): axis 0, known indices."""
+    if a.tracked[0] is None or a.attrs.get("axis", 0) != 0 or a.values[1] is None:
+        return None
+    idx, scalar = a.values[1]
+    return [a.tracked[0][0][i] for i in idx], scalar
+
+
+@register("Gather", aliases=SAME, shape_value=_shape_value_of_gather)  # a scalar index on the CPU: a view
 def gather(data: torch.Tensor, indices: torch.Tensor, axis: int = 0) -> torch.Tensor:
     if indices.dim() == 0 and indices.device.type == "cpu":
         return data.select(axis, int(indices))  # a view; python-int indexing handles negatives

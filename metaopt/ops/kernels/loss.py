@@ -16,7 +16,7 @@ def _nll(log_prob: torch.Tensor, target: torch.Tensor, weight, ignore_index, red
     return F.nll_loss(log_prob, target.to(torch.int64), weight, ignore_index=ignore, reduction=reduction)
 
 
-@register("SoftmaxCrossEntropyLoss", needs_outputs=True)
+@register("SoftmaxCrossEntropyLoss", needs_outputs=True, amp="black")
 def softmax_cross_entropy_loss(
     scores: torch.Tensor,
     labels: torch.Tensor,
@@ -30,7 +30,7 @@ def softmax_cross_entropy_loss(
     return (loss, log_prob) if _nout > 1 else loss
 
 
-@register("NegativeLogLikelihoodLoss")
+@register("NegativeLogLikelihoodLoss", amp="black")
 def negative_log_likelihood_loss(
     input: torch.Tensor,
     target: torch.Tensor,

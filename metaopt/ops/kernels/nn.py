@@ -8,6 +8,7 @@ The common case (symmetric pads, NOTSET) calls the torch op directly.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,10 +23,50 @@ _AVG_POOL = (None, F.avg_pool1d, F.avg_pool2d, F.avg_pool3d)
 
 # --------------------------------------------------------------------------- linear algebra
 
-register("MatMul", expensive=True)(torch.matmul)
+
+def _fuse_linear(q: Any, i: int, producer: dict[str, int], consumers: dict[str, list[int]]):
+    """MatMul's `fuse` rule: torch exports an nn.Linear on a >2-D input as
+    ``Add(MatMul(x, Transpose(W, perm=[1, 0])), b)``; that is ``Linear(x, W, b)`` (one
+    `F.linear` call). Only params qualify (a transposed activation is a real computation), only
+    with a bias (without one, MatMul on the transposed view is already F.linear's single BLAS
+    call), and only when the intermediate values have no other reader."""
+    from metaopt.ir import Op
+
+    op = q.ops[i]
+    if len(op.inputs) != 2:
+        return None
+    t_idx = producer.get(op.inputs[1])
+    if t_idx is None:
+        return None
+    t = q.ops[t_idx]
+    w = t.inputs[0] if t.type == "Transpose" else None
+    if (
+        w is None
+        or q.vars[w].kind != "param"
+        or len(q.vars[w].shape or ()) != 2
+        or t.attrs.get("perm") != [1, 0]
+        or consumers.get(t.outputs[0]) != [i]
+    ):
+        return None
+    readers = consumers.get(op.outputs[0], [])
+    add = q.ops[readers[0]] if len(readers) == 1 else None
+    bias = next((x for x in add.inputs if x != op.outputs[0]), None) if add is not None else None
+    if (
+        add is None
+        or add.type != "Add"
+        or bias is None
+        or q.vars[bias].kind != "param"
+        or q.vars[bias].shape != (q.vars[w].shape[0],)
+    ):
+        return None
+    fused = Op("Linear", [op.inputs[0], w, bias], list(add.outputs), {}, role=op.role, scope=add.scope)
+    return [t_idx, readers[0]], fused
 
 
-@register("Gemm", expensive=True)
+register("MatMul", expensive=True, amp="white", fuse=_fuse_linear)(torch.matmul)
+
+
+@register("Gemm", expensive=True, amp="white")
 def gemm(
     A: torch.Tensor,
     B: torch.Tensor,
@@ -50,7 +91,7 @@ def gemm(
 register("Det")(torch.linalg.det)
 
 
-@register("Einsum", expensive=True, aliases=ANY_INPUT)
+@register("Einsum", expensive=True, aliases=ANY_INPUT, amp="white")
 def einsum(*inputs: torch.Tensor, equation: str) -> torch.Tensor:
     return torch.einsum(equation.replace(" ", ""), *inputs)
 
@@ -89,7 +130,7 @@ def _ones(n: int) -> list[int]:
 # --------------------------------------------------------------------------- convolution
 
 
-@register("Conv", zero_bias_input=2, expensive=True)
+@register("Conv", zero_bias_input=2, expensive=True, amp="white")
 def conv(
     X: torch.Tensor,
     W: torch.Tensor,
@@ -116,7 +157,7 @@ def conv(
     return _CONV[n](X, W, B, strides, padding, dilations, group)
 
 
-@register("ConvTranspose", zero_bias_input=2, expensive=True)
+@register("ConvTranspose", zero_bias_input=2, expensive=True, amp="white")
 def conv_transpose(
     X: torch.Tensor,
     W: torch.Tensor,
@@ -342,10 +383,11 @@ def global_lp_pool(X: torch.Tensor, p: int = 2) -> torch.Tensor:
     return torch.linalg.vector_norm(X, p, dim=_spatial(X), keepdim=True)
 
 
-@register("Linear", domain="metaopt", expensive=True)
+@register("Linear", domain="metaopt", expensive=True, amp="white")
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """torch.nn.Linear: x @ weight.T + bias over the last dim (one fused BLAS call with the bias).
 
-    The importer folds the exporter's Transpose(W) -> MatMul -> Add chain into this op.
+    The importer folds the exporter's Transpose(W) -> MatMul -> Add chain into this op (the
+    MatMul row's `fuse` rule, passes/fuse_linear.py).
     """
     return F.linear(x, weight, bias)

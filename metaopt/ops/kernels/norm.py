@@ -15,7 +15,7 @@ def _pad_outputs(outs: tuple, nout: int):
     return outs[:nout] + (None,) * (nout - len(outs))
 
 
-@register("BatchNormalization", needs_outputs=True)
+@register("BatchNormalization", needs_outputs=True, train_repair="batch_norm_training")
 def batch_normalization(
     X: torch.Tensor,
     scale: torch.Tensor,
@@ -42,7 +42,13 @@ def batch_normalization(
     return _pad_outputs((y, running_mean, running_var), _nout)
 
 
-@register("BatchNormTraining", domain="metaopt", needs_outputs=True)
+@register(
+    "BatchNormTraining",
+    domain="metaopt",
+    needs_outputs=True,
+    amp_float32_inputs=(1, 2, 3, 4),  # scale, bias, running mean and var
+    amp_float32_outputs=(1, 2, 3, 4),  # new running stats, saved mean and inverse std
+)
 def batch_norm_training(
     X: torch.Tensor,
     scale: torch.Tensor | None,
@@ -66,7 +72,12 @@ def batch_norm_training(
     return _pad_outputs((y, rm, rv, save_mean, save_invstd), _nout)
 
 
-@register("LayerNormalization", needs_outputs=True)
+@register(
+    "LayerNormalization",
+    needs_outputs=True,
+    amp_float32_inputs=(1, 2),  # scale, bias
+    amp_float32_outputs=(1, 2),  # saved mean and inverse std
+)
 def layer_normalization(
     X: torch.Tensor,
     Scale: torch.Tensor,
@@ -88,7 +99,7 @@ def layer_normalization(
     return _pad_outputs((y, mean, rstd), _nout)
 
 
-@register("GroupNormalization")
+@register("GroupNormalization", amp="black")
 def group_normalization(
     X: torch.Tensor,
     scale: torch.Tensor,
@@ -105,14 +116,14 @@ def group_normalization(
     return F.group_norm(X, num_groups, scale, bias, epsilon)
 
 
-@register("InstanceNormalization")
+@register("InstanceNormalization", amp="black")
 def instance_normalization(
     input: torch.Tensor, scale: torch.Tensor, B: torch.Tensor, epsilon: float = 1e-5
 ) -> torch.Tensor:
     return F.instance_norm(input, None, None, scale, B, True, 0.0, epsilon)
 
 
-@register("RMSNormalization")
+@register("RMSNormalization", amp="black")
 def rms_normalization(
     X: torch.Tensor, scale: torch.Tensor, axis: int = -1, epsilon: float = 1e-5, stash_type: int = 1
 ) -> torch.Tensor:
@@ -122,13 +133,13 @@ def rms_normalization(
     return F.rms_norm(X, shape, None, epsilon) * scale
 
 
-@register("LpNormalization")
+@register("LpNormalization", amp="black")
 def lp_normalization(input: torch.Tensor, axis: int = -1, p: int = 2) -> torch.Tensor:
     norm = torch.linalg.vector_norm(input, p, dim=axis, keepdim=True)
     return torch.where(norm == 0, 0.0, input / norm).to(input.dtype)  # ONNX: 0 / 0 -> 0
 
 
-@register("MeanVarianceNormalization")
+@register("MeanVarianceNormalization", amp="black")
 def mean_variance_normalization(X: torch.Tensor, axes: list[int] | None = None) -> torch.Tensor:
     dims = tuple(axes) if axes is not None else (0, 2, 3)
     var, mean = torch.var_mean(X, dims, correction=0, keepdim=True)

@@ -21,8 +21,8 @@ Input order of the update ops: ``(param, grad, lr[, step], *state[, found_inf])`
 ``(new param, *new state)`` in the state's order.
 
 Skipped steps (AMP's dynamic loss scaling). ``StepCounter`` and every update op take an
-optional trailing ``found_inf`` input (a scalar, nonzero = skip; at the index ``SKIP_INPUT``
-gives for the op type). When it is true the step is skipped entirely, as
+optional trailing ``found_inf`` input (a scalar, nonzero = skip; at the index the row's
+``skip_input`` gives, `registry.skip_input(op_type)`). When it is true the step is skipped entirely, as
 ``torch.amp.GradScaler.step`` skips ``optimizer.step()``: the param, every state var
 and the step counter keep their values (the update kernels return their inputs
 untouched). It is read on the host (``.item()``), like the learning rate.
@@ -37,21 +37,11 @@ from metaopt.ops.registry import register
 # --- step counter and learning-rate schedules ----------------------------------------
 
 
-# op type -> the input index of its optional ``found_inf`` (skip the step when true).
-SKIP_INPUT: dict[str, int] = {
-    "StepCounter": 1,
-    "SGDUpdate": 3,
-    "MomentumUpdate": 5,
-    "AdamUpdate": 7,
-    "AdamWUpdate": 7,
-}
-
-
 def _skip(found_inf: torch.Tensor | None) -> bool:
     return found_inf is not None and bool(found_inf.item())  # host read, as torch's GradScaler.step
 
 
-@register("StepCounter", domain="metaopt", recomputable=False)
+@register("StepCounter", domain="metaopt", recomputable=False, skip_input=1)
 def step_counter(step: torch.Tensor, found_inf: torch.Tensor | None = None) -> torch.Tensor:
     """``step + 1``: the 1-based number of the update being made (torch's ``state["step"]``);
     ``step`` itself when `found_inf` is true (a skipped update is not counted)."""
@@ -115,7 +105,15 @@ def clip_by_global_norm(*grads: torch.Tensor, clip_norm: float = 1.0, _nout: int
 # --- updates --------------------------------------------------------------------------
 
 
-@register("SGDUpdate", domain="metaopt", host_inputs=(2, 3), recomputable=False, inplace=((0, 0),))
+@register(
+    "SGDUpdate",
+    domain="metaopt",
+    host_inputs=(2, 3),
+    recomputable=False,
+    inplace=((0, 0),),
+    update=True,
+    skip_input=3,
+)
 def sgd_update(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -139,6 +137,8 @@ def sgd_update(
     needs_outputs=True,
     recomputable=False,
     inplace=((0, 0), (1, 4)),
+    update=True,
+    skip_input=5,
 )
 def momentum_update(
     param: torch.Tensor,
@@ -214,6 +214,8 @@ third moment input/output is there iff ``amsgrad=1``. `step` is the 1-based upda
     needs_outputs=True,
     recomputable=False,
     inplace=((0, 0), (1, 4), (2, 5), (3, 6)),
+    update=True,
+    skip_input=7,
 )
 def adam_update(
     param, grad, lr, step, exp_avg, exp_avg_sq, max_exp_avg_sq=None, found_inf=None,
@@ -235,6 +237,8 @@ def adam_update(
     needs_outputs=True,
     recomputable=False,
     inplace=((0, 0), (1, 4), (2, 5), (3, 6)),
+    update=True,
+    skip_input=7,
 )
 def adamw_update(
     param, grad, lr, step, exp_avg, exp_avg_sq, max_exp_avg_sq=None, found_inf=None,

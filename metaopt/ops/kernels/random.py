@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from metaopt.frontend.attrs import torch_dtype
+from metaopt.ir.dtypes import torch_dtype_from_onnx
 from metaopt.ops.registry import SAME, register
 
 _FLOAT = 1  # ONNX TensorProto.FLOAT, the default dtype of the random generators
@@ -22,7 +22,14 @@ def _ratio(ratio) -> float:
     return ratio if isinstance(ratio, float) else float(ratio)
 
 
-@register("Dropout", needs_outputs=True, random=True, host_inputs=(1, 2), aliases=SAME)
+@register(
+    "Dropout",
+    needs_outputs=True,
+    random=True,
+    host_inputs=(1, 2),
+    aliases=SAME,
+    train_repair="training_mode_input",
+)
 def dropout(
     data: torch.Tensor,
     ratio: torch.Tensor | float | None = None,
@@ -54,7 +61,9 @@ def random_normal(
     shape: list[int] | None = None,
     _device: torch.device | None = None,
 ) -> torch.Tensor:
-    return torch.normal(mean, scale, shape, dtype=torch_dtype(dtype, what="random op"), device=_device)
+    return torch.normal(
+        mean, scale, shape, dtype=torch_dtype_from_onnx(dtype, what="random op"), device=_device
+    )
 
 
 @register("RandomNormalLike", random=True)
@@ -65,7 +74,7 @@ def random_normal_like(
     scale: float = 1.0,
     seed: float | None = None,
 ) -> torch.Tensor:
-    out_dtype = torch_dtype(dtype, what="random op") if dtype is not None else input.dtype
+    out_dtype = torch_dtype_from_onnx(dtype, what="random op") if dtype is not None else input.dtype
     return torch.normal(mean, scale, input.shape, dtype=out_dtype, device=input.device)
 
 
@@ -78,7 +87,9 @@ def random_uniform(
     shape: list[int] | None = None,
     _device: torch.device | None = None,
 ) -> torch.Tensor:
-    return torch.empty(shape, dtype=torch_dtype(dtype, what="random op"), device=_device).uniform_(low, high)
+    return torch.empty(shape, dtype=torch_dtype_from_onnx(dtype, what="random op"), device=_device).uniform_(
+        low, high
+    )
 
 
 @register("RandomUniformLike", random=True)
@@ -89,14 +100,14 @@ def random_uniform_like(
     low: float = 0.0,
     seed: float | None = None,
 ) -> torch.Tensor:
-    out_dtype = torch_dtype(dtype, what="random op") if dtype is not None else input.dtype
+    out_dtype = torch_dtype_from_onnx(dtype, what="random op") if dtype is not None else input.dtype
     return torch.empty(input.shape, dtype=out_dtype, device=input.device).uniform_(low, high)
 
 
 @register("Bernoulli", random=True)
 def bernoulli(input: torch.Tensor, dtype: int | None = None, seed: float | None = None) -> torch.Tensor:
     out = torch.bernoulli(input)
-    return out.to(torch_dtype(dtype, what="random op")) if dtype is not None else out
+    return out.to(torch_dtype_from_onnx(dtype, what="random op")) if dtype is not None else out
 
 
 @register("Multinomial", random=True)
@@ -108,4 +119,6 @@ def multinomial(
 ) -> torch.Tensor:
     # ONNX's input holds unnormalized log-probabilities; torch samples from probabilities.
     probs = torch.softmax(input.float(), -1)
-    return torch.multinomial(probs, sample_size, replacement=True).to(torch_dtype(dtype, what="random op"))
+    return torch.multinomial(probs, sample_size, replacement=True).to(
+        torch_dtype_from_onnx(dtype, what="random op")
+    )

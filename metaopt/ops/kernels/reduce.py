@@ -121,19 +121,21 @@ def _noop_alias(op) -> tuple[tuple[int, int], ...]:
     return ((0, 0),) if op.attrs.get("noop_with_empty_axes", 0) else ()
 
 
-for _type, _fn in (
-    ("ReduceMax", _max),
-    ("ReduceMin", _min),
-    ("ReduceSum", _sum),
-    ("ReduceMean", _mean),
-    ("ReduceProd", _prod),
-    ("ReduceL1", _l1),
-    ("ReduceL2", _l2),
-    ("ReduceSumSquare", _sum_square),
-    ("ReduceLogSum", _log_sum),
-    ("ReduceLogSumExp", _log_sum_exp),
+# (op type, reduction, AMP class): reductions that sum run in float32 under AMP; max and min are
+# exact in any dtype.
+for _type, _fn, _amp in (
+    ("ReduceMax", _max, "gray"),
+    ("ReduceMin", _min, "gray"),
+    ("ReduceSum", _sum, "black"),
+    ("ReduceMean", _mean, "black"),
+    ("ReduceProd", _prod, "black"),
+    ("ReduceL1", _l1, "black"),
+    ("ReduceL2", _l2, "black"),
+    ("ReduceSumSquare", _sum_square, "black"),
+    ("ReduceLogSum", _log_sum, "black"),
+    ("ReduceLogSumExp", _log_sum_exp, "black"),
 ):
-    register(_type, host_inputs=(1,), aliases=_noop_alias)(_reducer(_fn))
+    register(_type, host_inputs=(1,), aliases=_noop_alias, amp=_amp)(_reducer(_fn))
 
 
 @register("ArgMax")
@@ -166,14 +168,14 @@ def _scan(
     return out.flip(dim) if reverse else out
 
 
-@register("CumSum", host_inputs=(1,))
+@register("CumSum", host_inputs=(1,), amp="black")
 def cum_sum(x: torch.Tensor, axis: torch.Tensor, exclusive: int = 0, reverse: int = 0) -> torch.Tensor:
     if not exclusive and not reverse:
         return torch.cumsum(x, int(axis), dtype=x.dtype)
     return _scan(torch.cumsum, x, axis, exclusive, reverse, 0)
 
 
-@register("CumProd", host_inputs=(1,))
+@register("CumProd", host_inputs=(1,), amp="black")
 def cum_prod(x: torch.Tensor, axis: torch.Tensor, exclusive: int = 0, reverse: int = 0) -> torch.Tensor:
     return _scan(torch.cumprod, x, axis, exclusive, reverse, 1)
 

@@ -12,8 +12,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from metaopt.frontend.attrs import torch_dtype
-from metaopt.ops.registry import ALL, SAME, register
+from metaopt.ir.dtypes import torch_dtype_from_onnx
+from metaopt.ops.registry import ALL, SAME, ShapeArgs, register
 
 
 def _ints(v) -> list[int]:
@@ -26,17 +26,93 @@ def identity(input: torch.Tensor) -> torch.Tensor:
     return input
 
 
-@register("Shape", host_outputs=True)
+# --- shape-value rules (the rows' `shape_value`, passes/fold_constants.py) ---------------------
+# A shape value is (dims, is_scalar): the dims an int64 shape tensor holds, ints or symbols such
+# as "batch". The propagating rules apply only to an input 0 already tracked as one (with
+# symbolic dims): an all-constant op is folded by running its kernel.
+
+
+def _shape_value_of_shape(a: ShapeArgs) -> tuple[list, bool] | None:
+    shape = a.shapes[0]
+    if shape is None:
+        return None
+    start, end = a.attrs.get("start", 0), a.attrs.get("end", len(shape))
+    return list(shape)[slice(start, end)], False
+
+
+def _shape_value_of_size(a: ShapeArgs) -> tuple[list, bool] | None:
+    shape = a.shapes[0]
+    if shape is None or not all(isinstance(d, int) for d in shape):
+        return None
+    return [math.prod(shape)], True
+
+
+def _shape_value_of_slice(a: ShapeArgs) -> tuple[list, bool] | None:
+    if a.tracked[0] is None or not all(x is not None for x in a.values[1:]):
+        return None
+    starts, ends = a.values[1][0], a.values[2][0]
+    step = a.values[4][0][0] if len(a.values) > 4 else 1
+    if len(starts) != 1:
+        return None
+    return a.tracked[0][0][slice(starts[0], ends[0], step)], False
+
+
+def _shape_value_of_concat(a: ShapeArgs) -> tuple[list, bool] | None:
+    if a.tracked[0] is None or not all(x is not None and not x[1] for x in a.values):
+        return None
+    return [d for x in a.values for d in x[0]], False
+
+
+def _shape_value_of_squeeze(a: ShapeArgs) -> tuple[list, bool] | None:
+    if a.tracked[0] is None or len(a.tracked[0][0]) != 1:
+        return None
+    return a.tracked[0][0], True
+
+
+def _shape_value_of_unsqueeze(a: ShapeArgs) -> tuple[list, bool] | None:
+    if a.tracked[0] is None or len(a.tracked[0][0]) != 1:
+        return None
+    return a.tracked[0][0], False
+
+
+# --- static targets (the rows' `static_target`, passes/fold_constants.py) ------------------------
+
+
+def _static_reshape_target(attrs: dict, out: tuple, src: tuple | None) -> tuple[list[int], dict] | None:
+    """-1 where the output has its one symbolic dim (allowzero off: the target has no 0)."""
+    sym = [i for i, d in enumerate(out) if isinstance(d, str)]
+    if len(sym) != 1 or (attrs.get("allowzero", 0) and 0 in out):
+        return None
+    return [-1 if isinstance(d, str) else d for d in out], {"allowzero": 0}
+
+
+def _static_expand_target(attrs: dict, out: tuple, src: tuple | None) -> tuple[list[int], dict] | None:
+    """1 (keep the input's dim) where a symbolic output dim comes from the input."""
+    if src is None:
+        return None
+    aligned = [None] * (len(out) - len(src)) + list(src)
+    target = []
+    for d, s in zip(out, aligned, strict=True):
+        if isinstance(d, str):
+            if d != s:
+                return None
+            target.append(1)
+        else:
+            target.append(d)
+    return target, {}
+
+
+@register("Shape", host_outputs=True, shape_value=_shape_value_of_shape)
 def shape(data: torch.Tensor, start: int = 0, end: int | None = None) -> torch.Tensor:
     return torch.tensor(data.shape[start:end], dtype=torch.int64)
 
 
-@register("Size", host_outputs=True)
+@register("Size", host_outputs=True, shape_value=_shape_value_of_size)
 def size(data: torch.Tensor) -> torch.Tensor:
     return torch.tensor(data.numel(), dtype=torch.int64)
 
 
-@register("Reshape", host_inputs=(1,), aliases=SAME, view=True)
+@register("Reshape", host_inputs=(1,), aliases=SAME, view=True, static_target=_static_reshape_target)
 def reshape(data: torch.Tensor, shape: torch.Tensor, allowzero: int = 0) -> torch.Tensor:
     dims = shape.tolist()
     if not allowzero and 0 in dims:
@@ -53,14 +129,14 @@ def flatten(x: torch.Tensor, axis: int = 1) -> torch.Tensor:
     return x.reshape(outer, math.prod(x.shape[axis:]))
 
 
-@register("Squeeze", host_inputs=(1,), aliases=SAME, view=True)
+@register("Squeeze", host_inputs=(1,), aliases=SAME, view=True, shape_value=_shape_value_of_squeeze)
 def squeeze(data: torch.Tensor, axes=None) -> torch.Tensor:
     if axes is None:
         return data.squeeze()
     return data.squeeze(tuple(_ints(axes)))
 
 
-@register("Unsqueeze", host_inputs=(1,), aliases=SAME, view=True)
+@register("Unsqueeze", host_inputs=(1,), aliases=SAME, view=True, shape_value=_shape_value_of_unsqueeze)
 def unsqueeze(data: torch.Tensor, axes) -> torch.Tensor:
     axes = _ints(axes)
     if len(axes) == 1:
@@ -72,7 +148,7 @@ def unsqueeze(data: torch.Tensor, axes) -> torch.Tensor:
     return data
 
 
-@register("Concat")
+@register("Concat", shape_value=_shape_value_of_concat)
 def concat(*inputs: torch.Tensor, axis: int) -> torch.Tensor:
     return torch.cat(inputs, axis)
 
@@ -91,7 +167,7 @@ def split(
     return torch.split(input, -(-n // parts), axis)
 
 
-@register("Slice", host_inputs=(1, 2, 3, 4), aliases=SAME, view=True)
+@register("Slice", host_inputs=(1, 2, 3, 4), aliases=SAME, view=True, shape_value=_shape_value_of_slice)
 def slice_(data: torch.Tensor, starts, ends, axes=None, steps=None) -> torch.Tensor:
     # Inputs since opset 10; the same names as attributes (lists, no steps) before.
     starts, ends = _ints(starts), _ints(ends)
@@ -116,7 +192,7 @@ def slice_(data: torch.Tensor, starts, ends, axes=None, steps=None) -> torch.Ten
     return data[tuple(index)]
 
 
-@register("Expand", host_inputs=(1,), aliases=SAME, view=True)
+@register("Expand", host_inputs=(1,), aliases=SAME, view=True, static_target=_static_expand_target)
 def expand(input: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
     # ONNX Expand broadcasts both ways: a 1 in `shape` keeps the input's dim (torch's -1), and
     # `shape` may have fewer dims than the input. (torch.broadcast_shapes costs ~8 us a call.)
@@ -140,13 +216,13 @@ def transpose(data: torch.Tensor, perm: list[int] | None = None) -> torch.Tensor
     return data.permute(perm)
 
 
-@register("Cast", aliases=SAME)
+@register("Cast", aliases=SAME, sets_dtype=True)
 def cast(input: torch.Tensor, to: int, saturate: int = 1, round_mode: str = "up") -> torch.Tensor:
-    # saturate/round_mode only concern float8/float4 targets, which torch_dtype refuses.
-    return input.to(torch_dtype(to, what="Cast"))
+    # saturate/round_mode only concern float8/float4 targets, which torch_dtype_from_onnx refuses.
+    return input.to(torch_dtype_from_onnx(to, what="Cast"))
 
 
-@register("CastLike", meta_inputs=(1,), aliases=SAME)
+@register("CastLike", meta_inputs=(1,), aliases=SAME, sets_dtype=True)
 def cast_like(
     input: torch.Tensor, target_type: torch.Tensor, saturate: int = 1, round_mode: str = "up"
 ) -> torch.Tensor:
@@ -252,7 +328,7 @@ def pad(
 
 @register("EyeLike")
 def eye_like(input: torch.Tensor, dtype: int | None = None, k: int = 0) -> torch.Tensor:
-    out_dtype = torch_dtype(dtype, what="EyeLike") if dtype is not None else input.dtype
+    out_dtype = torch_dtype_from_onnx(dtype, what="EyeLike") if dtype is not None else input.dtype
     out = torch.zeros(input.shape, dtype=out_dtype, device=input.device)
     out.diagonal(k).fill_(1)  # a fresh tensor: filling it in place is safe
     return out
@@ -304,7 +380,7 @@ def _window_n(size: torch.Tensor, periodic: int, dtype: torch.dtype, device) -> 
 def hann_window(
     size: torch.Tensor, output_datatype: int = 1, periodic: int = 1, _device=None
 ) -> torch.Tensor:
-    dtype = torch_dtype(output_datatype, what="HannWindow")
+    dtype = torch_dtype_from_onnx(output_datatype, what="HannWindow")
     i, n = _window_n(size, periodic, torch.float64, _device)
     return (torch.sin(i * math.pi / n) ** 2).to(dtype)
 
@@ -313,7 +389,7 @@ def hann_window(
 def hamming_window(
     size: torch.Tensor, output_datatype: int = 1, periodic: int = 1, _device=None
 ) -> torch.Tensor:
-    dtype = torch_dtype(output_datatype, what="HammingWindow")
+    dtype = torch_dtype_from_onnx(output_datatype, what="HammingWindow")
     i, n = _window_n(size, periodic, torch.float64, _device)
     alpha = 25.0 / 46.0  # ONNX's coefficients, not torch's rounded 0.54 / 0.46
     return (alpha - (1 - alpha) * torch.cos(i * 2 * math.pi / n)).to(dtype)
@@ -323,7 +399,7 @@ def hamming_window(
 def blackman_window(
     size: torch.Tensor, output_datatype: int = 1, periodic: int = 1, _device=None
 ) -> torch.Tensor:
-    dtype = torch_dtype(output_datatype, what="BlackmanWindow")
+    dtype = torch_dtype_from_onnx(output_datatype, what="BlackmanWindow")
     i, n = _window_n(size, periodic, torch.float64, _device)
     w = 0.42 - 0.5 * torch.cos(i * 2 * math.pi / n) + 0.08 * torch.cos(i * 4 * math.pi / n)
     return w.to(dtype)

@@ -1,0 +1,477 @@
+"""THE training rewrite: one literal list of steps, run in this order by one driver.
+
+``fleet.distributed_optimizer(opt, strategy).minimize(loss)`` runs `STEPS` with
+`metaopt.passes.driver.run_steps`; each step that the strategy (and the worker count)
+enables plans once, rewrites with a pure pass from ``metaopt/passes`` given that plan, and
+is verified, dumped (``METAOPT_DUMP``) and logged before the next one runs::
+
+    amp_casts        casts around white-listed ops, black-listed ops in float32   (amp)
+    scale_loss       loss@SCALED = loss x loss_scaling; the backward starts there   (amp, float16)
+    tie_params       params named in pipeline_configs['shared'] read as one          (pipeline)
+    append_backward  grad ops by reverse walk; (param, grad) pairs                   (always)
+    apply_optimizer  step counter, learning rate, clipping, one update op per param (always)
+    gradient_merge   grads summed into @MERGED over k runs, updates every k-th run  (gradient_merge)
+    data_parallel    fused AllReduce of the grads the updates read                  (worker_num() > 1)
+    broadcast_init   every worker takes rank 0's initial params and buffers        (worker_num() > 1)
+    recompute        segments re-emitted before their grad ops                      (recompute)
+    offload          checkpoints to pinned host after the forward, prefetched back   (enable_offload)
+    pipeline_split   one program per stage; Send/Recv; micro-batch accumulation     (pipeline)
+    unscale_grads    inf/nan check + unscale before the updates; skip on overflow   (amp, float16)
+    master_weights   float32 master copies updated, cast back into the params       (use_pure_fp16)
+
+Why this order: amp before the backward so the grad ops inherit the forward's precisions;
+the backward and the optimizer before everything that rewrites a training program;
+gradient merge before data parallel so the all-reduce runs on the merged grads, once per
+k runs; recompute after data parallel (its re-emitted forward ops land before their grad
+ops, whatever collectives are there) and offload after recompute (it moves recompute's
+checkpoints); the pipeline splits the finished single-process program, so every
+recompute and offload op follows the forward var it stems from to its stage; unscaling
+comes last so it checks the grads the updates read (after any all-reduce, on every
+stage) and master weights rewire those updates.
+
+A step's ``enabled`` says why it runs or not (``opt.plan()`` prints every row); its
+``check`` refuses a configuration before any step rewrites anything. Adding a feature
+is one pass file under ``metaopt/passes`` and one row here.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import torch
+
+from metaopt.fleet import env
+from metaopt.ir import Program, names
+from metaopt.passes.driver import Context, Step
+
+logger = logging.getLogger("metaopt.fleet")
+
+
+# --- amp -----------------------------------------------------------------------------------
+
+
+def _amp_on(ctx: Context) -> tuple[bool, str]:
+    return bool(ctx.strategy.amp), f"strategy.amp={bool(ctx.strategy.amp)}"
+
+
+def _amp_how(ctx: Context) -> dict:
+    from metaopt.passes.amp import check_op_types
+
+    cfg = ctx.strategy.amp_configs
+    return {
+        "dtype": cfg["dtype"],
+        "custom_white_list": check_op_types("amp_configs['custom_white_list']", cfg["custom_white_list"]),
+        "custom_black_list": check_op_types("amp_configs['custom_black_list']", cfg["custom_black_list"]),
+        "custom_black_varnames": list(cfg["custom_black_varnames"]),
+        "use_pure_fp16": bool(cfg["use_pure_fp16"]),
+    }
+
+
+def _amp_check(ctx: Context) -> None:
+    from metaopt.ops.kernels.amp import check_amp_device
+    from metaopt.passes.amp import AmpError
+
+    cfg = ctx.strategy.amp_configs
+    how = _amp_how(ctx)
+    both = sorted(set(how["custom_white_list"]) & set(how["custom_black_list"]))
+    if both:
+        raise AmpError(
+            f"op type {both[0]!r} is in both amp_configs['custom_white_list'] and ['custom_black_list']"
+        )
+    if how["use_pure_fp16"] and cfg["use_fp16_guard"]:
+        raise AmpError(
+            "amp_configs['use_pure_fp16']=True with use_fp16_guard=True runs only the ops inside "
+            "fp16_guard regions in low precision, and an exported program has none: set "
+            "amp_configs['use_fp16_guard'] = False (every op but the black list in low precision)"
+        )
+    # The device this worker trains on, by fleet's convention: refused here, before anything
+    # is rewritten; the program's first op checks the executor's actual device again.
+    cuda = torch.cuda.is_available()
+    check_amp_device(cfg["dtype"], torch.device("cuda", env.local_rank()) if cuda else torch.device("cpu"))
+
+
+def _amp_plan(p: Program, ctx: Context) -> Any:
+    from metaopt.passes.amp import plan_amp
+
+    return plan_amp(p, **_amp_how(ctx))
+
+
+def _amp_casts(p: Program, plan: Any, ctx: Context) -> Program:
+    from metaopt.passes.amp import amp
+
+    return amp(p, **_amp_how(ctx), plan=plan)
+
+
+def _loss_scaling(ctx: Context) -> tuple[bool, str]:
+    if not ctx.strategy.amp:
+        return False, "strategy.amp=False"
+    if ctx.loss_scaling:
+        return True, f"amp_configs['dtype']={ctx.strategy.amp_configs['dtype']!r} scales the loss"
+    return False, f"amp_configs['dtype']={ctx.strategy.amp_configs['dtype']!r}: no loss scaling"
+
+
+def _scale_loss(p: Program, plan: Any, ctx: Context) -> Program:
+    from metaopt.passes.amp import scale_loss
+
+    q = scale_loss(p, init_loss_scaling=ctx.strategy.amp_configs["init_loss_scaling"])
+    ctx.loss = names.scaled(ctx.loss)  # the var scale_loss made: the backward starts there
+    return q
+
+
+def _unscale_grads(p: Program, plan: Any, ctx: Context) -> Program:
+    from metaopt.passes.amp import unscale_grads
+
+    cfg = ctx.strategy.amp_configs
+    return unscale_grads(
+        p,
+        use_dynamic_loss_scaling=bool(cfg["use_dynamic_loss_scaling"]),
+        incr_every_n_steps=cfg["incr_every_n_steps"],
+        decr_every_n_nan_or_inf=cfg["decr_every_n_nan_or_inf"],
+        incr_ratio=cfg["incr_ratio"],
+        decr_ratio=cfg["decr_ratio"],
+        master_dtype="float32" if cfg["use_pure_fp16"] else None,
+        # a pipeline stage: its stages must agree on which steps they skip
+        across_workers=p.pipeline is not None,
+        init_loss_scaling=cfg["init_loss_scaling"],
+    )
+
+
+def _pure_fp16(ctx: Context) -> tuple[bool, str]:
+    if not ctx.strategy.amp:
+        return False, "strategy.amp=False"
+    on = bool(ctx.strategy.amp_configs["use_pure_fp16"])
+    return on, f"amp_configs['use_pure_fp16']={on}"
+
+
+def _master_weights(p: Program, plan: Any, ctx: Context) -> Program:
+    from metaopt.passes.master_weights import master_weights
+
+    return master_weights(p)
+
+
+# --- backward and optimizer -------------------------------------------------------------------
+
+
+def _always(ctx: Context) -> tuple[bool, str]:
+    return True, "always"
+
+
+def _append_backward(p: Program, plan: Any, ctx: Context) -> Program:
+    from metaopt.passes.backward import append_backward
+
+    how = {"parameter_list": ctx.parameter_list, "no_grad_set": ctx.no_grad_set}
+    q, pairs = append_backward(p, loss=ctx.loss, **how)
+    ctx.params_grads = pairs
+    ctx.loss_grad = names.grad(ctx.loss)  # the seed append_backward made
+    return q
+
+
+def _apply_optimizer(p: Program, plan: Any, ctx: Context) -> Program:
+    from metaopt.passes.optimize import apply_optimizer
+
+    q, _ = apply_optimizer(p, optimizer=ctx.optimizer, params_grads=ctx.params_grads)
+    return q
+
+
+# --- gradient merge ---------------------------------------------------------------------------
+
+
+def _gm_on(ctx: Context) -> tuple[bool, str]:
+    on = bool(ctx.strategy.gradient_merge)
+    if on:
+        cfg = ctx.strategy.gradient_merge_configs
+        return True, f"strategy.gradient_merge=True (k_steps={cfg['k_steps']}, avg={cfg['avg']})"
+    return False, "strategy.gradient_merge=False"
+
+
+def _gradient_merge(p: Program, plan: Any, ctx: Context) -> Program:
+    from metaopt.passes.gradient_merge import gradient_merge
+
+    cfg = ctx.strategy.gradient_merge_configs
+    ctx.accumulated = True
+    return gradient_merge(p, k_steps=cfg["k_steps"], avg=cfg["avg"], loss_grad=ctx.loss_grad)
+
+
+# --- data parallel ------------------------------------------------------------------------------
+
+
+def _dp_on(ctx: Context) -> tuple[bool, str]:
+    if ctx.world_size == 1:
+        return False, "fleet.worker_num()=1"
+    if ctx.strategy.pipeline:
+        return False, "strategy.pipeline=True replicates over pipeline_configs['dp_degree']"
+    return True, f"fleet.worker_num()={ctx.world_size}"
+
+
+def _dp_check(ctx: Context) -> None:
+    from metaopt.runtime.comm import require_process_group
+
+    require_process_group()
+
+
+def _dp_how(p: Program, ctx: Context) -> dict:
+    from metaopt.passes.optimize import update_grads
+
+    s = ctx.strategy
+    return {
+        "grads": update_grads(p),
+        "world_size": ctx.world_size,
+        "bucket_bytes": int(s.fuse_grad_size_in_MB) * 2**20 if s.fuse_all_reduce_ops else 0,
+        "at_update": ctx.accumulated,
+    }
+
+
+def _dp_plan(p: Program, ctx: Context) -> Any:
+    from metaopt.passes.data_parallel import plan_data_parallel
+
+    return plan_data_parallel(p, **_dp_how(p, ctx))
+
+
+def _data_parallel(p: Program, plan: Any, ctx: Context) -> Program:
+    from metaopt.passes.data_parallel import data_parallel
+
+    return data_parallel(p, **_dp_how(p, ctx), plan=plan)
+
+
+def _broadcast_init(p: Program, plan: Any, ctx: Context) -> Program:
+    from metaopt.runtime.comm import broadcast_initial_values
+
+    q = p.clone()  # the pass is pure: the broadcast values go into the copy's `values`
+    q.values = dict(p.values)
+    broadcast_initial_values(q, device=_device())
+    return q
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", env.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+# --- recompute and offload ----------------------------------------------------------------------
+
+
+def _rc_on(ctx: Context) -> tuple[bool, str]:
+    on = bool(ctx.strategy.recompute)
+    return on, f"strategy.recompute={on}"
+
+
+def _rc_how(ctx: Context) -> dict:
+    cfg = ctx.strategy.recompute_configs
+    return {
+        "checkpoints": list(cfg["checkpoints"]),
+        "policy": cfg["policy"],
+        "keep_op_types": tuple(cfg["keep_op_types"]),
+        "memory_budget": cfg["memory_budget"],
+        "batch": cfg["budget_batch_size"],
+    }
+
+
+def _rc_check(ctx: Context) -> None:
+    how = _rc_how(ctx)
+    if not how["checkpoints"]:
+        raise ValueError("strategy.recompute=True needs recompute_configs['checkpoints'] (names or patterns)")
+    if how["memory_budget"] is not None and "auto" not in how["checkpoints"]:
+        raise ValueError(
+            "recompute_configs['memory_budget'] chooses checkpoints: it needs checkpoints=['auto'] "
+            f"(got {how['checkpoints']})"
+        )
+
+
+def _rc_plan(p: Program, ctx: Context) -> Any:
+    from metaopt.passes.recompute import plan_recompute
+
+    return plan_recompute(p, **_rc_how(ctx))
+
+
+def _recompute(p: Program, plan: Any, ctx: Context) -> Program:
+    from metaopt.passes.recompute import recompute
+
+    ctx.checkpoints = list(plan.checkpoints)
+    ctx.extra["before_recompute"] = p
+    q = recompute(p, plan=plan, seed_random_ops=bool(ctx.strategy.recompute_configs["seed_random_ops"]))
+    _report(p, q, ctx)
+    return q
+
+
+def _report(before: Program, after: Program, ctx: Context) -> None:
+    """The predicted effect of recompute (and offload) on the activation peak (warned when nil)."""
+    from metaopt.passes.recompute import memory_report
+
+    batch = ctx.strategy.recompute_configs["budget_batch_size"]
+    report = memory_report(before, ctx.plans["recompute"], after, batch=batch)
+    ctx.extra["memory_report"] = report
+    logger.info("%s", report)
+
+
+def _warn_if_nothing_saved(ctx: Context) -> None:
+    report = ctx.extra.get("memory_report")
+    if report is not None and not report.saves_memory:
+        warnings.warn(
+            f"recompute with checkpoints {list(ctx.strategy.recompute_configs['checkpoints'])} does not "
+            f"lower the predicted activation peak ({report.peak_before:,} -> {report.peak_after:,} bytes "
+            f"at batch {report.batch}): choose checkpoints inside the model, one per block",
+            stacklevel=4,
+        )
+
+
+def _offload_on(ctx: Context) -> tuple[bool, str]:
+    on = bool(ctx.strategy.recompute and ctx.strategy.recompute_configs["enable_offload"])
+    return on, f"recompute_configs['enable_offload']={bool(ctx.strategy.recompute_configs['enable_offload'])}"
+
+
+def _offload(p: Program, plan: Any, ctx: Context) -> Program:
+    from metaopt.passes.offload import offload
+
+    cfg = ctx.strategy.recompute_configs
+    q = offload(
+        p,
+        checkpoints=ctx.checkpoints,
+        offload_checkpoints=cfg["offload_checkpoints"],
+        checkpoint_shape=list(cfg["checkpoint_shape"]),
+    )
+    _report(ctx.extra["before_recompute"], q, ctx)
+    return q
+
+
+# --- pipeline -------------------------------------------------------------------------------------
+
+
+def _pp_on(ctx: Context) -> tuple[bool, str]:
+    on = bool(ctx.strategy.pipeline)
+    return on, f"strategy.pipeline={on}"
+
+
+def _pp_layout(ctx: Context) -> tuple[int, int]:
+    """(num_stages, dp_degree) of the job: each worker runs one stage of one replica."""
+    cfg = ctx.strategy.pipeline_configs
+    dp = cfg["dp_degree"]
+    if ctx.world_size % dp:
+        raise ValueError(f"pipeline_configs['dp_degree']={dp} does not divide the {ctx.world_size} workers")
+    stages = cfg["num_stages"] or ctx.world_size // dp
+    if stages * dp != ctx.world_size:
+        raise ValueError(
+            f"pipeline_configs['num_stages']={stages} x dp_degree={dp} but the job "
+            f"has {ctx.world_size} workers: each worker runs one stage of one replica"
+        )
+    return stages, dp
+
+
+def _pp_check(ctx: Context) -> None:
+    _pp_layout(ctx)
+
+
+def _pp_how(ctx: Context) -> dict:
+    cfg = ctx.strategy.pipeline_configs
+    return {
+        "num_stages": _pp_layout(ctx)[0],
+        "cuts": list(cfg["cuts"]) or "auto",
+        "micro_batches": cfg["accumulate_steps"],
+        "schedule": cfg["schedule_mode"],
+        "chunks": cfg["chunks"],
+    }
+
+
+def _shared(ctx: Context) -> list[list[str]]:
+    # each entry: a param name (must be read by several stages: checked after the split) or a
+    # group of names tied to the first (ColossalAI's shared module across stages)
+    return [[e] if isinstance(e, str) else list(e) for e in ctx.strategy.pipeline_configs["shared"]]
+
+
+def _tie_on(ctx: Context) -> tuple[bool, str]:
+    if not ctx.strategy.pipeline:
+        return False, "strategy.pipeline=False"
+    groups = _shared(ctx)
+    if not groups:
+        return False, "pipeline_configs['shared'] is empty"
+    return True, f"pipeline_configs['shared'] names {len(groups)} param(s) or group(s)"
+
+
+def _tie_params(p: Program, plan: Any, ctx: Context) -> Program:
+    from metaopt.passes.tie import tie_params
+
+    groups = _shared(ctx)  # a lone name is only checked to be a param
+    q = tie_params(p, groups=groups, what="pipeline_configs['shared']")
+    ctx.tied.update({name: g[0] for g in groups for name in g[1:]})
+    return q
+
+
+def _pp_plan(p: Program, ctx: Context) -> Any:
+    from metaopt.passes.pipeline import plan_pipeline
+
+    plan = plan_pipeline(p, **_pp_how(ctx), grads=ctx.grads)
+    for group in _shared(ctx):
+        if group[0] not in plan.shared:
+            stages = plan.holders.get(group[0], ())
+            raise ValueError(
+                f"pipeline_configs['shared']: {group[0]!r} is read by stage(s) {list(stages)} only: "
+                "nothing to share between workers"
+            )
+    return plan
+
+
+def _pipeline_split(p: Program, plan: Any, ctx: Context) -> list[Program]:
+    from metaopt.passes.pipeline import pipeline
+
+    stages, dp = _pp_layout(ctx)
+    parts = pipeline(p, plan=plan, dp_degree=dp, loss_grad=ctx.loss_grad)
+    ctx.part = ctx.rank % stages  # rank = replica * num_stages + stage
+    return parts
+
+
+# --- THE list ---------------------------------------------------------------------------------------
+
+STEPS: tuple[Step, ...] = (
+    Step("amp_casts", _amp_on, _amp_casts, _amp_plan, _amp_check, "casts around white-listed ops"),
+    Step("scale_loss", _loss_scaling, _scale_loss, doc="loss@SCALED = loss x loss_scaling"),
+    Step("tie_params", _tie_on, _tie_params, doc="params tied across pipeline stages read as one"),
+    Step("append_backward", _always, _append_backward, doc="grad ops, (param, grad) pairs"),
+    Step("apply_optimizer", _always, _apply_optimizer, doc="step counter, lr, clipping, update ops"),
+    Step("gradient_merge", _gm_on, _gradient_merge, doc="grads merged over k runs, updates every k-th"),
+    Step("data_parallel", _dp_on, _data_parallel, _dp_plan, _dp_check, "AllReduce of the grads, in buckets"),
+    Step("broadcast_init", _dp_on, _broadcast_init, check=_dp_check, doc="rank 0's initial params, buffers"),
+    Step("recompute", _rc_on, _recompute, _rc_plan, _rc_check, "segments re-emitted before their grads"),
+    Step("offload", _offload_on, _offload, doc="checkpoints to host and back"),
+    Step("pipeline_split", _pp_on, _pipeline_split, _pp_plan, _pp_check, "one program per stage"),
+    Step("unscale_grads", _loss_scaling, _unscale_grads, doc="check inf/nan, unscale, skip overflowed steps"),
+    Step("master_weights", _pure_fp16, _master_weights, doc="float32 master copies of low-precision params"),
+)
+
+# Fleet's names of the meta optimizers each step belongs to (``opt.applied_meta_list``), in
+# Fleet's reporting order; the steps above are the order things happen.
+META_OF_STEP = {
+    "amp_casts": "amp",
+    "scale_loss": "amp",
+    "unscale_grads": "amp",
+    "master_weights": "amp",
+    "tie_params": "pipeline",
+    "pipeline_split": "pipeline",
+    "recompute": "recompute",
+    "offload": "recompute",
+    "gradient_merge": "gradient_merge",
+    "data_parallel": "data_parallel",
+    "broadcast_init": "data_parallel",
+}
+FLEET_META_OPTIMIZERS = ("amp", "pipeline", "recompute", "gradient_merge", "data_parallel")
+
+
+def requirement_errors(strategy: Any) -> list[Exception]:
+    """Config keys that need a feature flag which is off (refused, not silently unused)."""
+    if strategy.recompute_configs["enable_offload"] and not strategy.recompute:
+        return [
+            ValueError(
+                "recompute_configs['enable_offload']=True needs strategy.recompute=True: offload moves "
+                "the recompute checkpoints to host memory"
+            )
+        ]
+    return []
+
+
+# Combinations refused, with the reason (every flag named in a conflict appears in the error).
+CONFLICTS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (
+        ("pipeline", "gradient_merge"),
+        "a pipeline already accumulates gradients over pipeline_configs['accumulate_steps'] "
+        "micro-batches; use that instead of gradient_merge",
+    ),
+)

@@ -1,0 +1,148 @@
+"""One driver for a rewrite made of steps: plan, rewrite, verify, dump, log, in list order.
+
+A `Step` is ``(name, enabled, plan, rewrite)``:
+
+* ``enabled(ctx) -> (bool, reason)``: whether it runs for this strategy and worker, and why
+  (the reason is printed for skipped steps too);
+* ``check(ctx)``: refuses what the step cannot do (a missing process group, a bad config)
+  before ANY step rewrites anything;
+* ``plan(program, ctx) -> plan | None``: computed once, printable, kept in ``ctx.plans``;
+* ``rewrite(program, plan, ctx) -> Program | list[Program]``: a pure pass given that plan;
+  a list is a split (the pipeline's stage programs): the steps after it rewrite every
+  part, and ``ctx.part`` says which one is this worker's.
+
+`run_steps` verifies the program after every step, so a step that breaks an invariant is
+named where it did (`StepError`, with the verifier's error as its cause), writes it under
+``METAOPT_DUMP`` and logs the plan. The steps hand each other what they made through
+the context (`Context`): no step finds another's vars by rebuilding their names.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from metaopt.dump import dump
+from metaopt.ir import Program, verify
+
+logger = logging.getLogger("metaopt.passes")
+
+
+class StepError(RuntimeError):
+    """A step left a program that breaks an IR invariant (the cause says which)."""
+
+
+@dataclass
+class Context:
+    """What the steps of a training rewrite hand each other.
+
+    The driver owns `plans`, `parts` and `part`; the steps fill the rest as they make it.
+    """
+
+    strategy: Any  # fleet.DistributedStrategy (or any object the steps read)
+    optimizer: Any  # a metaopt.optimizer.Optimizer: its update ops
+    world_size: int = 1
+    rank: int = 0
+    parameter_list: list[str] | None = None
+    no_grad_set: set[str] | None = None
+    loss: str = ""  # the var the backward starts from (the scaled loss under loss scaling)
+    loss_scaling: bool = False  # set by the amp steps' config
+    params_grads: list[tuple[str, str]] = field(default_factory=list)  # (param, grad the backward made)
+    loss_grad: str | None = None  # the backward's seed: d(loss)/d(loss)
+    tied: dict[str, str] = field(default_factory=dict)  # param dropped -> the param it reads instead
+    accumulated: bool = False  # grads are summed over several runs before an update (gradient merge)
+    checkpoints: list[str] = field(default_factory=list)  # recompute's, after resolution
+    plans: dict[str, Any] = field(default_factory=dict)  # step name -> its plan
+    parts: list[Program] = field(default_factory=list)  # after a split: every part
+    part: int = 0  # after a split: this worker's part
+    extra: dict[str, Any] = field(default_factory=dict)  # reports a step wants to hand the caller
+
+    @property
+    def grads(self) -> dict[str, str]:
+        return dict(self.params_grads)
+
+
+Enabled = Callable[[Context], tuple[bool, str]]
+Rewrite = Callable[[Program, Any, Context], "Program | list[Program]"]
+
+
+def _no_check(ctx: Context) -> None:
+    return None
+
+
+def _no_plan(program: Program, ctx: Context) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    enabled: Enabled
+    rewrite: Rewrite
+    plan: Callable[[Program, Context], Any] = _no_plan
+    check: Callable[[Context], None] = _no_check
+    doc: str = ""  # one line: what the step does (printed in the plan)
+
+
+@dataclass
+class StepRow:
+    name: str
+    runs: bool
+    reason: str
+    doc: str
+
+
+def plan_rows(steps: Sequence[Step], ctx: Context) -> list[StepRow]:
+    """Which steps run for `ctx`, in list order, each with its reason."""
+    rows = []
+    for s in steps:
+        runs, reason = s.enabled(ctx)
+        rows.append(StepRow(s.name, runs, reason, s.doc))
+    return rows
+
+
+def check_steps(steps: Sequence[Step], ctx: Context) -> None:
+    """Every enabled step's ``check``, in list order (the first refusal raises)."""
+    for s in steps:
+        if s.enabled(ctx)[0]:
+            s.check(ctx)
+
+
+def run_steps(program: Program, steps: Sequence[Step], ctx: Context) -> Program:
+    """Run the enabled `steps` on a copy of `program`; returns this worker's result.
+
+    `program` itself is never changed (the caller replaces it once, at the end). Every
+    enabled step's ``check`` runs before the first rewrite, so a refused configuration
+    changes nothing.
+    """
+    enabled = [s for s in steps if s.enabled(ctx)[0]]
+    check_steps(enabled, ctx)
+    ctx.parts = [program.clone()]
+    ctx.part = 0
+    for s in enabled:
+        current = ctx.parts[ctx.part]
+        plan = s.plan(current, ctx)
+        if plan is not None:
+            ctx.plans[s.name] = plan
+            logger.info("%s", plan)
+        if len(ctx.parts) == 1:
+            out = s.rewrite(current, plan, ctx)
+            parts = out if isinstance(out, list) else [out]  # a split sets ctx.part itself
+        else:  # after a split: the step rewrites every part alike
+            parts = []
+            for k, q in enumerate(ctx.parts):
+                out = s.rewrite(q, plan, ctx)
+                if isinstance(out, list):
+                    raise StepError(f"step {s.name!r} splits a program that is already split (part {k})")
+                parts.append(out)
+        for k, q in enumerate(parts):
+            try:
+                verify(q)
+            except ValueError as e:
+                where = f" (part {k})" if len(parts) > 1 else ""
+                raise StepError(f"step {s.name!r} broke an invariant of {q.name!r}{where}: {e}") from e
+        ctx.parts = parts
+        dump(ctx.parts[ctx.part], s.name)
+    return ctx.parts[ctx.part]
