@@ -304,7 +304,7 @@ def _split_feed(p: Program, feed: Mapping[str, Any], m: int, keep: set[str]) -> 
         if n is None or n % m:
             raise ValueError(
                 f"pipeline: feed {name!r} has batch {n} ({list(t.shape)}), which does not split into "
-                f"{m} equal micro-batches (pipeline_configs accumulate_steps / micro_batch_size)"
+                f"{m} equal micro-batches (pipeline_configs['accumulate_steps'])"
             )
         if batch is not None and n != batch:
             raise ValueError(f"pipeline: feed {name!r} has batch {n}, other feeds have {batch}")
