@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from metaopt.fleet import env
-from metaopt.fleet.steps import CONFLICTS, FLEET_META_OPTIMIZERS, META_OF_STEP, STEPS, requirement_errors
+from metaopt.fleet.steps import (
+    CONFLICTS,
+    FLEET_META_OPTIMIZERS,
+    META_OF_STEP,
+    STEPS,
+    requirement_errors,
+    warn_if_nothing_saved,
+)
 from metaopt.fleet.strategy import CONFIGS, UNSUPPORTED_FEATURES, DistributedStrategy
 from metaopt.ir import Program, Var
 from metaopt.passes.driver import Context, StepRow, check_steps, plan_rows, run_steps
@@ -181,9 +188,7 @@ class DistributedOptimizer:
         program.replace_with(final)
         self.applied_meta_list = plan.applied
         logger.info("training rewrite: %s; applied meta optimizers: %s", plan.steps, self.applied_meta_list)
-        from metaopt.fleet.steps import _warn_if_nothing_saved
-
-        _warn_if_nothing_saved(ctx)
+        warn_if_nothing_saved(ctx)
         optimize_ops = [op for op in program.ops if op.role == "optimize"]
         return optimize_ops, _params_grads(program, ctx.params_grads, ctx.tied)
 

@@ -190,7 +190,6 @@ def _gradient_merge(p: Program, plan: Any, ctx: Context) -> Program:
     from metaopt.passes.gradient_merge import gradient_merge
 
     cfg = ctx.strategy.gradient_merge_configs
-    ctx.accumulated = True
     return gradient_merge(p, k_steps=cfg["k_steps"], avg=cfg["avg"], loss_grad=ctx.loss_grad)
 
 
@@ -219,7 +218,7 @@ def _dp_how(p: Program, ctx: Context) -> dict:
         "grads": update_grads(p),
         "world_size": ctx.world_size,
         "bucket_bytes": int(s.fuse_grad_size_in_MB) * 2**20 if s.fuse_all_reduce_ops else 0,
-        "at_update": ctx.accumulated,
+        "at_update": p.gradient_merge is not None,  # grads final only at the window's end
     }
 
 
@@ -238,9 +237,8 @@ def _data_parallel(p: Program, plan: Any, ctx: Context) -> Program:
 def _broadcast_init(p: Program, plan: Any, ctx: Context) -> Program:
     from metaopt.runtime.comm import broadcast_initial_values
 
-    q = p.clone()  # the pass is pure: the broadcast values go into the copy's `values`
-    q.values = dict(p.values)
-    broadcast_initial_values(q, device=_device())
+    q = p.clone()
+    broadcast_initial_values(q, device=_device())  # replaces q's values: p's stay untouched
     return q
 
 
@@ -304,14 +302,14 @@ def _report(before: Program, after: Program, ctx: Context) -> None:
     logger.info("%s", report)
 
 
-def _warn_if_nothing_saved(ctx: Context) -> None:
+def warn_if_nothing_saved(ctx: Context) -> None:
     report = ctx.extra.get("memory_report")
     if report is not None and not report.saves_memory:
         warnings.warn(
             f"recompute with checkpoints {list(ctx.strategy.recompute_configs['checkpoints'])} does not "
             f"lower the predicted activation peak ({report.peak_before:,} -> {report.peak_after:,} bytes "
             f"at batch {report.batch}): choose checkpoints inside the model, one per block",
-            stacklevel=4,
+            stacklevel=3,  # the user's minimize call
         )
 
 

@@ -52,7 +52,6 @@ class Context:
     params_grads: list[tuple[str, str]] = field(default_factory=list)  # (param, grad the backward made)
     loss_grad: str | None = None  # the backward's seed: d(loss)/d(loss)
     tied: dict[str, str] = field(default_factory=dict)  # param dropped -> the param it reads instead
-    accumulated: bool = False  # grads are summed over several runs before an update (gradient merge)
     checkpoints: list[str] = field(default_factory=list)  # recompute's, after resolution
     plans: dict[str, Any] = field(default_factory=dict)  # step name -> its plan
     parts: list[Program] = field(default_factory=list)  # after a split: every part

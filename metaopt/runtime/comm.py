@@ -250,18 +250,17 @@ class Communicator:
 
 
 def broadcast_initial_values(p, src: int = 0, *, device: torch.device | None = None) -> int:
-    """Overwrite the initial values of `p`'s params and buffers with worker `src`'s (in
-    place, in ``p.values``), as DDP's constructor does; returns the bytes broadcast. Every
-    worker must call it (fleet's ``broadcast_init`` step, at minimize)."""
+    """Replace the initial values of `p`'s params and buffers in ``p.values`` with worker
+    `src`'s, as DDP's constructor does; returns the bytes broadcast. The broadcast goes into
+    fresh copies: tensors ``p.values`` shares with other programs (clones) are never
+    written. Every worker must call it (fleet's ``broadcast_init`` step, at minimize)."""
     import logging
 
     comm = Communicator(device or torch.device("cpu"))
     total = 0
     for v in p.vars.values():
         if v.kind in ("param", "buffer") and v.name in p.values:
-            t = p.values[v.name]
-            if not t.is_contiguous():
-                t = p.values[v.name] = t.contiguous()
+            t = p.values[v.name] = p.values[v.name].clone(memory_format=torch.contiguous_format)
             comm.broadcast(t, src, f"the initial value of {v.name!r}")
             total += t.numel() * t.element_size()
     logging.getLogger("metaopt.fleet").info(
