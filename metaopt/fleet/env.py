@@ -229,6 +229,19 @@ def _env() -> WorkerEnv:
     return _STATE.env
 
 
+def require_process_group(what: str) -> None:
+    """Raise unless torch.distributed's default group exists: `what` (data parallel, a
+    pipeline with replicas) runs collectives, which need one. Checked at minimize, before any
+    rewrite, rather than at the first collective of the first run."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"{what} needs torch.distributed: call fleet.init(is_collective=True) in a job "
+            "started by metaoptrun (or torchrun)"
+        )
+
+
 def is_initialized() -> bool:
     return _STATE.initialized
 

@@ -12,7 +12,7 @@ is verified, dumped (``METAOPT_DUMP``) and logged before the next one runs::
     apply_optimizer  step counter, learning rate, clipping, one update op per param (always)
     gradient_merge   grads summed into @MERGED over k runs, updates every k-th run  (gradient_merge)
     data_parallel    fused AllReduce of the grads the updates read                  (worker_num() > 1)
-    broadcast_init   every worker takes rank 0's initial params and buffers        (worker_num() > 1)
+    broadcast_init   startup op: rank 0's initial params, buffers, on the 1st run  (worker_num() > 1)
     recompute        segments re-emitted before their grad ops                      (recompute)
     offload          checkpoints to pinned host after the forward, prefetched back   (enable_offload)
     pipeline_split   one program per stage; Send/Recv; micro-batch accumulation     (pipeline)
@@ -205,9 +205,7 @@ def _dp_on(ctx: Context) -> tuple[bool, str]:
 
 
 def _dp_check(ctx: Context) -> None:
-    from metaopt.runtime.comm import require_process_group
-
-    require_process_group()
+    env.require_process_group("data parallel")
 
 
 def _dp_how(p: Program, ctx: Context) -> dict:
@@ -235,15 +233,9 @@ def _data_parallel(p: Program, plan: Any, ctx: Context) -> Program:
 
 
 def _broadcast_init(p: Program, plan: Any, ctx: Context) -> Program:
-    from metaopt.runtime.comm import broadcast_initial_values
+    from metaopt.passes.broadcast_init import broadcast_init
 
-    q = p.clone()
-    broadcast_initial_values(q, device=_device())  # replaces q's values: p's stay untouched
-    return q
-
-
-def _device() -> torch.device:
-    return torch.device("cuda", env.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
+    return broadcast_init(p, src=0)
 
 
 # --- recompute and offload ----------------------------------------------------------------------

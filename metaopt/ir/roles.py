@@ -5,11 +5,15 @@ Every op has a role (`Op.role`). A role's row says
 * ``phase``: when its ops run in a (pipelined) training step: ``forward`` (once per
   micro-batch, before its backward), ``backward`` (once per micro-batch), ``optimize`` (once
   per step, after every micro-batch), or None (``comm``: data parallel's all-reduces, which a
-  pipeline places itself);
+  pipeline places itself; ``startup``: see below);
 * ``model``: the op computes the training step itself (the model's forward and loss, its
   backward, the optimizer and its learning rate), as opposed to ops a memory or communication
   pass adds around it (recomputed copies, host copies, collectives);
 * ``host_copy``: a copy to host memory or back (``offload``, ``prefetch``: the offload pass);
+* ``startup``: the op runs once, on an executor's first run of the program, before anything
+  else (data parallel's broadcast of rank 0's initial values, as Paddle's startup program
+  does); the executor leaves it out of every later run. Startup ops come first in the program,
+  read only persistables and write them in place (they have no outputs);
 * ``ordered``: `verify` keeps it in its phase's place in program order (once an op of a later
   phase ran, none of an earlier phase may follow). Roles that are not ordered may appear
   anywhere: ``lr-sched`` ops read only the step counter, ``offload`` copies follow the op that
@@ -33,6 +37,7 @@ class Role:
     model: bool = False
     ordered: bool = True
     host_copy: bool = False  # a copy to host memory or back (offload), or its wait
+    startup: bool = False  # runs once, on the program's first run (module doc)
     doc: str = ""
 
 
@@ -46,6 +51,7 @@ ROLE_TABLE: tuple[Role, ...] = (
     Role("offload", FORWARD, ordered=False, host_copy=True, doc="a checkpoint's copy to host memory"),
     Role("prefetch", BACKWARD, host_copy=True, doc="an offloaded checkpoint's copy back, its wait"),
     Role("comm", None, ordered=False, doc="data parallel's collectives"),
+    Role("startup", None, ordered=False, startup=True, doc="once, before the first run (initial broadcast)"),
 )
 ROLES: tuple[str, ...] = tuple(r.name for r in ROLE_TABLE)
 _BY_NAME: dict[str, Role] = {r.name: r for r in ROLE_TABLE}
@@ -85,6 +91,12 @@ def is_update(name: str) -> bool:
 def after_forward(name: str) -> bool:
     """Runs in the backward or optimize phase (any role, the passes' included)."""
     return phase(name) in (BACKWARD, OPTIMIZE)
+
+
+def is_startup(name: str) -> bool:
+    """Runs once, on an executor's first run of the program (``startup``)."""
+    r = _BY_NAME.get(name)
+    return r is not None and r.startup
 
 
 def is_host_copy(name: str) -> bool:

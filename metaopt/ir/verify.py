@@ -41,6 +41,7 @@ def verify(p: Program) -> None:
         return stage % n if n else stage
 
     for i, op in enumerate(p.ops):
+        _check_startup(p, i, op)
         for x in op.inputs:
             if not x:
                 continue
@@ -104,6 +105,20 @@ def _check_offloads(p: Program) -> None:
         for o in op.outputs:
             if not any(p.ops[j].role == "prefetch" for j in consumers.get(o, [])):
                 raise _fail(p, i, op, f"offloaded {o!r} is never fetched back by a prefetch op")
+
+
+def _check_startup(p: Program, i: int, op: Op) -> None:
+    """A startup op (run once, before the first run) comes before every other op, reads only
+    persistables (it writes them in place) and has no outputs."""
+    if not roles.is_startup(op.role):
+        return
+    if i > 0 and not roles.is_startup(p.ops[i - 1].role):
+        raise _fail(p, i, op, "a startup op must come before every other op (it runs before the first run)")
+    if any(op.outputs):
+        raise _fail(p, i, op, "a startup op writes persistables in place: it has no outputs")
+    for x in op.inputs:
+        if x and (x not in p.vars or not p.vars[x].persistable or p.vars[x].kind == "constant"):
+            raise _fail(p, i, op, f"a startup op reads persistables only (params, buffers): {x!r} is not one")
 
 
 def _check_updates(p: Program, defined: set[str]) -> None:

@@ -63,6 +63,9 @@ class OpDef:
     # read by nothing afterwards and is neither a feed nor a constant (see
     # runtime/plan.py); every other kernel must leave its inputs untouched.
     inplace: tuple[tuple[int, int], ...] = ()
+    # The op writes its inputs in place and has no outputs: startup ops only (Broadcast of the
+    # initial params), which the executor runs once, before the program's first run (ir/roles.py).
+    writes_inputs: bool = False
     # An additive bias input that may be dropped when it is a constant of zeros (torch
     # exports bias-free convs with a zero bias: adding it, and its grad, is wasted work).
     zero_bias_input: int | None = None
@@ -136,6 +139,8 @@ class OpDef:
             raise ValueError(f"op {self.type}: amp must be one of {AMP_CLASSES}, got {self.amp!r}")
         if self.update and self.skip_input is None:
             raise ValueError(f"op {self.type}: an update op needs a skip_input (its found_inf input)")
+        if self.writes_inputs and self.inplace:
+            raise ValueError(f"op {self.type}: writes_inputs (no outputs) excludes inplace pairs")
         if self.train_repair not in TRAIN_REPAIRS:
             raise ValueError(f"op {self.type}: train_repair must be one of {TRAIN_REPAIRS}")
 

@@ -18,8 +18,8 @@ copy. ``bucket_bytes=0`` gives one op per grad (Fleet's ``fuse_all_reduce_ops=Fa
 With ``at_update=True`` (grads summed over several runs first: gradient merge) every
 bucket goes right before the first update-phase op instead, where the grads are final,
 so the all-reduce runs with the updates: once per k runs. Initial values are made equal by
-the caller (fleet's ``broadcast_init`` step broadcasts them from rank 0), not by the
-program. The pass is pure.
+passes/broadcast_init.py (a startup op run before the first step), not here. The pass is
+pure.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Collectives over torch.distributed for the comm ops (AllReduce) and for data
-parallel's start (broadcast of initial values): gloo on CPU, NCCL on CUDA.
+"""Collectives over torch.distributed for the comm ops (AllReduce, the startup Broadcast of
+data parallel's initial values, the pipeline's Send/Recv): gloo on CPU, NCCL on CUDA.
 
 Every collective waits with a timeout (``METAOPT_COMM_TIMEOUT`` seconds, default 300,
 the same that ``fleet.init`` gives the process group), and a failure — a peer that died,
@@ -66,11 +66,6 @@ def timeout() -> datetime.timedelta:
 def forget_groups() -> None:
     """Drop the sub-groups made so far (their default group is being destroyed)."""
     _GROUPS.clear()
-
-
-def require_process_group() -> None:
-    """Raise CommError unless torch.distributed's default group exists."""
-    _dist()
 
 
 def _dist():
@@ -247,23 +242,3 @@ class Communicator:
             ) from e
         self.seconds += time.perf_counter() - t0
         self.bytes += t.numel() * t.element_size()
-
-
-def broadcast_initial_values(p, src: int = 0, *, device: torch.device | None = None) -> int:
-    """Replace the initial values of `p`'s params and buffers in ``p.values`` with worker
-    `src`'s, as DDP's constructor does; returns the bytes broadcast. The broadcast goes into
-    fresh copies: tensors ``p.values`` shares with other programs (clones) are never
-    written. Every worker must call it (fleet's ``broadcast_init`` step, at minimize)."""
-    import logging
-
-    comm = Communicator(device or torch.device("cpu"))
-    total = 0
-    for v in p.vars.values():
-        if v.kind in ("param", "buffer") and v.name in p.values:
-            t = p.values[v.name] = p.values[v.name].clone(memory_format=torch.contiguous_format)
-            comm.broadcast(t, src, f"the initial value of {v.name!r}")
-            total += t.numel() * t.element_size()
-    logging.getLogger("metaopt.fleet").info(
-        "data parallel: broadcast %d bytes of params and buffers from rank %d", total, src
-    )
-    return total

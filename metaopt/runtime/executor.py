@@ -50,6 +50,7 @@ class Executor:
             out = self._pipeline_runner(program).run(feed or {}, fetches)
             return [_to_numpy(t) if return_numpy and t is not None else t for t in out]
         self._start_step()
+        program = self._after_startup(program)
         if program.gradient_merge is not None:
             out = self._run_merging(program, feed or {}, fetches)
         else:
@@ -92,6 +93,28 @@ class Executor:
             return plan.run(self.scope, feeds, self._tracker)
         finally:
             self._tracker.end_run()
+
+    def _after_startup(self, program: Program) -> Program:
+        """Run `program`'s startup ops if this is the executor's first run of this version of
+        it; returns what every run runs (the program without its startup ops)."""
+        if not program.ops or not roles.is_startup(program.ops[0].role):
+            return program
+        key = ("body", program.uid, program.version)
+        body = self._runners.get(key)
+        if body is None:
+            startup = program.clone()
+            n = next(i for i, op in enumerate(startup.ops) if not roles.is_startup(op.role))
+            startup.ops, startup.updates, startup.outputs = startup.ops[:n], {}, []
+            startup.gradient_merge, startup.loss_name = None, None
+            try:
+                self._run_part(startup, {}, [])
+            finally:
+                self._plans = {k: v for k, v in self._plans.items() if k[0] != startup.uid}
+            body = program.clone()
+            body.ops = body.ops[n:]
+            self._runners = {k: v for k, v in self._runners.items() if k[:2] != ("body", program.uid)}
+            self._runners[key] = body
+        return body
 
     def _run_merging(self, program: Program, feed: Mapping[str, Any], fetches: list[str]) -> tuple:
         """One run of a gradient-merge program: forward, backward and the merge every run;

@@ -37,6 +37,23 @@ def all_reduce(
     return tuple(_rt.comm.all_reduce(xs, reduce, f"{len(xs)} tensor(s) ({_key}, ...)", ranks))
 
 
+@register(
+    "Broadcast",
+    domain="metaopt",
+    needs_runtime=True,
+    collective=True,
+    recomputable=False,
+    writes_inputs=True,
+    notes="startup op: every input (a persistable) overwritten in place with worker `src`'s value",
+)
+def broadcast(*xs: torch.Tensor, src: int = 0, _rt, _key: str) -> None:
+    """Data parallel's start (as DDP's constructor): every worker takes worker `src`'s initial
+    params and buffers. A startup op: the executor runs it once, on the program's first run,
+    and it writes the scope's tensors themselves (the program's `values` are never touched)."""
+    for k, x in enumerate(xs):  # an error names the op's printed line, so its vars too
+        _rt.comm.broadcast(x, src, f"initial value {k + 1} of {len(xs)}")
+
+
 # --- pipeline -----------------------------------------------------------------------------
 # Send/Recv move one var between neighbouring pipeline workers; the executor's pipeline
 # runtime sets `_rt.pipeline` (virtual stage, micro-batch, symbolic dims) before each
