@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from metaopt.fleet import env
-from metaopt.ir import Program, names
+from metaopt.ir import Program
 from metaopt.passes.driver import Context, Step
 
 logger = logging.getLogger("metaopt.fleet")
@@ -113,10 +113,10 @@ def _loss_scaling(ctx: Context) -> tuple[bool, str]:
 
 
 def _scale_loss(p: Program, plan: Any, ctx: Context) -> Program:
-    from metaopt.passes.amp import scale_loss
+    from metaopt.passes.amp import scale_loss, scaled_loss
 
     q = scale_loss(p, init_loss_scaling=ctx.strategy.amp_configs["init_loss_scaling"])
-    ctx.loss = names.scaled(ctx.loss)  # the var scale_loss made: the backward starts there
+    ctx.loss = scaled_loss(q)  # the var scale_loss made: the backward starts there
     return q
 
 
@@ -159,12 +159,12 @@ def _always(ctx: Context) -> tuple[bool, str]:
 
 
 def _append_backward(p: Program, plan: Any, ctx: Context) -> Program:
-    from metaopt.passes.backward import append_backward
+    from metaopt.passes.backward import append_backward, loss_grad_seed
 
     how = {"parameter_list": ctx.parameter_list, "no_grad_set": ctx.no_grad_set}
     q, pairs = append_backward(p, loss=ctx.loss, **how)
     ctx.params_grads = pairs
-    ctx.loss_grad = names.grad(ctx.loss)  # the seed append_backward made
+    ctx.loss_grad = loss_grad_seed(q, ctx.loss)  # the seed append_backward made
     return q
 
 

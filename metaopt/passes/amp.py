@@ -430,6 +430,15 @@ def scale_loss(program: Program, *, init_loss_scaling: float = 32768.0) -> Progr
     return q
 
 
+def scaled_loss(program: Program) -> str:
+    """The var `scale_loss` made, where the backward starts: the output of the loss-role op
+    that multiplies the program's loss by the loss scaling."""
+    for op in program.ops:
+        if op.role == "loss" and op.origin == program.loss_name and names.loss_scaling() in op.inputs:
+            return op.outputs[0]
+    raise AmpError(f"program {program.name!r} does not scale its loss {program.loss_name!r} (scale_loss)")
+
+
 def unscale_grads(
     program: Program,
     *,

@@ -341,6 +341,15 @@ def append_backward(
     return q, params_grads
 
 
+def loss_grad_seed(program: Program, loss: str) -> str:
+    """The var `append_backward` seeded the backward of `loss` with (d loss / d loss = 1): the
+    output of the program's first backward op, whose origin is `loss`."""
+    first = next((op for op in program.ops if op.role == "backward"), None)
+    if first is None or first.origin != loss or len(first.outputs) != 1:
+        raise BackwardError(f"program {program.name!r} has no backward seeded from loss {loss!r}")
+    return first.outputs[0]
+
+
 def _params(q: Program, parameter_list: list[str] | None, no_grad: set[str]) -> list[str]:
     trainable = [v.name for v in q.params()]
     if parameter_list is None:
