@@ -128,9 +128,11 @@ class OpDef:
     # exporter loses training semantics; frontend/repair.py): "training_mode_input" (Dropout:
     # its training_mode input set true) or "batch_norm_training" (-> BatchNormTraining).
     train_repair: str | None = None
-    # Filled by later capabilities (backward, cost model); None = not known yet.
+    # The gradient rule (ops/grads.py attaches it); None: torch.autograd's vjp of the kernel.
     grad: Callable[..., Any] | None = None
-    cost: Callable[..., Any] | None = None
+    # Estimated forward work of one op, (program, op) -> float in byte-equivalents (`op_cost`
+    # gives the default), what the pipeline balancer sums per stage; None: the default.
+    cost: Callable[..., Any] | None = field(default=None, compare=False)
     domain: str = ""  # "" = the ONNX default domain; ours use "metaopt"
     notes: str = field(default="", compare=False)
 
@@ -209,6 +211,22 @@ def amp_types(amp_class: str) -> frozenset[str]:
     if amp_class not in AMP_CLASSES:
         raise ValueError(f"amp class must be one of {AMP_CLASSES}, got {amp_class!r}")
     return frozenset(t for t, row in table().items() if row.amp == amp_class)
+
+
+def op_cost(program: Any, op: Any) -> float:
+    """Estimated forward work of `op` for balancing pipeline stages (batch dims bound to 1):
+    the row's `cost` rule where it has one; else twice the bytes of the params it reads (a
+    matmul-class op's work grows with its weights) plus the bytes it produces (elementwise work
+    grows with its output), and nothing for a view (it moves no bytes)."""
+    row = get(op.type)
+    if row is not None and row.cost is not None:
+        return float(row.cost(program, op))
+    if row is not None and row.view:
+        return 0.0
+    one = {"batch": 1}
+    params = sum(program.vars[x].nbytes(one) or 0 for x in op.inputs if x and program.vars[x].kind == "param")
+    out = sum(program.vars[o].nbytes(one) or 0 for o in op.outputs if o and o in program.vars)
+    return 2.0 * params + out
 
 
 def register(type: str, **row: Any) -> Callable[[Kernel], Kernel]:

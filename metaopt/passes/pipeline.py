@@ -13,8 +13,9 @@ w, w + num_stages, ...
 
 * **Stages of the forward**: ``cuts`` are module paths or var names where a new virtual
   stage begins (a module's first op, or a var's producer), or ``"auto"``: boundaries at
-  module starts that balance an estimated cost (2 x params read + elements produced, per
-  sample). Forward ops then have non-decreasing stages in program order.
+  module starts that balance the ops' estimated costs (`registry.op_cost`: the op table's
+  cost rows; by default 2 x params read + bytes produced, per sample, views free). Forward
+  ops then have non-decreasing stages in program order.
 * **Everything else follows its origin**: a backward / recompute / offload / prefetch op
   runs where the forward var it stems from (``origin``) was made; an update runs where its
   param is read; ``lr-sched`` ops run on every worker (each keeps its own step and LR).
@@ -43,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from metaopt.ir import Op, PipelineInfo, Program, Var, did_you_mean, names, roles, torch_dtype
+from metaopt.ops import registry
 
 MICRO_BATCH = names.micro_batch()
 
@@ -137,7 +139,7 @@ def plan_pipeline(
     for op in p.ops:
         phase_of(op)  # refuses roles it cannot place (e.g. data parallel's comm ops)
     fwd = [i for i, op in enumerate(p.ops) if roles.is_forward(op.role)]
-    costs_per_op = {i: _cost(p, p.ops[i]) for i in fwd}
+    costs_per_op = {i: registry.op_cost(p, p.ops[i]) for i in fwd}
     if cuts == "auto" or cuts == ["auto"]:
         resolved = _auto_cuts(p, fwd, costs_per_op, n_virtual)
     else:
@@ -295,12 +297,6 @@ def _plan_transfers(p: Program, plan: PipelinePlan) -> None:
             plan.sends.setdefault((k - step, phase), []).append(x)
             plan.recvs.setdefault((k, phase), []).append(x)
             plan.transfers.append((x, k - step, k))
-
-
-def _cost(p: Program, op: Op) -> float:
-    params = sum(p.vars[x].nbytes({"batch": 1}) or 0 for x in op.inputs if x and p.vars[x].kind == "param")
-    out = sum(p.vars[o].nbytes({"batch": 1}) or 0 for o in op.outputs if o and o in p.vars)
-    return 2.0 * params + out
 
 
 def _module_starts(p: Program, fwd: list[int]) -> dict[str, int]:

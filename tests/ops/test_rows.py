@@ -148,6 +148,38 @@ def test_train_repairs_and_collectives():
     with pytest.raises(ValueError, match="train_repair"):
         register("BadRepairForTest", train_repair="nope")(lambda x: x)
     collectives = {t for t, row in table.items() if row.collective}
-    assert collectives == {"AllReduce"}
+    assert collectives == {"AllReduce", "Broadcast"}  # Broadcast: the startup op of data parallel
     assert all(table[t].needs_runtime for t in collectives)  # they run through the communicator
     assert "ranks" in inspect.signature(table["AllReduce"].kernel).parameters
+
+
+# --- cost (the pipeline balancer's estimate) ---------------------------------------------------
+
+
+def _costed() -> Program:
+    p = Program("costed")
+    p.add_var(Var("x", "float32", ("batch", 8), "input"))
+    p.add_var(Var("w", "float32", (8, 4), "param"), torch.zeros(8, 4))
+    p.add_var(Var("s", "int64", (2,), "constant"), torch.tensor([-1, 4]))
+    for name, shape in [("h", ("batch", 4)), ("r", ("batch", 4)), ("v", ("batch", 4))]:
+        p.add_var(Var(name, "float32", shape))
+    p.inputs = ["x"]
+    p.ops = [Op("MatMul", ["x", "w"], ["h"]), Op("Relu", ["h"], ["r"]), Op("Reshape", ["r", "s"], ["v"])]
+    return p
+
+
+def test_default_cost_counts_params_twice_and_output_bytes_and_views_nothing():
+    p = _costed()
+    matmul, relu, reshape = p.ops
+    assert registry.get("Reshape").view and registry.get("Reshape").cost is None
+    assert registry.op_cost(p, matmul) == 2 * 8 * 4 * 4 + 4 * 4  # batch bound to 1
+    assert registry.op_cost(p, relu) == 4 * 4
+    assert registry.op_cost(p, reshape) == 0.0
+
+
+def test_a_rows_cost_rule_replaces_the_default(monkeypatch):
+    p = _costed()
+    row = registry.get("Relu")
+    costed = registry.OpDef(**{**row.__dict__, "cost": lambda q, op: 123})
+    monkeypatch.setitem(registry._TABLE, "Relu", costed)
+    assert registry.op_cost(p, p.ops[1]) == 123.0
