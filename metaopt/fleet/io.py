@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import Any
 
 import torch
@@ -111,13 +112,20 @@ def _read(path: str) -> dict[str, Any]:
 
 
 def _why(e: Exception) -> str:
-    """The useful line of a torch.load error (the weights-only ones run to a page)."""
-    text = str(e)
-    for line in text.splitlines():
-        if "WeightsUnpickler error:" in line:
-            return line.strip()
-    line = text.strip().splitlines()[0] if text.strip() else type(e).__name__
-    return line[:300]
+    """torch.load's reason, whole: a weights-only refusal is a page of boilerplate around one
+    paragraph that says why ("Trying to load unsupported GLOBAL posix.system ..."); keep that
+    paragraph and drop the boilerplate, never cut a sentence."""
+    text = str(e).strip()
+    if not text:
+        return type(e).__name__
+    if text.startswith("Weights only load failed"):
+        paragraphs = [p.strip() for p in re.split(r"\n\s*\n", text)[1:]]
+        # The reason may also follow "... WeightsUnpickler error:" at the end of a paragraph.
+        reasons = [p.split("WeightsUnpickler error:", 1)[-1].strip() for p in paragraphs]
+        reasons = [r for r in reasons if r and not r.startswith("Check the documentation")]
+        if reasons:
+            return "refused by torch.load(weights_only=True): " + " ".join(" ".join(reasons).split())
+    return " ".join(text.split())
 
 
 def _shape_ok(got: tuple[int, ...], want: tuple | None) -> bool:

@@ -8,13 +8,14 @@ import onnx
 
 from metaopt.dump import dump
 from metaopt.frontend.naming import readable_names
-from metaopt.frontend.onnx_import import ImportOptions, to_program
+from metaopt.frontend.onnx_import import ImportError_, ImportOptions, to_program
 from metaopt.frontend.repair import repair_training
-from metaopt.frontend.safe_load import load_model_proto
+from metaopt.frontend.safe_load import ModelLoadError, load_model_proto
 from metaopt.ir import Program, verify
+from metaopt.limits import LoadLimits, using
 from metaopt.passes.dead_code import dead_code
-from metaopt.passes.fold_constants import fold_constants
-from metaopt.passes.fuse_linear import fuse_linear
+from metaopt.passes.fold_constants import ConstantTooLarge, fold_constants
+from metaopt.passes.fuse import fuse
 
 
 def import_model(
@@ -25,7 +26,7 @@ def import_model(
     bn_momentum: dict[str, float] | None = None,
     name: str = "main",
 ) -> Program:
-    """raw import -> training repairs -> fold constants -> dead code -> fuse Linear -> names -> verify.
+    """raw import -> training repairs -> fold constants -> dead code -> fuse -> names -> verify.
 
     Names are rewritten only for torch exports (recognised by their module-scope
     metadata); any other file keeps the names its author chose.
@@ -35,7 +36,7 @@ def import_model(
     if training:
         repair_training(p, bn_momentum=bn_momentum or {})
         dump(p, "repair_training")
-    for step in (fold_constants, dead_code, fuse_linear):
+    for step in (fold_constants, dead_code, fuse):
         p = step(p)
         dump(p, step.__name__)
     if any(chains.values()):  # a torch export: its FX names mean nothing to users
@@ -47,15 +48,36 @@ def import_model(
 
 
 def load(
-    source: str | os.PathLike | bytes | onnx.ModelProto, *, training: bool = False, name: str | None = None
+    source: str | os.PathLike | bytes | onnx.ModelProto,
+    *,
+    training: bool = False,
+    name: str | None = None,
+    limits: LoadLimits | None = None,
 ) -> Program:
     """Import any ONNX model (file path, bytes or ModelProto), validated as untrusted input.
 
     Floating initializers become trainable params unless the file's torch export
     metadata says buffer; integer ones become constants. `training=True` applies
     the train-mode repairs (Dropout on, BatchNorm with batch statistics).
+    `limits` bounds what the file may make us allocate (default `metaopt.limits.LIMITS`);
+    a file over them fails with ModelLoadError naming the tensor or op and the size.
     """
-    model = load_model_proto(source)
-    if name is None:
-        name = model.graph.name or "main"
-    return import_model(model, training=training, name=name)
+    with using(limits) as active:
+        model = load_model_proto(source, limits=active)
+        if name is None:
+            name = model.graph.name or "main"
+        label = _label(source)
+        try:
+            return import_model(model, training=training, name=name)
+        except ConstantTooLarge as e:
+            raise ModelLoadError(f"{label}: {e}") from None
+        except ImportError_ as e:
+            # Errors about the file's contents name the file too (a user loading several
+            # files, or a file from a pipeline stage, needs to know which one).
+            raise ImportError_(f"{label}: {e}") from None
+
+
+def _label(source: str | os.PathLike | bytes | onnx.ModelProto) -> str:
+    if isinstance(source, (str, os.PathLike)):
+        return os.fsdecode(os.fspath(source))
+    return "<ModelProto>" if isinstance(source, onnx.ModelProto) else "<bytes>"

@@ -14,11 +14,23 @@ import json
 from dataclasses import dataclass, field
 
 import onnx
+from onnx import numpy_helper
 
+from metaopt import limits as _limits
 from metaopt.frontend import onnx_save
 from metaopt.frontend.attrs import attr_value, tensor_value
 from metaopt.frontend.sequences import split_sequences
-from metaopt.ir import GradientMergeInfo, Op, PipelineInfo, Program, Var, dtype_name, torch_dtype_from_onnx
+from metaopt.ir import (
+    GradientMergeInfo,
+    Op,
+    PipelineInfo,
+    Program,
+    Var,
+    did_you_mean,
+    dtype_name,
+    torch_dtype_from_onnx,
+)
+from metaopt.ir.roles import ROLES
 from metaopt.ops import registry
 
 CONTROL_FLOW = frozenset({"If", "Loop", "Scan", "SequenceMap"})
@@ -58,7 +70,9 @@ def node_scope(node: onnx.NodeProto) -> tuple[str, list[str]]:
         return "", []
     try:
         parts = ast.literal_eval(raw)
-    except (ValueError, SyntaxError):
+    except (ValueError, SyntaxError, TypeError, RecursionError, MemoryError):
+        # The exporter's own metadata, but read from an untrusted file: a deeply nested
+        # literal must not escape as RecursionError; without it the op just has no scope.
         return "", []
     if not isinstance(parts, list) or not parts or parts[0] == _NO_MODULE:
         return "", [str(p) for p in parts[-1:]] if parts else []
@@ -101,9 +115,85 @@ def _with_inferred_types(model: onnx.ModelProto) -> onnx.ModelProto:
     if all(o in known for node in model.graph.node for o in node.output if o and node.op_type != "Constant"):
         return model
     try:
+        # Without data propagation onnx computes shapes only (no values), so a file cannot
+        # make it allocate; its answer tells whether propagation would stay bounded.
+        plain = onnx.shape_inference.infer_shapes(model, data_prop=False)
+        if _data_prop_risk(plain, _limits.active().max_shape_data) is not None:
+            return plain
         return onnx.shape_inference.infer_shapes(model, data_prop=True)
     except onnx.shape_inference.InferenceError as e:
         raise ImportError_(f"ONNX shape inference failed: {e}") from e
+    except MemoryError as e:  # a size onnx could not even reserve (bad_alloc)
+        raise ImportError_(f"ONNX shape inference ran out of memory (an absurd size in the file): {e}") from e
+
+
+# Ops whose output shape onnx infers from the *values* of these inputs: with data propagation
+# those values may come from computed shapes, so the output's size is not known beforehand.
+_SHAPE_FROM_VALUES = {
+    "ConstantOfShape": (0,),
+    "Expand": (1,),
+    "Tile": (1,),
+    "Reshape": (1,),
+    "Pad": (1,),
+    "Resize": (2, 3),
+    "Upsample": (1,),
+    "OneHot": (1,),
+    "CenterCropPad": (1,),
+    "Col2Im": (1, 2),
+}
+
+
+_INT_TYPES = (onnx.TensorProto.INT64, onnx.TensorProto.INT32)
+_SENTINEL = 1 << 62
+
+
+def _data_prop_risk(inferred: onnx.ModelProto, max_elements: int) -> str | None:
+    """Why onnx's data propagation could allocate without bound on this model, or None.
+
+    Measured on onnx 1.23: data propagation turns every rank-0/1 value it visits into a
+    TensorShapeProto with one dim (~140 bytes) per element, whatever its dtype; a 148-byte
+    ``Range(0, 4e8)`` feeding an Add makes it build 4e8 dims (56 GB). Its cost is the total
+    length of the rank-0/1 values. Shape inference without propagation (`inferred`) knows
+    those lengths, except where an op takes its output shape from a *computed* input
+    (``_SHAPE_FROM_VALUES``): propagation may then derive a static length from the static
+    dims and integer constants of the file. So: the known lengths must fit `max_elements`,
+    and where computed shapes exist, so must every static dim and integer constant (a
+    length propagation derives is made of them).
+    Known gap: a product of several such numbers (Mul in a shape chain) can exceed each of
+    them; reaching onnx's bound then needs a shape chain feeding a ConstantOfShape/Expand.
+    """
+    g = inferred.graph
+    consts: dict[str, onnx.TensorProto] = {t.name: t for t in g.initializer}
+    for n in g.node:
+        if n.op_type == "Constant" and n.output and len(n.attribute) == 1 and n.attribute[0].HasField("t"):
+            consts[n.output[0]] = n.attribute[0].t
+    total, seed = 0, 0
+    for vi in [*g.input, *g.value_info, *g.output]:
+        dims = vi.type.tensor_type.shape.dim
+        static = [d.dim_value for d in dims if d.HasField("dim_value")]
+        seed = max([seed, *static])
+        if len(dims) == 1 and static:
+            total += static[0]
+    for t in consts.values():
+        if len(t.dims) <= 1:
+            total += t.dims[0] if t.dims else 1
+            if t.data_type in _INT_TYPES and (not t.dims or t.dims[0] <= 64):
+                values = [abs(int(v)) for v in numpy_helper.to_array(t).reshape(-1).tolist()]
+                # Slice's "to the end" sentinels (INT64_MAX/MIN) are not sizes; as a size
+                # propagation fails at once (bad_alloc, reported as a load error).
+                seed = max([seed, *(v for v in values if v < _SENTINEL)])
+    if total > max_elements:
+        return f"its rank-0/1 values hold {total} elements, over max_shape_data={max_elements}"
+    if seed > max_elements:
+        for node in g.node:
+            for i in _SHAPE_FROM_VALUES.get(node.op_type, ()):
+                if i < len(node.input) and node.input[i] and node.input[i] not in consts:
+                    return (
+                        f"op {node.op_type} (outputs {list(node.output)}) takes its shape from a computed "
+                        f"value and the file holds a dim or constant of {seed}, over "
+                        f"max_shape_data={max_elements}"
+                    )
+    return None
 
 
 def _describe(node: onnx.NodeProto) -> str:
@@ -216,9 +306,12 @@ def to_program(
         elif prop.key == onnx_save.MODULES_KEY:
             p.modules = _modules(prop.value)
         elif prop.key == onnx_save.PIPELINE_KEY:
-            p.pipeline = PipelineInfo.parse(prop.value)
+            p.pipeline = _model_meta(prop.key, prop.value, PipelineInfo.parse, _check_pipeline)
         elif prop.key == onnx_save.GRADIENT_MERGE_KEY:
-            p.gradient_merge = GradientMergeInfo.parse(prop.value)
+            p.gradient_merge = _model_meta(
+                prop.key, prop.value, GradientMergeInfo.parse, _check_gradient_merge
+            )
+    _check_saved_program(p)
     update_outputs = set(p.updates.values())
     p.outputs = [o.name for o in g.output if o.name not in update_outputs]
     if (
@@ -233,10 +326,76 @@ def to_program(
     return p, chains
 
 
+# Metadata is text a file's author controls: a parser given it may raise anything a parser
+# raises, including RecursionError on deeply nested JSON or Python literals.
+_PARSE_ERRORS = (ValueError, KeyError, TypeError, SyntaxError, RecursionError, MemoryError, OverflowError)
+# metaopt writes stage numbers well under this; a larger one is tampering, not a pipeline.
+_MAX_STAGE = 1 << 16
+
+
+def _model_meta(key: str, text: str, parse, check):  # noqa: ANN001, ANN202
+    """Parse one model-level metadata entry metaopt wrote; every failure is an ImportError_."""
+    try:
+        info = parse(text)
+    except _PARSE_ERRORS as e:
+        raise ImportError_(
+            f"model metadata {key!r} is malformed ({type(e).__name__}: {e}): {text[:200]!r}"
+        ) from None
+    problem = check(info)
+    if problem:
+        raise ImportError_(f"model metadata {key!r}: {problem}: {text[:200]!r}")
+    return info
+
+
+def _check_pipeline(info: PipelineInfo) -> str | None:
+    from metaopt.runtime.schedules import SCHEDULES
+
+    if not 1 <= info.num_stages <= _MAX_STAGE:
+        return f"num_stages={info.num_stages} is not in 1..{_MAX_STAGE}"
+    if not 0 <= info.stage < info.num_stages:
+        return f"stage={info.stage} is not in 0..{info.num_stages - 1}"
+    for name in ("micro_batches", "chunks", "dp_degree"):
+        if getattr(info, name) < 1:
+            return f"{name}={getattr(info, name)} must be at least 1"
+    if info.schedule not in SCHEDULES:
+        return f"schedule {info.schedule!r} is not one of {', '.join(SCHEDULES)}"
+    ranks = info.num_stages * info.dp_degree
+    bad = [r for g in info.groups for r in g if not 0 <= r < ranks]
+    if bad:
+        return f"tied-param group rank {bad[0]} is not in 0..{ranks - 1}"
+    return None
+
+
+def _check_gradient_merge(info: GradientMergeInfo) -> str | None:
+    if info.k_steps < 1:
+        return f"k_steps={info.k_steps} must be at least 1"
+    return None
+
+
+def _check_saved_program(p: Program) -> None:
+    """Cross-checks of what metadata names: op stages within the pipeline, the gradient-merge
+    step counter exists. (The pipeline's loss is not checked: stages before the last do not
+    hold it, by design.)"""
+    if p.pipeline is not None:
+        n_virtual = p.pipeline.num_stages * p.pipeline.chunks
+        for op in p.ops:
+            if op.stage is not None and op.stage >= n_virtual:
+                raise ImportError_(
+                    f"op {op.type} (outputs {op.outputs}): metadata stage {op.stage} is not a stage of "
+                    f"this pipeline (0..{n_virtual - 1})"
+                )
+    gm = p.gradient_merge
+    if gm is not None and (gm.step not in p.vars or not p.vars[gm.step].persistable):
+        raise ImportError_(
+            f"model metadata {onnx_save.GRADIENT_MERGE_KEY!r} names step counter {gm.step!r}, not an "
+            "initializer of the graph"
+        )
+
+
 def _modules(text: str) -> dict[str, list[str]]:
     try:
         mods = json.loads(text)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, RecursionError) as e:
         raise ImportError_(f"model metadata {onnx_save.MODULES_KEY!r} is not valid JSON: {e}") from None
     if not isinstance(mods, dict) or not all(isinstance(v, list) for v in mods.values()):
         raise ImportError_(
@@ -249,7 +408,7 @@ def _mixed_list(text: str) -> list:
     """A list attr of ints and symbolic dims (a Send/Recv shape), as metaopt saved it."""
     try:
         value = json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         raise ValueError(text) from None
     if not isinstance(value, list) or not all(isinstance(x, (int, str)) for x in value):
         raise ValueError(text)
@@ -270,10 +429,26 @@ def _restore_fields(op: Op, node: onnx.NodeProto) -> None:
                 ) from None
     pre = onnx_save.OP_FIELD_PREFIX
     if pre + "role" in m:
-        op.role = m[pre + "role"]
+        role = m[pre + "role"]
+        if role not in ROLES:
+            # Op refuses an unknown role at creation; this field is set after it, so check here.
+            raise ImportError_(
+                f"{_describe(node)}: metadata {pre + 'role'!r} is {role!r}, not an op role "
+                f"(one of {', '.join(ROLES)}){did_you_mean(role, ROLES)}"
+            )
+        op.role = role
         op.scope = m.get(pre + "scope", op.scope)
         op.origin = m.get(pre + "origin")
-        op.stage = int(m[pre + "stage"]) if pre + "stage" in m else None
+        stage = m.get(pre + "stage")
+        # Decimal digits only: int() would also take ' 1', '+1', '1_0' and a 4300-digit number.
+        if stage is not None and not (
+            stage.isascii() and stage.isdigit() and len(stage) <= 5 and int(stage) < _MAX_STAGE
+        ):
+            raise ImportError_(
+                f"{_describe(node)}: metadata {pre + 'stage'!r} is {stage[:40]!r}, not a stage number "
+                f"(0..{_MAX_STAGE - 1})"
+            )
+        op.stage = int(stage) if stage is not None else None
 
 
 def _constant_value(node: onnx.NodeProto):

@@ -24,6 +24,10 @@ from dataclasses import dataclass
 
 import onnx
 from google.protobuf.message import DecodeError
+from onnx import helper
+
+from metaopt import limits as _limits
+from metaopt.limits import LoadLimits, fmt_bytes, how_to_raise
 
 __all__ = ["ModelLoadError", "load_model_proto"]
 
@@ -96,16 +100,21 @@ def load_model_proto(
     source: str | os.PathLike | bytes | onnx.ModelProto,
     *,
     base_dir: str | os.PathLike | None = None,
+    limits: LoadLimits | None = None,
 ) -> onnx.ModelProto:
     """Parse and validate an ONNX model; return it with all external data in memory.
 
     `source` is a path to a `.onnx` file, its serialized bytes, or a ModelProto (which is
     copied, never mutated). External data is resolved against the model file's folder;
     for bytes / ModelProto sources pass `base_dir`, else external data is an error.
-    Raises ModelLoadError naming the file, tensor or location at fault.
+    Every stored tensor's declared size is checked against `limits` (default: the
+    process-wide `metaopt.frontend.limits.LIMITS`) and against the bytes that hold it before
+    any of it is read. Raises ModelLoadError naming the file, tensor or location at fault.
     """
+    limits = limits or _limits.LIMITS
     model, label, folder = _materialize(source, base_dir)
     _check_structure(model, label)
+    _check_tensor_sizes(model, label, limits)
     refs = [ref for ref in _iter_tensors(model) if _is_external(ref.tensor)]
     if refs:
         if folder is None:
@@ -118,6 +127,16 @@ def load_model_proto(
         # Validate every reference before reading any of them, so a model whose second
         # tensor is malicious reads nothing at all.
         reads = [_validate_external(ref, folder, real_folder, label) for ref in refs]
+        for read in reads:
+            want = _declared_bytes(read.ref, label)
+            if want is not None and read.length != want:
+                raise _ref_error(
+                    label,
+                    read.ref,
+                    read.location,
+                    f"its dims {list(read.ref.tensor.dims)} need {want} bytes but the external data "
+                    f"holds {read.length}",
+                )
         for read in reads:
             _load_external(read, label)
     # Only a model checked from its own file with its own folder as base: the file-based
@@ -281,6 +300,158 @@ def _is_external(tensor: onnx.TensorProto) -> bool:
 
 def _location_of(tensor: onnx.TensorProto) -> str:
     return next((e.value for e in tensor.external_data if e.key == "location"), "")
+
+
+# --------------------------------------------------------------------------- declared sizes
+
+_T = onnx.TensorProto
+# Bits per element of the packed sub-byte types (raw_data packs them; ceil to whole bytes).
+_SUB_BYTE_BITS = {_T.INT4: 4, _T.UINT4: 4, _T.FLOAT4E2M1: 4, _T.FLOAT6E2M3: 6, _T.FLOAT6E3M2: 6}
+for _name in ("INT2", "UINT2"):  # onnx >= 1.23
+    if hasattr(_T, _name):
+        _SUB_BYTE_BITS[getattr(_T, _name)] = 2
+# Typed (non-raw) storage: which repeated field holds the elements and how many entries one
+# element takes. Types not listed (packed or newer) are checked through raw_data only.
+_TYPED_FIELD = {
+    _T.FLOAT: ("float_data", 1),
+    _T.COMPLEX64: ("float_data", 2),
+    _T.DOUBLE: ("double_data", 1),
+    _T.COMPLEX128: ("double_data", 2),
+    _T.INT64: ("int64_data", 1),
+    _T.UINT32: ("uint64_data", 1),
+    _T.UINT64: ("uint64_data", 1),
+    _T.STRING: ("string_data", 1),
+    **{
+        t: ("int32_data", 1)
+        for t in (
+            _T.INT32,
+            _T.INT16,
+            _T.INT8,
+            _T.UINT16,
+            _T.UINT8,
+            _T.BOOL,
+            _T.FLOAT16,
+            _T.BFLOAT16,
+            _T.FLOAT8E4M3FN,
+            _T.FLOAT8E4M3FNUZ,
+            _T.FLOAT8E5M2,
+            _T.FLOAT8E5M2FNUZ,
+        )
+    },
+}
+_DATA_FIELDS = ("float_data", "int32_data", "string_data", "int64_data", "double_data", "uint64_data")
+
+
+def _tensor_error(label: str, ref: _TensorRef, problem: str, field: str | None = None) -> ModelLoadError:
+    cure = f"; {how_to_raise(field)}" if field else ""
+    return ModelLoadError(f"{label}: tensor {ref.name!r} ({ref.where}): {problem}{cure}")
+
+
+def _declared_bytes(ref: _TensorRef, label: str, dims: list[int] | None = None) -> int | None:
+    """Bytes the tensor's dims and type promise (None for strings: no fixed element size)."""
+    t = ref.tensor
+    dims = list(t.dims) if dims is None else dims
+    if any(d < 0 for d in dims):
+        raise _tensor_error(label, ref, f"negative dim in {dims}")
+    numel = 1
+    for d in dims:
+        numel *= d
+    if t.data_type == _T.STRING:
+        return None
+    if t.data_type in _SUB_BYTE_BITS:
+        return -(-numel * _SUB_BYTE_BITS[t.data_type] // 8)
+    try:
+        itemsize = helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+    except (KeyError, ValueError, TypeError):
+        raise _tensor_error(label, ref, f"unknown data type {t.data_type}") from None
+    return numel * itemsize
+
+
+def _check_tensor_sizes(model: onnx.ModelProto, label: str, limits: LoadLimits) -> None:
+    """Check every stored tensor's declared size against the limits and against the data that
+    holds it, before anything is converted or read (an external tensor's length is checked
+    once its reference is validated, before it is read)."""
+    total = 0
+    for ref in _iter_tensors(model):
+        t = ref.tensor
+        nbytes = _declared_bytes(ref, label)
+        numel = 1
+        for d in t.dims:
+            numel *= d
+        size = nbytes if nbytes is not None else len(t.raw_data) + sum(len(x) for x in t.string_data)
+        if size > limits.max_tensor_bytes:
+            raise _tensor_error(
+                label,
+                ref,
+                f"dims {list(t.dims)} declare {fmt_bytes(size)}, over the limit of "
+                f"{fmt_bytes(limits.max_tensor_bytes)} for one tensor",
+                "max_tensor_bytes",
+            )
+        total += size
+        if total > limits.max_total_bytes:
+            raise _tensor_error(
+                label,
+                ref,
+                f"the file's tensors up to this one declare {fmt_bytes(total)}, over the limit of "
+                f"{fmt_bytes(limits.max_total_bytes)} for all tensors together",
+                "max_total_bytes",
+            )
+        if _is_external(t):
+            continue
+        # Inline data must hold exactly what the dims promise: fewer elements make numpy
+        # fail mid-conversion, and dims alone must never decide what we allocate.
+        if t.raw_data:
+            if nbytes is not None and len(t.raw_data) != nbytes:
+                raise _tensor_error(
+                    label,
+                    ref,
+                    f"dims {list(t.dims)} need {nbytes} bytes but raw_data holds {len(t.raw_data)}",
+                )
+            continue
+        field, per = _TYPED_FIELD.get(t.data_type, (None, 1))
+        if field is None:
+            continue
+        have = sum(len(getattr(t, f)) for f in _DATA_FIELDS)
+        if have != numel * per:
+            raise _tensor_error(
+                label,
+                ref,
+                f"dims {list(t.dims)} need {numel * per} {field} entries but the tensor holds {have}",
+            )
+    for ref in _iter_sparse(model):
+        dense = _declared_bytes(ref, label, list(ref.tensor.dims))
+        if dense is not None and dense > limits.max_tensor_bytes:
+            raise _tensor_error(
+                label,
+                ref,
+                f"sparse dims {list(ref.tensor.dims)} declare a dense tensor of {fmt_bytes(dense)}, over "
+                f"the limit of {fmt_bytes(limits.max_tensor_bytes)} for one tensor",
+                "max_tensor_bytes",
+            )
+
+
+def _iter_sparse(model: onnx.ModelProto) -> Iterator[_TensorRef]:
+    """The values tensor of every sparse tensor, paired with the sparse dense dims."""
+    graphs = [model.graph]
+    seen = 0
+    while seen < len(graphs):
+        g = graphs[seen]
+        seen += 1
+        for sp in g.sparse_initializer:
+            yield _sparse_ref(sp, f"sparse initializer of graph {g.name!r}")
+        for node in g.node:
+            for attr in node.attribute:
+                sparse = [attr.sparse_tensor] if attr.HasField("sparse_tensor") else []
+                for sp in [*sparse, *attr.sparse_tensors]:
+                    yield _sparse_ref(sp, f"attribute {attr.name!r} of node {node.name or node.op_type!r}")
+                graphs.extend([attr.g] if attr.HasField("g") else [])
+                graphs.extend(attr.graphs)
+
+
+def _sparse_ref(sp: onnx.SparseTensorProto, where: str) -> _TensorRef:
+    # A TensorProto carrying the dense dims and the values' type, for _declared_bytes.
+    dense = onnx.TensorProto(data_type=sp.values.data_type, dims=list(sp.dims), name=sp.values.name)
+    return _TensorRef(dense, sp.values.name or "<sparse>", where)
 
 
 # --------------------------------------------------------------------------- validation

@@ -65,8 +65,10 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """' (did you mean 'x'?)' or '' — appended to errors about unknown names."""
-    choices = list(choices)
-    close = [c for c in choices if c.lower() == word.lower() and c != word]
+    # The word itself is never a suggestion: when it is among the choices, the caller refused
+    # it for another reason and must say so (suggesting it back reads as nonsense).
+    choices = [c for c in choices if c != word]
+    close = [c for c in choices if c.lower() == word.lower()]
     close += [c for c in difflib.get_close_matches(word, choices, n=3, cutoff=0.6) if c not in close]
     if not close:
         return ""
@@ -265,6 +267,15 @@ class Program:
     @property
     def loss(self) -> Var:
         if self.loss_name is None:
+            pl = self.pipeline
+            if pl is not None and pl.loss is not None:
+                # A pipeline stage other than the last: the loss exists, just elsewhere.
+                last = pl.num_stages - 1
+                raise ValueError(
+                    f"program {self.name!r} is stage {pl.stage} of a {pl.num_stages}-stage pipeline and "
+                    f"has no loss: the loss {pl.loss!r} is computed on the last stage (stage {last}); "
+                    f"use that stage's program (the worker running stage {last} fetches it)"
+                )
             raise ValueError(f"program {self.name!r} has no loss")
         return self.var(self.loss_name)
 

@@ -18,20 +18,142 @@
   of the exporter with one) is dropped.
 
 Random ops are never folded.
+
+Folding runs kernels on values the file chose, so no kernel runs unbounded: every torch op a
+folding kernel calls is first run on the meta device (shapes only, nothing allocated) and
+its output size checked. Over ``FOLD_SCRATCH_BYTES`` the op is simply not folded (it runs
+at run time like any op); over ``metaopt.limits`` ``max_constant_bytes`` the load fails
+with a `ConstantTooLarge` naming the op: a value computed from constants alone that large
+is the file decompressing itself (a 150-byte ``ConstantOfShape([28000, 28000])``).
 """
 
 from __future__ import annotations
 
-import torch
+import math
 
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from metaopt import limits as _limits
 from metaopt.ir import Op, Program, Var, dtype_name, names, torch_dtype
 from metaopt.ops import registry
 from metaopt.ops.registry import ShapeArgs
 
 MAX_FOLDED_NUMEL = 1 << 12
+# Bytes one torch op inside a folding kernel may allocate; a larger one means the folded
+# value would be over MAX_FOLDED_NUMEL anyway (or the kernel is doing work we would rather
+# do at run time), so the fold is abandoned before that allocation happens.
+FOLD_SCRATCH_BYTES = 16 << 20
+
+
+class ConstantTooLarge(ValueError):
+    """A value computed at import from constants alone is over `LoadLimits.max_constant_bytes`."""
+
+
+class _Abandon(Exception):
+    """Raised inside a folding kernel: do not fold this op (carries the size that stopped it)."""
+
+    def __init__(self, nbytes: int | None, what: str) -> None:
+        super().__init__(what)
+        self.nbytes, self.what = nbytes, what
+
+
+# Torch ops with no meta kernel because their output size depends on the data. Each one's
+# output is bounded by its inputs (which are already bounded), so they may run for real;
+# any other op without a meta kernel abandons the fold.
+_DATA_DEPENDENT_BOUNDED = frozenset(
+    {
+        "aten::_local_scalar_dense",
+        "aten::nonzero",
+        "aten::masked_select",
+        "aten::_unique2",
+        "aten::unique_dim",
+        "aten::unique_consecutive",
+        "aten::equal",
+        "aten::is_nonzero",
+    }
+)
+
+
+def _to_meta(x: object) -> object:
+    if isinstance(x, torch.Tensor):
+        return torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device="meta")
+    if isinstance(x, torch.device):
+        return torch.device("meta")
+    return x
+
+
+class _SizeGuard(TorchDispatchMode):
+    """Run each torch op on meta first; refuse the real run if its output is too large."""
+
+    def __init__(self, scratch: int, hard: int) -> None:
+        super().__init__()
+        self.scratch, self.hard = scratch, hard
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        nbytes = self._output_bytes(func, args, kwargs)
+        if nbytes is None:
+            if func._schema.name not in _DATA_DEPENDENT_BOUNDED:
+                raise _Abandon(None, f"{func} has no shape-only (meta) form")
+        elif nbytes > self.scratch:
+            raise _Abandon(nbytes, str(func))
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _output_bytes(func, args, kwargs) -> int | None:  # noqa: ANN001
+        meta_kwargs = dict(kwargs)
+        if "device" in meta_kwargs:
+            meta_kwargs["device"] = torch.device("meta")
+        try:
+            out = func(*tree_map(_to_meta, args), **tree_map(_to_meta, meta_kwargs))
+        except Exception:  # no meta kernel, or a data-dependent size: decided by the caller
+            return None
+        if func.is_view:
+            return 0  # a view allocates nothing; what reads it is checked in turn
+        aliased = [r.alias_info is not None for r in func._schema.returns]
+        outs = out if isinstance(out, (tuple, list)) else [out]
+        total = 0
+        for i, t in enumerate(tree_flatten(outs)[0]):
+            if isinstance(t, torch.Tensor) and not (i < len(aliased) and aliased[i]):
+                total += t.numel() * t.element_size()
+        return total
+
+
+def _resize_bytes(op: Op, args: list) -> int | None:
+    """Resize/Upsample compute coordinate tables in numpy, out of the guard's sight: their
+    output size from the input shape and the scales/sizes values, before the kernel runs."""
+    x = args[0]
+    if x is None:
+        return None
+    if op.type == "Upsample":
+        scales, sizes = (args[1] if len(args) > 1 else None), None
+    else:
+        scales = args[2] if len(args) > 2 else None
+        sizes = args[3] if len(args) > 3 else None
+    axes = op.attrs.get("axes") or list(range(x.dim()))
+    out = list(x.shape)
+    if sizes is not None and sizes.numel():
+        values = [int(v) for v in sizes.reshape(-1).tolist()]
+        for a, v in zip(axes, values, strict=False):
+            out[a] = max(v, 0)
+    elif scales is not None and scales.numel():
+        values = [float(v) for v in scales.reshape(-1).tolist()]
+        for a, v in zip(axes, values, strict=False):
+            if not math.isfinite(v) or v < 0:
+                return None
+            out[a] = math.floor(out[a] * v)
+    return math.prod(out) * x.element_size()
+
+
+_PRE_SIZE = {"Resize": _resize_bytes, "Upsample": _resize_bytes}
 
 
 def fold_constants(p: Program, *, max_numel: int = MAX_FOLDED_NUMEL) -> Program:
+    """Evaluate what is static (module doc). Raises ConstantTooLarge (naming the op) when a
+    value computed from constants alone would be over the active load limits'
+    ``max_constant_bytes``, before allocating it."""
     q = p.clone()
     consts = {v.name: q.values[v.name] for v in q.vars.values() if v.kind == "constant"}
     shapes: dict[str, tuple[list, bool]] = {}  # var -> (dims, is_scalar) of a shape value
@@ -76,7 +198,31 @@ def _fold(q: Program, op: Op, consts: dict[str, torch.Tensor], max_numel: int) -
         kw["_nout"] = len(op.outputs)
     if row.needs_device:
         kw["_device"] = torch.device("cpu")
-    out = row.kernel(*args, **kw)
+    hard = _limits.active().max_constant_bytes
+    pre = _PRE_SIZE.get(op.type)
+    try:
+        nbytes = pre(op, args) if pre is not None else 0
+        if nbytes is None:
+            return None
+        if nbytes > FOLD_SCRATCH_BYTES:
+            raise _Abandon(nbytes, op.type)
+        with _SizeGuard(min(FOLD_SCRATCH_BYTES, hard), hard):
+            out = row.kernel(*args, **kw)
+        # A view (Expand) allocated nothing yet, but the value it stands for is what the
+        # program would hold: the limit is on that, whatever the kernel's trick.
+        flat = out if isinstance(out, (tuple, list)) else [out]
+        biggest = max((t.numel() * t.element_size() for t in flat if t is not None), default=0)
+        if biggest > hard:
+            raise _Abandon(biggest, "its output")
+    except _Abandon as stop:
+        if stop.nbytes is not None and stop.nbytes > hard:
+            raise ConstantTooLarge(
+                f"op {op.type} (outputs {op.outputs}{f', module {op.scope!r}' if op.scope else ''}) "
+                f"computes a value from constants alone that needs {_limits.fmt_bytes(stop.nbytes)} "
+                f"({stop.what}), over the limit of {_limits.fmt_bytes(hard)} for a constant "
+                f"computed at load; {_limits.how_to_raise('max_constant_bytes')}"
+            ) from None
+        return None
     outs = list(out) if isinstance(out, (tuple, list)) else [out]
     if any(t is not None and t.numel() > max_numel for t in outs):
         return None

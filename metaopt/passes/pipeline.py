@@ -324,6 +324,16 @@ def _resolve_cuts(p: Program, cuts: list[str], fwd: list[int], n_virtual: int) -
             out.append((c, starts[c]))
         elif c in producers and producers[c] in fwd_set:
             out.append((c, producers[c]))
+        elif c in p.vars:
+            # A real var that no forward op produces: say what it is instead of a did-you-mean.
+            v = p.vars[c]
+            made_by = "produced by no op"
+            if c in producers:
+                made_by = f"produced by a {p.ops[producers[c]].role} op"
+            raise PipelineError(
+                f"pipeline_configs['cuts']: {c!r} is a {v.kind} var {made_by}; a cut is a module path "
+                "or an activation the forward produces (the first op of the new stage is its producer)"
+            )
         else:
             hint = did_you_mean(c, [*starts, *p.vars])
             raise PipelineError(

@@ -1,0 +1,94 @@
+"""How much memory an ONNX file may make `metaopt.load` allocate: the documented load limits.
+
+A model file is small; what it *describes* can be huge. A 150-byte file can declare a
+``ConstantOfShape([28000, 28000])`` that constant folding would compute at import (3 GB),
+an initializer whose dims promise 10^12 elements, or a ``Range(0, 4e8)`` that makes onnx's
+shape-inference data propagation build 4e8 protobuf dims. Every such size is computed from
+the file's shapes and values *before* anything of that size is allocated, and checked here.
+
+The defaults admit every model the zoo exports (the largest tensor a real checkpoint holds is
+an embedding table, a few GiB at most) and refuse the decompression bombs. Raise them for
+one call with ``metaopt.load(path, limits=LoadLimits(max_constant_bytes=2**31))``, or for the
+process by assigning to ``metaopt.limits.LIMITS`` (or its fields).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+@dataclass
+class LoadLimits:
+    """Upper bounds on what loading one ONNX file may allocate (bytes unless said otherwise)."""
+
+    # One tensor stored in the file: an initializer, a tensor attribute (a Constant's value),
+    # external data. Inline tensors cannot exceed protobuf's 2 GiB anyway; this bounds external
+    # data (a sparse file can claim terabytes while taking no disk) and dims that promise more
+    # elements than the data holds.
+    max_tensor_bytes: int = 16 * GiB
+    # All stored tensors together.
+    max_total_bytes: int = 64 * GiB
+    # One value computed at import from constants alone (constant folding): such a value does not
+    # depend on any input, so a large one is the file decompressing itself. 256 MiB holds any
+    # causal mask or position table a real model builds from constants (2048 x 2048 float32 is
+    # 16 MiB) and refuses the 3 GB ConstantOfShape bomb.
+    max_constant_bytes: int = 256 * MiB
+    # Elements of rank-0/1 values that onnx's shape inference with data propagation may turn
+    # into protobuf dims (about 140 bytes each, measured on onnx 1.23): above it, or when a length
+    # cannot be known before propagation, shape inference runs without data propagation (the
+    # load still succeeds; some dims stay symbolic).
+    max_shape_data: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"LoadLimits.{name} must be a non-negative int, got {value!r}")
+
+
+# The process-wide limits `metaopt.load` uses when no `limits=` is given.
+LIMITS = LoadLimits()
+
+
+def how_to_raise(field: str) -> str:
+    """The sentence every limit error ends with: which knob, and both ways to turn it."""
+    return (
+        f"if the file is trusted, raise the limit: metaopt.load(..., limits=LoadLimits({field}=...)) "
+        f"or metaopt.limits.LIMITS.{field} = ..."
+    )
+
+
+def fmt_bytes(n: int) -> str:
+    """'3.1 GiB (3136000000 bytes)': readable and exact."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit} ({n} bytes)"
+    return f"{n} bytes"
+
+
+_ACTIVE: contextvars.ContextVar[LoadLimits | None] = contextvars.ContextVar("load_limits", default=None)
+
+
+def active() -> LoadLimits:
+    """The limits of the load in progress (`metaopt.load(limits=...)`), else `LIMITS`.
+
+    A context variable rather than a parameter threaded through every import step: the
+    steps (constant folding among them) keep the `Program -> Program` signature the import
+    pipeline calls them with."""
+    return _ACTIVE.get() or LIMITS
+
+
+@contextlib.contextmanager
+def using(limits: LoadLimits | None) -> Iterator[LoadLimits]:
+    """Make `limits` (None: `LIMITS`) the active ones for the block."""
+    chosen = limits or LIMITS
+    token = _ACTIVE.set(chosen)
+    try:
+        yield chosen
+    finally:
+        _ACTIVE.reset(token)
