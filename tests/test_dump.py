@@ -19,7 +19,7 @@ def test_dump_after_every_pass(tmp_path, monkeypatch):
         "repair_training",
         "fold_constants",
         "dead_code",
-        "fuse_linear",
+        "fuse",
         "readable_names",
         "append_backward",
         "apply_optimizer",

@@ -100,9 +100,91 @@ def embedding() -> onnx.FunctionProto:
     )
 
 
-_FUNCTIONS = {"BatchNormTraining": batch_norm_training, "Embedding": embedding, "Linear": linear}
+def linear_cross_entropy() -> onnx.FunctionProto:
+    """The fused LM head + loss, unchunked: Gemm(x as [N, H], W, b) -> SoftmaxCrossEntropyLoss
+    (`chunk_size` only bounds our kernel's memory; the value is the same)."""
+    n = helper.make_node
+    gemm = n("Gemm", ["x2", "weight", "bias"], ["logits"])
+    gemm.attribute.append(_ref("transB", "transB", onnx.AttributeProto.INT))
+    sce = n("SoftmaxCrossEntropyLoss", ["logits", "y"], ["loss"])
+    sce.attribute.append(_ref("ignore_index", "ignore_index", onnx.AttributeProto.INT))
+    sce.attribute.append(_ref("reduction", "reduction", onnx.AttributeProto.STRING))
+    nodes = [
+        n("Shape", ["x"], ["h"], start=-1),
+        _const("minus1", value=helper.make_tensor("", onnx.TensorProto.INT64, [1], [-1])),
+        n("Concat", ["minus1", "h"], ["x2_shape"], axis=0),
+        n("Reshape", ["x", "x2_shape"], ["x2"]),
+        n("Reshape", ["labels", "minus1"], ["y"]),
+        gemm,
+        sce,
+    ]
+    return helper.make_function(
+        DOMAIN,
+        "LinearCrossEntropy",
+        ["x", "weight", "labels", "bias"],
+        ["loss"],
+        nodes,
+        [helper.make_opsetid("", 20)],
+        attributes=["ignore_index", "reduction", "chunk_size", "transB"],
+    )
+
+
+def _attention(inputs: list[str], nodes: list[onnx.NodeProto], overload: str = "") -> onnx.FunctionProto:
+    node = helper.make_node("Attention", [*inputs[:3], "mask_q"] if len(inputs) > 3 else inputs, ["y"])
+    node.attribute.append(_ref("scale", "scale", onnx.AttributeProto.FLOAT))
+    f = helper.make_function(
+        DOMAIN,
+        "ScaledDotProductAttention",
+        inputs,
+        ["y"],
+        [*nodes, node],
+        [helper.make_opsetid("", 23)],
+        attributes=["scale", "dropout_p"],
+    )
+    f.overload = overload
+    return f
+
+
+def scaled_dot_product_attention() -> list[onnx.FunctionProto]:
+    """The fused attention's output y: ONNX `Attention` (opset 23) on 4-D Q, K, V with the op's
+    scale. Two overloads (IR 10), as a function body cannot test for an omitted input: the plain
+    one, and ``"masked"`` (`overload_of`), whose additive or bool mask is first expanded over the
+    query positions (ONNX Runtime's Attention refuses a (batch, 1, 1, keys) padding mask that the
+    spec lets broadcast). Dropout on the probabilities is a training op (ONNX Runtime drops
+    Dropout at inference too); the outputs only our backward reads (log-sum-exp, probabilities,
+    mask) are not defined here, so a file whose node uses them runs on our executor only."""
+    n = helper.make_node
+    expand = [
+        n("Shape", ["q"], ["sq"], start=2, end=3),
+        n("Shape", ["k"], ["sk"], start=2, end=3),
+        _const("ones", value=helper.make_tensor("", onnx.TensorProto.INT64, [2], [1, 1])),
+        n("Concat", ["ones", "sq", "sk"], ["full"], axis=0),
+        n("Expand", ["attn_mask", "full"], ["mask_q"]),
+    ]
+    return [_attention(["q", "k", "v"], []), _attention(["q", "k", "v", "attn_mask"], expand, "masked")]
+
+
+def overload_of(op_type: str, inputs: list[str]) -> str:
+    """The function overload a saved node of `op_type` with these inputs calls ("" = the plain one)."""
+    if op_type == "ScaledDotProductAttention" and len(inputs) > 3 and inputs[3]:
+        return "masked"
+    return ""
+
+
+_FUNCTIONS = {
+    "BatchNormTraining": batch_norm_training,
+    "Embedding": embedding,
+    "Linear": linear,
+    "LinearCrossEntropy": linear_cross_entropy,
+    "ScaledDotProductAttention": scaled_dot_product_attention,
+}
 
 
 def for_ops(op_types: set[str]) -> list[onnx.FunctionProto]:
     """Functions for the given metaopt op types; an op without one cannot be saved runnable."""
-    return [_FUNCTIONS[t]() for t in sorted(op_types) if t in _FUNCTIONS]
+    out: list[onnx.FunctionProto] = []
+    for t in sorted(op_types):
+        if t in _FUNCTIONS:
+            made = _FUNCTIONS[t]()
+            out += made if isinstance(made, list) else [made]
+    return out

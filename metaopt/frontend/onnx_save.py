@@ -84,6 +84,10 @@ def to_model_proto(p: Program, values: Mapping[str, torch.Tensor] | None = None)
         used_domains.add(domain)
         node = helper.make_node(op.type, list(op.inputs), list(op.outputs), name=f"op{i}", domain=domain)
         node.attribute.extend(_attr(k, a) for k, a in op.attrs.items())
+        if domain == DOMAIN:
+            from metaopt.frontend import onnx_functions
+
+            node.overload = onnx_functions.overload_of(op.type, list(op.inputs))
         for k, a in op.attrs.items():
             # ONNX float attributes are float32; keep the exact value for our own import.
             if isinstance(a, float) and float(np.float32(a)) != a and a == a:
@@ -122,6 +126,7 @@ def to_model_proto(p: Program, values: Mapping[str, torch.Tensor] | None = None)
         functions = onnx_functions.for_ops(
             {op.type for op in p.ops if registry.get(op.type).domain == DOMAIN}
         )
+    _one_default_opset(opsets, functions)
     model = helper.make_model(graph, opset_imports=opsets, functions=functions, producer_name="metaopt")
     model.ir_version = IR_VERSION
     if p.modules:
@@ -134,6 +139,16 @@ def to_model_proto(p: Program, values: Mapping[str, torch.Tensor] | None = None)
         model.metadata_props.add(key=GRADIENT_MERGE_KEY, value=str(p.gradient_merge))
     return model
 
+
+
+def _one_default_opset(opsets: list, functions: list) -> None:
+    """ONNX Runtime runs a function body at the model's default-domain opset: the model and every
+    function get the highest any function needs (the fused attention's body is ONNX Attention,
+    opset 23; the others are written for OPSET and mean the same at 23)."""
+    need = max([OPSET, *(o.version for f in functions for o in f.opset_import if o.domain == "")])
+    for o in [*opsets, *(o for f in functions for o in f.opset_import)]:
+        if o.domain == "":
+            o.version = need
 
 def save(p: Program, path: str | os.PathLike, values: Mapping[str, torch.Tensor] | None = None) -> None:
     """Write `p` as an ONNX file, atomically (temp file + rename)."""

@@ -98,6 +98,47 @@ def _div(g, op, dy):
     return [da, db]
 
 
+@grad_rule("Pow")
+def _pow(g, op, dy):
+    # A constant scalar exponent (x**3 of the tanh GELU, x**2 of a variance): torch's scalar
+    # form, n * x**(n-1), without the log(x) term and where() of the tensor-exponent backward.
+    x, y = op.inputs
+    n = g.constant_value(y)
+    if g.needs(1) or not isinstance(n, (int, float)) or isinstance(n, bool):
+        return g.vjp(op, dy)
+    if g.shape(op.outputs[0]) != g.shape(x) or g.dtype(op.outputs[0]) != g.dtype(x):
+        return g.vjp(op, dy)
+    return [g.emit1("PowGrad", [dy[0], x], like=x, exponent=float(n)), None]
+
+
+@grad_rule("Sqrt")
+def _sqrt(g, op, dy):
+    # torch: grad / (2 * result), from the saved output.
+    y = op.outputs[0]
+    two_y = g.emit1("Mul", [y, g.const(2.0, g.dtype(y))], like=y)
+    return [g.emit1("Div", [dy[0], two_y], like=op.inputs[0])]
+
+
+@grad_rule("Exp")
+def _exp(g, op, dy):
+    return [g.emit1("Mul", [dy[0], op.outputs[0]], like=op.inputs[0])]
+
+
+@grad_rule("Log")
+def _log(g, op, dy):
+    return [g.emit1("Div", [dy[0], op.inputs[0]], like=op.inputs[0])]
+
+
+@grad_rule("Where")
+def _where(g, op, dy):
+    # torch: where(cond, grad, 0) and where(cond, 0, grad), each summed to its input's shape.
+    cond, a, b = op.inputs
+    zero = g.const(0.0, g.dtype(dy[0]))
+    da = g.unbroadcast(g.emit1("Where", [cond, dy[0], zero], like=dy[0]), a) if g.needs(1) else None
+    db = g.unbroadcast(g.emit1("Where", [cond, zero, dy[0]], like=dy[0]), b) if g.needs(2) else None
+    return [None, da, db]
+
+
 @grad_rule("Neg")
 def _neg(g, op, dy):
     return [g.emit1("Neg", [dy[0]], like=op.inputs[0])]

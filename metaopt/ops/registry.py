@@ -120,9 +120,9 @@ class OpDef:
     static_target: Callable[[dict, tuple, tuple | None], tuple[list[int], dict] | None] | None = field(
         default=None, compare=False
     )
-    # Fold this op and neighbours into one op (passes/fuse_linear.py; MatMul: torch's exported
-    # Linear): (program, op index, producers, consumers) -> (indices of the other ops it
-    # absorbs, the op replacing this one) or None.
+    # Fold this op and neighbours into one op (passes/fuse.py applies every row's rule; MatMul:
+    # torch's exported Linear; Tanh / Erf: the GELU chains): (program, op index, producers,
+    # consumers) -> (indices of the other ops it absorbs, the op replacing this one) or None.
     fuse: Callable[..., tuple[list[int], Any] | None] | None = field(default=None, compare=False)
     # The import-time repair the op needs when its module is exported in train mode (torch's
     # exporter loses training semantics; frontend/repair.py): "training_mode_input" (Dropout:

@@ -90,8 +90,11 @@ def test_batchnorm_buffers_are_persistable_and_updated_like_torch():
 def test_dropout_stays_random_and_seeded():
     _, _, program = exported("bert", dropout=0.5)
     drops = [op for op in program.ops if op.type == "Dropout"]
-    # embeddings + per layer (attention probs inside SDPA, attention output, FFN output)
-    assert len(drops) == 1 + 3 * 2
+    # embeddings + per layer (attention output, FFN output); the attention probabilities'
+    # dropout lives inside each layer's fused ScaledDotProductAttention
+    assert len(drops) == 1 + 2 * 2
+    fused = [op for op in program.ops if op.type == "ScaledDotProductAttention"]
+    assert len(fused) == 2 and all(abs(op.attrs["dropout_p"] - 0.5) < 1e-7 for op in fused)
     assert all(
         program.vars[op.inputs[2]].kind == "constant" and bool(program.values[op.inputs[2]]) for op in drops
     )

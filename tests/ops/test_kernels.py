@@ -52,6 +52,7 @@ def test_table_rows_flags() -> None:
             "RandomUniformLike",
             "Bernoulli",
             "Multinomial",
+            "ScaledDotProductAttention",  # dropout on the probabilities inside the fused op
         }
     )
     for op in (

@@ -1,4 +1,4 @@
-"""The import-time passes: fold_constants, dead_code, fuse_linear (each pure Program -> Program)."""
+"""The import-time passes: fold_constants, dead_code, fuse (each pure Program -> Program)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import metaopt
 from metaopt.ir import Op, Program, Var
 from metaopt.passes.dead_code import dead_code
 from metaopt.passes.fold_constants import fold_constants
-from metaopt.passes.fuse_linear import fuse_linear
+from metaopt.passes.fuse import fuse
 
 
 def _base(shape=("batch", 4, 8)) -> Program:
@@ -61,7 +61,7 @@ def test_dead_code_keeps_random_ops_and_outputs():
     assert "a" not in q.vars
 
 
-def test_fuse_linear_only_params_with_bias():
+def test_fuse_folds_linear_only_params_with_bias():
     p = _base()
     p.add_var(Var("W", "float32", (16, 8), kind="param", trainable=True), torch.randn(16, 8))
     p.add_var(Var("b", "float32", (16,), kind="param", trainable=True), torch.randn(16))
@@ -82,7 +82,7 @@ def test_fuse_linear_only_params_with_bias():
         Op("MatMul", ["x", "vt"], ["z"]),  # no bias: left alone
     ]
     p.outputs = ["y", "z"]
-    q = fuse_linear(p)
+    q = fuse(p)
     assert [op.type for op in q.ops] == ["Linear", "Transpose", "MatMul"]
     assert q.ops[0].inputs == ["x", "W", "b"] and q.ops[0].outputs == ["y"] and q.ops[0].scope == "fc"
     assert "wt" not in q.vars and "xw" not in q.vars
@@ -94,9 +94,9 @@ def test_fuse_linear_only_params_with_bias():
     np.testing.assert_array_equal(a[1], b[1])
 
 
-def test_fuse_linear_nothing_to_do():
+def test_fuse_nothing_to_do():
     p = _base()
     p.add_var(Var("y", "float32", ("batch", 4, 8)))
     p.ops = [Op("Relu", ["x"], ["y"])]
     p.outputs = ["y"]
-    assert str(fuse_linear(p)) == str(p)
+    assert str(fuse(p)) == str(p)

@@ -43,10 +43,11 @@ def train_torch(name: str, make_opt, batches, steps: int):
     module = programs.get(name).build("tiny", seed=0, dropout=0.0)
     opt = make_opt(module.parameters())
     losses = []
-    # torch's math attention backend computes what the exported (decomposed) attention
-    # computes; the fused CPU kernel rounds differently (~1e-8 in grads, which Adam's
-    # per-element normalisation amplifies). Same module, same math, same torch.optim.
-    with sdpa_kernel(SDPBackend.MATH):
+    # The importer fuses the exported attention into ScaledDotProductAttention, which runs
+    # torch's fused CPU flash kernels (forward and backward) at dropout 0: the reference runs
+    # SDPA on that backend too (the math backend rounds differently, ~1e-8 in grads, which
+    # Adam's per-element normalisation amplifies). Same module, same kernels, same torch.optim.
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         for step in range(steps):
             opt.zero_grad()
             loss = module(*batches[step])

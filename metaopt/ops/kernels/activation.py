@@ -8,9 +8,14 @@ those nodes (Flatten -> op(axis=-1) -> Reshape) or refuse them.
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
+from metaopt.ops import patterns
+from metaopt.ops.kernels.attention import fuse_attention
 from metaopt.ops.registry import register
 
 # ONNX's Selu defaults are the float32 roundings of torch's constants.
@@ -56,7 +61,73 @@ def softplus(X: torch.Tensor) -> torch.Tensor:
 
 @register("Gelu")
 def gelu(X: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """ONNX opset-20 Gelu (torch's nn.GELU / F.gelu export as this op directly); the exported
+    elementwise chains of the tanh and erf GELU fuse into it (the Tanh and Erf rows' `fuse`)."""
     return F.gelu(X, approximate=approximate)
+
+
+# The tanh GELU's argument is c*(x + k*x**3), the erf GELU's x/sqrt(2); both end in 0.5*x*(1 + f).
+_TANH_C = math.sqrt(2.0 / math.pi)
+_TANH_K = 0.044715
+
+
+def fuse_tanh_gelu(q: Any, i: int, producer: dict[str, int], consumers: dict[str, list[int]]):
+    """Tanh's `fuse` rule: ``0.5*x*(1 + tanh(sqrt(2/pi)*(x + 0.044715*x**3)))`` (HF's gelu_new,
+    GPT-2's NewGELUActivation, gelu_fast, BLOOM's bias GELU: any association order and spelling
+    of x**3) is ``Gelu(x, approximate="tanh")``."""
+    return _fuse_gelu(q, i, producer, consumers, {1: _TANH_C, 3: _TANH_C * _TANH_K}, "tanh")
+
+
+def fuse_erf_gelu(q: Any, i: int, producer: dict[str, int], consumers: dict[str, list[int]]):
+    """Erf's `fuse` rule: ``0.5*x*(1 + erf(x/sqrt(2)))`` (HF's gelu_python) is ``Gelu(x)``."""
+    return _fuse_gelu(q, i, producer, consumers, {1: 1.0 / math.sqrt(2.0)}, "none")
+
+
+def _fuse_gelu(q, i, producer, consumers, inner: dict[int, float], approximate: str):
+    """The anchor op `i` (Tanh / Erf) applied to the polynomial `inner` (degree -> coefficient)
+    of one value x, inside 0.5*x*(1 + anchor): (absorbed ops, the Gelu op) or None. Every
+    intermediate value must have one reader (patterns.polynomial walks only such values)."""
+    from metaopt.ir import Op
+
+    anchor = q.ops[i]
+    arg = patterns.polynomial(q, anchor.inputs[0], i, producer, consumers)
+    if arg is None or len(arg.atoms()) != 1:
+        return None
+    (x,) = arg.atoms()
+    if not patterns.close(arg.poly, {patterns.term((x, n)): c for n, c in inner.items()}):
+        return None
+    out = _gelu_output(q, anchor.outputs[0], x, producer, consumers)
+    if out is None:
+        return None
+    final, chain = out
+    xv, yv = q.vars[x], q.vars[final]
+    if xv.dtype not in patterns.FLOAT_DTYPES or (xv.dtype, xv.shape) != (yv.dtype, yv.shape):
+        return None  # a constant broadcast the value to another shape, or cast it
+    fused = Op(
+        "Gelu",
+        [x],
+        [final],
+        {"approximate": approximate},
+        role=anchor.role,
+        scope=q.ops[producer[final]].scope,
+    )
+    return sorted((arg.ops | chain.ops) - {i}), fused
+
+
+def _gelu_output(q, t: str, x: str, producer, consumers, steps: int = 4):
+    """Follow the anchor's output `t` through its lone readers to the value 0.5*x*(1 + t):
+    (that value's name, the chain computing it from x and t) or None."""
+    want = {patterns.term((x, 1)): 0.5, patterns.term((x, 1), (t, 1)): 0.5}
+    name = t
+    for _ in range(steps):
+        readers = consumers.get(name, [])
+        if len(readers) != 1 or q.ops[readers[0]].type not in patterns.ARITHMETIC:
+            return None
+        name = q.ops[readers[0]].outputs[0]
+        chain = patterns.polynomial(q, name, None, producer, consumers)
+        if chain is not None and patterns.close(chain.poly, want):
+            return name, chain
+    return None
 
 
 @register("ThresholdedRelu")
@@ -86,7 +157,8 @@ def swish(X: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
     return X * torch.sigmoid(alpha * X)
 
 
-@register("Softmax", amp="black")
+# fuse: the exporter's decomposed attention around it -> ScaledDotProductAttention (attention.py)
+@register("Softmax", amp="black", fuse=fuse_attention)
 def softmax(input: torch.Tensor, axis: int = -1) -> torch.Tensor:
     return torch.softmax(input, axis)
 

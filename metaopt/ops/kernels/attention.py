@@ -9,10 +9,13 @@ between Q and K, softcap, a fully masked row giving zeros instead of NaN, the op
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from metaopt.ir.dtypes import torch_dtype_from_onnx
+from metaopt.ops import patterns
 from metaopt.ops.registry import register
 
 _MODE_WITH_BIAS = 2
@@ -45,8 +48,6 @@ def _per_batch(bias: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
     return bias + (extra.unsqueeze(1) if extra.dim() == 3 else extra)
 
 
-# aliases: the present key/value are K, V when there is no past
-@register("Attention", needs_outputs=True, aliases=((1, 1), (2, 2)), amp="white")
 def attention(
     Q: torch.Tensor,
     K: torch.Tensor,
@@ -168,3 +169,432 @@ def rotary_embedding(
         rot = torch.cat((real, imag), -1)
     out = torch.cat((rot, rest), -1)
     return out.reshape(shape) if X.dim() == 3 else out.transpose(1, 2)
+
+
+# --------------------------------------------------------------------------- fused attention
+#
+# `ScaledDotProductAttention` (ours) is softmax(scale * Q K^T + mask) V with dropout on the
+# probabilities, one op in place of the exporter's decomposition (MatMul, scale, mask Add, Softmax,
+# the safe-softmax IsNaN/Where, Dropout, MatMul) and of simple ONNX `Attention` ops. What it saves
+# for its backward depends on dropout, the same choice `F.scaled_dot_product_attention` makes:
+#
+# * dropout_p == 0: the flash form. The forward keeps only the row log-sum-exp (LSE, b x h x sq);
+#   the backward recomputes the probabilities from Q, K and LSE (on CPU torch's fused flash
+#   kernels, `_scaled_dot_product_flash_attention_for_cpu[_backward]`, which SDPA itself picks
+#   there). No b x h x sq x sk tensor outlives the op.
+# * dropout_p > 0: torch has no fused CPU kernel with dropout (SDPA falls back to its math path),
+#   so the op runs that math once, in place where it can, and saves the probabilities and the
+#   dropout mask (the unfused program holds those plus the dropped probabilities and the masked
+#   scores). The mask is drawn by `torch.native_dropout` on the probabilities, exactly as the
+#   Dropout op draws it, so a fused program draws the same masks as the unfused one.
+#
+# RNG: the row is `random=True`, so recompute records the generator state before the op
+# (RngState) and replays it around the recomputed copy (RngReplay, ops/kernels/rng.py): the mask is
+# bit-identical on CPU. On CUDA RngReplay restores the whole CUDA generator state, i.e. the
+# philox seed and offset native_dropout draws from; a future CUDA path through
+# `_scaled_dot_product_efficient_attention` (dropout inside the kernel) takes its philox seed and
+# offset from that same generator, so the replay covers it too, and its backward must then get the
+# returned philox_seed / philox_offset as saved outputs (not written: no CUDA here to test it).
+
+_SDPA = "ScaledDotProductAttention"
+
+
+def _mask4(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """An attention mask as the additive 4-D float mask the kernels take (bool: True attends)."""
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        mask = _bias_mask(mask, dtype)
+    elif mask.dtype != dtype:
+        mask = mask.to(dtype)
+    while mask.dim() < 4:  # right-aligned broadcasting, as ONNX Add does
+        mask = mask.unsqueeze(0)
+    return mask
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """scale * Q K^T + mask as one BLAS call with the mask as its addend (baddbmm on 3-D views)."""
+    b, h, sq, d = q.shape
+    sk = k.shape[2]
+    q3, k3 = q.reshape(b * h, sq, d), k.reshape(b * h, sk, d)
+    if mask is None:
+        return torch.bmm(q3, k3.transpose(1, 2)).mul_(scale).reshape(b, h, sq, sk)
+    m3 = mask.expand(b, h, sq, sk).reshape(b * h, sq, sk)
+    return torch.baddbmm(m3, q3, k3.transpose(1, 2), alpha=scale).reshape(b, h, sq, sk)
+
+
+def _wide(s: torch.Tensor) -> torch.Tensor:
+    """Scores for the log-sum-exp: float32 for half types (as the flash kernels accumulate)."""
+    return s.float() if s.dtype in (torch.float16, torch.bfloat16) else s
+
+
+def _flash_cpu(q: torch.Tensor) -> bool:
+    """Use torch's fused CPU flash kernels (else the same algorithm in torch ops, any device)."""
+    return q.device.type == "cpu"
+
+
+def _dead_rows(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Rows whose every key is masked out (-inf): SDPA's safe softmax gives them zeros, not NaN."""
+    if mask is None or mask.dtype == torch.bool or not mask.is_floating_point():
+        return None
+    dead = torch.isneginf(mask).all(-1, keepdim=True)
+    # On the CPU the check is free to read; on an accelerator masking unconditionally avoids a sync.
+    return dead if dead.device.type != "cpu" or bool(dead.any()) else None
+
+
+def _sdpa_grad_rule(g, op, dy):
+    """The fused backward: one `ScaledDotProductAttentionGrad` from the forward's saved outputs
+    (LSE, or the probabilities and dropout mask), never a re-run of the forward."""
+    q, k, v = op.inputs[:3]
+    m = op.inputs[3] if len(op.inputs) > 3 and op.inputs[3] else ""
+    b, h, sq, _ = g.shape(q)
+    sk = g.shape(k)[2]
+    dropout_p = op.attrs.get("dropout_p", 0.0)
+    if dropout_p > 0.0:
+        probs = ("PROBS", (b, h, sq, sk), g.dtype(q))
+        saved = g.saved_outputs(op, [probs, ("DROP_MASK", (b, h, sq, sk), "bool")], count=3)
+        y = ""  # the dropout form does not read the output
+    else:
+        lse_dtype = "float32" if g.dtype(q) in ("float16", "bfloat16") else g.dtype(q)
+        saved = g.saved_outputs(op, [("LSE", (b, h, sq), lse_dtype)], count=2)
+        y = op.outputs[0]
+    outs, mask = g.contribs(4 if m else 3)
+    attrs = {"scale": op.attrs.get("scale", 1.0), "dropout_p": dropout_p}
+    g.emit(_SDPA + "Grad", [dy[0], q, k, v, y, m, *saved], outs, mask=mask, **attrs)
+    return [o or None for o in outs]
+
+
+@register(
+    _SDPA,
+    domain="metaopt",
+    needs_outputs=True,
+    random=True,  # dropout inside: recompute replays its generator state (RngState/RngReplay)
+    expensive=True,
+    amp="white",  # matmul-class, as torch autocast lists SDPA (the flash kernels accumulate in float32)
+    fresh_outputs=True,
+    grad=_sdpa_grad_rule,
+)
+def scaled_dot_product_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    scale: float = 1.0,
+    dropout_p: float = 0.0,
+    _nout: int = 1,
+):
+    """softmax(scale * q k^T + attn_mask) v, dropout `dropout_p` on the probabilities; q, k, v
+    are (batch, heads, seq, size). Outputs: y, then what the backward reads (see above):
+    (y, LSE) when dropout_p == 0, (y, PROBS, DROP_MASK) when dropout_p > 0."""
+    mask = _mask4(attn_mask, q.dtype)
+    if dropout_p > 0.0:
+        probs = torch.softmax(_scores(q, k, mask, scale), -1)
+        dead = _dead_rows(mask)
+        if dead is not None:
+            probs = probs.masked_fill_(dead, 0.0)
+        dropped, keep = torch.native_dropout(probs, dropout_p, True)
+        y = torch.matmul(dropped, v)
+        return (y, probs, keep)[:_nout] if _nout > 1 else y
+    if _nout == 1:  # no backward reads this op: SDPA's own choice of kernel
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    if _flash_cpu(q):
+        y, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=mask, scale=scale
+        )
+        return y, lse
+    s = _wide(_scores(q, k, mask, scale))
+    lse = torch.logsumexp(s, -1)
+    lse = lse.masked_fill(torch.isneginf(lse), 0.0)  # a dead row: exp(-inf - 0) = 0, as flash does
+    y = torch.matmul(torch.exp(s - lse.unsqueeze(-1)).to(q.dtype), v)
+    return y, lse
+
+
+@register(_SDPA + "Grad", domain="metaopt", needs_outputs=True, fresh_outputs=True)
+def scaled_dot_product_attention_grad(
+    dy: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    y: torch.Tensor | None,
+    attn_mask: torch.Tensor | None,
+    *saved: torch.Tensor,
+    scale: float = 1.0,
+    dropout_p: float = 0.0,
+    mask: list[int] | None = None,
+    _nout: int = 4,
+):
+    """(dq, dk, dv, dmask) of `ScaledDotProductAttention` from its saved outputs: (LSE) when
+    dropout_p == 0, (PROBS, DROP_MASK) when dropout_p > 0. `mask` says which are wanted; the
+    mask's grad (a learned position bias) is summed back to the mask's shape."""
+    want = [bool(m) for m in (mask or [1] * _nout)] + [False] * 4
+    m4 = _mask4(attn_mask, q.dtype)
+    dmask_wanted = want[3] and attn_mask is not None
+    if dropout_p == 0.0 and _flash_cpu(q) and not dmask_wanted:
+        (lse,) = saved
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dy, q, k, v, y, lse, 0.0, False, attn_mask=m4, scale=scale
+        )
+        return (dq, dk, dv, None)[:_nout]
+    if dropout_p > 0.0:
+        probs, keep = saved
+        dv = (
+            torch.matmul(aten_dropout_backward(probs, keep, dropout_p).transpose(-1, -2), dy)
+            if want[2]
+            else None
+        )
+        dprobs = aten_dropout_backward(torch.matmul(dy, v.transpose(-1, -2)), keep, dropout_p)
+        ds = torch.ops.aten._softmax_backward_data(dprobs, probs, -1, probs.dtype)
+    else:  # the flash backward in torch ops: the probabilities again from Q, K and LSE
+        (lse,) = saved
+        s = _wide(_scores(q, k, m4, scale))
+        probs = torch.exp(s - lse.unsqueeze(-1)).to(q.dtype)
+        dv = torch.matmul(probs.transpose(-1, -2), dy) if want[2] else None
+        dprobs = torch.matmul(dy, v.transpose(-1, -2))
+        delta = (dy * y).sum(-1, keepdim=True)
+        ds = probs * (dprobs - delta)
+    dq = torch.matmul(ds, k).mul_(scale) if want[0] else None
+    dk = torch.matmul(ds.transpose(-1, -2), q).mul_(scale) if want[1] else None
+    dmask = ds.sum_to_size(attn_mask.shape) if dmask_wanted else None
+    return (dq, dk, dv, dmask)[:_nout]
+
+
+def aten_dropout_backward(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
+    """x * keep / (1 - p): the dropped values again from the saved mask (autograd's own formula)."""
+    return torch.ops.aten.native_dropout_backward(x, keep, 1.0 / (1.0 - p))
+
+
+# --------------------------------------------------------------------------- fusion rules
+
+
+def _one_reader(consumers: dict[str, list[int]], name: str) -> int | None:
+    """The index of the only op reading `name`, else None."""
+    readers = consumers.get(name, [])
+    return readers[0] if len(readers) == 1 else None
+
+
+def _scaled_by(q: Any, name: str, reader: int, producer: dict[str, int], consumers: dict[str, list[int]]):
+    """(x, factor, op index) when `name` is Mul(x, c) / Div(x, c) by a scalar constant c read
+    only by `reader`; (name, 1.0, None) otherwise."""
+    j = producer.get(name)
+    op = q.ops[j] if j is not None else None
+    if op is None or op.type not in ("Mul", "Div") or consumers.get(name) != [reader] or len(op.inputs) != 2:
+        return name, 1.0, None
+    a, b = op.inputs
+    cb = patterns.scalar_constant(q, b)
+    if op.type == "Mul" and cb is None:
+        a, b, cb = b, a, patterns.scalar_constant(q, a)
+    if cb is None or cb == 0.0:
+        return name, 1.0, None
+    return a, (cb if op.type == "Mul" else 1.0 / cb), j
+
+
+def _untransposed(q: Any, name: str, reader: int, producer: dict[str, int], consumers: dict[str, list[int]]):
+    """(k, absorbed ops) when `name` is K^T of a 4-D K, read only by `reader`: a Transpose swapping
+    the last two axes, or the exporter's Reshape(Transpose(Reshape(K, [b*h, s, d]), [0, 2, 1]),
+    [b, h, d, s]); None otherwise."""
+    chain: list[int] = []
+    cur, at = name, reader
+    for want in ("Reshape", "Transpose", "Reshape"):
+        j = producer.get(cur)
+        if j is None or consumers.get(cur) != [at] or q.ops[j].type not in ("Reshape", "Transpose"):
+            return None
+        op = q.ops[j]
+        if op.type == "Transpose":
+            perm = op.attrs.get("perm")
+            if perm == [0, 1, 3, 2] and not chain:
+                return op.inputs[0], [j]
+            if want != "Transpose" or perm != [0, 2, 1]:
+                return None
+        elif want != "Reshape":
+            return None
+        chain.append(j)
+        cur, at = op.inputs[0], j
+    k = cur
+    ks, kt = q.vars[k].shape or (), q.vars[name].shape or ()
+    mid = q.vars[q.ops[chain[1]].outputs[0]].shape or ()
+    # The inner Reshape merged exactly (b, h) when its last two dims are K's (s, d); the outer one
+    # splits them back when the result is (b, h, d, s).
+    if (
+        len(ks) != 4
+        or len(mid) != 3
+        or tuple(mid[1:]) != (ks[3], ks[2])
+        or tuple(kt) != (*ks[:2], ks[3], ks[2])
+    ):
+        return None
+    return k, chain
+
+
+def _heads_known(q: Any, *names: str) -> bool:
+    """4-D (batch, heads, seq, size) values with known heads, seq and size."""
+    shapes = [q.vars[n].shape or () for n in names]
+    return all(len(s) == 4 and all(isinstance(d, int) for d in s[1:]) for s in shapes)
+
+
+def fuse_attention(q: Any, i: int, producer: dict[str, int], consumers: dict[str, list[int]]):
+    """Softmax's `fuse` rule: the exporter's decomposed attention is one `ScaledDotProductAttention`.
+
+    Matched around the Softmax (last axis): before it ``[Add(., mask) | Where-free] [Mul/Div by c]
+    MatMul([Mul(Q, c)], [Mul(K^T, c)])`` with K^T a transposed 4-D K; after it the optional
+    safe-softmax guard ``Where(IsNaN(p), 0, p)``, Identity ops, an optional Dropout with constant ratio and
+    training flag, and ``MatMul(., V)``. Every intermediate must have this chain as its only reader,
+    Q, K, V must be 4-D with known heads, and every input of the fused op must exist before the
+    Softmax (the fused op takes its place); otherwise the ops are left alone."""
+    from metaopt.ir import Op
+
+    sm = q.ops[i]
+    absorbed: list[int] = []
+    x = sm.inputs[0]
+    xs = q.vars[x].shape or ()
+    if len(xs) != 4 or sm.attrs.get("axis", -1) not in (-1, 3):
+        return None
+    # --- after the softmax: [safe-softmax guard] [Dropout] MatMul(., V)
+    cur, at = sm.outputs[0], i
+    readers = consumers.get(cur, [])
+    if len(readers) == 2:  # Where(IsNaN(p), 0, p): p read by both
+        nan_i, where_i = sorted(readers, key=lambda j: q.ops[j].type != "IsNaN")
+        nan, where = q.ops[nan_i], q.ops[where_i]
+        if (
+            nan.type != "IsNaN"
+            or where.type != "Where"
+            or consumers.get(nan.outputs[0]) != [where_i]
+            or where.inputs[0] != nan.outputs[0]
+            or where.inputs[2] != cur
+            or patterns.scalar_constant(q, where.inputs[1]) != 0.0
+        ):
+            return None
+        absorbed += [nan_i, where_i]
+        cur, at = where.outputs[0], where_i
+    nxt = _one_reader(consumers, cur)
+    while nxt is not None and q.ops[nxt].type == "Identity":  # an nn.Dropout(0.0) exports as one
+        absorbed.append(nxt)
+        cur, at = q.ops[nxt].outputs[0], nxt
+        nxt = _one_reader(consumers, cur)
+    if nxt is None:
+        return None
+    dropout_p = 0.0
+    if q.ops[nxt].type == "Dropout":
+        drop = q.ops[nxt]
+        if any(consumers.get(o) for o in drop.outputs[1:] if o):
+            return None  # its mask is read: a value the fused op does not make
+        ratio = (
+            patterns.scalar_constant(q, drop.inputs[1]) if len(drop.inputs) > 1 and drop.inputs[1] else 0.5
+        )
+        train = drop.inputs[2] if len(drop.inputs) > 2 and drop.inputs[2] else ""
+        on = patterns.scalar_constant(q, train) if train else 0.0
+        if ratio is None or on is None:
+            return None  # a run-time ratio or training flag
+        dropout_p = ratio if on else 0.0
+        absorbed.append(nxt)
+        cur, at = drop.outputs[0], nxt
+        nxt = _one_reader(consumers, cur)
+        if nxt is None:
+            return None
+    pv = q.ops[nxt]
+    if pv.type != "MatMul" or pv.inputs[0] != cur:
+        return None
+    v = pv.inputs[1]
+    absorbed.append(nxt)
+    # --- before the softmax: [Add(., mask)] [Mul/Div by c] MatMul(Q', K^T')
+    mask = ""
+    j = producer.get(x)
+    if j is not None and q.ops[j].type == "Add" and consumers.get(x) == [i]:
+        a, b = q.ops[j].inputs
+        for s_, m_ in ((a, b), (b, a)):
+            p_ = producer.get(s_)
+            if p_ is not None and q.ops[p_].type in ("MatMul", "Mul", "Div") and consumers.get(s_) == [j]:
+                x, mask = s_, m_
+                absorbed.append(j)
+                break
+        else:
+            return None
+        at = j
+    else:
+        at = i
+    x, scale, sj = _scaled_by(q, x, at, producer, consumers)
+    if sj is not None:
+        absorbed.append(sj)
+        at = sj
+    qk_i = producer.get(x)
+    if qk_i is None or q.ops[qk_i].type != "MatMul" or consumers.get(x) != [at]:
+        return None
+    absorbed.append(qk_i)
+    qs, kts = q.ops[qk_i].inputs
+    qx, cq, qj = _scaled_by(q, qs, qk_i, producer, consumers)
+    ktx, ck, kj = _scaled_by(q, kts, qk_i, producer, consumers)
+    absorbed += [j for j in (qj, kj) if j is not None]
+    found = _untransposed(q, ktx, kj if kj is not None else qk_i, producer, consumers)
+    if found is None:
+        return None
+    k, chain = found
+    absorbed += chain
+    scale *= cq * ck
+    # --- the fused op's contract: shapes, mask layout, inputs defined before the anchor
+    if not _heads_known(q, qx, k, v):
+        return None
+    qsh, ksh, vsh = (q.vars[n].shape for n in (qx, k, v))
+    if qsh[1] != ksh[1] or ksh[1:3] != vsh[1:3] or qsh[3] != ksh[3] or qsh[0] != ksh[0]:
+        return None
+    if mask:
+        ms = q.vars[mask].shape or ()
+        if not 2 <= len(ms) <= 4 or ms[-1] != ksh[2] or q.vars[mask].dtype not in patterns.FLOAT_DTYPES:
+            return None
+    if any(producer.get(n, -1) >= i for n in (qx, k, v, mask) if n):
+        return None
+    fused = Op(
+        _SDPA,
+        [qx, k, v] + ([mask] if mask else []),
+        [pv.outputs[0]],
+        {"scale": scale, "dropout_p": dropout_p},
+        role=sm.role,
+        scope=sm.scope,
+    )
+    return absorbed, fused
+
+
+def _fuse_onnx_attention(q: Any, i: int, producer: dict[str, int], consumers: dict[str, list[int]]):
+    """Attention's `fuse` rule: an ONNX Attention on 4-D Q, K, V with no cache, softcap, window,
+    causal flag, GQA or extra outputs is `ScaledDotProductAttention` (then its backward is the
+    fused one rather than autograd on the reference kernel)."""
+    from metaopt.ir import Op
+
+    op = q.ops[i]
+    a = op.attrs
+    plain = (
+        len(op.outputs) == 1
+        and len(op.inputs) >= 3
+        and not any(op.inputs[4:])  # no past key / value, no nonpad_kv_seqlen
+        and not a.get("is_causal", 0)
+        and not a.get("softcap", 0.0)
+        and a.get("qk_matmul_output_mode", 0) == 0
+        and a.get("softmax_precision") is None
+        and a.get("left_window_size", -1) < 0
+        and a.get("right_window_size", -1) < 0
+    )
+    if not plain:
+        return None
+    qn, kn, vn = op.inputs[:3]
+    mask = op.inputs[3] if len(op.inputs) > 3 else ""
+    if q.vars[qn].dtype in ("float16", "bfloat16"):
+        # A file that asks for half-precision attention gets ONNX's rounding (the reference
+        # kernel); SDPA accumulates in float32 and lands a few half ulps elsewhere.
+        return None
+    if not _heads_known(q, qn, kn, vn):
+        return None
+    qsh, ksh, vsh = (q.vars[n].shape for n in (qn, kn, vn))
+    if qsh[1] != ksh[1] or ksh[1:3] != vsh[1:3] or qsh[3] != ksh[3]:
+        return None
+    if mask and ((q.vars[mask].shape or ())[-1:] != (ksh[2],) or len(q.vars[mask].shape) > 4):
+        return None  # a short mask (ONNX pads it) or a mask of another rank
+    scale = a.get("scale")
+    scale = 1.0 / math.sqrt(qsh[3]) if scale is None else scale
+    fused = Op(
+        _SDPA, [qn, kn, vn] + ([mask] if mask else []), list(op.outputs), {"scale": scale, "dropout_p": 0.0}
+    )
+    fused.role, fused.scope, fused.origin = op.role, op.scope, op.origin
+    return [], fused
+
+
+# aliases: the present key/value are K, V when there is no past
+register("Attention", needs_outputs=True, aliases=((1, 1), (2, 2)), amp="white", fuse=_fuse_onnx_attention)(
+    attention
+)

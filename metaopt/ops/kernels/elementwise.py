@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from metaopt.ops.kernels.activation import fuse_erf_gelu, fuse_tanh_gelu
 from metaopt.ops.registry import LONE_INPUT, SAME, register
 
 # ONNX op type -> torch function with identical semantics (same dtypes, broadcasting, NaN rules).
@@ -24,7 +25,6 @@ _DIRECT = {
     "Sqrt": torch.sqrt,
     "Exp": torch.exp,
     "Log": torch.log,
-    "Erf": torch.erf,
     # trigonometric / hyperbolic
     "Sin": torch.sin,
     "Cos": torch.cos,
@@ -40,7 +40,6 @@ _DIRECT = {
     # parameter-free activations
     "Relu": torch.relu,
     "Sigmoid": torch.sigmoid,
-    "Tanh": torch.tanh,
     # comparison
     "Equal": torch.eq,
     # logic (inputs are bool)
@@ -60,6 +59,9 @@ _DIRECT = {
 _AMP_FLOAT32 = frozenset({"Exp", "Log", "Reciprocal", "Acos", "Asin", "Cosh", "Sinh", "Tan"})
 for _type, _fn in _DIRECT.items():
     register(_type, amp="black" if _type in _AMP_FLOAT32 else "gray")(_fn)
+# The anchors of the GELU chains torch exports: their rows fold them into one Gelu.
+register("Tanh", fuse=fuse_tanh_gelu)(torch.tanh)
+register("Erf", fuse=fuse_erf_gelu)(torch.erf)
 
 
 # torch has almost no CPU kernels for uint16/32/64 (add, compare, divide, ... raise
@@ -140,6 +142,10 @@ def bitwise_not(x: torch.Tensor) -> torch.Tensor:
 
 @register("Pow", amp="black")
 def pow_(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if x.is_floating_point() and y.dim() == 0 and y.device.type == "cpu":
+        # torch's scalar-exponent kernel (x**2 as x*x, x**3 as x*x*x ...), the one eager
+        # `x ** 3` runs; the tensor-exponent one calls std::pow per element.
+        y = y.item()
     out = torch.pow(x, y)
     # ONNX allows a differently typed exponent; the result keeps the base's type.
     return out if out.dtype == x.dtype else out.to(x.dtype)

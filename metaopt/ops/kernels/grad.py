@@ -57,6 +57,15 @@ def gelu_grad(dy: torch.Tensor, x: torch.Tensor, approximate: str = "none") -> t
     return aten.gelu_backward(dy, x, approximate=approximate)
 
 
+@register("PowGrad", domain="metaopt", fresh_outputs=True)
+def pow_grad(dy: torch.Tensor, x: torch.Tensor, exponent: float = 1.0) -> torch.Tensor:
+    """d(x**n)/dx for a constant scalar n, as autograd's pow_backward forms it:
+    ``dy * (n * x**(n - 1))`` (no log term, no grad for the exponent; n == 0 gives zeros)."""
+    if exponent == 0.0:
+        return torch.zeros_like(x)
+    return dy * (exponent * x.pow(exponent - 1.0))
+
+
 @register("TanhGrad", domain="metaopt", fresh_outputs=True)
 def tanh_grad(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return aten.tanh_backward(dy, y)

@@ -388,6 +388,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.T
     """torch.nn.Linear: x @ weight.T + bias over the last dim (one fused BLAS call with the bias).
 
     The importer folds the exporter's Transpose(W) -> MatMul -> Add chain into this op (the
-    MatMul row's `fuse` rule, passes/fuse_linear.py).
+    MatMul row's `fuse` rule, passes/fuse.py).
     """
     return F.linear(x, weight, bias)
