@@ -5,6 +5,7 @@
 enables plans once, rewrites with a pure pass from ``metaopt/passes`` given that plan, and
 is verified, dumped (``METAOPT_DUMP``) and logged before the next one runs::
 
+    fuse_linear_ce   LM head + softmax cross-entropy as one chunked op   (fuse_linear_cross_entropy)
     amp_casts        casts around white-listed ops, black-listed ops in float32   (amp)
     scale_loss       loss@SCALED = loss x loss_scaling; the backward starts there   (amp, float16)
     tie_params       params named in pipeline_configs['shared'] read as one          (pipeline)
@@ -19,8 +20,10 @@ is verified, dumped (``METAOPT_DUMP``) and logged before the next one runs::
     unscale_grads    inf/nan check + unscale before the updates; skip on overflow   (amp, float16)
     master_weights   float32 master copies updated, cast back into the params       (use_pure_fp16)
 
-Why this order: amp before the backward so the grad ops inherit the forward's precisions;
-the backward and the optimizer before everything that rewrites a training program;
+Why this order: the LM-head fusion first, on the exported forward (it replaces ops amp would
+cast, and the backward emits the fused op's chunked grad); amp before the backward so the grad
+ops inherit the forward's precisions; the backward and the optimizer before everything that
+rewrites a training program;
 gradient merge before data parallel so the all-reduce runs on the merged grads, once per
 k runs; recompute after data parallel (its re-emitted forward ops land before their grad
 ops, whatever collectives are there) and offload after recompute (it moves recompute's
@@ -47,6 +50,35 @@ from metaopt.ir import Program
 from metaopt.passes.driver import Context, Step
 
 logger = logging.getLogger("metaopt.fleet")
+
+
+# --- fused LM head + cross-entropy -----------------------------------------------------------
+
+
+def _lce_on(ctx: Context) -> tuple[bool, str]:
+    on = bool(ctx.strategy.fuse_linear_cross_entropy)
+    if on and not _is_metaopt_optimizer(ctx.optimizer):
+        # another optimizer's minimize gets the program as exported (Fleet hands it everything)
+        return False, "the optimizer is not metaopt's: its own minimize runs"
+    return on, f"strategy.fuse_linear_cross_entropy={on}"
+
+
+def _is_metaopt_optimizer(opt: Any) -> bool:
+    from metaopt.optimizer import Optimizer
+
+    return isinstance(opt, Optimizer)
+
+
+def _lce_plan(p: Program, ctx: Context) -> Any:
+    from metaopt.passes.fuse_linear_cross_entropy import plan_fuse_linear_cross_entropy
+
+    return plan_fuse_linear_cross_entropy(p)
+
+
+def _fuse_linear_ce(p: Program, plan: Any, ctx: Context) -> Program:
+    from metaopt.passes.fuse_linear_cross_entropy import fuse_linear_cross_entropy
+
+    return fuse_linear_cross_entropy(p, plan=plan)  # the loss keeps its name: ctx.loss holds
 
 
 # --- amp -----------------------------------------------------------------------------------
@@ -412,6 +444,7 @@ def _pipeline_split(p: Program, plan: Any, ctx: Context) -> list[Program]:
 # --- THE list ---------------------------------------------------------------------------------------
 
 STEPS: tuple[Step, ...] = (
+    Step("fuse_linear_ce", _lce_on, _fuse_linear_ce, _lce_plan, doc="LM head + cross-entropy, chunked"),
     Step("amp_casts", _amp_on, _amp_casts, _amp_plan, _amp_check, "casts around white-listed ops"),
     Step("scale_loss", _loss_scaling, _scale_loss, doc="loss@SCALED = loss x loss_scaling"),
     Step("tie_params", _tie_on, _tie_params, doc="params tied across pipeline stages read as one"),

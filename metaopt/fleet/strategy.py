@@ -217,6 +217,14 @@ FIELDS: dict[str, Key] = {
         "DDP's flag for params that get no gradient; metaopt leaves them out on every worker "
         "alike, as True asks (NO_EFFECT)",
     ),
+    "fuse_linear_cross_entropy": Key(
+        True,
+        "bool",
+        "fuse the LM head's matmul and its softmax cross-entropy into one op that works in chunks "
+        "of tokens, never holding the tokens x vocab logits (exact; heads of >= 1024 classes whose "
+        "logits nothing else reads; passes/fuse_linear_cross_entropy.py); False keeps them unfused",
+        extra=True,
+    ),
     "without_graph_optimization": Key(
         True,
         "bool",

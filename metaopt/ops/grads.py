@@ -344,3 +344,19 @@ def _dropout(g, op, dy):
     # A run-time training flag is read by the grad kernel too.
     ins = [dy[0], mask, ratio] + ([] if g.constant_value(train) is True else [train])
     return [g.emit1("DropoutGrad", ins, like=op.inputs[0])] + [None] * (len(op.inputs) - 1)
+
+
+@grad_rule("LinearCrossEntropy")
+def _linear_cross_entropy(g, op, dy):
+    # One grad op recomputes the logits chunk by chunk (ops/kernels/loss.py): nothing of the
+    # forward's [N, V] logits is saved, so nothing that size lives between forward and backward.
+    x, w, labels = op.inputs[:3]
+    bias = op.inputs[3] if len(op.inputs) > 3 and op.inputs[3] else ""
+    attrs = {k: op.attrs[k] for k in ("ignore_index", "reduction", "chunk_size", "transB") if k in op.attrs}
+    outs = [g.contrib(x) if g.needs(0) else "", g.contrib(w) if g.needs(1) else ""]
+    if bias:
+        outs.append(g.contrib(bias) if g.needs(3) else "")
+    mask = [int(bool(o)) for o in outs]
+    ins = [dy[0], x, w, labels] + ([bias] if bias else [])
+    g.emit("LinearCrossEntropyGrad", ins, outs, mask=mask, **attrs)
+    return [outs[0] or None, outs[1] or None, None] + ([outs[2] or None] if bias else [])

@@ -83,6 +83,10 @@ class OpDef:
     aliases: tuple[tuple[int, int], ...] | Callable[[Any], Iterable[tuple[int, int]]] = ()
     # Outputs are views of input 0 (no new storage): memory estimates count them as free.
     view: bool = False
+    # Bytes the kernel holds while it runs besides its inputs and outputs, given (attrs, input
+    # shapes with dims bound, input dtypes): the chunk of a chunked op (LinearCrossEntropy's
+    # logits). Memory estimates add it at the op; None: nothing worth counting.
+    workspace: Callable[[dict, list, list], int] | None = field(default=None, compare=False)
     # Whether the op's outputs live in host memory, given its attrs (Memcpy to pinned
     # memory): the executor counts them in the host account, not the device's.
     host_memory: Callable[[dict], bool] | None = field(default=None, compare=False)

@@ -15,7 +15,8 @@ user's ``custom_white_list`` / ``custom_black_list``:
   work): float32 inputs are cast to `dtype`, float outputs become `dtype`;
 * black (softmax-with-loss and other losses, Softmax/LogSoftmax, reductions,
   exp/log/pow and friends, cumulative sums, the norms that have no mixed kernels), the
-  loss op (role ``loss``: the loss stays float32) and any op reading or writing a var of
+  loss op (role ``loss``: the loss stays float32; a white loss op whose row keeps its outputs
+  float32, LinearCrossEntropy, runs its matmul low) and any op reading or writing a var of
   ``custom_black_varnames``: low-precision inputs are cast back to float32;
 * gray (every other op), Paddle's rule: an input made by a float32-forced op (black, or
   gray made float32 by one) makes it float32; else an input made by a low-precision op
@@ -288,7 +289,9 @@ class _Rules:
             return KEEP, "no float tensors"
         if any(p.vars[x].dtype != "float32" for x in (*f_in, *f_out)):
             return FP32, "has tensors that are not float32: left as exported"
-        if op.role == "loss":
+        # The loss stays float32; an op whose row keeps every float output float32 anyway
+        # (LinearCrossEntropy: low-precision matmul, float32 loss) may still run in low precision.
+        if op.role == "loss" and any(k not in keep_out for k, o in enumerate(op.outputs) if o in f_out):
             return FP32, "the loss op stays float32"
         changed = [o for k, o in enumerate(op.outputs) if o in f_out and k not in keep_out]
         state = [o for o in changed if o in self.new_state]

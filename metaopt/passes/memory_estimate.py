@@ -6,13 +6,18 @@ their input's storage and add nothing, as do outputs written in place into an
 input); a value dies after its last reader, and its
 storage when the last value holding it dies. The executor's own accounting is the
 measurement this predicts (`exe.memory_stats()["peak_bytes"]`).
+
+An op whose row declares a `workspace` (a chunked kernel: LinearCrossEntropy holds one chunk
+of logits while it runs) adds those bytes at that op. The executor counts vars, not a kernel's
+temporaries, so with ``workspace=False`` the estimate is what it measures; the default counts
+them, as the device (``torch.cuda.max_memory_allocated``) does.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from metaopt.ir import Program
+from metaopt.ir import Program, eval_dim
 from metaopt.ir.liveness import liveness
 from metaopt.ops import registry
 
@@ -28,11 +33,27 @@ class MemoryEstimate:
         return self.peak_bytes - self.persistable_bytes
 
 
-def estimate_memory(p: Program, *, dims: dict[str, int], fetches: tuple[str, ...] = ()) -> MemoryEstimate:
-    """The peak of live bytes when `p` runs with symbolic dims bound by `dims`."""
+def estimate_memory(
+    p: Program, *, dims: dict[str, int], fetches: tuple[str, ...] = (), workspace: bool = True
+) -> MemoryEstimate:
+    """The peak of live bytes when `p` runs with symbolic dims bound by `dims`; `workspace`:
+    add the temporaries of ops whose rows declare them (module doc)."""
 
     def nbytes(name: str) -> int:
         return p.vars[name].nbytes(dims) or 0
+
+    def shape(name: str) -> tuple | None:
+        v = p.vars.get(name) if name else None
+        if v is None or v.shape is None:
+            return None
+        bound = tuple(eval_dim(d, dims) for d in v.shape)
+        return None if None in bound else bound
+
+    def op_workspace(op, row) -> int:
+        if not workspace or row is None or row.workspace is None:
+            return 0
+        dtypes = [p.vars[x].dtype if x else "" for x in op.inputs]
+        return row.workspace(op.attrs, [shape(x) for x in op.inputs], dtypes)
 
     last, _ = liveness(p, [f for f in (*fetches, p.loss_name) if f])
     persistent = {v.name for v in p.vars.values() if v.persistable}
@@ -65,8 +86,9 @@ def estimate_memory(p: Program, *, dims: dict[str, int], fetches: tuple[str, ...
             refs[s] = refs.get(s, 0) + 1
             if s == o and not on_host:
                 live += nbytes(o)
-        if live > peak:
-            peak, peak_op = live, i
+        transient = op_workspace(op, row)
+        if live + transient > peak:
+            peak, peak_op = live + transient, i
         for x in {*op.inputs, *op.outputs}:
             if x and x in storage and x not in persistent and last.get(x) == i:
                 s = storage.pop(x)

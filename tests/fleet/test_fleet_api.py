@@ -152,6 +152,7 @@ def test_parameter_server_mode_is_refused():
 
 
 STEP_ORDER = [
+    "fuse_linear_ce",
     "amp_casts",
     "scale_loss",
     "tie_params",
@@ -254,11 +255,12 @@ def test_steps_run_in_list_order_and_report_fleet_names():
     s.recompute_configs = {"checkpoints": ["h"]}
     p = _program()
     opt = fleet.distributed_optimizer(metaopt.optimizer.SGD(0.1), s)
-    assert opt.plan().steps == ["append_backward", "apply_optimizer", "recompute"]
+    # the LM-head fusion is on by default (it finds no cross-entropy here and changes nothing)
+    assert opt.plan().steps == ["fuse_linear_ce", "append_backward", "apply_optimizer", "recompute"]
     with pytest.warns(UserWarning, match="does not lower the predicted activation peak"):
         opt.minimize(p.loss)
     assert opt.applied_meta_list == ["recompute"]
-    assert list(opt.context.plans) == ["recompute"]  # the one step that plans, planned once
+    assert list(opt.context.plans) == ["fuse_linear_ce", "recompute"]  # the steps that plan, once each
 
 
 def test_a_step_that_breaks_an_invariant_is_named(monkeypatch):

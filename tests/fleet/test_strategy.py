@@ -34,6 +34,7 @@ FLEET_DEFAULTS = {
     "nccl_comm_num": 1,
     "sync_nccl_allreduce": True,
     "find_unused_parameters": False,
+    "fuse_linear_cross_entropy": True,  # ours
     "without_graph_optimization": True,
     "sharding": False,
     "lamb": False,
@@ -108,7 +109,7 @@ def test_defaults_equal_fleet():
 def test_extras_are_marked_as_ours():
     for flag, table in CONFIGS.items():
         assert {k for k, key in table.items() if key.extra} == OURS.get(f"{flag}_configs", set())
-    assert not any(key.extra for key in FIELDS.values())
+    assert {name for name, key in FIELDS.items() if key.extra} == {"fuse_linear_cross_entropy"}
     assert all(key.doc for key in FIELDS.values())
 
 

@@ -52,12 +52,17 @@ def test_amp_fields():
     table = registry.table()
     assert {row.amp for row in table.values()} <= set(AMP_CLASSES)
     white, black = registry.amp_types("white"), registry.amp_types("black")
-    assert white == {"Attention", "Conv", "ConvTranspose", "Einsum", "Gemm", "Linear", "MatMul"}
+    assert white == {
+        "Attention", "Conv", "ConvTranspose", "Einsum", "Gemm", "Linear", "LinearCrossEntropy", "MatMul",
+        "ScaledDotProductAttention",
+    }
     assert not white & black and {"Softmax", "ReduceSum", "Exp"} <= black
     assert "ReduceMax" not in black  # exact in any dtype: gray
     assert {t for t, row in table.items() if row.sets_dtype} == {"Cast", "CastLike"}
     for t, row in table.items():
-        if row.amp_float32_inputs or row.amp_float32_outputs:
+        if t == "LinearCrossEntropy":  # a white matmul whose loss output stays float32
+            assert row.amp_float32_outputs == (0,) and not row.amp_float32_inputs
+        elif row.amp_float32_inputs or row.amp_float32_outputs:
             assert row.amp == "gray", t  # float32 statistics in an op that follows its inputs
             assert max(row.amp_float32_inputs) < len(_positional(row)), t
     assert table["LayerNormalization"].amp_float32_inputs == (1, 2)
@@ -76,6 +81,7 @@ def test_amp_names_are_views_of_the_rows():
     assert amp.FLOAT32_SLOTS == {
         "LayerNormalization": ((1, 2), (1, 2)),
         "BatchNormTraining": ((1, 2, 3, 4),) * 2,
+        "LinearCrossEntropy": ((), (0,)),  # low-precision matmul, float32 loss
     }
 
 
@@ -120,7 +126,8 @@ def test_static_target_rules():
 
 
 def test_matmul_fuse_rule_matches_the_exported_linear():
-    assert {t for t, row in registry.table().items() if row.fuse is not None} == {"MatMul"}
+    # Linear, and the GELU chains' anchors (tests/passes/test_fuse.py); attention has its own.
+    assert {"MatMul", "Tanh", "Erf"} <= {t for t, row in registry.table().items() if row.fuse is not None}
     p = Program("t")
     p.add_var(Var("x", "float32", ("batch", 8), kind="input"))
     p.add_var(Var("W", "float32", (16, 8), kind="param", trainable=True), torch.zeros(16, 8))

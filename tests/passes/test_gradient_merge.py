@@ -103,7 +103,8 @@ def test_the_program_shows_the_merge_and_round_trips(golden, tmp_path):
 
     onnx_save.save(main, tmp_path / "gm.onnx")
     assert metaopt.load(tmp_path / "gm.onnx").gradient_merge == main.gradient_merge
-    assert opt.plan().steps == ["append_backward", "apply_optimizer", "gradient_merge"]
+    # fuse_linear_ce is on by default (the mlp has no cross-entropy head: it changes nothing)
+    assert opt.plan().steps == ["fuse_linear_ce", "append_backward", "apply_optimizer", "gradient_merge"]
 
 
 def test_fetching_an_update_output_mid_window_is_refused_by_name():
@@ -148,6 +149,7 @@ def test_amp_overflow_in_any_run_of_the_window_skips_the_merged_update():
     }
     main, opt = _trained("mlp", s)
     assert opt.plan().steps == [
+        "fuse_linear_ce",
         "amp_casts",
         "scale_loss",
         "append_backward",

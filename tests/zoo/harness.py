@@ -242,3 +242,43 @@ def check_recompute(entry, *, with_offload: bool = True) -> dict:
             raise ZooFailure(f"{entry.name}: recompute + offload is not bit-identical to no recompute")
         out["offload_act_peak"] = act(got[2])
     return out
+
+
+# ---- the fused LM head + cross-entropy (passes/fuse_linear_cross_entropy.py) ---------------------------
+
+FUSED_CHUNK = 5  # tokens per chunk: divides none of the zoo's token counts, so the last chunk is short
+
+
+def check_fused_cross_entropy(entry) -> dict:
+    """The zoo entry with every softmax cross-entropy and its linear head fused (whatever the vocab
+    size): grads against float64 torch, and recompute bit-identical (dropout on). Entries without
+    such a loss report 0 fused and pass."""
+    from metaopt.passes.fuse_linear_cross_entropy import (
+        fuse_linear_cross_entropy,
+        plan_fuse_linear_cross_entropy,
+    )
+
+    def fused(program):
+        plan = plan_fuse_linear_cross_entropy(program, min_classes=0, chunk_size=FUSED_CHUNK)
+        return fuse_linear_cross_entropy(program, plan=plan), plan
+
+    module, program = export(entry, 0.0)
+    q, plan = fused(program)
+    out = {"fused": len(plan.fused)}
+    if not plan.fused:
+        return out
+    inputs = entry.inputs(check_batch(entry), 1)
+    verdicts = judge_grads(
+        metaopt_grads(q, module, inputs),
+        torch_grads(module, inputs, double=False),
+        torch_grads(module, inputs, double=True),
+    )
+    _fail_if_wrong(entry, verdicts, "wrong grads with the fused cross-entropy")
+    out["fused_worst_ratio"] = max((v.ratio for v in verdicts), default=0.0)
+    module, program = export(entry, DROPOUT)
+    base, _ = fused(program)
+    metaopt.optimizer.SGD(learning_rate=SGD_LR).minimize(base.loss)
+    rec = recompute(base, checkpoints=resolve_checkpoints(base, list(entry.checkpoints)))
+    if not _identical(_train(base, module, entry), _train(rec, module, entry)):
+        raise ZooFailure(f"{entry.name}: recompute of the fused cross-entropy is not bit-identical")
+    return out

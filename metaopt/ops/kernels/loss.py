@@ -39,3 +39,197 @@ def negative_log_likelihood_loss(
     reduction: str = "mean",
 ) -> torch.Tensor:
     return _nll(input, target, weight, ignore_index, reduction)
+
+
+# --- the LM head and its loss, fused and chunked (passes/fuse_linear_cross_entropy.py) -------------
+#
+# LinearCrossEntropy(x, weight, labels, bias?) = SoftmaxCrossEntropyLoss(x @ W^T + b, labels) with
+# x [..., H] flattened to [N, H], W [V, H] (transB=1, F.linear's layout) or [H, V] (transB=0),
+# labels flattened to [N]. The logits are made `chunk_size` tokens at a time and dropped once
+# their logsumexp and target logit are taken, so no [N, V] tensor ever exists; the gradient
+# kernel recomputes each chunk's logits. A chunk's logits come out of the matmul in the inputs'
+# dtype (float16/bfloat16 under AMP: what the unfused MatMul produced) and are then read in
+# float32, as the unfused program's Cast before the float32 loss did; the loss and the counts
+# accumulate in float32 (float64 for float64 inputs).
+
+DEFAULT_CHUNK_TOKENS = 1024
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half inputs (and float32), float64 for float64: what the loss accumulates in."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _lce_operands(x, weight, labels, bias, transB):
+    """x as [N, H], W as [V, H] (a view), labels as [N] int64, bias as [V] or None."""
+    h = x.shape[-1]
+    x2 = x.reshape(-1, h)
+    y = labels.reshape(-1).to(torch.int64)
+    if y.numel() != x2.shape[0]:
+        raise ValueError(
+            f"LinearCrossEntropy: {x2.shape[0]} tokens in x {tuple(x.shape)} but {y.numel()} labels "
+            f"{tuple(labels.shape)}"
+        )
+    w = weight if transB else weight.t()
+    b = None if bias is None else bias.reshape(-1)
+    return x2, w, y, b
+
+
+def _lce_chunk_logits(x2, w, b, y, s, e, ignore_index):
+    """One chunk's logits in the accumulation dtype, and its labels' validity mask."""
+    logits = F.linear(x2[s:e], w, b)
+    z = logits.to(_acc_dtype(logits.dtype))  # no copy for float32 / float64
+    t = y[s:e]
+    valid = t != ignore_index
+    return logits, z, t, valid
+
+
+def _check_reduction(reduction: str) -> None:
+    if reduction not in ("mean", "sum"):
+        raise NotImplementedError(
+            f"LinearCrossEntropy: reduction {reduction!r} (only 'mean' and 'sum' are fused; the pass "
+            "leaves other reductions unfused)"
+        )
+
+
+def _lce_workspace(attrs: dict, shapes: list, dtypes: list) -> int:
+    """Bytes the forward kernel holds besides its inputs and output: one chunk's logits in the
+    matmul dtype plus their float32 (accumulation dtype) copy and the logsumexp temporaries."""
+    return _lce_chunk_bytes(attrs, shapes, dtypes, copies_low=1)
+
+
+def _lce_chunk_bytes(attrs: dict, shapes: list, dtypes: list, *, copies_low: int) -> int:
+    x, w = shapes[0], shapes[1]
+    if x is None or w is None or any(not isinstance(d, int) for d in (*x, *w)):
+        return 0
+    n = 1
+    for d in x[:-1]:
+        n *= d
+    vocab = w[0] if attrs.get("transB", 1) else w[1]
+    chunk = min(n, int(attrs.get("chunk_size", DEFAULT_CHUNK_TOKENS)))
+    low = torch.empty((), dtype=_torch_dtype(dtypes[0])).element_size()
+    acc = _acc_dtype(_torch_dtype(dtypes[0])).itemsize
+    # the float32 copy is the logits themselves when they are float32 already
+    return chunk * vocab * ((low * copies_low if low != acc else 0) + acc)
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    from metaopt.ir import torch_dtype
+
+    return torch_dtype(name)
+
+
+@register(
+    "LinearCrossEntropy",
+    domain="metaopt",
+    expensive=True,
+    amp="white",
+    amp_float32_outputs=(0,),
+    workspace=_lce_workspace,
+)
+def linear_cross_entropy(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = _NO_IGNORE,
+    reduction: str = "mean",
+    chunk_size: int = DEFAULT_CHUNK_TOKENS,
+    transB: int = 1,
+) -> torch.Tensor:
+    """F.cross_entropy(F.linear(x, W, b).flatten(0, -2), labels.flatten(), ignore_index, reduction)
+    without the [N, V] logits: `chunk_size` tokens at a time. Mean: over the tokens whose label is
+    not `ignore_index` (NaN when there are none, as torch)."""
+    _check_reduction(reduction)
+    x2, w, y, b = _lce_operands(x, weight, labels, bias, transB)
+    acc = _acc_dtype(x2.dtype)
+    total = torch.zeros((), dtype=acc, device=x.device)
+    count = torch.zeros((), dtype=torch.int64, device=x.device)
+    n = x2.shape[0]
+    for s in range(0, n, chunk_size):
+        _, z, t, valid = _lce_chunk_logits(x2, w, b, y, s, min(n, s + chunk_size), ignore_index)
+        lse = torch.logsumexp(z, 1)
+        # gather at label 0 for ignored rows (any valid index), then masked out
+        target = z.gather(1, torch.where(valid, t, 0).unsqueeze(1)).squeeze(1)
+        total += torch.where(valid, lse - target, 0).sum()
+        count += valid.sum()
+        del z, lse, target  # one chunk alive at a time
+    return total / count if reduction == "mean" else total
+
+
+def _lce_grad_workspace(attrs: dict, shapes: list, dtypes: list) -> int:
+    """The gradient kernel's chunk: the recomputed logits, their float32 softmax and the
+    low-precision copy of its gradient the matmuls read; under AMP also the float32 weight-grad
+    accumulator and one chunk's low-precision weight-grad product. Shapes are those of its
+    inputs (dloss, x, weight, ...)."""
+    chunk = _lce_chunk_bytes(attrs, shapes[1:], dtypes[1:], copies_low=2)
+    w = shapes[2]
+    low = _torch_dtype(dtypes[1])
+    if w is None or _acc_dtype(low) == low:
+        return chunk
+    return chunk + w[0] * w[1] * (_acc_dtype(low).itemsize + low.itemsize)
+
+
+@register(
+    "LinearCrossEntropyGrad",
+    domain="metaopt",
+    needs_outputs=True,
+    fresh_outputs=True,
+    workspace=_lce_grad_workspace,
+)
+def linear_cross_entropy_grad(
+    dloss: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = _NO_IGNORE,
+    reduction: str = "mean",
+    chunk_size: int = DEFAULT_CHUNK_TOKENS,
+    transB: int = 1,
+    mask: list[int] | None = None,
+    _nout: int = 3,
+):
+    """(dx, dweight, dbias) of LinearCrossEntropy, chunk by chunk with the logits recomputed:
+    d loss / d logits = (softmax - onehot(label)) * dloss / count on the non-ignored rows (0 on the
+    others), cast to the matmul dtype as the unfused backward's Cast did, then the two matmuls
+    of the linear's backward. dW and db accumulate over the chunks in float32 (the accumulation
+    dtype) and are cast to their params' dtype at the end; dx is written chunk by chunk."""
+    _check_reduction(reduction)
+    want = [bool(m) for m in (mask or [1] * _nout)] + [False] * 3
+    want[2] = want[2] and bias is not None
+    x2, w, y, b = _lce_operands(x, weight, labels, bias, transB)
+    acc = _acc_dtype(x2.dtype)
+    n = x2.shape[0]
+    scale = dloss.to(acc).reshape(())
+    if reduction == "mean":
+        scale = scale / (y != ignore_index).sum()
+    dx = torch.empty_like(x2) if want[0] else None
+    dw = torch.zeros(w.shape, dtype=acc, device=x.device) if want[1] else None  # [V, H]
+    db = torch.zeros(w.shape[0], dtype=acc, device=x.device) if want[2] else None
+    for s in range(0, n, chunk_size):
+        e = min(n, s + chunk_size)
+        logits, z, t, valid = _lce_chunk_logits(x2, w, b, y, s, e, ignore_index)
+        del logits
+        p = torch.softmax(z, 1)
+        del z
+        rows = torch.arange(e - s, device=x.device)
+        p[rows, torch.where(valid, t, 0)] -= valid.to(p.dtype)  # subtract the one-hot where valid
+        p.mul_(torch.where(valid, scale, 0).unsqueeze(1))
+        g = p.to(x2.dtype)  # the matmul dtype (no copy for float32)
+        del p
+        if dx is not None:
+            torch.mm(g, w, out=dx[s:e])
+        if dw is not None and dw.dtype == g.dtype:
+            dw.addmm_(g.t(), x2[s:e])  # float32 / float64: accumulated by the matmul itself
+        elif dw is not None:
+            dw += g.t().mm(x2[s:e])  # low precision: each chunk's product summed in float32
+        if db is not None:
+            db += g.sum(0, dtype=acc)
+        del g
+    out_dx = dx.reshape(x.shape) if dx is not None else None
+    out_dw = None
+    if dw is not None:
+        out_dw = (dw if transB else dw.t()).to(weight.dtype).contiguous()
+    out_db = db.to(bias.dtype).reshape(bias.shape) if db is not None else None
+    return (out_dx, out_dw, out_db)[:_nout]
