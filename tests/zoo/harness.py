@@ -7,7 +7,12 @@ module:
   at a batch size other than the export's (the symbolic batch dim at work);
 * sgd: 3 steps of metaopt's SGD against `torch.optim.SGD`, losses and params (judged like grads);
 * recompute / offload: with dropout on, the recomputed (and offloaded) program is bit-identical
-  to the plain one (loss, every grad, every param after 2 steps).
+  to the plain one (loss, every grad, every param after 2 steps);
+* merge: gradient merge over 2 runs with SGD: params untouched after the first run, then equal
+  to one torch SGD step on the mean of both batches' grads (judged like grads);
+* fused_ce: the LM head + cross-entropy fused into one chunked op (min_classes=0, a chunk size
+  that divides no token count here): grads judged against float64 torch again, and recompute
+  of the fused program bit-identical to the fused program.
 """
 
 from __future__ import annotations
@@ -183,6 +188,56 @@ def check_sgd(entry) -> float:
         {**dict(zip(names, l64)), **p64},
     )
     _fail_if_wrong(entry, verdicts, f"values differ from torch after {SGD_STEPS} SGD steps")
+    return max(v.ratio for v in verdicts)
+
+
+# ---- gradient merge against one torch step on the merged batches --------------------------------
+
+MERGE_K = 2
+
+
+def _torch_merged_sgd(module, entry, *, double: bool) -> dict[str, torch.Tensor]:
+    """One torch.optim.SGD step on the mean of MERGE_K batches' grads, each batch its own forward
+    (as gradient merge runs them: BatchNorm sees each micro-batch's statistics)."""
+    ref = copy.deepcopy(module)
+    if double:
+        ref = ref.double()
+    opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=SGD_LR)
+    opt.zero_grad(set_to_none=True)
+    for k in range(MERGE_K):
+        inputs = entry.inputs(check_batch(entry), 30 + k)
+        if double:
+            inputs = tuple(_double(x) for x in inputs)
+        (ref(*inputs) / MERGE_K).backward()
+    opt.step()
+    return {n: p.detach() for n, p in ref.named_parameters()}
+
+
+def check_gradient_merge(entry) -> float:
+    """fleet's gradient_merge (k_steps=MERGE_K, avg) with SGD: params untouched until the k-th run,
+    then equal to one torch SGD step on the mean of the k batches' grads (judged against float64
+    torch like grads). Returns the worst ratio."""
+    from metaopt import fleet
+
+    module, program = export(entry, 0.0)
+    main = program.clone()
+    fleet.init(is_collective=True)
+    strategy = fleet.DistributedStrategy()
+    strategy.gradient_merge = True
+    strategy.gradient_merge_configs = {"k_steps": MERGE_K, "avg": True}
+    fleet.distributed_optimizer(metaopt.optimizer.SGD(learning_rate=SGD_LR), strategy).minimize(main.loss)
+    exe = metaopt.Executor("cpu")
+    trainable = [v.name for v in main.params() if v.trainable]
+    for k in range(MERGE_K):
+        exe.run(main, feed=_feed(module, entry.inputs(check_batch(entry), 30 + k)))
+        if k < MERGE_K - 1:
+            moved = [n for n in trainable if not torch.equal(exe.scope[n], main.values[n])]
+            if moved:
+                raise ZooFailure(f"{entry.name}: gradient merge updated {moved[0]!r} before the k-th run")
+    p32 = _torch_merged_sgd(module, entry, double=False)
+    p64 = _torch_merged_sgd(module, entry, double=True)
+    verdicts = judge_grads({n: exe.scope[n] for n in p64}, p32, p64)
+    _fail_if_wrong(entry, verdicts, f"params differ from torch after one step merged over {MERGE_K} runs")
     return max(v.ratio for v in verdicts)
 
 

@@ -1,8 +1,9 @@
 """Run the whole zoo and print one table: `python tests/zoo/table.py [NAME ...] [--json FILE]`.
 
 Every entry is exported and checked (grads against float64 torch, SGD against torch.optim,
-recompute and offload bit-identity, a second batch size); a failing check prints its reason
-and the table says which check failed. Exit code 1 when any entry fails.
+gradient merge against one torch step on the merged batches, recompute and offload
+bit-identity, a second batch size, the fused LM-head cross-entropy); a
+failing check prints its reason and the table says which check failed. Exit code 1 when any entry fails.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[2]))  # the repo (for `p
 
 from zoo import harness, models  # noqa: E402
 
-CHECKS = ("export", "grads", "sgd", "recompute")
+CHECKS = ("export", "grads", "sgd", "merge", "recompute", "fused_ce")
 
 
 def run_entry(entry) -> dict:
@@ -36,8 +37,12 @@ def run_entry(entry) -> dict:
                 row["worst_ratio"] = max((v.ratio for v in verdicts), default=0.0)
             elif check == "sgd":
                 row["sgd_rel"] = harness.check_sgd(entry)
+            elif check == "merge":
+                row["merge_ratio"] = harness.check_gradient_merge(entry)
             elif check == "recompute":
                 row.update(harness.check_recompute(entry))
+            elif check == "fused_ce":  # the LM head + cross-entropy fused (0 fused: nothing to fuse)
+                row.update(harness.check_fused_cross_entropy(entry))
             row[check] = "ok"
         except Exception as e:  # the table reports every failure, the process goes on
             row[check] = "FAIL"

@@ -34,6 +34,13 @@ def test_sgd_matches_torch_optim(name):
     harness.check_sgd(models.get(name))
 
 
+@pytest.mark.parametrize("name", ["hf-bert", "tv-resnet18", "edge-tied-padding"])
+def test_gradient_merge_equals_one_torch_step_on_the_merged_batches(name):
+    """Transformer, BatchNorm (per-micro-batch statistics) and a tied param, not every FAST entry:
+    the merge is model-independent once grads are right, which the other tests check."""
+    harness.check_gradient_merge(models.get(name))
+
+
 @pytest.mark.parametrize("name", FAST)
 def test_recompute_and_offload_are_bit_identical(name):
     harness.check_recompute(models.get(name))
