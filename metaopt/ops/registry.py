@@ -132,6 +132,10 @@ class OpDef:
     # exporter loses training semantics; frontend/repair.py): "training_mode_input" (Dropout:
     # its training_mode input set true) or "batch_norm_training" (-> BatchNormTraining).
     train_repair: str | None = None
+    # The output's size in bytes from (attrs, input values) before the kernel runs, for kernels
+    # whose allocations torch's meta device cannot see (numpy tables): constant folding sizes an
+    # untrusted file's ops with it (passes/fold_constants.py). None: sized on the meta device.
+    output_bytes: Callable[[dict, list], int | None] | None = field(default=None, compare=False)
     # The gradient rule (ops/grads.py attaches it); None: torch.autograd's vjp of the kernel.
     grad: Callable[..., Any] | None = None
     # Estimated forward work of one op, (program, op) -> float in byte-equivalents (`op_cost`

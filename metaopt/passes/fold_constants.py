@@ -29,8 +29,6 @@ is the file decompressing itself (a 150-byte ``ConstantOfShape([28000, 28000])``
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
@@ -121,35 +119,6 @@ class _SizeGuard(TorchDispatchMode):
         return total
 
 
-def _resize_bytes(op: Op, args: list) -> int | None:
-    """Resize/Upsample compute coordinate tables in numpy, out of the guard's sight: their
-    output size from the input shape and the scales/sizes values, before the kernel runs."""
-    x = args[0]
-    if x is None:
-        return None
-    if op.type == "Upsample":
-        scales, sizes = (args[1] if len(args) > 1 else None), None
-    else:
-        scales = args[2] if len(args) > 2 else None
-        sizes = args[3] if len(args) > 3 else None
-    axes = op.attrs.get("axes") or list(range(x.dim()))
-    out = list(x.shape)
-    if sizes is not None and sizes.numel():
-        values = [int(v) for v in sizes.reshape(-1).tolist()]
-        for a, v in zip(axes, values, strict=False):
-            out[a] = max(v, 0)
-    elif scales is not None and scales.numel():
-        values = [float(v) for v in scales.reshape(-1).tolist()]
-        for a, v in zip(axes, values, strict=False):
-            if not math.isfinite(v) or v < 0:
-                return None
-            out[a] = math.floor(out[a] * v)
-    return math.prod(out) * x.element_size()
-
-
-_PRE_SIZE = {"Resize": _resize_bytes, "Upsample": _resize_bytes}
-
-
 def fold_constants(p: Program, *, max_numel: int = MAX_FOLDED_NUMEL) -> Program:
     """Evaluate what is static (module doc). Raises ConstantTooLarge (naming the op) when a
     value computed from constants alone would be over the active load limits'
@@ -199,9 +168,9 @@ def _fold(q: Program, op: Op, consts: dict[str, torch.Tensor], max_numel: int) -
     if row.needs_device:
         kw["_device"] = torch.device("cpu")
     hard = _limits.active().max_constant_bytes
-    pre = _PRE_SIZE.get(op.type)
+    pre = row.output_bytes  # kernels that allocate out of the meta device's sight
     try:
-        nbytes = pre(op, args) if pre is not None else 0
+        nbytes = pre(op.attrs, args) if pre is not None else 0
         if nbytes is None:
             return None
         if nbytes > FOLD_SCRATCH_BYTES:

@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from metaopt.ir import Op, Program, roles
+from metaopt.ops import lm_head
 from metaopt.ops.kernels.loss import DEFAULT_CHUNK_TOKENS
 
 # Fewer classes than this is a classifier head: its logits are small, chunking buys nothing.
@@ -68,6 +69,7 @@ class Fusion:
     classes: int
     chunk_size: int
     absorbed: tuple[int, ...]  # op indices dropped (head, transpose, bias add, identities, reshapes)
+    chain: tuple[int, ...]  # of those, the ones passing the logits on (bias add, identities, reshapes)
     moved: tuple[int, ...]  # Slice ops re-applied to the hidden states
     anchor: int  # the loss op's index: the fused op takes its place
 
@@ -102,10 +104,6 @@ class FuseLinearCrossEntropyPlan:
         return "\n".join([head, *(f"  {f}" for f in self.fused), *(f"  {s}" for s in self.skipped)])
 
 
-class _Skip(Exception):
-    pass
-
-
 def plan_fuse_linear_cross_entropy(
     p: Program,
     *,
@@ -133,171 +131,16 @@ def plan_fuse_linear_cross_entropy(
     producers, consumers = p.producers(), p.consumers()
     kept = {*p.outputs, *fetches, *p.updates.values()} - {p.loss_name}
     for i, op in enumerate(p.ops):
-        if op.type != "SoftmaxCrossEntropyLoss":
+        if not lm_head.is_loss(op):
             continue
         try:
-            plan.fused.append(_match(p, i, producers, consumers, kept, min_classes, chunk_size, chunk_bytes))
-        except _Skip as e:
+            m = lm_head.match(p, i, producers, consumers, kept, min_classes)
+        except lm_head.NotFused as e:
             plan.skipped.append(Skipped(op.outputs[0], str(e)))
-    return plan
-
-
-def _match(p, i, producers, consumers, kept, min_classes, chunk_size, chunk_bytes) -> Fusion:
-    loss_op = p.ops[i]
-    if len(loss_op.inputs) > 2 and loss_op.inputs[2]:
-        raise _Skip("class weights are not fused")
-    reduction = loss_op.attrs.get("reduction", "mean")
-    if reduction not in ("mean", "sum"):
-        raise _Skip(f"reduction={reduction!r} (only 'mean' and 'sum' are fused)")
-    if any(consumers.get(o) or o in kept for o in loss_op.outputs[1:] if o):
-        raise _Skip("its log-probabilities output is read")
-    scores, labels = loss_op.inputs[:2]
-    s_shape = p.vars[scores].shape
-    if s_shape is None or len(s_shape) != 2:
-        raise _Skip(f"scores {scores!r} of shape {s_shape}: the class axis is not the last of 2")
-    classes = s_shape[1]
-    if not isinstance(classes, int):
-        raise _Skip(f"the class count {classes!r} is not static")
-    if classes < min_classes:
-        raise _Skip(f"{classes} classes < min_classes={min_classes} (a classifier: nothing to save)")
-
-    def only_reader(name: str, reader: int) -> None:
-        if name in kept:
-            raise _Skip(f"{name!r} is a program output or fetched: the logits must stay (not fused)")
-        readers = consumers.get(name, [])
-        if readers != [reader]:
-            others = [f"{p.ops[j].type} (op {j})" for j in readers if j != reader]
-            raise _Skip(f"{name!r} has another reader, {', '.join(others)}: the logits must stay")
-
-    # Walk back from the scores: reshapes (last dim V), then row slices / identities, then an
-    # optional bias Add, then the head.
-    absorbed: list[int] = []
-    moved: list[int] = []
-    cur, reader = scores, i
-    phase = "flat"
-    bias = ""
-    while True:
-        only_reader(cur, reader)
-        j = producers.get(cur)
-        if j is None:
-            raise _Skip(f"scores {scores!r} are not computed from a linear head ({cur!r} is fed)")
-        op = p.ops[j]
-        if not roles.is_forward(op.role):
-            raise _Skip(f"{cur!r} is made by a {op.role} op")
-        src = op.inputs[0] if op.inputs else ""
-        shape = p.vars[src].shape if src in p.vars else None
-        if op.type == "Reshape" and phase == "flat" and shape and shape[-1] == classes:
-            absorbed.append(j)
-        elif op.type == "Identity":
-            absorbed.append(j)
-        elif op.type == "Slice" and phase in ("flat", "rows") and shape and _row_slice(p, op, len(shape)):
-            phase = "rows"
-            moved.append(j)
-        elif op.type == "Add" and phase != "bias" and not bias:
-            other = [x for x in op.inputs if x != cur]
-            if len(other) != 1 or not _per_class(p.vars[other[0]].shape, classes):
-                raise _Skip(f"the logits pass through {op.type} (op {j}), not a per-class bias")
-            bias, phase = other[0], "bias"
-            src = cur = next(x for x in op.inputs if x != other[0])
-            absorbed.append(j)
-            reader = j
             continue
-        else:
-            head = _head(p, j, producers, consumers, classes)
-            if head is None:
-                raise _Skip(f"the logits come from {op.type} (op {j}), not a linear head this pass knows")
-            x, weight, head_bias, trans_b, extra = head
-            if head_bias and bias:
-                raise _Skip("two biases (the head's and an Add's)")
-            absorbed += [j, *extra]
-            bias = bias or head_bias
-            break
-        cur, reader = src, j
-    xv, wv = p.vars[x], p.vars[weight]
-    if xv.shape is None or len(xv.shape) < 2 or xv.dtype != wv.dtype:
-        raise _Skip(f"hidden states {x!r} {xv.shape} {xv.dtype} and weight {wv.dtype} do not fit")
-    if chunk_size is None:
-        chunk_size = max(1, min(DEFAULT_CHUNK_TOKENS, chunk_bytes // (4 * classes)))
-    return Fusion(
-        loss=loss_op.outputs[0],
-        x=x,
-        weight=weight,
-        bias=bias,
-        labels=labels,
-        trans_b=trans_b,
-        classes=classes,
-        chunk_size=chunk_size,
-        absorbed=tuple(sorted(absorbed)),
-        moved=tuple(sorted(moved)),
-        anchor=i,
-    )
-
-
-def _const(p: Program, name: str) -> list[int] | None:
-    if not name:
-        return None
-    v = p.vars.get(name)
-    if v is None or v.kind != "constant" or name not in p.values:
-        return None
-    return [int(t) for t in p.values[name].reshape(-1).tolist()]
-
-
-def _row_slice(p: Program, op: Op, rank: int) -> bool:
-    """A Slice whose (constant) axes leave the last axis, the classes, whole."""
-    starts = _const(p, op.inputs[1]) if len(op.inputs) > 1 else None
-    if starts is None:
-        return False
-    axes = _const(p, op.inputs[3]) if len(op.inputs) > 3 and op.inputs[3] else list(range(len(starts)))
-    return axes is not None and all(a % rank != rank - 1 for a in axes)
-
-
-def _per_class(shape, classes: int) -> bool:
-    return shape is not None and len(shape) >= 1 and shape[-1] == classes and all(d == 1 for d in shape[:-1])
-
-
-def _head(p: Program, j: int, producers, consumers, classes: int):
-    """(x, weight, bias, transB, extra absorbed op indices) of a linear head op, else None."""
-    op = p.ops[j]
-    if op.type == "MatMul" and len(op.inputs) == 2:
-        x, b = op.inputs
-        t = producers.get(b)
-        top = p.ops[t] if t is not None else None
-        if top is not None and top.type == "Transpose" and top.attrs.get("perm") == [1, 0]:
-            w = top.inputs[0]
-            if _is_2d(p, w) and p.vars[w].shape[0] == classes:
-                # the transposed view is dropped when the head was its only reader
-                return x, w, "", 1, [t] if consumers.get(b) == [j] and b not in p.outputs else []
-        if _is_2d(p, b) and p.vars[b].shape[1] == classes:
-            return x, b, "", 0, []
-        return None
-    if op.type == "Linear":
-        x, w = op.inputs[:2]
-        bias = op.inputs[2] if len(op.inputs) > 2 else ""
-        if (
-            _is_2d(p, w)
-            and p.vars[w].shape[0] == classes
-            and (not bias or _per_class(p.vars[bias].shape, classes))
-        ):
-            return x, w, bias, 1, []
-        return None
-    if op.type == "Gemm":
-        a = op.attrs
-        if a.get("alpha", 1.0) != 1.0 or a.get("beta", 1.0) != 1.0 or a.get("transA", 0):
-            return None
-        x, w = op.inputs[:2]
-        bias = op.inputs[2] if len(op.inputs) > 2 else ""
-        tb = int(a.get("transB", 0))
-        if not _is_2d(p, w) or p.vars[w].shape[0 if tb else 1] != classes:
-            return None
-        if bias and not _per_class(p.vars[bias].shape, classes):
-            return None
-        return x, w, bias, tb, []
-    return None
-
-
-def _is_2d(p: Program, name: str) -> bool:
-    v = p.vars.get(name)
-    return v is not None and v.shape is not None and len(v.shape) == 2
+        size = chunk_size or max(1, min(DEFAULT_CHUNK_TOKENS, chunk_bytes // (4 * m.classes)))
+        plan.fused.append(Fusion(**{**m.__dict__, "chunk_size": size}))
+    return plan
 
 
 def fuse_linear_cross_entropy(
@@ -337,9 +180,8 @@ def fuse_linear_cross_entropy(
                 v.shape = (*v.shape[:-1], q.vars[f.x].shape[-1])
                 v.dtype = q.vars[f.x].dtype
                 on_x[out] = out
-            elif op.type in ("Identity", "Reshape", "Add"):
-                src = op.inputs[0] if op.type != "Add" else next(x for x in op.inputs if x != f.bias)
-                on_x[out] = on_x.get(src, f.x)
+            elif k in f.chain:  # identities, reshapes, the bias add: pass the value on
+                on_x[out] = on_x.get(lm_head.forwarded_input(op, f.bias), f.x)
             else:  # the head (and its Transpose): its output is the logits, i.e. x itself
                 on_x[out] = f.x
         scores = loss_op.inputs[0]

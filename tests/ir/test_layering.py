@@ -42,3 +42,35 @@ def test_layering(package):
             if name.startswith(FORBIDDEN[package]):
                 bad.append(f"{path.relative_to(ROOT.parent)}:{line} imports {name}")
     assert not bad, "\n".join(bad)
+
+
+DEVICE_TYPES = {"cpu", "cuda", "meta", "mps"}
+
+
+def _type_comparisons(path: Path) -> list[tuple[int, str]]:
+    """`<x>.type ==/!=/in <string literal(s)>` comparisons of `path` (device types excepted)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Compare):
+            continue
+        if not (isinstance(node.left, ast.Attribute) and node.left.attr == "type"):
+            continue
+        strings = []
+        for c in node.comparators:
+            elts = c.elts if isinstance(c, (ast.Tuple, ast.List, ast.Set)) else [c]
+            strings += [e.value for e in elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+        if strings and not set(strings) <= DEVICE_TYPES:
+            out.append((node.lineno, ast.unparse(node)))
+    return out
+
+
+def test_no_op_type_switches_outside_the_op_table():
+    """Issue 13: per-op knowledge lives in metaopt/ops (rows, patterns); passes, fleet, runtime and
+    frontend ask the rows instead of comparing op types to strings."""
+    bad = [
+        f"{path.relative_to(ROOT)}:{line}: {text}"
+        for path in sorted(ROOT.rglob("*.py"))
+        if "ops" not in path.relative_to(ROOT).parts[:1]
+        for line, text in _type_comparisons(path)
+    ]
+    assert not bad, "\n".join(bad)

@@ -168,7 +168,38 @@ def _floats(v) -> list[float] | None:
     return vals or None  # an empty tensor means "not given"
 
 
-@register("Resize", host_inputs=(1, 2, 3))
+def _output_bytes(x, scales, sizes, axes) -> int | None:
+    """Resize/Upsample compute coordinate tables in numpy, out of the meta device's sight: their
+    output size from the input shape and the scales/sizes values, before the kernel runs."""
+    if x is None:
+        return None
+    axes = axes or list(range(x.dim()))
+    out = list(x.shape)
+    if sizes is not None and sizes.numel():
+        values = [int(v) for v in sizes.reshape(-1).tolist()]
+        for a, v in zip(axes, values, strict=False):
+            out[a] = max(v, 0)
+    elif scales is not None and scales.numel():
+        values = [float(v) for v in scales.reshape(-1).tolist()]
+        for a, v in zip(axes, values, strict=False):
+            if not math.isfinite(v) or v < 0:
+                return None
+            out[a] = math.floor(out[a] * v)
+    return math.prod(out) * x.element_size()
+
+
+def _resize_bytes(attrs: dict, args: list) -> int | None:
+    """Resize(X, roi, scales, sizes)."""
+    at = lambda k: args[k] if len(args) > k else None  # noqa: E731
+    return _output_bytes(at(0), at(2), at(3), attrs.get("axes"))
+
+
+def _upsample_bytes(attrs: dict, args: list) -> int | None:
+    """Upsample(X, scales)."""
+    return _output_bytes(args[0] if args else None, args[1] if len(args) > 1 else None, None, None)
+
+
+@register("Resize", host_inputs=(1, 2, 3), output_bytes=_resize_bytes)
 def resize(
     X: torch.Tensor,
     roi: torch.Tensor | None = None,
@@ -216,7 +247,7 @@ def resize(
     return _saturate(y, X.dtype)
 
 
-@register("Upsample", host_inputs=(1,))
+@register("Upsample", host_inputs=(1,), output_bytes=_upsample_bytes)
 def upsample(X: torch.Tensor, scales: torch.Tensor | None = None, mode: str = "nearest") -> torch.Tensor:
     # Opset 9's Upsample: asymmetric coordinates; nearest takes floor(i / scale).
     return resize(
