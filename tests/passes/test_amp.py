@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import math
+
 import pytest
 import torch
 from conftest import exported
+from torch import nn
 
 import metaopt
 import programs
@@ -35,6 +39,36 @@ def _precision(plan, op_type: str) -> set[str]:
     return {d.precision for d in plan.ops if d.op.endswith(f"= {op_type}")}
 
 
+class _PlainAttention(nn.Module):
+    """Softmax attention written out (Q K^T / sqrt(d), softmax, dropout, P V) whose probabilities
+    the loss also reads: a second reader, so the importer's attention fusion leaves it decomposed
+    (MatMul, Softmax, Dropout, MatMul), as bert/gpt's attention was before the fusion."""
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.out = nn.Linear(16, 16)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (t.reshape(b, s, 2, 8).transpose(1, 2) for t in self.qkv(x).split(16, -1))
+        probs = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(8), -1)
+        y = self.out((self.drop(probs) @ v).transpose(1, 2).reshape(b, s, 16))
+        return y.square().mean() + probs.square().mean()
+
+
+@functools.cache
+def _decomposed_attention(dropout: float = 0.1) -> metaopt.Program:
+    torch.manual_seed(0)
+    module = _PlainAttention(dropout).train()
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0))
+    p = metaopt.export(module, (x,), name="plain_attention")
+    types = {op.type for op in p.ops}
+    assert {"MatMul", "Softmax", "Dropout"} <= types and "ScaledDotProductAttention" not in types
+    return p
+
+
 def test_lists_name_rows_of_the_op_table():
     table = registry.table()
     for t in [*WHITE_LIST, *BLACK_LIST, *FLOAT32_SLOTS]:
@@ -49,10 +83,12 @@ def test_bert_plan_white_black_gray(dtype):
     p = _forward("bert", dropout=0.1)
     plan = plan_amp(p, dtype=dtype)
     by_out = {d.op.split(" = ")[0]: d for d in plan.ops}
-    assert _precision(plan, "Linear") == _precision(plan, "MatMul") == {"low"}
-    assert _precision(plan, "Softmax") == _precision(plan, "SoftmaxCrossEntropyLoss") == {"float32"}
-    # the attention-probability dropout follows the float32 softmax; gelu follows its Linear
-    assert by_out["bert.encoder.layer.0.attention.self/dropout"].precision == "float32"
+    # the importer fused bert's attention: Linear and ScaledDotProductAttention are the white ops
+    assert _precision(plan, "Linear") == _precision(plan, "ScaledDotProductAttention") == {"low"}
+    assert _precision(plan, "SoftmaxCrossEntropyLoss") == {"float32"}
+    sdpa = "bert.encoder.layer.0.attention.self/scaleddotproductattention"
+    assert by_out[sdpa].reason == "white list"
+    # gelu follows its Linear
     assert by_out["bert.encoder.layer.0.intermediate"].precision == "low"
     # embedding lookups read only params and feeds: no vote, unchanged; the layers' LayerNorms
     # follow their low-precision inputs (statistics in float32)
@@ -65,8 +101,26 @@ def test_bert_plan_white_black_gray(dtype):
     assert q.vars["loss"].dtype == "float32"
     ln = next(op for op in q.ops if op.outputs[:1] == ["bert.encoder.layer.0"])
     assert [q.vars[x].dtype for x in ln.inputs] == [dtype, "float32", "float32"]  # scale, bias float32
+    # the fused attention reads Q, K, V and the (cast) padding mask in low precision and keeps its
+    # attention-probability dropout
+    fused = next(op for op in q.ops if op.outputs[:1] == [sdpa])
+    assert [q.vars[x].dtype for x in [*fused.inputs, *fused.outputs]] == [dtype] * 5
+    assert fused.attrs["dropout_p"] == pytest.approx(0.1)
     assert all(q.vars[v.name].dtype == "float32" for v in p.params())  # master weights stay float32
     assert "white list" in str(plan) and f"ops in {dtype}" in str(plan)
+    # attention the fusion leaves decomposed: the matmuls low, the black-listed Softmax float32
+    # even on low-precision scores, and the attention-probability dropout follows it in float32
+    d = _decomposed_attention()
+    plan = plan_amp(d, dtype=dtype)
+    by_out = {x.op.split(" = ")[0]: x for x in plan.ops}
+    assert _precision(plan, "MatMul") == {"low"} and _precision(plan, "Softmax") == {"float32"}
+    softmax = next(op for op in d.ops if op.type == "Softmax")
+    assert by_out[d.ops[d.producers()[softmax.inputs[0]]].outputs[0]].precision == "low"  # scores
+    (drop,) = [op for op in d.ops if op.type == "Dropout" and op.inputs[0] == softmax.outputs[0]]
+    assert by_out[drop.outputs[0]].precision == "float32"
+    q = amp(d, dtype=dtype)
+    verify(q)
+    assert q.vars[softmax.outputs[0]].dtype == "float32"
 
 
 def test_casts_are_shared_and_placed_before_their_first_use():
@@ -75,20 +129,30 @@ def test_casts_are_shared_and_placed_before_their_first_use():
     casts = [op for op in q.ops if op.type == "Cast" and op.origin is not None]
     keys = [(op.origin, op.attrs["to"]) for op in casts]
     assert len(keys) == len(set(keys))  # one cast per (var, dtype)
-    # the padding mask feeds both layers' score Adds through one cast
+    # the padding mask feeds both layers' fused attention ops through one cast
     mask_cast = [op for op in casts if op.origin == "bert/mul"]
     assert len(mask_cast) == 1
     readers = [op for op in q.ops if mask_cast[0].outputs[0] in op.inputs]
-    assert len(readers) == 2
+    assert [op.type for op in readers] == ["ScaledDotProductAttention"] * 2
     consumers = q.consumers()
     for i, op in enumerate(q.ops):
         if op in casts:
             assert consumers[op.outputs[0]][0] > i
             # right before the first reader: nothing but other casts in between
             assert all(o.type == "Cast" for o in q.ops[i + 1 : consumers[op.outputs[0]][0]])
-    # constants are converted once at rewrite time, not by an op per step
+    # constants are converted once at rewrite time, not by an op per step (bert's fused
+    # attention reads no float constant; gpt's reads its causal mask, a constant per layer)
     assert not [op for op in casts if q.vars[op.inputs[0]].kind == "constant"]
-    assert any(v.kind == "constant" and v.dtype == "float16" for v in q.vars.values())
+    g = _forward("gpt")
+    gq = amp(g, dtype="float16")
+    verify(gq)
+    assert not [op for op in gq.ops if op.type == "Cast" and gq.vars[op.inputs[0]].kind == "constant"]
+    masks = [op.inputs[3] for op in gq.ops if op.type == "ScaledDotProductAttention"]
+    assert len(masks) == 2
+    for m in masks:
+        (orig,) = [x for x in g.vars if m == f"{x}@CAST_FP16"]
+        assert g.vars[orig].kind == gq.vars[m].kind == "constant" and gq.vars[m].dtype == "float16"
+        assert torch.equal(gq.values[m], g.values[orig].to(torch.float16))
     # the tied word embedding: looked up in float32, cast once for the MLM decoder
     word = "bert.embeddings.word_embeddings.weight"
     assert [op.outputs[0] for op in casts if op.origin == word] == [f"{word}@CAST_FP16"]
@@ -138,10 +202,20 @@ def test_bert_gpt_grads_close_to_float32(name):
 
 def test_custom_lists_and_black_varnames():
     p = _forward("bert")
-    plan = plan_amp(p, dtype="bfloat16", custom_black_list=["MatMul"], custom_white_list=["Softmax"])
+    # a white op (bert's fused attention) moved to the black list; the other white ops stay low
+    plan = plan_amp(p, dtype="bfloat16", custom_black_list=["ScaledDotProductAttention"])
+    assert _precision(plan, "ScaledDotProductAttention") == {"float32"}
+    assert _precision(plan, "Linear") == {"low"}
+    assert {d.reason for d in plan.ops if d.op.endswith("= ScaledDotProductAttention")} == {
+        "black list (custom)"
+    }
+    # both lists on attention the fusion leaves decomposed: MatMul black, Softmax white
+    d = _decomposed_attention()
+    plan = plan_amp(d, dtype="bfloat16", custom_black_list=["MatMul"], custom_white_list=["Softmax"])
     assert _precision(plan, "MatMul") == {"float32"}
     assert _precision(plan, "Softmax") == {"low"}
-    assert any(d.reason == "black list (custom)" for d in plan.ops)
+    assert {x.reason for x in plan.ops if x.op.endswith("= Softmax")} == {"white list (custom)"}
+    assert any(x.reason == "black list (custom)" for x in plan.ops)
     name = "bert.encoder.layer.0.intermediate.dense"
     plan = plan_amp(p, custom_black_varnames=[name])
     by_out = {d.op.split(" = ")[0]: d for d in plan.ops}

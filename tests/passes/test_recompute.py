@@ -223,7 +223,12 @@ def test_recompute_golden(name, checkpoints, golden):
 
 
 def test_selective_policy_keeps_matmul_outputs_and_stays_bit_identical():
+    """Selective keeps the outputs of `expensive` (matmul-class) ops that multiply by a weight
+    (bert: Linear, Gemm) and recomputes the rest, the fused attention included: it is
+    `expensive` too but reads no param, so it is re-run with its dropout mask replayed."""
+    sdpa = "ScaledDotProductAttention"
     base = _train_program("bert")
+    assert any(op.type == sdpa for op in base.ops)  # the importer fused bert's attention
     full = plan_recompute(base, checkpoints=["bert.encoder.layer.*"])
     sel = plan_recompute(base, checkpoints=["bert.encoder.layer.*"], policy="selective")
     kept_ops = [op for op in base.ops if set(op.outputs) & set(sel.kept_by_policy)]
@@ -234,11 +239,14 @@ def test_selective_policy_keeps_matmul_outputs_and_stays_bit_identical():
     q = recompute(base, checkpoints=["bert.encoder.layer.*"], policy="selective")
     recomputed = [op for op in q.ops if op.role == "recompute"]
     assert recomputed and not any({"Gemm", "Linear"} & {op.type} for op in recomputed)
-    assert any(op.type == "Softmax" for op in recomputed)  # the attention core is recomputed
+    # the attention core is recomputed, inside an RngReplay (dropout 0.5: the same mask again)
+    assert any(op.type == "RngReplay" and op.attrs["op"] == sdpa for op in recomputed)
     assert _identical(_run(base, "bert", 2, steps=3), _run(q, "bert", 2, steps=3))
     # a user's own list of op types to keep
-    user = plan_recompute(base, checkpoints=["bert.encoder.layer.*"], keep_op_types=("Softmax",))
-    assert {op.type for op in base.ops for o in op.outputs if o in set(user.kept_by_policy)} == {"Softmax"}
+    user = plan_recompute(base, checkpoints=["bert.encoder.layer.*"], keep_op_types=(sdpa,))
+    assert {op.type for op in base.ops for o in op.outputs if o in set(user.kept_by_policy)} == {sdpa}
+    uq = recompute(base, checkpoints=["bert.encoder.layer.*"], keep_op_types=(sdpa,))
+    assert not any(sdpa in (op.type, op.attrs.get("op")) for op in uq.ops if op.role == "recompute")
     with pytest.raises(RecomputeError, match=r"unknown op type 'Softmx'.*did you mean 'Softmax'"):
         plan_recompute(base, checkpoints=["bert.encoder.layer.*"], keep_op_types=("Softmx",))
     with pytest.raises(
