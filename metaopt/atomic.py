@@ -31,11 +31,11 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[Any]], None], *, b
         except OSError:
             pass
         raise
-    _fsync_dir(folder)
+    fsync_dir(folder)
     return path
 
 
-def _fsync_dir(folder: str) -> None:
+def fsync_dir(folder: str) -> None:
     """Make the rename durable (POSIX); best effort elsewhere."""
     try:
         fd = os.open(folder, os.O_RDONLY)

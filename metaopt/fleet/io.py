@@ -16,6 +16,12 @@ everything before it changes anything: a var of the program missing from the fil
 shape or dtype mismatch, or (unless ``strict=False``) a var in the file the program does
 not have is an error naming the var. The RNG state is restored too, so a resumed run
 draws the same dropout masks as the uninterrupted one.
+
+In a job of several workers (data parallel, pipeline) every worker calls the same two
+functions with the same folder; they then write and read one sharded checkpoint on
+``torch.distributed.checkpoint`` (`metaopt.fleet.sharded_io`: step-numbered folders, an
+atomically replaced ``latest``, loadable into another layout). ``load_persistables`` reads
+whichever of the two formats the folder holds (the newer, if both).
 """
 
 from __future__ import annotations
@@ -23,11 +29,13 @@ from __future__ import annotations
 import logging
 import os
 import re
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from metaopt.atomic import atomic_write
+from metaopt.fleet import sharded_io
 from metaopt.ir import Program, Var, did_you_mean, dtype_name, eval_dim
 
 logger = logging.getLogger("metaopt.fleet")
@@ -39,7 +47,7 @@ SAVED_KINDS = ("param", "buffer", "opt_state")
 
 
 def _saved_vars(program: Program) -> list[Var]:
-    return [v for v in program.vars.values() if v.kind in SAVED_KINDS]
+    return sharded_io.saved_vars(program)
 
 
 def _dtype(t: torch.Tensor) -> str:
@@ -50,10 +58,22 @@ def _dtype(t: torch.Tensor) -> str:
 
 
 def save_persistables(
-    exe: Any, dirname: str | os.PathLike, program: Program, *, filename: str = FILENAME
+    exe: Any,
+    dirname: str | os.PathLike,
+    program: Program,
+    *,
+    filename: str = FILENAME,
+    step: int | None = None,
+    keep_last: int = 3,
 ) -> str:
     """Save `program`'s params, buffers and optimizer state (from ``exe.scope``, else the
-    program's initial values) and the RNG state to ``dirname/filename``; returns the path."""
+    program's initial values) and the RNG state; returns the path written.
+
+    One worker: the file ``dirname/filename``. Several workers (every one calls this): one
+    sharded checkpoint ``dirname/step-N`` (N = `step`, else the program's global step), the
+    newest `keep_last` kept (`metaopt.fleet.sharded_io`)."""
+    if sharded_io.world()[1] > 1:
+        return sharded_io.save_sharded(exe, dirname, program, step=step, keep_last=keep_last)
     dirname = os.fspath(dirname)
     tensors: dict[str, torch.Tensor] = {}
     info: dict[str, dict[str, Any]] = {}
@@ -81,12 +101,26 @@ def save_persistables(
     }
     os.makedirs(dirname, exist_ok=True)
     path = os.path.join(dirname, filename)
+    _clean_leftovers(dirname, filename)
     return atomic_write(path, lambda f: torch.save({"meta": meta, "tensors": tensors, "rng": rng}, f))
+
+
+def _clean_leftovers(dirname: str, filename: str) -> None:
+    """Temp files of saves killed before their rename (atomic_write's ``.<name>.*.tmp``)."""
+    for entry in os.scandir(dirname):
+        if entry.name.startswith(f".{filename}.") and entry.name.endswith(".tmp") and entry.is_file():
+            try:
+                os.unlink(entry.path)
+            except OSError:
+                pass
 
 
 def _read(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"load_persistables: no checkpoint file {path}")
+        raise FileNotFoundError(
+            f"load_persistables: no checkpoint file {path} (nor a '{sharded_io.LATEST}' pointer to a "
+            "sharded checkpoint beside it)"
+        )
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # any unpickling failure means "not our file"
@@ -148,9 +182,29 @@ def load_persistables(
     strict: bool = True,
     filename: str = FILENAME,
 ) -> list[str]:
-    """Load ``dirname/filename`` into ``exe.scope`` (on the executor's device) and restore
-    the RNG state; returns the names loaded. Validates all before changing anything."""
+    """Load a checkpoint of `dirname` into ``exe.scope`` (on the executor's device) and
+    restore the RNG state; returns the names loaded. Validates all before changing anything.
+
+    Reads the sharded checkpoint ``latest`` names (or `dirname` itself when it is one step
+    folder) or the single file ``dirname/filename``, the newer where both exist. Several
+    workers: every one calls this and takes its own vars."""
     path = os.path.join(os.fspath(dirname), filename)
+    folder = sharded_io.find_checkpoint(dirname)
+    if folder is not None and not (os.path.isfile(path) and _newer(path, folder)):
+        return sharded_io.load_sharded(exe, folder, program, strict=strict)
+    rank, size = sharded_io.world()
+    if size > 1:
+        # One process's file read by every worker of a job: each takes its own vars; the
+        # RNG state is one process's, not restored into several.
+        return _load_file(exe, path, program, strict=False, rng=False)
+    return _load_file(exe, path, program, strict=strict, rng=True)
+
+
+def _newer(path: str, folder: Path) -> bool:
+    return os.path.getmtime(path) > os.path.getmtime(folder / sharded_io.INFO)
+
+
+def _load_file(exe: Any, path: str, program: Program, *, strict: bool, rng: bool) -> list[str]:
     obj = _read(path)
     tensors: dict[str, torch.Tensor] = obj["tensors"]
     want = _saved_vars(program)
@@ -188,24 +242,14 @@ def load_persistables(
     if not (isinstance(cpu_rng, torch.Tensor) and cpu_rng.dtype == torch.uint8):
         raise ValueError(f"load_persistables: {path} has no valid CPU RNG state")
 
-    loaded = []
-    tracker = getattr(exe, "_tracker", None) if getattr(exe, "track_memory", False) else None
-    for v in want:
-        t = tensors[v.name]
-        old = exe.scope.get(v.name)
-        if old is not None and old.shape == t.shape and old.dtype == t.dtype and old.device == exe.device:
-            with torch.no_grad():
-                old.copy_(t)  # in place: plans and memory accounting keep their tensor
-        else:
-            new = t.to(exe.device, copy=True)
-            if tracker is not None:
-                if old is not None and old.untyped_storage().data_ptr() in tracker.refs:
-                    tracker.release(old)
-                tracker.acquire(new)
-            exe.scope[v.name] = new
-        loaded.append(v.name)
+    sharded_io.into_scope(exe, {v.name: tensors[v.name] for v in want})
+    if rng:
+        _restore_rng(path, obj["rng"])
+    return [v.name for v in want]
 
-    torch.set_rng_state(cpu_rng)
+
+def _restore_rng(path: str, rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["cpu"])
     cuda = [s for s in rng.get("cuda", []) if isinstance(s, torch.Tensor)]
     if cuda:
         if torch.cuda.is_available():
@@ -222,4 +266,3 @@ def load_persistables(
                 torch.cuda.set_rng_state(state, i)
         else:
             logger.warning("load_persistables: %s has CUDA RNG states but no GPU is visible", path)
-    return loaded
