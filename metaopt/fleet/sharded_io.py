@@ -40,6 +40,7 @@ import os
 import pickle
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -404,7 +405,9 @@ def load_sharded(exe: Any, folder: Path, program: Program, *, strict: bool = Tru
             meta["world_size"],
             size,
         )
-    dcp.load(into, storage_reader=SafeReader(folder), no_dist=size == 1)
+    with warnings.catch_warnings():  # one process loading is what we mean: DCP warns all the same
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(into, storage_reader=SafeReader(folder), no_dist=size == 1)
     into_scope(exe, {v.name: into[v.name] for v in want})
     if restore_rng:
         _set_rng({k.rsplit("/", 1)[1]: into[k] for k in rng_keys})

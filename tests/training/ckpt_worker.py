@@ -3,9 +3,10 @@
 argv: out_dir ckpt_dir layout phase
   layout: dp2 (data parallel: mlp, dropout 0.3, rank-seeded) | pp2 | pp4 (pipeline: gpt with its
           tied embedding across the first and last stage, dropout 0.1, rank-seeded)
+          or, with phase loop, the number of saves
   phase:  straight  train STEPS steps, save, train STEPS more
           resume    load, train STEPS more (steps STEPS .. 2*STEPS-1)
-          loop      (the kill test) a hand-built program, saves forever, values = the step
+          loop      (the kill tests) a hand-built program saved again and again, values = the step
 
 Writes `<out>/<layout>.<phase>.rank<r>.pt`: the losses, the saved vars after training
 ("state") and the saved vars at the save ("at_save", straight) or right after the load
@@ -95,12 +96,18 @@ def loop_program() -> metaopt.Program:
     return p
 
 
-def loop(ckpt: str, rank: int) -> None:
-    """Save steps 1, 2, 3, ... forever (until killed); every value equals its step."""
+def loop(ckpt: str, rank: int, saves: int) -> None:
+    """Save steps n+1, n+2, ... (`saves` times, or until killed); every value equals its step.
+    One worker: the single-file format, else the sharded one."""
     main = loop_program()
     exe = metaopt.Executor("cpu")
-    start = 1 + max(sharded_io.complete_steps(Path(ckpt)), default=0)
-    for step in range(start, start + 10**6):
+    try:  # go on from the checkpoint there (either format), as a resumed job does
+        fleet.load_persistables(exe, ckpt, main)
+        start = int(exe.scope["w"][0]) + 1
+    except FileNotFoundError:
+        start = 1
+    start = max(start, 1 + max(sharded_io.complete_steps(Path(ckpt)), default=0))
+    for step in range(start, start + saves):
         for v in main.params():
             exe.scope[v.name] = torch.full(v.shape, float(step))
         fleet.save_persistables(exe, ckpt, main, step=step, keep_last=2)
@@ -113,7 +120,7 @@ def main() -> None:
     fleet.init(is_collective=True)
     rank, world = fleet.worker_index(), fleet.worker_num()
     if phase == "loop":
-        loop(ckpt, rank)
+        loop(ckpt, rank, int(layout))
     else:
         run(out, ckpt, layout, phase, rank, world)
     fleet.barrier_worker()
