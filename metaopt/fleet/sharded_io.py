@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_meta
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 
 from metaopt.atomic import atomic_write, fsync_dir
@@ -130,6 +131,8 @@ def _agree_or_raise(problem: str | None, what: str) -> None:
     """Raise on every worker if any worker found a problem, naming each such worker, so no
     worker goes on into a collective the others will never join."""
     found = [(r, p) for r, p in enumerate(_gather(problem)) if p]
+    if found and world()[1] == 1:
+        raise CheckpointError(f"{what}: {found[0][1]}")
     if found:
         detail = "; ".join(f"worker {r}: {p}" for r, p in found)
         raise CheckpointError(f"{what} refused on every worker: {detail}")
@@ -244,7 +247,9 @@ def save_sharded(
         info[v.name] = {"kind": v.kind, "dtype": _dtype(t), "shape": list(t.shape)}
     for key, t in _rng_states().items():
         state[f"{_RNG}/{rank}/{key}"] = t
-    dcp.save(state, storage_writer=FileSystemWriter(partial, sync_files=True))
+    with warnings.catch_warnings():  # one worker (tests, tools) saving this format is meant
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.save(state, storage_writer=FileSystemWriter(partial, sync_files=True), no_dist=size == 1)
 
     all_info = _gather(info)
     problem = None
@@ -407,11 +412,26 @@ def load_sharded(exe: Any, folder: Path, program: Program, *, strict: bool = Tru
         )
     with warnings.catch_warnings():  # one process loading is what we mean: DCP warns all the same
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(into, storage_reader=SafeReader(folder), no_dist=size == 1)
+        try:
+            dcp.load(into, storage_reader=SafeReader(folder), no_dist=size == 1)
+        except (Exception, CheckpointException) as e:  # damaged data: nothing was changed yet
+            raise CheckpointError(f"load_persistables: reading {folder} failed: {_short(e)}") from e
     into_scope(exe, {v.name: into[v.name] for v in want})
     if restore_rng:
         _set_rng({k.rsplit("/", 1)[1]: into[k] for k in rng_keys})
     return [v.name for v in want]
+
+
+def _short(e: BaseException) -> str:
+    """One line per failure; DCP's own exception wraps each worker's with its traceback."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        # each failure is (exception, its traceback's frames)
+        return "; ".join(
+            f"worker {r}: {_short(f[0] if isinstance(f, tuple) else f)}" for r, f in sorted(failures.items())
+        )
+    first = next((line for line in str(e).splitlines() if line.strip()), "")
+    return f"{type(e).__name__}: {first.strip()[:300]}" if first else f"{type(e).__name__} (data cut short?)"
 
 
 def _torch_dtype(name: str) -> torch.dtype:
