@@ -29,7 +29,7 @@ from metaopt.fleet.steps import (
     warn_if_nothing_saved,
 )
 from metaopt.fleet.strategy import CONFIGS, UNSUPPORTED_FEATURES, DistributedStrategy
-from metaopt.ir import Program, Var
+from metaopt.ir import Program, Var, print_program
 from metaopt.passes.driver import Context, StepRow, check_steps, plan_rows, run_steps
 
 logger = logging.getLogger("metaopt.fleet")
@@ -183,6 +183,7 @@ class DistributedOptimizer:
             return opt.minimize(loss, startup_program, parameter_list, no_grad_set)
         program = loss.program
         final = run_steps(program, STEPS, ctx)
+        _check_workers_agree(ctx)  # before the program is replaced, and before any collective runs
         self.context = ctx
         self._keep_reports(ctx)
         program.replace_with(final)
@@ -200,6 +201,68 @@ class DistributedOptimizer:
         self.pipeline_plan = ctx.plans.get("pipeline_split")
         self.memory_report = ctx.extra.get("memory_report")
         self.stage_programs = list(ctx.parts) if self.pipeline_plan is not None else []
+
+
+# --- every worker holds the same program ------------------------------------------------------
+
+
+def _check_workers_agree(ctx: Context) -> None:
+    """With several workers, raise ``env.WorkersDisagreeError`` on every worker unless all
+    rewrote the same program, naming the first var or op that differs.
+
+    Workers that build different programs (another hidden size, an extra layer, another
+    strategy) would otherwise meet in collectives of different sizes, and gloo aborts the
+    process in C++ with no name. Compared: every part the rewrite made (data parallel: the one
+    training program; a pipeline: every stage's program, which every worker builds), printed
+    line by line as ``print(program)`` shows them, less the program's name (labels, not
+    semantics). Param values are not compared (rank 0's are broadcast at the first run), nor
+    constants of more than ``printer.INLINE_VALUES`` elements (the printed text omits them).
+    Skipped without a process group (a single process inspecting a multi-worker rewrite; data
+    parallel has refused that already)."""
+    import torch.distributed as dist
+
+    if ctx.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return
+    env.check_workers_agree(
+        _program_lines(ctx.parts),
+        "fleet minimize: the workers' training programs",
+        ". Every worker must build the same program: the same model and config, exported alike, "
+        "and the same strategy (only the data may differ)",
+    )
+
+
+def _program_lines(parts: list[Program]) -> list[tuple[str, str]]:
+    """(label, printed line) of every line of every part but its first (the program's name)."""
+    out: list[tuple[str, str]] = []
+    for k, p in enumerate(parts):
+        where = f"stage {k}'s " if len(parts) > 1 else ""
+        labels = _labels(p)
+        for line in print_program(p).splitlines()[1:]:
+            label = labels(line)
+            out.append((f"{where}{label}", line))
+    return out
+
+
+def _labels(p: Program):
+    """A function from each printed line of `p` (in order) to what it is: "var 'x'",
+    "op 12 (Gemm -> 'h')", "module 'fc1'", "the program's inputs" ..."""
+    items = {
+        "vars:": iter(f"var {n!r}" for n in p.vars),
+        "modules:": iter(f"module {m!r}" for m in p.modules),
+        "updates:": iter(f"the update of {t!r}" for t in p.updates),
+        "ops:": iter(f"op {i} ({op.type} -> {(op.outputs or [''])[0]!r})" for i, op in enumerate(p.ops)),
+    }
+    section: list = [None]
+
+    def label(line: str) -> str:
+        if line in items:
+            section[0] = items[line]
+            return f"the program's {line[:-1]} section"
+        if section[0] is None:  # the header: inputs, outputs, loss, pipeline, gradient_merge
+            return f"the program's {line.split(':', 1)[0]}"
+        return next(section[0], "a line")
+
+    return label
 
 
 def _is_metaopt_optimizer(opt: Any) -> bool:

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import hashlib
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -292,6 +293,79 @@ def barrier_worker() -> None:
         dist.barrier(device_ids=[env.local_rank])
     else:
         dist.barrier()
+
+
+# --- workers agree ------------------------------------------------------------------------------
+
+
+class WorkersDisagreeError(RuntimeError):
+    """Workers that must hold the same thing (fleet's minimize: the training program) do not."""
+
+
+MAX_RANKS_SHOWN = 4  # in a disagreement's message: the first ranks that differ from rank 0
+
+
+def check_workers_agree(lines: Sequence[tuple[str, str]], what: str, hint: str = "") -> None:
+    """Raise WorkersDisagreeError, on every worker alike, unless every worker's `lines` equal
+    rank 0's. `lines`: (label, text) pairs, e.g. ("var 'fc1.weight'", its printed line); the
+    error says "`what` differ", names for each differing rank the first line that differs
+    (label and both texts), and ends with `hint`.
+
+    Cheap when they agree: one exchange of a digest. Only on a mismatch do the workers exchange
+    a short hash per line, then the texts at the first differing lines. Every exchange waits at
+    most ``METAOPT_COMM_TIMEOUT`` (`runtime.comm.all_gather_bytes`). A no-op with one worker."""
+    if _env().world_size == 1:
+        return
+    texts = [text for _, text in lines]
+    digest = hashlib.sha256("\n".join(texts).encode()).hexdigest()
+    digests = _gather([digest, len(texts)], f"the exchange of {what}")
+    if all(d == digests[0] for d in digests):
+        return
+    hashes = _gather([_line_hash(t) for t in texts], f"the exchange of {what} (line hashes)")
+    firsts = {
+        r: _first_difference(hashes[0], hashes[r]) for r in range(len(digests)) if digests[r] != digests[0]
+    }
+    at = sorted(set(firsts.values()))
+    mine = {str(i): list(lines[i]) if i < len(lines) else None for i in at}
+    shown = _gather(mine, f"the exchange of {what} (differing lines)")
+    raise WorkersDisagreeError(_disagreement(what, firsts, shown) + hint)
+
+
+def _gather(obj, what: str) -> list:
+    """`obj` (JSON-able) of every worker, by rank."""
+    import json
+
+    from metaopt.runtime.comm import all_gather_bytes
+
+    return [json.loads(b) for b in all_gather_bytes(json.dumps(obj).encode(), what)]
+
+
+def _line_hash(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def _first_difference(a: list[str], b: list[str]) -> int:
+    """The first index where `a` and `b` differ (the shorter one's length if one is a prefix)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _disagreement(what: str, firsts: dict[int, int], shown: list[dict]) -> str:
+    """The message: for each rank that differs from rank 0, where and how."""
+    parts = []
+    for r, i in list(firsts.items())[:MAX_RANKS_SHOWN]:
+        ref, other = shown[0].get(str(i)), shown[r].get(str(i))
+        label = (other or ref or [f"line {i}"])[0]  # both None only if 64-bit line hashes collide
+        if ref is not None and other is not None and ref[0] != other[0]:
+            label += f" (rank 0 has {ref[0]} there)"
+        how = f"rank 0 has {_quoted(ref)}, rank {r} has {_quoted(other)}"
+        parts.append(f"rank {r} differs from rank 0 first at {label}: {how}")
+    more = len(firsts) - MAX_RANKS_SHOWN
+    tail = f"; and {more} more rank(s)" if more > 0 else ""
+    return f"{what} differ: {'; '.join(parts)}{tail}"
+
+
+def _quoted(line: list | None) -> str:
+    return "nothing (its list ends before)" if line is None else f"`{line[1].strip()}`"
 
 
 def reset() -> None:

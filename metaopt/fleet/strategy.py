@@ -41,8 +41,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from metaopt.atomic import atomic_write
 from metaopt.ir import did_you_mean
+
+Check = tuple[Callable[[Any], bool], str]  # (predicate, "must be ...")
 
 
 @dataclass(frozen=True)
@@ -54,11 +58,66 @@ class Key:
     doc: str
     extra: bool = False  # metaopt's own, not in Fleet
     choices: tuple | None = None
-    check: tuple[Callable[[Any], bool], str] | None = None  # (predicate, "must be ...")
+    # (predicate, "must be ...") pairs, checked in order: the first that fails is the error
+    check: tuple[Check, ...] = ()
 
 
-_POSITIVE = (lambda v: v > 0, "must be > 0")
-_AT_LEAST_1 = (lambda v: v >= 1, "must be >= 1")
+# Ranges. Every numeric key is checked here, at assignment, so a value that would stall or
+# silently misdrive training never reaches minimize (issue 17). Fleet's proto declares its
+# counts int32 and its AMP numbers float (float32): values outside those types are refused as
+# Fleet would. metaopt keeps the loss scale and its counters in float32 / int32 tensors too, and
+# there a count above int32 compares wrongly (int32 0 >= 2**40 is True in torch) and a ratio that
+# rounds to 1.0 in float32 never moves the scale (decr_ratio=0.99999999: skipped forever).
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)  # smallest normal: its reciprocal is finite
+
+
+def _f32(v: float) -> float:
+    """`v` rounded to float32 (what the loss-scaling kernels compute with)."""
+    return float(torch.tensor(v, dtype=torch.float64).float())
+
+
+_POSITIVE: tuple[Check, ...] = ((lambda v: v > 0, "must be > 0"),)
+_INT32: Check = (lambda v: v <= INT32_MAX, f"must be <= {INT32_MAX} (an int32, as in Fleet's proto)")
+_AT_LEAST_1: tuple[Check, ...] = ((lambda v: v >= 1, "must be >= 1"),)
+_COUNT: tuple[Check, ...] = (*_AT_LEAST_1, _INT32)  # Fleet's int32 counts: steps, sizes, degrees
+_SIZE: tuple[Check, ...] = (*_POSITIVE, _INT32)
+_SCALE: tuple[Check, ...] = (
+    *_POSITIVE,
+    (
+        lambda v: FLOAT32_TINY <= v <= FLOAT32_MAX,
+        f"must be a normal float32 (the loss scale's dtype), {FLOAT32_TINY:.4g} .. {FLOAT32_MAX:.4g}: "
+        "beyond it the scale or its reciprocal is inf or 0 and every step is skipped",
+    ),
+)
+_INCR_RATIO: tuple[Check, ...] = (
+    (lambda v: v > 1, "must be > 1"),
+    (
+        lambda v: _f32(v) > 1,
+        "must be > 1 in float32 (the loss scale's dtype): it rounds to 1.0, the scale never grows",
+    ),
+    (
+        lambda v: v <= FLOAT32_MAX,
+        f"must be <= {FLOAT32_MAX:.4g} (a float32): the grown scale is inf, never kept",
+    ),
+)
+_DECR_RATIO: tuple[Check, ...] = (
+    (lambda v: 0 < v < 1, "must be in (0, 1)"),
+    (
+        lambda v: _f32(v) < 1,
+        "must be < 1 in float32 (the loss scale's dtype): it rounds to 1.0, so the scale never shrinks "
+        "and an overflowing model skips every step",
+    ),
+    (lambda v: _f32(v) > 0, "must be > 0 in float32 (the loss scale's dtype): it rounds to 0.0"),
+)
+_DIMS: tuple[Check, ...] = (
+    (lambda v: all(d >= 1 or d == -1 for d in v), "every dim must be >= 1 (or -1, an unknown batch dim)"),
+    (
+        lambda v: all(d <= INT32_MAX for d in v),
+        f"every dim must be <= {INT32_MAX} (an int32, as in Fleet's proto)",
+    ),
+)
 
 # --- config tables (key order is the printed / saved order) ---------------------------
 
@@ -72,7 +131,10 @@ RECOMPUTE_CONFIGS: dict[str, Key] = {
     ),
     "enable_offload": Key(False, "bool", "copy checkpoints to pinned host memory, prefetch them back"),
     "checkpoint_shape": Key(
-        [], "list[int]", "Fleet needs it for offload; metaopt infers shapes and only validates it"
+        [],
+        "list[int]",
+        "Fleet needs it for offload; metaopt infers shapes and only validates it",
+        check=_DIMS,
     ),
     "policy": Key(
         "full",
@@ -88,7 +150,7 @@ RECOMPUTE_CONFIGS: dict[str, Key] = {
         "int|None",
         "bytes of activations to aim for when checkpoints are 'auto'",
         extra=True,
-        check=_POSITIVE,
+        check=_POSITIVE,  # bytes: a Python int, no upper bound
     ),
     "budget_batch_size": Key(
         8,
@@ -109,17 +171,13 @@ RECOMPUTE_CONFIGS: dict[str, Key] = {
 }
 
 AMP_CONFIGS: dict[str, Key] = {
-    "init_loss_scaling": Key(32768.0, "float", "initial loss scale", check=_POSITIVE),
-    "incr_every_n_steps": Key(1000, "int", "grow the scale after this many finite steps", check=_AT_LEAST_1),
+    "init_loss_scaling": Key(32768.0, "float", "initial loss scale", check=_SCALE),
+    "incr_every_n_steps": Key(1000, "int", "grow the scale after this many finite steps", check=_COUNT),
     "decr_every_n_nan_or_inf": Key(
-        2, "int", "shrink the scale after this many steps with inf/nan grads", check=_AT_LEAST_1
+        2, "int", "shrink the scale after this many steps with inf/nan grads", check=_COUNT
     ),
-    "incr_ratio": Key(
-        2.0, "float", "growth factor of the loss scale", check=(lambda v: v > 1, "must be > 1")
-    ),
-    "decr_ratio": Key(
-        0.8, "float", "shrink factor of the loss scale", check=(lambda v: 0 < v < 1, "must be in (0, 1)")
-    ),
+    "incr_ratio": Key(2.0, "float", "growth factor of the loss scale", check=_INCR_RATIO),
+    "decr_ratio": Key(0.8, "float", "shrink factor of the loss scale", check=_DECR_RATIO),
     "use_dynamic_loss_scaling": Key(True, "bool", "adjust the loss scale (else keep init_loss_scaling)"),
     "custom_white_list": Key([], "list[str]", "op types always run in low precision"),
     "custom_black_list": Key([], "list[str]", "op types always run in float32"),
@@ -134,9 +192,9 @@ PIPELINE_CONFIGS: dict[str, Key] = {
         1,
         "int",
         "samples per micro-batch; metaopt takes the fed batch / accumulate_steps (UNIMPLEMENTED)",
-        check=_AT_LEAST_1,
+        check=_COUNT,
     ),
-    "accumulate_steps": Key(1, "int", "micro-batches per step (gradients accumulated)", check=_AT_LEAST_1),
+    "accumulate_steps": Key(1, "int", "micro-batches per step (gradients accumulated)", check=_COUNT),
     "schedule_mode": Key("1F1B", "str", "micro-batch schedule", choices=("1F1B", "F-then-B", "interleaved")),
     "chunks": Key(
         1, "int", "virtual stages per worker (the interleaved schedule)", extra=True, check=_AT_LEAST_1
@@ -171,7 +229,7 @@ PIPELINE_CONFIGS: dict[str, Key] = {
 }
 
 GRADIENT_MERGE_CONFIGS: dict[str, Key] = {
-    "k_steps": Key(1, "int", "apply the optimizer every k steps, gradients accumulated", check=_AT_LEAST_1),
+    "k_steps": Key(1, "int", "apply the optimizer every k steps, gradients accumulated", check=_COUNT),
     "avg": Key(True, "bool", "average (else sum) the k accumulated gradients"),
 }
 
@@ -204,9 +262,9 @@ FIELDS: dict[str, Key] = {
     "gradient_merge": Key(False, "bool", "gradient accumulation over k steps (gradient_merge_configs)"),
     # communication flags of data parallel
     "fuse_all_reduce_ops": Key(True, "bool", "all-reduce gradients in fused buckets"),
-    "fuse_grad_size_in_MB": Key(32, "int", "bucket size of fused all-reduce, MB", check=_POSITIVE),
+    "fuse_grad_size_in_MB": Key(32, "int", "bucket size of fused all-reduce, MB", check=_SIZE),
     "nccl_comm_num": Key(
-        1, "int", "communicators used for all-reduce; metaopt: 1 (UNIMPLEMENTED)", check=_AT_LEAST_1
+        1, "int", "communicators used for all-reduce; metaopt: 1 (UNIMPLEMENTED)", check=_COUNT
     ),
     "sync_nccl_allreduce": Key(
         True, "bool", "wait for each all-reduce before going on; metaopt: True (UNIMPLEMENTED)"
@@ -223,6 +281,15 @@ FIELDS: dict[str, Key] = {
         "fuse the LM head's matmul and its softmax cross-entropy into one op that works in chunks "
         "of tokens, never holding the tokens x vocab logits (exact; heads of >= 1024 classes whose "
         "logits nothing else reads; passes/fuse_linear_cross_entropy.py); False keeps them unfused",
+        extra=True,
+    ),
+    "optimizer_in_backward": Key(
+        False,
+        "bool",
+        "apply each param's update inside the backward, as soon as its grad is final and the "
+        "param is read no more, so the grad is freed there (PyTorch's optimizer-in-backward; "
+        "passes/update_in_backward.py). Refused with global-norm clipping, gradient merge, "
+        "pipeline and AMP loss scaling, which need every grad before any update",
         extra=True,
     ),
     "without_graph_optimization": Key(
@@ -421,6 +488,8 @@ def _conform(value: Any, spec: str) -> Any:
             return value
     elif spec == "float":
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if isinstance(value, int) and abs(value) > FLOAT32_MAX:  # float(10**400) would raise
+                raise _Mismatch(f"got {_describe(value)} (must be a finite float)")
             if not math.isfinite(value):
                 # inf passes "> 0" and "> 1": init_loss_scaling=inf then skipped every step forever
                 raise _Mismatch(f"got {value!r} (must be finite)")
@@ -471,10 +540,10 @@ def _check_value(where: str, key: Key, value: Any, coerce: Callable[[Any], Any] 
             f"{where}: {value!r} is not one of {', '.join(map(repr, key.choices))}"
             f"{did_you_mean(value, key.choices) if isinstance(value, str) else ''}"
         )
-    if key.check is not None and value is not None:
-        ok, must = key.check
-        if not ok(value):
-            raise ValueError(f"{where}: {must}, got {value!r}")
+    if value is not None:
+        for ok, must in key.check:
+            if not ok(value):
+                raise ValueError(f"{where}: {must}, got {value!r}")
     return value
 
 

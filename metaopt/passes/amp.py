@@ -415,8 +415,7 @@ def amp(
 
 def scale_loss(program: Program, *, init_loss_scaling: float = 32768.0) -> Program:
     """Add ``loss_scaling`` (persistable) and ``loss@SCALED = Mul(loss, loss_scaling)`` (module doc)."""
-    if not init_loss_scaling > 0:
-        raise AmpError(f"init_loss_scaling must be > 0, got {init_loss_scaling!r}")
+    _check_scale(init_loss_scaling)
     q = program.clone()
     loss = q.loss
     if loss.dtype != "float32":
@@ -431,6 +430,33 @@ def scale_loss(program: Program, *, init_loss_scaling: float = 32768.0) -> Progr
     op = Op("Mul", [loss.name, scale], [scaled.name], role="loss", scope=q.ops[at].scope, origin=loss.name)
     q.ops.insert(at + 1, op)
     return q
+
+
+def _check_scale(init_loss_scaling: float) -> None:
+    """The scale is a float32 var: inf, nan, 0, or what rounds to them, skips every step (fleet's
+    strategy refuses these at assignment; the pass refuses them for direct callers)."""
+    f32 = torch.tensor(float(init_loss_scaling)).float()
+    if not (init_loss_scaling > 0 and torch.isfinite(f32) and torch.isfinite(f32.reciprocal())):
+        raise AmpError(
+            f"init_loss_scaling must be a finite float32 > 0 whose reciprocal is finite, got "
+            f"{init_loss_scaling!r}: with it every step would be skipped"
+        )
+
+
+def _check_rule(
+    incr_every_n_steps: int, decr_every_n_nan_or_inf: int, incr_ratio: float, decr_ratio: float
+) -> None:
+    """Fleet's rule must be able to move the float32 scale (a ratio that rounds to 1.0 never does)."""
+    up, down = (float(torch.tensor(float(r)).float()) for r in (incr_ratio, decr_ratio))
+    checks = [
+        ("incr_every_n_steps", incr_every_n_steps, incr_every_n_steps >= 1, "must be >= 1"),
+        ("decr_every_n_nan_or_inf", decr_every_n_nan_or_inf, decr_every_n_nan_or_inf >= 1, "must be >= 1"),
+        ("incr_ratio", incr_ratio, 1 < up < float("inf"), "must be > 1 and finite in float32"),
+        ("decr_ratio", decr_ratio, 0 < down < 1, "must be in (0, 1) in float32"),
+    ]
+    for name, value, ok, must in checks:
+        if not ok:
+            raise AmpError(f"{name} {must} (the loss scale is float32), got {value!r}")
 
 
 def scaled_loss(program: Program) -> str:
@@ -464,11 +490,14 @@ def unscale_grads(
     the steps any stage overflowed on and their scales stay equal; a stage without the
     loss gets its own ``loss_scaling`` (`init_loss_scaling`), updated by the same rule.
     """
+    if use_dynamic_loss_scaling:
+        _check_rule(incr_every_n_steps, decr_every_n_nan_or_inf, incr_ratio, decr_ratio)
     q = program.clone()
     scale = names.loss_scaling()
     if scale not in q.vars:
         if not across_workers:
             raise AmpError(f"program {q.name!r} has no {scale!r}: apply scale_loss before the backward")
+        _check_scale(init_loss_scaling)
         q.add_var(Var(scale, "float32", (), "opt_state"), torch.tensor(float(init_loss_scaling)))
     found = names.found_inf()
     if found in q.vars:

@@ -66,6 +66,60 @@ def timeout() -> datetime.timedelta:
 def forget_groups() -> None:
     """Drop the sub-groups made so far (their default group is being destroyed)."""
     _GROUPS.clear()
+    _CPU_GROUP.clear()
+
+
+_CPU_GROUP: dict[str, object] = {}  # "gloo": a gloo group of every worker, for a NCCL job's host data
+
+
+def all_gather_bytes(data: bytes, what: str) -> list[bytes]:
+    """Every worker's `data`, by rank (this worker's included), over gloo on the host.
+
+    For small host-side agreements between workers before any program runs (fleet's
+    ``minimize`` compares the workers' programs): plain bytes, so nothing is unpickled. Each
+    wait is bounded by ``METAOPT_COMM_TIMEOUT``: a peer that died, or never calls this, is a
+    `CommError` naming `what` and this rank, never a hang. Every worker must call it at the
+    same point (a NCCL job's gloo group is made by the first call, on every worker)."""
+    dist = _dist()
+    group = _cpu_group(dist)
+    world = dist.get_world_size()
+    mine = torch.tensor([len(data)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    _wait_work(dist.all_gather(sizes, mine, group=group, async_op=True), f"{what} (sizes)")
+    width = max(int(n) for n in sizes)
+    buf = torch.zeros(width, dtype=torch.uint8)
+    if data:
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    outs = [torch.empty(width, dtype=torch.uint8) for _ in range(world)]
+    _wait_work(dist.all_gather(outs, buf, group=group, async_op=True), what)
+    return [bytes(o[: int(n)].numpy()) for o, n in zip(outs, sizes, strict=True)]
+
+
+def _cpu_group(dist):
+    """The default group if it is gloo, else (NCCL: device tensors only) a gloo group of all."""
+    if dist.get_backend() == "gloo":
+        return None
+    if "gloo" not in _CPU_GROUP:
+        _CPU_GROUP["gloo"] = dist.new_group(backend="gloo", timeout=timeout())
+    return _CPU_GROUP["gloo"]
+
+
+def _wait_work(work, what: str) -> None:
+    """Wait for a gloo `work` at most ``METAOPT_COMM_TIMEOUT``; its failure as a CommError."""
+    dist, limit, t0 = _dist(), timeout(), time.perf_counter()
+    try:
+        work.wait(limit)
+    except Exception as e:  # gloo raises RuntimeError subclasses with their own text
+        raise CommError(_failure(what, dist.get_rank(), dist.get_world_size(), t0, limit, e)) from e
+
+
+def _failure(what: str, rank: int, world: int, t0: float, limit: datetime.timedelta, e: Exception) -> str:
+    cause = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return (
+        f"{what} failed on rank {rank} of {world} after {time.perf_counter() - t0:.1f}s (timeout "
+        f"{limit.total_seconds():g}s, METAOPT_COMM_TIMEOUT): a peer died or did not reach this "
+        f"collective. Cause: {type(e).__name__}: {cause}"
+    )
 
 
 def _dist():
@@ -234,11 +288,6 @@ class Communicator:
             else:
                 work.wait(self.timeout)
         except Exception as e:  # gloo/NCCL raise RuntimeError subclasses with their own text
-            raise CommError(
-                f"{what} failed on rank {self.rank} of {self.world_size} after "
-                f"{time.perf_counter() - t0:.1f}s (timeout {self.timeout.total_seconds():g}s, "
-                f"METAOPT_COMM_TIMEOUT): a peer died or did not reach this collective. Cause: "
-                f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-            ) from e
+            raise CommError(_failure(what, self.rank, self.world_size, t0, self.timeout, e)) from e
         self.seconds += time.perf_counter() - t0
         self.bytes += t.numel() * t.element_size()

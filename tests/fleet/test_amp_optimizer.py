@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -163,6 +164,76 @@ def test_an_inf_in_one_grad_skips_exactly_that_step():
     assert scales == want
     # halved on the skipped step, then recovered after incr_every_n_steps good ones
     assert scales[1:5] == [2048.0, 1024.0, 1024.0, 2048.0]
+
+
+# --- a stalling loss scale warns (issue 17) --------------------------------------------------------
+
+_HALVING = {"incr_every_n_steps": 1000, "decr_every_n_nan_or_inf": 1, "incr_ratio": 2.0, "decr_ratio": 0.5}
+
+
+def _amp_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "metaopt.amp" and r.levelname == "WARNING"]
+
+
+def _run_poisoned(program, exe, steps, poisoned) -> None:
+    for step in steps:
+        feed = {**_feed("mlp", step), "poison": torch.tensor(float("inf") if step in poisoned else 1.0)}
+        exe.run(program, feed=feed, fetch_list=["loss"])
+
+
+def test_a_collapsing_loss_scale_warns_naming_the_first_non_finite_grad(caplog):
+    """Occasional overflows are the scaler's job: silent. A grad that stays inf skips every
+    step: a warning at the first skip with the scale at its floor of 1, at the 10th skip in a
+    row and the 20th, each naming the grad; a finite step ends the run of skips."""
+    from metaopt.ops.kernels.amp import SKIPS_IN_A_ROW_WARN
+
+    assert SKIPS_IN_A_ROW_WARN == 10
+    program = _poisoned_mlp({"init_loss_scaling": 1024.0, **_HALVING})
+    exe = metaopt.Executor("cpu")
+    caplog.set_level("WARNING", logger="metaopt.amp")
+    _run_poisoned(program, exe, range(8), poisoned={2, 3, 5})
+    assert _amp_warnings(caplog) == []
+    assert exe.scope["loss_scaling"].item() == 128.0  # 1024 halved by the three skips
+    _run_poisoned(program, exe, range(8, 28), poisoned=range(8, 100))
+    got = _amp_warnings(caplog)
+    assert len(got) == 3, got
+    # the 8th skip runs at 128 / 2**7 = 1: the floor; then the 10th and the 20th in a row
+    assert [t.split(" in a row")[0] for t in got] == [f"AMP skipped {n} steps" for n in (8, 10, 20)]
+    for text in got:
+        assert "1 of 6 grads not finite, the first the backward made: 'fc2.bias@GRAD@POISONED'" in text
+        assert "loss scale 1 this step (now 1; 128 at the first skip of this run)" in text
+        assert "The scale is <= 1, where Fleet's rule stops shrinking it" in text
+    assert exe.scope["loss_scaling"].item() == 1.0
+    caplog.clear()
+    _run_poisoned(program, exe, range(30, 30 + SKIPS_IN_A_ROW_WARN), poisoned={31, 32})
+    assert _amp_warnings(caplog) == []  # a finite step ended the run of skips
+
+
+def test_static_loss_scaling_warns_when_every_step_is_skipped(caplog):
+    """use_dynamic_loss_scaling=False: nothing shrinks a scale that is too large, so the grads
+    overflow every step (a scale of 2**100 makes the float16 grads inf)."""
+    from metaopt.ops.kernels.amp import SKIPS_IN_A_ROW_WARN
+
+    main, _, _ = _train("mlp", _strategy({"use_dynamic_loss_scaling": False, "init_loss_scaling": 2.0**100}))
+    caplog.set_level("WARNING", logger="metaopt.amp")
+    _, exe = _run(main, "mlp", SKIPS_IN_A_ROW_WARN)
+    assert exe.scope["global_step"].item() == 0  # every step skipped
+    (text,) = _amp_warnings(caplog)
+    assert text.startswith(f"AMP skipped {SKIPS_IN_A_ROW_WARN} steps in a row") and "@GRAD'" in text
+    assert f"loss scale {2.0**100:g} this step" in text
+
+
+def test_the_passes_refuse_a_scale_or_rule_that_skips_forever():
+    p = amp(exported("mlp")[2], dtype="float16")
+    for bad in (float("inf"), float("nan"), 0.0, -1.0, 1e39, 1e-40):
+        want = rf"init_loss_scaling must be a finite float32 > 0 .*got {re.escape(repr(bad))}"
+        with pytest.raises(AmpError, match=want):
+            scale_loss(p, init_loss_scaling=bad)
+    q = scale_loss(p, init_loss_scaling=8.0)
+    metaopt.optimizer.SGD(learning_rate=0.1).minimize(q.var("loss@SCALED"))
+    for key, bad in [("decr_ratio", 0.99999999), ("incr_ratio", 1.00000001), ("incr_every_n_steps", 0)]:
+        with pytest.raises(AmpError, match=rf"{key} must be .*got {re.escape(repr(bad))}"):
+            unscale_grads(q, **{key: bad})
 
 
 def test_fleet_amp_skips_a_step_with_inf_data_and_resumes_from_a_checkpoint(tmp_path):

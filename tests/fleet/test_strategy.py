@@ -35,6 +35,7 @@ FLEET_DEFAULTS = {
     "sync_nccl_allreduce": True,
     "find_unused_parameters": False,
     "fuse_linear_cross_entropy": True,  # ours
+    "optimizer_in_backward": False,  # ours
     "without_graph_optimization": True,
     "sharding": False,
     "lamb": False,
@@ -109,7 +110,7 @@ def test_defaults_equal_fleet():
 def test_extras_are_marked_as_ours():
     for flag, table in CONFIGS.items():
         assert {k for k, key in table.items() if key.extra} == OURS.get(f"{flag}_configs", set())
-    assert {name for name, key in FIELDS.items() if key.extra} == {"fuse_linear_cross_entropy"}
+    assert {name for name, key in FIELDS.items() if key.extra} == {"fuse_linear_cross_entropy", "optimizer_in_backward"}
     assert all(key.doc for key in FIELDS.values())
 
 
@@ -182,6 +183,81 @@ def test_values_are_range_and_choice_checked():
         s.pipeline_configs = {"schedule_mode": "FthenB"}
     with pytest.raises(ValueError, match=r"decr_ratio'\]: must be in \(0, 1\)"):
         s.amp_configs = {"decr_ratio": 1.5}
+
+
+# Every numeric field and config key (issue 17's audit), with values out of its range and why
+# each would stall or misdrive training. A new numeric key without a range fails
+# test_every_numeric_key_has_a_range; add it here with its bad values.
+_INT32_TOO_BIG = 2**31
+OUT_OF_RANGE = {
+    "fuse_grad_size_in_MB": [0, -32, _INT32_TOO_BIG],
+    "nccl_comm_num": [0, _INT32_TOO_BIG],
+    "amp_configs.init_loss_scaling": [0, 0.0, -1.0, 1e39, 1e-40],  # 1e39: inf in float32; 1e-40: 1/x inf
+    "amp_configs.incr_every_n_steps": [0, -1, 2**40],  # int32 0 >= 2**40 is True in torch: grew every step
+    "amp_configs.decr_every_n_nan_or_inf": [0, _INT32_TOO_BIG],
+    "amp_configs.incr_ratio": [1.0, 0.5, 1.00000001, 1e39],  # 1 + 1e-8 is 1.0 in float32: never grows
+    "amp_configs.decr_ratio": [0.0, 1.0, 0.99999999, 1e-50],  # 1 - 1e-8 is 1.0 in float32: never shrinks
+    "recompute_configs.checkpoint_shape": [[0, 4], [-2, 4], [4, _INT32_TOO_BIG]],
+    "recompute_configs.memory_budget": [0, -1],
+    "recompute_configs.budget_batch_size": [0],
+    "pipeline_configs.micro_batch_size": [0, _INT32_TOO_BIG],
+    "pipeline_configs.accumulate_steps": [0, -4, _INT32_TOO_BIG],
+    "pipeline_configs.chunks": [0],
+    "pipeline_configs.num_stages": [0],
+    "pipeline_configs.dp_degree": [0],
+    "gradient_merge_configs.k_steps": [0, _INT32_TOO_BIG],
+}
+
+
+def _numeric(key) -> bool:
+    return key.type.split("|")[0] in ("int", "float", "list[int]")
+
+
+def test_every_numeric_key_has_a_range():
+    numeric = [name for name, key in FIELDS.items() if _numeric(key)]
+    numeric += [f"{flag}_configs.{k}" for flag, t in CONFIGS.items() for k, key in t.items() if _numeric(key)]
+    assert sorted(numeric) == sorted(OUT_OF_RANGE)
+    for path in numeric:
+        config, _, name = path.rpartition(".")
+        key = FIELDS[name] if not config else CONFIGS[config[: -len("_configs")]][name]
+        assert key.check, f"{path} has no range check"
+
+
+@pytest.mark.parametrize("path, value", [(p, v) for p, vs in OUT_OF_RANGE.items() for v in vs])
+def test_out_of_range_numbers_are_refused_naming_the_key(path, value):
+    s = fleet.DistributedStrategy()
+    config, _, name = path.rpartition(".")
+    where = rf"strategy\.{config}\['{name}'\]" if config else rf"strategy\.{name}"
+    with pytest.raises(ValueError, match=rf"^{where}: (every dim )?must be .*, got "):
+        if config:
+            setattr(s, config, {name: value})
+        else:
+            setattr(s, name, value)
+    assert s == fleet.DistributedStrategy()  # nothing changed
+
+
+def test_fleet_defaults_and_edges_of_the_ranges_are_accepted():
+    s = fleet.DistributedStrategy()
+    s.amp_configs = {
+        "init_loss_scaling": 2.0**127,  # a huge but float32 scale: a dynamic scaler shrinks it
+        "incr_ratio": 1.001,
+        "decr_ratio": 0.999,
+        "incr_every_n_steps": 2**31 - 1,
+        "decr_every_n_nan_or_inf": 1,
+    }
+    s.recompute_configs = {"checkpoint_shape": [-1, 128, 768]}  # Fleet: -1 for the batch dim
+    s.fuse_grad_size_in_MB = 2**31 - 1
+    assert s.amp_configs["init_loss_scaling"] == 2.0**127
+    assert s.recompute_configs["checkpoint_shape"] == [-1, 128, 768]
+
+
+def test_a_strategy_file_with_a_stalling_value_is_refused_naming_file_and_key(tmp_path):
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"amp": True, "amp_configs": {"init_loss_scaling": 0}}))
+    s = fleet.DistributedStrategy()
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}: .*init_loss_scaling'\]: must be > 0"):
+        s.load_from_json(path)
+    assert s == fleet.DistributedStrategy()  # all or nothing
 
 
 def test_unknown_attribute_has_did_you_mean():
