@@ -19,6 +19,7 @@ is verified, dumped (``METAOPT_DUMP``) and logged before the next one runs::
     pipeline_split   one program per stage; Send/Recv; micro-batch accumulation     (pipeline)
     unscale_grads    inf/nan check + unscale before the updates; skip on overflow   (amp, float16)
     master_weights   float32 master copies updated, cast back into the params       (use_pure_fp16)
+    early_updates    each update right after its grad's last use: grads freed early (optimizer_in_backward)
 
 Why this order: the LM-head fusion first, on the exported forward (it replaces ops amp would
 cast, and the backward emits the fused op's chunked grad); amp before the backward so the grad
@@ -29,8 +30,10 @@ k runs; recompute after data parallel (its re-emitted forward ops land before th
 ops, whatever collectives are there) and offload after recompute (it moves recompute's
 checkpoints); the pipeline splits the finished single-process program, so every
 recompute and offload op follows the forward var it stems from to its stage; unscaling
-comes last so it checks the grads the updates read (after any all-reduce, on every
-stage) and master weights rewire those updates.
+comes late so it checks the grads the updates read (after any all-reduce, on every
+stage) and master weights rewire those updates; updates move into the backward last, so
+they follow every op that reads a param (recomputed forward ops included), every
+all-reduce and every op another step added to the update phase.
 
 A step's ``enabled`` says why it runs or not (``opt.plan()`` prints every row); its
 ``check`` refuses a configuration before any step rewrites anything. Adding a feature
@@ -356,6 +359,45 @@ def _offload(p: Program, plan: Any, ctx: Context) -> Program:
     return q
 
 
+# --- optimizer in backward ------------------------------------------------------------------
+
+
+def _uib_on(ctx: Context) -> tuple[bool, str]:
+    on = bool(ctx.strategy.optimizer_in_backward)
+    return on, f"strategy.optimizer_in_backward={on}"
+
+
+def _uib_check(ctx: Context) -> None:
+    """Refuse what needs every grad before any update may run (named, never dropped)."""
+    s, why = ctx.strategy, []
+    clip = getattr(ctx.optimizer, "grad_clip", None)
+    if clip is not None:
+        why.append(f"grad_clip={type(clip).__name__} reads every grad before any update")
+    if s.gradient_merge:
+        why.append("strategy.gradient_merge=True updates every k-th run, after the whole backward")
+    if s.pipeline:
+        why.append("strategy.pipeline=True updates once per step, after every micro-batch's backward")
+    if s.amp and ctx.loss_scaling:
+        why.append(
+            "AMP loss scaling checks every grad for inf/nan before any update may run "
+            "(use amp_configs['dtype']='bfloat16', which needs no scaling)"
+        )
+    if why:
+        raise ValueError("strategy.optimizer_in_backward=True cannot be combined: " + "; ".join(why))
+
+
+def _uib_plan(p: Program, ctx: Context) -> Any:
+    from metaopt.passes.update_in_backward import plan_update_in_backward
+
+    return plan_update_in_backward(p)
+
+
+def _update_in_backward(p: Program, plan: Any, ctx: Context) -> Program:
+    from metaopt.passes.update_in_backward import update_in_backward
+
+    return update_in_backward(p, plan=plan)
+
+
 # --- pipeline -------------------------------------------------------------------------------------
 
 
@@ -458,6 +500,14 @@ STEPS: tuple[Step, ...] = (
     Step("pipeline_split", _pp_on, _pipeline_split, _pp_plan, _pp_check, "one program per stage"),
     Step("unscale_grads", _loss_scaling, _unscale_grads, doc="check inf/nan, unscale, skip overflowed steps"),
     Step("master_weights", _pure_fp16, _master_weights, doc="float32 master copies of low-precision params"),
+    Step(
+        "early_updates",
+        _uib_on,
+        _update_in_backward,
+        _uib_plan,
+        _uib_check,
+        "each update right after its grad's last use",
+    ),
 )
 
 # Fleet's names of the meta optimizers each step belongs to (``opt.applied_meta_list``), in

@@ -47,6 +47,12 @@ ROLE_TABLE: tuple[Role, ...] = (
     Role("backward", BACKWARD, model=True, doc="gradient ops (append_backward)"),
     Role("optimize", OPTIMIZE, model=True, doc="param updates, grad clipping, loss-scale checks"),
     Role("lr-sched", OPTIMIZE, model=True, ordered=False, doc="step counter, learning-rate schedule"),
+    Role(
+        "backward-update",
+        BACKWARD,
+        model=True,
+        doc="an optimizer op moved into the backward, after its grad's last use (optimizer_in_backward)",
+    ),
     Role("recompute", BACKWARD, doc="forward ops re-run before their grads (recompute)"),
     Role("offload", FORWARD, ordered=False, host_copy=True, doc="a checkpoint's copy to host memory"),
     Role("prefetch", BACKWARD, host_copy=True, doc="an offloaded checkpoint's copy back, its wait"),
@@ -77,9 +83,9 @@ def is_forward(name: str) -> bool:
 
 
 def is_backward(name: str) -> bool:
-    """The model's own backward: ``backward`` (not recompute or prefetch ops placed among it)."""
-    r = _BY_NAME.get(name)
-    return r is not None and r.model and r.phase == BACKWARD
+    """The model's own backward: ``backward`` (not recompute or prefetch ops placed among it,
+    nor optimizer ops moved into it)."""
+    return name == "backward"
 
 
 def is_update(name: str) -> bool:

@@ -166,6 +166,7 @@ STEP_ORDER = [
     "pipeline_split",
     "unscale_grads",
     "master_weights",
+    "early_updates",
 ]
 
 

@@ -20,6 +20,7 @@ def test_table_names_every_role_once_and_the_old_names_are_views():
         "backward": "backward",
         "recompute": "backward",
         "prefetch": "backward",
+        "backward-update": "backward",
         "optimize": "optimize",
         "lr-sched": "optimize",
     }
@@ -36,6 +37,7 @@ def test_table_names_every_role_once_and_the_old_names_are_views():
         ("backward", "backward", False, True, False, True, False, 1),
         ("recompute", "backward", False, False, False, True, False, 1),
         ("prefetch", "backward", False, False, False, True, True, 1),
+        ("backward-update", "backward", False, False, False, True, False, 1),
         ("optimize", "optimize", False, False, True, True, False, 2),
         ("lr-sched", "optimize", False, False, True, True, False, None),
         ("comm", None, False, False, False, False, False, None),

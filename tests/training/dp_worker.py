@@ -40,13 +40,14 @@ def train_case(name: str, mode: str, rank: int, world: int) -> dict:
     model = mod.build("tiny", seed=100 + rank, dropout=0.0)
     main = metaopt.export(model, mod.example_inputs("tiny", 4, seed=1), name=name)
     strategy = fleet.DistributedStrategy()
-    if name == "mlp":
+    if name == "mlp" or mode == "early":  # early: each update can follow its own grad's all-reduce
         strategy.fuse_all_reduce_ops = False  # one AllReduce per grad
     else:
         strategy.fuse_grad_size_in_MB = 1  # fused buckets
     if mode in ("recompute", "offload"):
         strategy.recompute = True
         strategy.recompute_configs = {"checkpoints": CHECKPOINTS[name], "enable_offload": mode == "offload"}
+    strategy.optimizer_in_backward = mode == "early"  # updates right after their bucket's all-reduce
     k = MERGE_K if mode == "merge" else 1
     if mode == "merge":  # each worker's share in k runs, one update per k runs
         strategy.gradient_merge = True
@@ -75,6 +76,7 @@ def train_case(name: str, mode: str, rank: int, world: int) -> dict:
         "params": params,
         "buckets": len(opt.data_parallel_plan.buckets),
         "copies": copies,
+        "early_updates": sum(op.role == "backward-update" for op in main.ops),
         "offloaded_bytes": exe.memory_stats()["offloaded_bytes"],
         "all_reduce_calls": reduces[0],
     }

@@ -28,6 +28,7 @@ CASES = [
     "bert:recompute",
     "bert:offload",
     "bert:merge",
+    "bert:early",
 ]
 
 
@@ -112,8 +113,10 @@ def test_two_workers_on_half_batches_equal_one_process_on_the_full_batch(two_wor
     ref = _single_process(name)
     if rc == "offload":  # the offloaded checkpoints really moved
         assert ranks[0]["copies"] > 0 and ranks[0]["offloaded_bytes"] > 0
+    if rc == "early":  # optimizer_in_backward, one all-reduce per grad: updates inside the backward
+        assert ranks[0]["early_updates"] > ranks[0]["buckets"] // 2 > 1
     # mlp: unfused, one AllReduce per grad; bert tiny (0.1 MB of grads): one 1 MB bucket
-    assert ranks[0]["buckets"] == (6 if name == "mlp" else 1)
+    assert ranks[0]["buckets"] == (6 if name == "mlp" else 1) or rc == "early"
     # one all-reduce per bucket and update: with gradient merge (k runs a step), once per k runs
     import dp_worker
 

@@ -184,6 +184,25 @@ def embedding_grad(
     return aten.embedding_dense_backward(dy, indices, weight.shape[0], padding_idx, bool(scale_grad_by_freq))
 
 
+@register("EmbeddingGradAccumulate", domain="metaopt", inplace=((0, 0),), aliases=SAME)
+def embedding_grad_accumulate(
+    acc: torch.Tensor, dy: torch.Tensor, indices: torch.Tensor, padding_idx: int = -1
+) -> torch.Tensor:
+    """EmbeddingGrad + GradAccumulate in one: each looked-up row's grad added straight into
+    `acc` (the weight's other grad contribution, storage nothing else reads), so the
+    vocab x width grad of the lookup never exists on its own (ops/accumulate.py). Rows equal to
+    `padding_idx` get nothing, as nn.Embedding's backward. ``index_put_(accumulate=True)`` is
+    deterministic on CUDA too (sorted), unlike ``index_add_``."""
+    if not acc.is_contiguous():
+        acc = acc.contiguous()  # new storage, as GradAccumulate's fallback
+    flat = indices.reshape(-1)
+    rows = dy.reshape(flat.numel(), -1).to(acc.dtype)
+    if padding_idx >= 0:
+        keep = flat != padding_idx
+        flat, rows = flat[keep], rows[keep]
+    return acc.index_put_((flat,), rows, accumulate=True)
+
+
 @register("ConvGrad", domain="metaopt", needs_outputs=True, fresh_outputs=True)
 def conv_grad(
     dy: torch.Tensor,
