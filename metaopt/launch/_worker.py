@@ -6,7 +6,8 @@ for it. Standard library only, for the same reason.
 
 It (1) sends stderr into stdout, which torch's agent has already pointed at
 ``workerlog.N``, so the log holds both streams in the order written; (2) asks Linux to
-SIGTERM this worker if the launcher dies without ending it (SIGKILL, OOM killer);
+SIGTERM this worker if the launcher dies without ending it (SIGKILL, OOM killer; the
+worker's own children are then ended by the launcher's guardian, see ``_reaper.py``);
 (3) selects the worker's GPU when the launcher gave one; (4) runs the script as
 ``__main__`` with ``sys.argv`` and ``sys.path[0]`` as ``python SCRIPT ARGS`` would;
 (5) when the script succeeds, destroys the torch.distributed group it left open: with

@@ -15,12 +15,16 @@ SIGKILL) and restarts the group while ``--max_restarts`` allows. We add three th
 * Logs. ``workerlog.N`` is torch's stdout redirect for local rank N; the worker
   bootstrap (``_worker.py``) sends stderr into it too. torch's tee (a tail of the file)
   echoes local rank 0 to the launcher's stdout.
+* Ending. torch signals the process groups of the workers still running; the workers'
+  children outside those (a failed worker's, daemons, everything after the launcher's own
+  death) are found and ended by ``_reaper.JobProcesses``, which takes over torch's close.
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import signal
 import socket
 import sys
 import uuid
@@ -33,6 +37,7 @@ from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs, Std
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
+from metaopt.launch._reaper import JobProcesses
 from metaopt.launch._worker import LAUNCHER_PID_ENV
 from metaopt.launch.args import LaunchPlan
 
@@ -117,11 +122,13 @@ class WorkerFiles(LogsSpecs):
         self,
         plan: LaunchPlan,
         on_start: Callable[[dict[int, dict[str, str]], int], None] | None = None,
+        job_env: Mapping[str, str] | None = None,
     ) -> None:
         os.makedirs(plan.log_dir, exist_ok=True)
         super().__init__(log_dir=plan.log_dir, redirects=Std.OUT, tee={0: Std.OUT})
         self._plan = plan
         self._on_start = on_start
+        self._job_env = dict(job_env or {})
         self.endpoints: list[str] | None = None
 
     @property
@@ -135,6 +142,7 @@ class WorkerFiles(LogsSpecs):
         for local_rank, env in envs.items():
             env.update(fleet_env(env, self.endpoints, self._plan.gpus))
             env[LAUNCHER_PID_ENV] = str(os.getpid())
+            env.update(self._job_env)  # the mark by which the workers' children are found
             if "OMP_NUM_THREADS" not in os.environ and len(envs) > 1:
                 env["OMP_NUM_THREADS"] = "1"  # as torchrun: N workers x all cores oversubscribes
             self._keep_earlier_log(local_rank, attempt)
@@ -169,6 +177,7 @@ class FleetAgent(LocalElasticAgent):
         node_ip: str | None,
         shutdown_timeout: int,
         on_restart: Callable[[RunResult, int, int], None] | None = None,
+        job: JobProcesses | None = None,
     ) -> None:
         super().__init__(
             spec=spec,
@@ -180,6 +189,7 @@ class FleetAgent(LocalElasticAgent):
         self._files = files
         self._node_ip = node_ip
         self._on_restart = on_restart
+        self._job = job
         self._last_result: RunResult | None = None
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
@@ -212,6 +222,31 @@ class FleetAgent(LocalElasticAgent):
         # torch's default here is a fixed 30 s before SIGKILL; honour --shutdown_timeout
         self._shutdown(timeout=self._shutdown_timeout)
 
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, int]:
+        pids = super()._start_workers(worker_group)
+        if self._job is not None:
+            self._job.workers_started(pids.values())
+            self._end_whole_job_on_close()
+        return pids
+
+    def _end_whole_job_on_close(self) -> None:
+        """Route every close of the worker processes (torch's on the first failure or the last
+        exit, and ``_shutdown``'s on a signal, a restart or the end) through ``JobProcesses.end``:
+        one signal to each worker *and* each of their children, SIGKILL after
+        --shutdown_timeout (torch's close after a failure waits a fixed 30 s)."""
+        pcontext, job = self._pcontext, self._job
+        assert pcontext is not None and job is not None
+        torch_close = pcontext.close
+
+        def close(death_sig: signal.Signals | None = None, timeout: float | None = None) -> None:
+            sig = death_sig or signal.SIGTERM
+            timeout = self._shutdown_timeout if timeout is None else timeout
+            if job.end(sig, timeout):
+                timeout = 0  # all gone: torch's close only reaps the workers and stops its log tails
+            torch_close(sig, timeout)
+
+        pcontext.close = close  # type: ignore[method-assign]
+
 
 def worker_command(plan: LaunchPlan) -> tuple[str, tuple[str, ...]]:
     """The executable and arguments torch starts for each worker."""
@@ -229,7 +264,10 @@ def run_job(
     """Run `plan` on this node until the job succeeds or fails; the agent's result.
 
     Raises torch's SignalException when the launcher gets SIGINT/SIGTERM (the workers
-    have been ended by then). `on_start(envs, attempt)` runs before each group starts;
+    and their children have been ended by then). When it returns or raises, no process
+    the job started on this node is left (see ``_reaper``: this process becomes a child
+    subreaper for the while, and its children started before are left alone).
+    `on_start(envs, attempt)` runs before each group starts;
     `on_restart(failed_result, restart, max_restarts)` before each restart.
     """
     if plan.nnodes == 1 and plan.master_port is None:
@@ -264,17 +302,18 @@ def run_job(
         master_port=master_port,
         local_addr=local_addr,
     )
-    files = WorkerFiles(plan, on_start)
-    agent = FleetAgent(spec, files, plan.node_ip, plan.shutdown_timeout, on_restart)
     metrics.initialize_metrics(metrics.MetricsConfig())
     from torch.distributed.elastic.multiprocessing import SignalException
 
     shutdown_rdzv = True
-    try:
-        return agent.run()
-    except SignalException:
-        shutdown_rdzv = False  # as torch's launch_agent: a signal must not close the rendezvous
-        raise
-    finally:
-        if shutdown_rdzv:
-            spec.rdzv_handler.shutdown()
+    with JobProcesses(plan.shutdown_timeout) as job:
+        files = WorkerFiles(plan, on_start, job.env)
+        agent = FleetAgent(spec, files, plan.node_ip, plan.shutdown_timeout, on_restart, job)
+        try:
+            return agent.run()
+        except SignalException:
+            shutdown_rdzv = False  # as torch's launch_agent: a signal must not close the rendezvous
+            raise
+        finally:
+            if shutdown_rdzv:
+                spec.rdzv_handler.shutdown()

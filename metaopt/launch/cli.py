@@ -57,7 +57,7 @@ def _run(plan: LaunchPlan) -> int:
     try:
         result = run_job(plan, on_start, on_restart)
     except SignalException as e:
-        _print(f"metaoptrun: got {e.sigval.name}; the workers were ended", err=True)
+        _print(f"metaoptrun: got {e.sigval.name}; the workers and their children were ended", err=True)
         return 128 + int(e.sigval)
     except (DistError, RendezvousError) as e:  # a port in use, a node that never came, ...
         where = f"{plan.master_addr}:{plan.master_port}" if plan.master_port else "the local store"
