@@ -8,6 +8,7 @@ from metaopt import fleet, optimizer
 from metaopt.frontend.importer import load
 from metaopt.frontend.torch_export import export
 from metaopt.ir import Op, Program, Var, verify
+from metaopt.report import memory_picture
 from metaopt.runtime import CPUPlace, CUDAPlace, Executor
 
 __version__ = "0.1.0"
@@ -28,6 +29,7 @@ __all__ = [
     "export",
     "fleet",
     "load",
+    "memory_picture",
     "optimizer",
     "seed",
     "verify",

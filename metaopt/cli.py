@@ -1,4 +1,7 @@
 """`python -m metaopt show SOURCE`: print a program so a user can pick checkpoint names.
+`python -m metaopt memory SOURCE --batch N --out DIR`: the memory picture of one step
+(`metaopt.report`): live bytes over the ops, measured and predicted, and what is alive at
+the peak; a PNG and an HTML page (hover for each op) under DIR.
 
 SOURCE is an ONNX file, or ``module:function`` / ``module:function(args)`` (literal
 arguments only) returning a Program or a ``(torch.nn.Module, inputs)`` pair.
@@ -84,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     show.add_argument("--training", action="store_true", help="import an ONNX file with train-mode repairs")
     show.add_argument("--summary-only", action="store_true", help="print only the summary")
+    _add_memory_parser(sub)
     args = ap.parse_args(argv)
+    if args.cmd == "memory":
+        return _memory(args)
     program = resolve_source(args.source, training=args.training)
     if not args.summary_only:
         sys.stdout.write(str(program))
@@ -94,4 +100,42 @@ def main(argv: list[str] | None = None) -> int:
 
         onnx_save.save(program, args.onnx)
         sys.stdout.write(f"# wrote {args.onnx}\n")
+    return 0
+
+
+def _add_memory_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
+    mem = sub.add_parser(
+        "memory",
+        help="plot live bytes over the ops of one step, measured and predicted (PNG + HTML page)",
+    )
+    mem.add_argument("source", help="model.onnx (a saved training program), or module:function[(args)]")
+    mem.add_argument("--batch", type=int, default=8, help="binds the dim 'batch' (default 8)")
+    mem.add_argument(
+        "--dim", action="append", default=[], metavar="NAME=N", help="bind another symbolic dim (repeatable)"
+    )
+    mem.add_argument("--out", default="memory_picture", help="folder for the files (default memory_picture/)")
+    mem.add_argument("--device", default="cpu", help="where to measure: cpu, cuda, cuda:1 (default cpu)")
+    mem.add_argument("--no-measure", action="store_true", help="predicted only: do not run the program")
+    mem.add_argument("--top", type=int, default=15, help="storages listed at the peak (default 15)")
+    mem.add_argument("--training", action="store_true", help="import an ONNX file with train-mode repairs")
+
+
+def _memory(args: argparse.Namespace) -> int:
+    from metaopt.report import memory_picture
+
+    dims = {"batch": args.batch}
+    for item in args.dim:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value.strip().isdigit():
+            raise SystemExit(f"error: --dim {item!r} is not NAME=N (N a whole number)")
+        dims[name.strip()] = int(value)
+    program = resolve_source(args.source, training=args.training)
+    pic = memory_picture(program, dims=dims, device=args.device, measure=not args.no_measure)
+    sys.stdout.write(pic.summary(n=args.top))
+    try:
+        files = pic.write(args.out)
+    except ImportError as e:  # matplotlib missing: the summary above is still the answer
+        sys.stderr.write(f"error: {e}\n")
+        return 1
+    sys.stdout.write("".join(f"# wrote {f}\n" for f in files))
     return 0

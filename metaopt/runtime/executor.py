@@ -13,8 +13,9 @@ import numpy as np
 import torch
 
 from metaopt.ir import Program, Var, did_you_mean, roles, torch_dtype
+from metaopt.ops.kernels.amp import watch_loss_scale
 from metaopt.runtime.context import Runtime
-from metaopt.runtime.memory import MemoryTracker
+from metaopt.runtime.memory import MemoryTracker, TimelineTracker
 from metaopt.runtime.place import Place, resolve
 from metaopt.runtime.plan import Plan, build_plan
 
@@ -26,11 +27,17 @@ class Scope(dict):
 
 
 class Executor:
-    def __init__(self, place: Place = "cpu", *, track_memory: bool = True) -> None:
+    def __init__(
+        self, place: Place = "cpu", *, track_memory: bool = True, record_timeline: bool = False
+    ) -> None:
+        """`record_timeline`: also keep the live bytes after each op of the last run
+        (`memory_timeline`); off, the executor pays nothing for it (runtime/memory.py)."""
+        if record_timeline and not track_memory:
+            raise ValueError("Executor(record_timeline=True) needs track_memory=True (it records that count)")
         self.device = resolve(place)
         self.scope = Scope()
         self.track_memory = track_memory
-        self._tracker = MemoryTracker()
+        self._tracker = TimelineTracker() if record_timeline else MemoryTracker()
         self.runtime = Runtime(self.device)  # copy streams, pinned buffers, communicator
         self._plans: dict[tuple, Plan] = {}
         self._runners: dict[tuple, Any] = {}  # pipeline stage programs' runners
@@ -48,6 +55,7 @@ class Executor:
         if program.pipeline is not None:
             self._start_step()  # one step of counters for all the micro-batches' parts
             out = self._pipeline_runner(program).run(feed or {}, fetches)
+            watch_loss_scale(self.runtime, program)
             return [_to_numpy(t) if return_numpy and t is not None else t for t in out]
         self._start_step()
         program = self._after_startup(program)
@@ -55,6 +63,7 @@ class Executor:
             out = self._run_merging(program, feed or {}, fetches)
         else:
             out = self._run_part(program, feed or {}, fetches)
+        watch_loss_scale(self.runtime, program)  # AMP: warns on stalled steps; once per step, not per op
         if return_numpy:
             return [_to_numpy(t) for t in out]
         return list(out)
@@ -224,6 +233,11 @@ class Executor:
         if self.device.type == "cuda":
             stats["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.device)
         return stats
+
+    def memory_timeline(self) -> list[int]:
+        """Live bytes (as `memory_stats` counts them) after each op run in the last step, in
+        run order; needs ``Executor(record_timeline=True)``."""
+        return self._tracker.timeline()
 
     def reset_memory_stats(self) -> None:
         self._tracker.peak = self._tracker.live

@@ -3,6 +3,11 @@
 Bytes are counted per storage, not per tensor: a view (Reshape, Transpose,
 slices) shares its base's storage and adds nothing; a storage is released when
 the last var holding it is freed.
+
+`TimelineTracker` (``Executor(record_timeline=True)``) also keeps the live bytes at every
+`mark`, i.e. after each op's outputs exist: the measured line of the memory picture. It is a
+subclass swapped in at construction, so an executor that does not record runs the plain
+`MemoryTracker.mark` and pays nothing for the feature.
 """
 
 from __future__ import annotations
@@ -62,3 +67,34 @@ class MemoryTracker:
 
     def end_run(self) -> None:
         self.peak = max(self.peak, self.run_peak)
+
+    def timeline(self) -> list[int]:
+        raise ValueError(
+            "this executor does not record a memory timeline: create it with "
+            "Executor(..., record_timeline=True)"
+        )
+
+
+class TimelineTracker(MemoryTracker):
+    """A `MemoryTracker` that also records the live bytes at each `mark` (one per op run) of
+    the current step; `start_run` (once per step) starts a new record, so memory stays bounded
+    by the ops of one step however long the executor trains."""
+
+    __slots__ = ("marks",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.marks: list[int] = []
+
+    def mark(self) -> None:
+        self.marks.append(self.live)
+        if self.live > self.run_peak:
+            self.run_peak = self.live
+
+    def start_run(self) -> None:
+        super().start_run()
+        self.marks = []
+
+    def timeline(self) -> list[int]:
+        """Live bytes after each op run in the last step, in the order they ran."""
+        return list(self.marks)
