@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The GPU campaign in one command (issue 14 item 4): the CUDA tests and every benchmark's GPU
+# rows, one report. Written for a lent device (tools' `run`: one call, a bounded time), so:
+#   * nothing is installed: it runs from the checkout with PYTHONPATH (the device image has torch,
+#     onnx, onnxscript, matplotlib, pytest; its torch may be older than the 2.13 pyproject asks for,
+#     and the report says which one ran);
+#   * every step has its own time limit, and a step that fails or runs out is reported, not fatal;
+#   * everything lands in $OUT (default benchmarks/results/gpu): gpu_report.md (each step's command,
+#     exit code, seconds and the end of its log) and gpu_results.tar.gz (every JSON the benchmarks
+#     wrote) -- two files, within what a device call brings back.
+# Usage:  OUT=$OUT bash benchmarks/gpu.sh            (about 8 minutes on one H100; QUICK=1: ~3)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-benchmarks/results/gpu}"
+mkdir -p "$OUT"
+LOGS="$(mktemp -d)"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"
+Q=()
+[[ "${QUICK:-0}" == 1 ]] && Q=(--quick)
+REPORT="$OUT/gpu_report.md"
+
+{
+  echo "# metaopt GPU campaign, $(date -u +%Y-%m-%dT%H:%MZ)"
+  echo '```'
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | head -3
+  "$PY" -c 'import sys, torch, onnx; print("python", sys.version.split()[0], "torch", torch.__version__,
+"cuda", torch.version.cuda, "onnx", onnx.__version__, "gpu visible", torch.cuda.is_available())' 2>&1
+  git log -1 --format='commit %h %s' 2>/dev/null | cut -c1-100
+  echo '```'
+} > "$REPORT"
+
+step() {  # step NAME SECONDS COMMAND...: run it, append its outcome to the report
+  local name=$1 limit=$2
+  shift 2
+  local t0=$SECONDS rc
+  timeout --kill-after=10 "$limit" "$@" > "$LOGS/$name.log" 2>&1
+  rc=$?
+  local status="ok"
+  [[ $rc -ne 0 ]] && status="FAILED (exit $rc)"
+  [[ $rc -eq 124 || $rc -eq 137 ]] && status="TIMED OUT after ${limit}s"
+  {
+    echo
+    echo "## $name: $status, $((SECONDS - t0)) s"
+    echo '`'"$*"'`'
+    echo '```'
+    tail -n "${TAIL:-40}" "$LOGS/$name.log"
+    echo '```'
+  } >> "$REPORT"
+  echo "$name: $status ($((SECONDS - t0)) s)"
+}
+
+# CUDA tests: the CUDA-only module, the CUDA variants of the kernel and executor tests, the CUDA
+# checkpoint test (they skip on a machine without a GPU, which is every CI run).
+step cuda_tests 180 "$PY" -m pytest -q -rs -p no:cacheprovider tests/runtime/test_cuda.py \
+  tests/runtime/test_executor.py tests/fleet/test_io.py tests/ops/test_kernels.py -k "cuda or CUDA"
+step train_step 120 "$PY" benchmarks/train_step.py --device cuda "${Q[@]}"
+step executor_overhead 60 "$PY" benchmarks/executor_overhead.py --device cuda "${Q[@]}"
+step recompute 150 "$PY" benchmarks/recompute.py --device cuda "${Q[@]}"
+step offload 150 "$PY" benchmarks/offload.py --device cuda "${Q[@]}"
+step memory_pictures 120 "$PY" benchmarks/memory_pictures.py --device cuda "${Q[@]}"
+# The founding table measured: each row's predicted largest batch run once (budget under the card)
+if [[ "${QUICK:-0}" == 1 ]]; then
+  step paddle_table 150 "$PY" benchmarks/paddle_table.py --measure --layers 4 --budget-gib 16
+else
+  step paddle_table 240 "$PY" benchmarks/paddle_table.py --measure --budget-gib "${PADDLE_BUDGET_GIB:-32}"
+fi
+
+(cd benchmarks/results && tar czf - --exclude=gpu ./*.json 2>/dev/null) > "$OUT/gpu_results.tar.gz"
+echo "report: $REPORT"
