@@ -17,14 +17,7 @@ import sys
 from collections import Counter
 
 from metaopt.ir import Program
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
+from metaopt.passes.memory_estimate import human_bytes
 
 
 def resolve_source(source: str, *, training: bool) -> Program:
@@ -64,15 +57,15 @@ def summary(p: Program, batch: int) -> str:
     lines = [
         f"# {p.name}: {len(p.ops)} ops ({', '.join(f'{r} {n}' for r, n in roles.items())}), "
         f"{len(p.vars)} vars",
-        f"# params: {len(params)} tensors, {n_params:,} values, {_human(pbytes)}",
-        f"# activations at batch={batch}: {len(acts)} vars, {_human(abytes)} if all were alive",
+        f"# params: {len(params)} tensors, {n_params:,} values, {human_bytes(pbytes)}",
+        f"# activations at batch={batch}: {len(acts)} vars, {human_bytes(abytes)} if all were alive",
     ]
     if p.modules:
         lines.append("# module outputs (checkpoint candidates), bytes at this batch:")
         width = max(len(m) for m in p.modules)
         for m, outs in p.modules.items():
             size = sum(p.vars[o].nbytes(dims) or 0 for o in outs)
-            lines.append(f"#   {m.ljust(width)}  {', '.join(outs)}  {_human(size)}")
+            lines.append(f"#   {m.ljust(width)}  {', '.join(outs)}  {human_bytes(size)}")
     return "\n".join(lines) + "\n"
 
 

@@ -78,14 +78,7 @@ def save_persistables(
     tensors: dict[str, torch.Tensor] = {}
     info: dict[str, dict[str, Any]] = {}
     for v in _saved_vars(program):
-        t = exe.scope.get(v.name)
-        if t is None:
-            t = program.values.get(v.name)
-        if t is None:
-            raise ValueError(
-                f"save_persistables: {v.kind} var {v.name!r} has no value in the executor's scope "
-                f"or in program {program.name!r}"
-            )
+        t = sharded_io.value_of(exe, program, v)
         tensors[v.name] = t.detach().to("cpu").clone()
         info[v.name] = {"kind": v.kind, "dtype": _dtype(t), "shape": list(t.shape)}
     rng = {

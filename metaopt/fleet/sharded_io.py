@@ -95,7 +95,8 @@ def _dtype(t: torch.Tensor) -> str:
         return str(t.dtype).removeprefix("torch.")
 
 
-def _value(exe: Any, program: Program, v: Var) -> torch.Tensor:
+def value_of(exe: Any, program: Program, v: Var) -> torch.Tensor:
+    """The value a save takes: the executor's scope, else the program's initial value."""
     t = exe.scope.get(v.name)
     if t is None:
         t = program.values.get(v.name)
@@ -208,7 +209,7 @@ def _next_step(exe: Any, program: Program, root: Path, step: int | None) -> int:
     from metaopt.passes.optimize import STEP
 
     if STEP in program.vars:
-        return int(_value(exe, program, program.vars[STEP]))
+        return int(value_of(exe, program, program.vars[STEP]))
     done = complete_steps(root)
     return done[-1] + 1 if done else 0
 
@@ -242,7 +243,7 @@ def save_sharded(
     state: dict[str, torch.Tensor] = {}
     info: dict[str, dict[str, Any]] = {}
     for v in saved_vars(program):
-        t = _value(exe, program, v).detach().to("cpu")
+        t = value_of(exe, program, v).detach().to("cpu")
         state[v.name] = t
         info[v.name] = {"kind": v.kind, "dtype": _dtype(t), "shape": list(t.shape)}
     for key, t in _rng_states().items():

@@ -72,19 +72,20 @@ class MemoryWhere:
     def format(self, n: int = 15) -> str:
         """The printable view with the `n` largest storages (``str()`` is ``format(15)``)."""
         head = f"op {self.op}: {self.op_text.strip()}" if self.op >= 0 else "before the first op"
-        lines = [f"{_human(self.total_bytes)} alive at {head}"]
-        roles = ", ".join(f"{r} {_human(b)}" for r, b in self.by_role().items())
+        lines = [f"{human_bytes(self.total_bytes)} alive at {head}"]
+        roles = ", ".join(f"{r} {human_bytes(b)}" for r, b in self.by_role().items())
         lines.append(f"  by role: {roles}")
         if self.host_bytes:
-            lines.append(f"  host memory (offloaded copies, not counted): {_human(self.host_bytes)}")
+            lines.append(f"  host memory (offloaded copies, not counted): {human_bytes(self.host_bytes)}")
         lines.append(f"  {'bytes':>10}  {'kind':<10}  {'role':<10}  {'made at':>7}  var")
         for v in self.vars[:n]:
             made = "start" if v.op < 0 else str(v.op)
             also = f"  (also {', '.join(v.views)})" if v.views else ""
-            lines.append(f"  {_human(v.nbytes):>10}  {v.kind:<10}  {v.role:<10}  {made:>7}  {v.name}{also}")
+            size = human_bytes(v.nbytes)
+            lines.append(f"  {size:>10}  {v.kind:<10}  {v.role:<10}  {made:>7}  {v.name}{also}")
         if len(self.vars) > n:
             rest = sum(v.nbytes for v in self.vars[n:])
-            lines.append(f"  ... {len(self.vars) - n} more storages, {_human(rest)}")
+            lines.append(f"  ... {len(self.vars) - n} more storages, {human_bytes(rest)}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -272,9 +273,10 @@ class _Replay:
         return MemoryWhere(at, text, total, tuple(out), ws, host)
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
+def human_bytes(n: float) -> str:
+    """"512 B", "3.1 KiB" ... "12.5 GiB" (GiB the largest unit)."""
+    for unit in ("B", "KiB", "MiB"):
+        if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} TiB"
+    return f"{n:.1f} GiB"

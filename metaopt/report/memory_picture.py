@@ -29,7 +29,7 @@ import torch
 
 from metaopt.ir import Program, eval_dim, roles, torch_dtype
 from metaopt.ir.printer import fmt_op
-from metaopt.passes.memory_estimate import MemoryWhere, estimate_memory, where_alive
+from metaopt.passes.memory_estimate import MemoryWhere, estimate_memory, human_bytes, where_alive
 from metaopt.runtime.executor import Executor
 
 
@@ -73,19 +73,19 @@ class MemoryPicture:
         dims = ", ".join(f"{k}={v}" for k, v in self.dims.items()) or "no symbolic dims"
         lines = [f"# memory picture of {self.name!r} ({len(self.roles)} ops, {dims}, {self.device})"]
         op, b = self.predicted_peak
-        lines.append(f"predicted peak: {_human(b)} ({b:,} B) at op {op}")
+        lines.append(f"predicted peak: {human_bytes(b)} ({b:,} B) at op {op}")
         if self.with_workspace is not None:
             wop, wb = _argmax(self.with_workspace)
-            lines.append(f"predicted with kernel workspace: {_human(wb)} ({wb:,} B) at op {wop}")
+            lines.append(f"predicted with kernel workspace: {human_bytes(wb)} ({wb:,} B) at op {wop}")
         if self.measured_peak is not None:
             mop, mb = self.measured_peak
-            lines.append(f"measured peak:  {_human(mb)} ({mb:,} B) at op {mop}")
+            lines.append(f"measured peak:  {human_bytes(mb)} ({mb:,} B) at op {mop}")
             differ = sum(1 for m, p in zip(self.measured, self.predicted) if m is not None and m != p)
             if differ:
                 lines.append(f"measured and predicted differ at {differ} of {len(self.predicted)} ops")
         else:
             lines.append(f"measured: no run, predicted only ({self.note})")
-        lines.append(f"persistables (params, state, constants): {_human(self.persistable_bytes)}")
+        lines.append(f"persistables (params, state, constants): {human_bytes(self.persistable_bytes)}")
         lines.append(self.where.format(n))
         return "\n".join(lines) + "\n"
 
@@ -237,14 +237,6 @@ def _argmax(xs: Sequence[int | None]) -> tuple[int, int]:
 
 def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "program"
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 def unit_for(nbytes: float) -> tuple[str, float]:

@@ -15,7 +15,8 @@ import math
 import xml.etree.ElementTree as ET
 from typing import TYPE_CHECKING
 
-from metaopt.report.memory_picture import MemoryPicture, _human, unit_for
+from metaopt.passes.memory_estimate import human_bytes
+from metaopt.report.memory_picture import MemoryPicture, unit_for
 
 if TYPE_CHECKING:  # matplotlib is optional: imported by `_matplotlib` when drawing
     from matplotlib.figure import Figure
@@ -26,7 +27,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "backward": ("backward",),
     "recompute": ("recompute",),
     "offload/prefetch": ("offload", "prefetch"),
-    "optimize": ("optimize", "lr-sched"),
+    "optimize": ("optimize", "lr-sched", "backward-update"),
     "comm": ("comm", "startup"),
 }
 COLORS = {
@@ -123,7 +124,7 @@ def _mark_peak(ax, pic: MemoryPicture, scale: float) -> None:  # noqa: ANN001 - 
     what = "measured" if pic.measured else "predicted"
     left = op > 0.6 * len(pic.roles)  # keep the label inside the axes
     ax.annotate(
-        f"{what} peak {_human(b)}\nop {op}: {_op_type(pic.labels[op])} ({pic.roles[op]})",
+        f"{what} peak {human_bytes(b)}\nop {op}: {_op_type(pic.labels[op])} ({pic.roles[op]})",
         (op, b / scale), xytext=(-8 if left else 8, 6), textcoords="offset points",
         ha="right" if left else "left", va="bottom", fontsize=8, color="#a50f15", zorder=6,
     )  # fmt: skip
@@ -143,13 +144,13 @@ def _side_list(side, pic: MemoryPicture) -> None:  # noqa: ANN001 - an Axes
     """The largest storages alive at the marked peak, beside the chart."""
     side.axis("off")
     w = pic.where
-    roles = "\n".join(f"  {r:<10} {_human(b):>10}" for r, b in list(w.by_role().items())[:6])
+    roles = "\n".join(f"  {r:<10} {human_bytes(b):>10}" for r, b in list(w.by_role().items())[:6])
     rows = "\n".join(
-        f"{_human(v.nbytes):>10}  {v.role:<9} {_shorten(v.name, 38)}" for v in w.largest(LIST_VARS)
+        f"{human_bytes(v.nbytes):>10}  {v.role:<9} {_shorten(v.name, 38)}" for v in w.largest(LIST_VARS)
     )
     where = f"op {w.op}" if w.op >= 0 else "the start"
     text = (
-        f"alive at {where} ({_human(w.total_bytes)}),\nby the estimate\n\n"
+        f"alive at {where} ({human_bytes(w.total_bytes)}),\nby the estimate\n\n"
         f"by role:\n{roles}\n\nlargest:\n{rows}"
     )
     side.text(0, 1, text, va="top", ha="left", family="monospace", fontsize=7, transform=side.transAxes)
@@ -173,8 +174,8 @@ def tooltip_text(pic: MemoryPicture, start: int, end: int) -> str:
     head = f"op {i}" if end - start == 1 else f"ops {start}-{end - 1}, most at op {i}"
     parts = [f"{head} ({pic.roles[i]})", pic.labels[i].split("  #")[0].strip()]
     if pic.measured and pic.measured[i] is not None:
-        parts.append(f"measured {_human(pic.measured[i])}")
-    parts.append(f"predicted {_human(pic.predicted[i])}")
+        parts.append(f"measured {human_bytes(pic.measured[i])}")
+    parts.append(f"predicted {human_bytes(pic.predicted[i])}")
     return "\n".join(parts)
 
 

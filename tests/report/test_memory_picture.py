@@ -16,7 +16,7 @@ import programs
 from metaopt import fleet
 from metaopt.cli import main
 from metaopt.frontend import onnx_save
-from metaopt.passes.memory_estimate import MemoryWhere, estimate_memory
+from metaopt.passes.memory_estimate import MemoryWhere, estimate_memory, human_bytes
 from metaopt.report import plot
 from metaopt.report.memory_picture import MemoryPicture, measure_timeline, memory_picture, random_feed
 from metaopt.runtime.memory import MemoryTracker
@@ -90,7 +90,7 @@ def test_files_are_written_and_the_page_has_a_tooltip_per_op(tmp_path):
     op, peak = pic.measured_peak
     assert f"<title>op {op} ({p.ops[op].role})" in html
     assert "fill-opacity: 0" in html  # the hover columns take pointer events
-    assert f"measured peak:  {plot._human(peak)} ({peak:,} B) at op {op}" in txt.read_text()
+    assert f"measured peak:  {human_bytes(peak)} ({peak:,} B) at op {op}" in txt.read_text()
 
 
 def test_cli_draws_a_saved_program(tmp_path, capsys):
@@ -102,8 +102,8 @@ def test_cli_draws_a_saved_program(tmp_path, capsys):
     text = capsys.readouterr().out
     loaded = metaopt.load(str(path))
     timeline, peak = measure_timeline(loaded, random_feed(loaded, {"batch": 8})[0], [loaded.loss_name])
-    assert f"measured peak:  {plot._human(peak)} ({peak:,} B)" in text
-    assert f"predicted peak: {plot._human(peak)} ({peak:,} B)" in text
+    assert f"measured peak:  {human_bytes(peak)} ({peak:,} B)" in text
+    assert f"predicted peak: {human_bytes(peak)} ({peak:,} B)" in text
     assert f"# wrote {out / 'mlp_memory.png'}" in text
     assert (out / "mlp_memory.png").stat().st_size > 0 and (out / "mlp_memory.html").stat().st_size > 0
     with pytest.raises(SystemExit, match=r"--dim 'seq' is not NAME=N"):
@@ -193,3 +193,11 @@ def test_a_large_program_gets_one_tooltip_per_few_ops():
     per = -(-n // plot.MAX_TOOLTIPS)  # ceil: 3 ops per tooltip
     assert svg.count("<title>ops ") == -(-n // per)
     assert f"<title>ops 0-{per - 1}, most at op {per - 1} (forward)" in svg
+
+
+def test_every_role_has_a_colour():
+    """A new role must be placed in a group of the picture, not fall into another's colour."""
+    from metaopt.ir.roles import ROLES
+    from metaopt.report.plot import GROUP_OF_ROLE
+
+    assert set(ROLES) <= set(GROUP_OF_ROLE)
