@@ -1,4 +1,5 @@
-"""Memory pictures of one BERT training step: no recompute / recompute / recompute + offload.
+"""Memory pictures of one BERT training step: no recompute / recompute / recompute + offload /
+recompute with the grads freed early (optimizer_in_backward).
 
     python benchmarks/memory_pictures.py [--device cpu|cuda] [--quick] [--config base] [--layers 12]
                                          [--seq 128] [--batch 8] [--out benchmarks/results]
@@ -26,7 +27,8 @@ import metaopt
 import programs
 from metaopt import fleet
 
-STRATEGIES = ("none", "recompute", "offload")
+# "early": recompute + optimizer_in_backward (each grad freed once its update has run)
+STRATEGIES = ("none", "recompute", "offload", "early")
 CHECKPOINTS = ["bert.encoder.layer.*"]
 
 
@@ -40,6 +42,7 @@ def build(strategy: str, config: str, layers: int, seq: int) -> metaopt.Program:
     if strategy != "none":
         s.recompute = True
         s.recompute_configs = {"checkpoints": CHECKPOINTS, "enable_offload": strategy == "offload"}
+    s.optimizer_in_backward = strategy == "early"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         fleet.distributed_optimizer(metaopt.optimizer.Adam(learning_rate=1e-4), s).minimize(main.loss)
