@@ -179,10 +179,16 @@ def complete_steps(root: Path) -> list[int]:
 
 
 def _clean_leftovers(root: Path) -> list[str]:
-    """Remove what killed saves left: partial folders, and temp files of `latest`."""
+    """Remove what killed saves left: partial folders, and temp files of `latest`. A step
+    folder set aside while the same step was saved again (``.step-N.old``) goes back in place
+    if the new one never arrived."""
     removed = []
     for p in root.iterdir():
-        if _PARTIAL_DIR.match(p.name) or (p.name.startswith(f".{LATEST}.") and p.name.endswith(".tmp")):
+        m = _PARTIAL_DIR.match(p.name)
+        if m and m.group(2) == "old" and not (root / _step_dir(int(m.group(1)))).exists():
+            p.rename(root / _step_dir(int(m.group(1))))
+            continue
+        if m or (p.name.startswith(f".{LATEST}.") and p.name.endswith(".tmp")):
             if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p, ignore_errors=True)
             else:
@@ -222,7 +228,21 @@ def save_sharded(
         raise ValueError(f"save_persistables: keep_last must be an int >= 1, got {keep_last!r}")
     rank, size = world()
     root = Path(os.fspath(dirname))
-    steps = _gather(_next_step(exe, program, root, step))
+    # What this worker saves, before any collective: a worker that cannot (a var without a
+    # value) must fail every worker now, not leave them waiting in DCP until the timeout.
+    state: dict[str, torch.Tensor] = {}
+    info: dict[str, dict[str, Any]] = {}
+    mine, problem = -1, None
+    try:
+        mine = _next_step(exe, program, root, step)
+        for v in saved_vars(program):
+            t = value_of(exe, program, v).detach().to("cpu")
+            state[v.name] = t
+            info[v.name] = {"kind": v.kind, "dtype": _dtype(t), "shape": list(t.shape)}
+    except (CheckpointError, OSError) as e:
+        problem = str(e)
+    _agree_or_raise(problem, f"save_persistables into {root}")
+    steps = _gather(mine)
     if len(set(steps)) != 1:
         raise CheckpointError(
             f"save_persistables: the workers are at different steps {steps} (by rank): "
@@ -239,13 +259,6 @@ def save_sharded(
         except OSError as e:
             problem = f"cannot prepare {partial}: {e}"
     _agree_or_raise(problem, f"save_persistables into {root}")
-
-    state: dict[str, torch.Tensor] = {}
-    info: dict[str, dict[str, Any]] = {}
-    for v in saved_vars(program):
-        t = value_of(exe, program, v).detach().to("cpu")
-        state[v.name] = t
-        info[v.name] = {"kind": v.kind, "dtype": _dtype(t), "shape": list(t.shape)}
     for key, t in _rng_states().items():
         state[f"{_RNG}/{rank}/{key}"] = t
     with warnings.catch_warnings():  # one worker (tests, tools) saving this format is meant
@@ -311,6 +324,8 @@ def find_checkpoint(dirname: str | os.PathLike) -> Path | None:
     if latest is None:
         return None
     folder = root / latest
+    if not folder.exists() and (root / f".{latest}.old" / INFO).is_file():
+        folder = root / f".{latest}.old"  # a save of the same step killed between its renames
     if not (folder / INFO).is_file():
         raise CheckpointError(f"{root / LATEST} names {latest}, which is not a complete checkpoint in {root}")
     return folder

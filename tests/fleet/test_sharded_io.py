@@ -171,3 +171,26 @@ def test_damaged_checkpoints_are_named_errors(tmp_path, damage, message):
     with pytest.raises(sharded_io.CheckpointError, match=message):
         fleet.load_persistables(exe, tmp_path / "ckpt", _program())
     assert not exe.scope
+
+
+def test_a_save_of_the_same_step_killed_between_its_renames_loses_nothing(tmp_path):
+    """Saving step N again sets the old step-N aside (.step-N.old) for a moment: a kill then
+    leaves 'latest' naming a missing folder. Loading takes the set-aside one; the next save
+    puts it back before anything else."""
+    _save(tmp_path, 3, 1.0)
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "step-00000003").rename(ckpt / ".step-00000003.old")  # the moment of the kill
+    p, exe = _program(), metaopt.Executor("cpu")
+    fleet.load_persistables(exe, ckpt, p)
+    assert torch.equal(exe.scope["w"], torch.full((6, 3), 1.0))
+    _save(tmp_path, 4, 2.0)
+    assert sharded_io.complete_steps(ckpt) == [3, 4]
+    assert not [n for n in os.listdir(ckpt) if n.startswith(".")]
+
+
+def test_a_worker_without_a_value_fails_before_any_collective(tmp_path):
+    p = _program()
+    del p.values["m"]
+    with pytest.raises(sharded_io.CheckpointError, match=r"opt_state var 'm' has no value"):
+        sharded_io.save_sharded(metaopt.Executor("cpu"), tmp_path / "ckpt", p, step=1)
+    assert not (tmp_path / "ckpt").exists()
