@@ -7,13 +7,15 @@
     opt = fleet.distributed_optimizer(metaopt.optimizer.Adam(learning_rate=1e-4), strategy)
     optimize_ops, params_grads = opt.minimize(loss)      # rewrites loss.program in place
 
-State (this worker's rank, the job's size) lives in ``metaopt.fleet.env``; the meta
+State (this worker's rank, the job's size, its hybrid-parallel groups) lives in
+``metaopt.fleet.env``, the rank layout in ``metaopt.fleet.topology``; the meta
 training rewrite's steps, in their literal order, in ``metaopt.fleet.steps.STEPS``.
 """
 
 from metaopt.fleet.distributed_optimizer import DistributedOptimizer, TrainPlan, distributed_optimizer
 from metaopt.fleet.env import (
     barrier_worker,
+    get_hybrid_communicate_group,
     init,
     is_first_worker,
     is_initialized,
@@ -33,6 +35,7 @@ __all__ = [
     "TrainPlan",
     "barrier_worker",
     "distributed_optimizer",
+    "get_hybrid_communicate_group",
     "init",
     "is_first_worker",
     "is_initialized",

@@ -25,6 +25,7 @@ from metaopt.fleet.steps import (
     FLEET_META_OPTIMIZERS,
     META_OF_STEP,
     STEPS,
+    hybrid_errors,
     requirement_errors,
     warn_if_nothing_saved,
 )
@@ -83,6 +84,7 @@ def _refusals(strategy: DistributedStrategy) -> list[Exception]:
     if unimplemented is not None:
         errors += unimplemented()
     errors += requirement_errors(strategy)
+    errors += hybrid_errors(strategy)
     for flags, why in CONFLICTS:
         if all(getattr(strategy, f) for f in flags):
             both = " and ".join(f"strategy.{f}=True" for f in flags)

@@ -10,6 +10,11 @@ must agree. With nothing set the job is one worker (rank 0 of 1, endpoint
 With more than one worker ``init`` creates the default ``torch.distributed`` process
 group: NCCL when CUDA is visible, else gloo, with a timeout of
 ``METAOPT_COMM_TIMEOUT`` seconds (default 300) so a lost peer is an error, not a hang.
+
+Given a strategy whose ``hybrid_configs`` are set, ``init`` also lays the workers out
+(``topology.py``: dp x mp x pp, model-parallel peers adjacent), refuses a world size other
+than the degrees' product, and makes one process group per group of every axis, as Fleet
+does; ``get_hybrid_communicate_group()`` returns this worker's view of them.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from metaopt.fleet.topology import AXES, HybridCommunicateGroup, Topology
 
 logger = logging.getLogger("metaopt.fleet")
 
@@ -49,6 +56,7 @@ class _State:
     env: WorkerEnv = field(default_factory=WorkerEnv)
     strategy: object = None  # the DistributedStrategy given to init, if any
     created_group: bool = False  # whether init created the torch.distributed default group
+    hcg: HybridCommunicateGroup | None = None  # built by init from its strategy's hybrid_configs
 
 
 _STATE = _State()
@@ -159,16 +167,22 @@ def init(is_collective: bool = True, strategy=None) -> None:
             )
         strategy = strategy.copy()
     env = read_env()
+    # a wrong world size is refused before joining: every worker raises alike, none waits
+    topo = _hybrid_topology(strategy, env.world_size)
     if env.world_size > 1:
         _STATE.created_group = _join_process_group(env) or _STATE.created_group
     elif _STATE.created_group:
         raise RuntimeError(
             "fleet.init: this process already joined a multi-worker group; the env now says 1 worker"
         )
+    hcg = None if topo is None else _hybrid_group(topo, env)
     _STATE.env = env
     _STATE.strategy = strategy
+    _STATE.hcg = hcg
     _STATE.initialized = True
     logger.info("fleet.init: worker %d of %d (local rank %d)", env.rank, env.world_size, env.local_rank)
+    if hcg is not None:
+        logger.info("fleet.init: %r", hcg)
 
 
 # --- multi-process path (kept small; exercised through metaoptrun's tests) -----------------
@@ -219,6 +233,69 @@ def _destroy_at_exit() -> None:
     forget_groups()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+# --- hybrid parallel's groups ------------------------------------------------------------------
+
+
+def _hybrid_topology(strategy, world_size: int) -> Topology | None:
+    """The layout `strategy`'s hybrid_configs give the job (None when they are not set)."""
+    from metaopt.fleet.topology import from_hybrid_configs, hybrid_is_set
+
+    if strategy is None or not hybrid_is_set(strategy.hybrid_configs):
+        return None
+    return from_hybrid_configs(strategy.hybrid_configs, world_size, "fleet.init: strategy.hybrid_configs")
+
+
+def _hybrid_group(topo: Topology, env: WorkerEnv) -> HybridCommunicateGroup:
+    """This worker's HybridCommunicateGroup, with a process group per group of every axis.
+
+    torch requires every worker to call ``new_group`` for every group, members or not, in the
+    same order: here, axis by axis in ``AXES`` order, groups in ``get_comm_list`` order. The
+    workers first check that they all hold the same topology (a worker given other degrees
+    would pair its groups with the wrong peers). A re-``init`` with the same topology keeps the
+    groups already made."""
+    old = _STATE.hcg
+    if old is not None and old.topology() == topo and old.global_rank == env.rank:
+        return old
+    if env.world_size == 1:
+        return HybridCommunicateGroup(topo, env.rank)  # no process group, so no groups
+    import torch.distributed as dist
+
+    dims = _gather(list(topo.dims), "fleet.init: the exchange of hybrid_configs")
+    differ = [r for r, d in enumerate(dims) if d != dims[0]]
+    if differ:
+        raise WorkersDisagreeError(
+            f"fleet.init: the workers' hybrid_configs differ: rank 0 has {Topology(*dims[0]).describe()}, "
+            f"rank {differ[0]} has {Topology(*dims[differ[0]]).describe()}; "
+            "give every worker the same strategy"
+        )
+    timeout = comm_timeout()
+    mine: dict[str, object] = {}
+    for axis in AXES:
+        for ranks in topo.get_comm_list(axis):
+            group = dist.new_group(ranks, timeout=timeout)
+            if env.rank in ranks:
+                mine[axis] = group
+    return HybridCommunicateGroup(topo, env.rank, mine)
+
+
+def get_hybrid_communicate_group() -> HybridCommunicateGroup:
+    """Fleet's ``fleet.get_hybrid_communicate_group()``: this worker's ranks, degrees and process
+    groups on the data, pipe, sharding and model axes (``topology.HybridCommunicateGroup``)."""
+    _env()
+    if _STATE.hcg is None:
+        raise RuntimeError(
+            "fleet.get_hybrid_communicate_group(): fleet.init was given no hybrid_configs; set "
+            "strategy.hybrid_configs = {'dp_degree': d, 'mp_degree': m, 'pp_degree': p} (d x m x p = the "
+            "world size) and call fleet.init(is_collective=True, strategy=strategy)"
+        )
+    return _STATE.hcg
+
+
+def hybrid_topology() -> Topology | None:
+    """The layout ``fleet.init`` built from its strategy's hybrid_configs (None if none)."""
+    return None if _STATE.hcg is None else _STATE.hcg.topology()
 
 
 # --- queries -------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from metaopt.fleet import env
+from metaopt.fleet.topology import Topology, hybrid_is_set, job_topology
 from metaopt.ir import Program
 from metaopt.passes.driver import Context, Step
 
@@ -235,7 +236,9 @@ def _dp_on(ctx: Context) -> tuple[bool, str]:
     if ctx.world_size == 1:
         return False, "fleet.worker_num()=1"
     if ctx.strategy.pipeline:
-        return False, "strategy.pipeline=True replicates over pipeline_configs['dp_degree']"
+        return False, "strategy.pipeline=True replicates over hybrid_configs' or pipeline_configs' dp_degree"
+    # without a pipeline the data axis is every worker: pp_degree > 1 needs strategy.pipeline and
+    # mp_degree > 1 is refused (UNIMPLEMENTED), so the data groups are the one group of all
     return True, f"fleet.worker_num()={ctx.world_size}"
 
 
@@ -406,19 +409,17 @@ def _pp_on(ctx: Context) -> tuple[bool, str]:
     return on, f"strategy.pipeline={on}"
 
 
+def _layout(ctx: Context) -> Topology:
+    """The job's dp x pp (x mp) layout: hybrid_configs (this strategy's or fleet.init's), else
+    pipeline_configs' replicas x stages (``topology.job_topology`` says which wins and refuses
+    conflicts naming both)."""
+    return job_topology(ctx.strategy, ctx.world_size, env.hybrid_topology())
+
+
 def _pp_layout(ctx: Context) -> tuple[int, int]:
     """(num_stages, dp_degree) of the job: each worker runs one stage of one replica."""
-    cfg = ctx.strategy.pipeline_configs
-    dp = cfg["dp_degree"]
-    if ctx.world_size % dp:
-        raise ValueError(f"pipeline_configs['dp_degree']={dp} does not divide the {ctx.world_size} workers")
-    stages = cfg["num_stages"] or ctx.world_size // dp
-    if stages * dp != ctx.world_size:
-        raise ValueError(
-            f"pipeline_configs['num_stages']={stages} x dp_degree={dp} but the job "
-            f"has {ctx.world_size} workers: each worker runs one stage of one replica"
-        )
-    return stages, dp
+    topo = _layout(ctx)
+    return topo.pp_degree, topo.dp_degree
 
 
 def _pp_check(ctx: Context) -> None:
@@ -477,9 +478,11 @@ def _pp_plan(p: Program, ctx: Context) -> Any:
 def _pipeline_split(p: Program, plan: Any, ctx: Context) -> list[Program]:
     from metaopt.passes.pipeline import pipeline
 
-    stages, dp = _pp_layout(ctx)
-    parts = pipeline(p, plan=plan, dp_degree=dp, loss_grad=ctx.loss_grad)
-    ctx.part = ctx.rank % stages  # rank = replica * num_stages + stage
+    topo = _layout(ctx)
+    parts = pipeline(p, plan=plan, dp_degree=topo.dp_degree, loss_grad=ctx.loss_grad)
+    # the topology's pipe coordinate; with mp_degree 1 it is the runtime's placement,
+    # rank = replica * num_stages + stage (runtime/pipeline.py)
+    ctx.part = topo.get_coord(ctx.rank).pipe
     return parts
 
 
@@ -526,6 +529,25 @@ META_OF_STEP = {
     "broadcast_init": "data_parallel",
 }
 FLEET_META_OPTIMIZERS = ("amp", "pipeline", "recompute", "gradient_merge", "data_parallel")
+
+
+def hybrid_errors(strategy: Any) -> list[Exception]:
+    """What ``minimize`` refuses of the job's layout (needs ``fleet.init``): a world size other
+    than the degrees' product, hybrid degrees that conflict with fleet.init's or with
+    pipeline_configs, pp_degree > 1 without a pipeline (``topology.job_topology``); and, when
+    the degrees come from fleet.init's strategy, its UNIMPLEMENTED ones (mp_degree > 1: tensor
+    parallel is not implemented yet). This strategy's own are in ``strategy.unimplemented()``."""
+    from metaopt.fleet.strategy import unimplemented
+
+    init = env.hybrid_topology()
+    try:
+        job_topology(strategy, env.worker_num(), init)
+    except ValueError as e:
+        return [e]
+    init_strategy = env.user_strategy()
+    if init is None or init_strategy is None or hybrid_is_set(strategy.hybrid_configs):
+        return []
+    return [NotImplementedError(f"fleet.init's {e}") for e in unimplemented(init_strategy, "hybrid_configs")]
 
 
 def requirement_errors(strategy: Any) -> list[Exception]:

@@ -30,6 +30,9 @@ Differences from Fleet, on purpose:
   ``NO_EFFECT`` fields are accepted with either value: metaopt's behaviour is fixed, and
   it is what the non-default value asks for (the reason says what metaopt does).
 - ``save_to_json`` / ``load_from_json`` replace Fleet's prototxt files.
+- ``hybrid_configs`` has Fleet 2.x's keys (dp_degree, mp_degree, pp_degree, sharding_degree,
+  with its defaults); later Fleet keys (sep_degree, order, mp_configs, pp_configs) are unknown
+  keys here, refused with the known ones listed. Its layout: ``metaopt/fleet/topology.py``.
 """
 
 from __future__ import annotations
@@ -233,6 +236,35 @@ GRADIENT_MERGE_CONFIGS: dict[str, Key] = {
     "avg": Key(True, "bool", "average (else sum) the k accumulated gradients"),
 }
 
+# Fleet's hybrid_configs (its HybridConfig proto): how the workers are laid out, read by
+# fleet.init (the process groups, fleet.get_hybrid_communicate_group()) and minimize (the
+# pipeline's stages and replicas). metaopt/fleet/topology.py has the rank layout.
+_DP_DEGREE: tuple[Check, ...] = (
+    (
+        lambda v: v == -1 or v >= 1,
+        "must be >= 1, or -1 (the default: the world size / (mp_degree x pp_degree x sharding_degree))",
+    ),
+    _INT32,
+)
+HYBRID_CONFIGS: dict[str, Key] = {
+    "dp_degree": Key(
+        -1,
+        "int",
+        "data-parallel replicas (of the whole pipeline, if any); -1: inferred from the world size",
+        check=_DP_DEGREE,
+    ),
+    "mp_degree": Key(
+        1,
+        "int",
+        "model (tensor) parallel workers per layer; > 1 is refused at minimize (UNIMPLEMENTED)",
+        check=_COUNT,
+    ),
+    "pp_degree": Key(1, "int", "pipeline stages (needs strategy.pipeline=True when > 1)", check=_COUNT),
+    "sharding_degree": Key(
+        1, "int", "optimizer-state sharding workers; > 1 is refused at minimize (UNIMPLEMENTED)", check=_COUNT
+    ),
+}
+
 # feature flag -> its config table; the order is the printed order (and that of META_OPTIMIZERS).
 CONFIGS: dict[str, dict[str, Key]] = {
     "amp": AMP_CONFIGS,
@@ -240,6 +272,10 @@ CONFIGS: dict[str, dict[str, Key]] = {
     "pipeline": PIPELINE_CONFIGS,
     "gradient_merge": GRADIENT_MERGE_CONFIGS,
 }
+# Configs with no feature flag (Fleet has none for them): always in effect, printed when they
+# differ from their defaults. "hybrid" -> strategy.hybrid_configs.
+FLAGLESS_CONFIGS: dict[str, dict[str, Key]] = {"hybrid": HYBRID_CONFIGS}
+ALL_CONFIGS: dict[str, dict[str, Key]] = {**CONFIGS, **FLAGLESS_CONFIGS}
 
 # Fleet feature flags metaopt accepts (a Fleet script still parses) but refuses at minimize when True.
 UNSUPPORTED_FEATURES: tuple[str, ...] = (
@@ -313,6 +349,12 @@ UNIMPLEMENTED: dict[str, str] = {
     "pipeline_configs.micro_batch_size": (
         "the micro-batch size is the fed batch divided by pipeline_configs['accumulate_steps']"
     ),
+    # issue 16: the topology and its process groups exist (fleet.init); the pass does not yet
+    "hybrid_configs.mp_degree": (
+        "tensor parallel, the pass that splits params over the model-parallel group, is not implemented "
+        "yet; fleet.init lays the workers out and fleet.get_hybrid_communicate_group() works"
+    ),
+    "hybrid_configs.sharding_degree": "every worker holds the whole optimizer state: no sharding pass",
 }
 
 # Fields and config keys accepted with either value: metaopt's behaviour is fixed and is what
@@ -334,7 +376,7 @@ def _entry(path: str) -> tuple[str | None, str, Key]:
     config, _, name = path.rpartition(".")
     if not config:
         return None, name, FIELDS[name]
-    return config, name, CONFIGS[config[: -len("_configs")]][name]
+    return config, name, ALL_CONFIGS[config[: -len("_configs")]][name]
 
 
 for _path in (*UNIMPLEMENTED, *NO_EFFECT):  # a typo in the tables above fails at import
@@ -342,9 +384,10 @@ for _path in (*UNIMPLEMENTED, *NO_EFFECT):  # a typo in the tables above fails a
 del _path
 
 
-def unimplemented(strategy: DistributedStrategy) -> list[NotImplementedError]:
+def unimplemented(strategy: DistributedStrategy, config: str | None = None) -> list[NotImplementedError]:
     """One NotImplementedError per ``UNIMPLEMENTED`` field or config key of `strategy` that is
-    not at its default (a config key only while its feature flag is on), in table order.
+    not at its default (a config key only while its feature flag is on), in table order; only
+    those of `config` (e.g. "hybrid_configs") when it is given.
 
     ``minimize`` refuses them before the program is touched; each message names the field,
     its value, what metaopt does instead and the default to go back to::
@@ -358,6 +401,7 @@ def unimplemented(strategy: DistributedStrategy) -> list[NotImplementedError]:
             f"leave it at its default {default!r}"
         )
         for path, where, value, default in _unimplemented_set(strategy)
+        if config is None or path.startswith(f"{config}.")
     ]
 
 
@@ -370,7 +414,7 @@ def _unimplemented_set(strategy: DistributedStrategy) -> list[tuple[str, str, An
         config, name, key = _entry(path)
         if config is None:
             value, where = values[name], f"strategy.{name}"
-        elif values[config[: -len("_configs")]]:
+        elif config[: -len("_configs")] in FLAGLESS_CONFIGS or values[config[: -len("_configs")]]:
             value, where = values[config][name], f"strategy.{config}[{name!r}]"
         else:  # the feature is off: its config is unused (the plan warns if it is set)
             continue
@@ -566,14 +610,15 @@ class DistributedStrategy:
 
     Feature flags (``amp``, ``recompute``, ``pipeline``, ``gradient_merge``) each have a
     ``<flag>_configs`` dict; communication flags (``fuse_all_reduce_ops`` ...) tune data
-    parallel. See ``FIELDS`` and ``CONFIGS`` for every field, default and meaning, and the
+    parallel; ``hybrid_configs`` (no flag) lays the workers out as dp x mp x pp. See ``FIELDS``,
+    ``CONFIGS`` and ``FLAGLESS_CONFIGS`` for every field, default and meaning, and the
     module docstring for where metaopt differs from Fleet (configs are replaced, not
     merged; mistakes raise).
     """
 
     def __init__(self) -> None:
         values: dict[str, Any] = {name: _plain(key.default) for name, key in FIELDS.items()}
-        for flag, table in CONFIGS.items():
+        for flag, table in ALL_CONFIGS.items():
             values[f"{flag}_configs"] = _config_defaults(table)
         object.__setattr__(self, "_values", values)
 
@@ -581,7 +626,7 @@ class DistributedStrategy:
     @staticmethod
     def field_names() -> list[str]:
         """Every settable attribute: the flags and the ``<flag>_configs``."""
-        return [*FIELDS, *(f"{flag}_configs" for flag in CONFIGS)]
+        return [*FIELDS, *(f"{flag}_configs" for flag in ALL_CONFIGS)]
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -596,7 +641,7 @@ class DistributedStrategy:
     def __setattr__(self, name: str, value: Any) -> None:
         if name in FIELDS:
             self._values[name] = _check_value(f"strategy.{name}", FIELDS[name], value)
-        elif name.endswith("_configs") and name[: -len("_configs")] in CONFIGS:
+        elif name.endswith("_configs") and name[: -len("_configs")] in ALL_CONFIGS:
             self._values[name] = self._check_config(name, value)
         else:
             raise AttributeError(self._unknown(name))
@@ -626,7 +671,7 @@ class DistributedStrategy:
         """defaults + `config`, every key known and every value of its type (replace, not merge)."""
         if not isinstance(config, Mapping):
             raise TypeError(f"strategy.{name}: expected a dict, got {_describe(config)}")
-        table = CONFIGS[name[: -len("_configs")]]
+        table = ALL_CONFIGS[name[: -len("_configs")]]
         out = _config_defaults(table)
         for k, v in config.items():
             if k not in table:
@@ -713,6 +758,10 @@ class DistributedStrategy:
                 for i, cell in enumerate(_fmt(v)):
                     rows.append((k if i == 0 else "", cell))
             sections.append((f"{flag}=True <-> {flag}_configs", rows))
+        for name, table in FLAGLESS_CONFIGS.items():  # shown once they differ from the defaults
+            config = self._values[f"{name}_configs"]
+            if config != _config_defaults(table):
+                sections.append((f"{name}_configs", [(k, str(v)) for k, v in config.items()]))
         changed = [
             (name, str(self._values[name]))
             for name, key in FIELDS.items()

@@ -70,8 +70,6 @@ def test_bad_keep_last_is_refused(tmp_path):
         _save(tmp_path, 1, 1.0, keep_last=0)
 
 
-
-
 def test_a_shape_mismatch_names_the_var_and_changes_nothing(tmp_path):
     _save(tmp_path, 1, 1.0)
     exe = metaopt.Executor("cpu")

@@ -13,7 +13,7 @@ import pytest
 import metaopt
 from metaopt import fleet
 from metaopt.fleet.strategy import (
-    CONFIGS,
+    ALL_CONFIGS,
     FIELDS,
     NO_EFFECT,
     UNIMPLEMENTED,
@@ -84,6 +84,8 @@ FLEET_DEFAULTS = {
         "chunks": 1,  # ours: virtual stages per worker (interleaved)
     },
     "gradient_merge_configs": {"k_steps": 1, "avg": True},
+    # Fleet's HybridConfig: dp_degree -1 = inferred from the world size
+    "hybrid_configs": {"dp_degree": -1, "mp_degree": 1, "pp_degree": 1, "sharding_degree": 1},
 }
 OURS = {
     "recompute_configs": {
@@ -108,7 +110,7 @@ def test_defaults_equal_fleet():
 
 
 def test_extras_are_marked_as_ours():
-    for flag, table in CONFIGS.items():
+    for flag, table in ALL_CONFIGS.items():
         assert {k for k, key in table.items() if key.extra} == OURS.get(f"{flag}_configs", set())
     ours = {name for name, key in FIELDS.items() if key.extra}
     assert ours == {"fuse_linear_cross_entropy", "optimizer_in_backward"}
@@ -207,6 +209,10 @@ OUT_OF_RANGE = {
     "pipeline_configs.num_stages": [0],
     "pipeline_configs.dp_degree": [0],
     "gradient_merge_configs.k_steps": [0, _INT32_TOO_BIG],
+    "hybrid_configs.dp_degree": [0, -2, _INT32_TOO_BIG],  # -1 is the default: inferred
+    "hybrid_configs.mp_degree": [0, -1, _INT32_TOO_BIG],
+    "hybrid_configs.pp_degree": [0, _INT32_TOO_BIG],
+    "hybrid_configs.sharding_degree": [0],
 }
 
 
@@ -216,11 +222,13 @@ def _numeric(key) -> bool:
 
 def test_every_numeric_key_has_a_range():
     numeric = [name for name, key in FIELDS.items() if _numeric(key)]
-    numeric += [f"{flag}_configs.{k}" for flag, t in CONFIGS.items() for k, key in t.items() if _numeric(key)]
+    numeric += [
+        f"{flag}_configs.{k}" for flag, t in ALL_CONFIGS.items() for k, key in t.items() if _numeric(key)
+    ]
     assert sorted(numeric) == sorted(OUT_OF_RANGE)
     for path in numeric:
         config, _, name = path.rpartition(".")
-        key = FIELDS[name] if not config else CONFIGS[config[: -len("_configs")]][name]
+        key = FIELDS[name] if not config else ALL_CONFIGS[config[: -len("_configs")]][name]
         assert key.check, f"{path} has no range check"
 
 
@@ -371,6 +379,7 @@ def _everything_changed() -> fleet.DistributedStrategy:
     }
     s.pipeline_configs = {"schedule_mode": "F-then-B", "num_stages": 2, "shared": [["x", "y"]]}
     s.gradient_merge_configs = {"k_steps": 4, "avg": False}
+    s.hybrid_configs = {"dp_degree": 2, "pp_degree": 2}
     return s
 
 
@@ -493,7 +502,7 @@ def test_unimplemented_and_no_effect_rows_name_real_fields():
     for path in (*UNIMPLEMENTED, *NO_EFFECT):
         config, _, name = path.rpartition(".")
         if config:
-            assert name in CONFIGS[config.removesuffix("_configs")], path
+            assert name in ALL_CONFIGS[config.removesuffix("_configs")], path
         else:
             assert name in FIELDS, path
     assert not set(UNIMPLEMENTED) & set(NO_EFFECT)
@@ -514,7 +523,7 @@ def test_every_field_and_config_key_is_read_or_refused():
     strategy_py = root / "fleet" / "strategy.py"
     text = "\n".join(p.read_text(encoding="utf-8") for p in root.rglob("*.py") if p != strategy_py)
     accounted = {*UNSUPPORTED_FEATURES, *UNIMPLEMENTED, *NO_EFFECT, *_PENDING}
-    paths = [*FIELDS, *(f"{flag}_configs.{k}" for flag, table in CONFIGS.items() for k in table)]
+    paths = [*FIELDS, *(f"{flag}_configs.{k}" for flag, table in ALL_CONFIGS.items() for k in table)]
     unread = []
     for path in paths:
         name = path.rpartition(".")[2]
@@ -544,3 +553,56 @@ def test_unimplemented_values_still_load_and_print_as_refused(tmp_path):
     assert re.search(r"^\s*\|\s+sharding\s+True, default False\s+\|$", text, re.M)
     assert len({len(line) for line in text.splitlines()}) == 1  # still a box
     assert "refused" not in str(fleet.DistributedStrategy())
+
+
+# --- hybrid_configs (issue 16, topology): Fleet's keys and defaults, checked at assignment ------
+
+
+def test_hybrid_configs_have_fleets_keys_defaults_and_did_you_mean():
+    s = fleet.DistributedStrategy()
+    assert s.hybrid_configs == {"dp_degree": -1, "mp_degree": 1, "pp_degree": 1, "sharding_degree": 1}
+    s.hybrid_configs = {"dp_degree": 2, "pp_degree": 2}  # replaced: the others at their defaults
+    assert s.hybrid_configs == {"dp_degree": 2, "mp_degree": 1, "pp_degree": 2, "sharding_degree": 1}
+    with pytest.raises(
+        ValueError, match=r"strategy\.hybrid_configs: unknown key 'mp_degre' \(did you mean 'mp_degree'"
+    ):
+        s.hybrid_configs = {"mp_degre": 2}
+    with pytest.raises(TypeError, match=r"strategy\.hybrid_configs\['pp_degree'\]: expected int, got float"):
+        s.hybrid_configs = {"pp_degree": 2.0}
+    with pytest.raises(
+        ValueError, match=r"strategy\.hybrid_configs\['dp_degree'\]: must be >= 1, or -1 .*got 0"
+    ):
+        s.hybrid_configs = {"dp_degree": 0}
+    with pytest.raises(TypeError, match=r"strategy\.hybrid_configs\['mp_degree'\]: expected int, got bool"):
+        s.hybrid_configs = {"mp_degree": True}
+    assert s.hybrid_configs["pp_degree"] == 2  # a refused assignment changes nothing
+    with pytest.raises(TypeError, match=r"strategy\.hybrid_configs is read-only"):
+        s.hybrid_configs["dp_degree"] = 4
+
+
+def test_hybrid_configs_print_once_set_and_mp_degree_prints_as_refused():
+    s = fleet.DistributedStrategy()
+    assert "hybrid_configs" not in str(s)  # at Fleet's defaults: nothing to show
+    s.hybrid_configs = {"dp_degree": 2, "pp_degree": 2}
+    text = str(s)
+    assert re.search(r"^\s*\|\s+hybrid_configs\s+\|$", text, re.M)
+    assert re.search(r"^\s*\|\s+dp_degree\s+2\s+\|$", text, re.M)
+    assert re.search(r"^\s*\|\s+pp_degree\s+2\s+\|$", text, re.M)
+    assert "refused" not in text and len({len(line) for line in text.splitlines()}) == 1
+    s.hybrid_configs = {"mp_degree": 2, "sharding_degree": 2}
+    text = str(s)
+    assert re.search(r"^\s*\|\s+hybrid_configs\['mp_degree'\]\s+2, default 1\s+\|$", text, re.M)
+    assert re.search(r"^\s*\|\s+hybrid_configs\['sharding_degree'\]\s+2, default 1\s+\|$", text, re.M)
+
+
+def test_mp_and_sharding_degrees_are_refused_naming_the_key():
+    s = fleet.DistributedStrategy()
+    s.hybrid_configs = {"mp_degree": 2, "sharding_degree": 4}
+    mp, sh = unimplemented(s)  # no feature flag: hybrid_configs are always in effect
+    assert isinstance(mp, NotImplementedError) and isinstance(sh, NotImplementedError)
+    assert re.match(
+        r"strategy\.hybrid_configs\['mp_degree'\]=2: .*tensor parallel.* not implemented yet", str(mp)
+    )
+    assert str(sh).startswith("strategy.hybrid_configs['sharding_degree']=4: not implemented in metaopt")
+    assert [str(e) for e in unimplemented(s, "hybrid_configs")] == [str(mp), str(sh)]
+    assert unimplemented(s, "pipeline_configs") == []
