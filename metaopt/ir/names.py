@@ -171,3 +171,26 @@ def micro_batch() -> str:
 def merge_step() -> str:
     """The persistable int64 run index within a gradient-merge window (0 .. k-1)."""
     return "gradient_merge_step"
+
+
+# --- tensor parallel (passes/tensor_parallel.py) -------------------------------------------
+
+
+def tp_copy(name: str) -> str:
+    """Replicated `name` entering column-parallel layers through TPCopy (Megatron's f)."""
+    return f"{name}@TP_COPY"
+
+
+def tp_partial(name: str) -> str:
+    """A row-parallel layer's partial product for its output `name`, before the all-reduce."""
+    return f"{name}@TP_PARTIAL"
+
+
+def tp_reduced(name: str) -> str:
+    """A row-parallel layer's product summed over the model-parallel group (before its bias)."""
+    return f"{name}@TP_REDUCED"
+
+
+def tp_local(name: str) -> str:
+    """Shape constant `name` rewritten for this model-parallel rank's slice (heads per rank)."""
+    return f"{name}@TP_LOCAL"

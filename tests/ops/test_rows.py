@@ -155,7 +155,8 @@ def test_train_repairs_and_collectives():
     with pytest.raises(ValueError, match="train_repair"):
         register("BadRepairForTest", train_repair="nope")(lambda x: x)
     collectives = {t for t, row in table.items() if row.collective}
-    assert collectives == {"AllReduce", "Broadcast"}  # Broadcast: the startup op of data parallel
+    # Broadcast: the startup op of data parallel; TPReduce: tensor parallel's forward all-reduce
+    assert collectives == {"AllReduce", "Broadcast", "TPReduce"}
     assert all(table[t].needs_runtime for t in collectives)  # they run through the communicator
     assert "ranks" in inspect.signature(table["AllReduce"].kernel).parameters
 

@@ -22,5 +22,6 @@ from metaopt.ops.kernels import (  # noqa: F401
     rng,
     rnn,
     tensor,
+    tensor_parallel,
     vision,
 )

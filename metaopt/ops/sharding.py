@@ -1,0 +1,265 @@
+"""Tensor-parallel split propagation: one small rule per op type (passes/tensor_parallel.py walks
+the program once and asks this table; nothing else knows how an op carries a split).
+
+A split value is held by each model-parallel rank as a slice along one axis. `Shard` says
+which: the full value's axis `axis` is made of `blocks` (their full sizes, in order) and a rank
+holds the r-th 1/mp of every block, concatenated. One block is Megatron's plain column split;
+several are a fused projection (GPT-2's c_attn [3H, H]: q, k and v blocks, so each rank holds
+its own heads of each).
+
+A rule gets a `ShardArgs` (the op, its inputs' shards, full shapes, constants) and returns a
+`ShardResult` (its outputs' shards and the constants/attrs to rewrite for the rank's slice), or
+raises `ShardRefused` (the split cannot pass: the pass names the op's printed line) or
+`ShardNotImplemented` (a known gap, e.g. dropout in a split region needs MP-aware RNG).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ShardRefused(ValueError):
+    """The split cannot propagate through this op (the message says why)."""
+
+
+class ShardNotImplemented(NotImplementedError):
+    """The split could propagate, but metaopt does not do it yet (the message says what is missing)."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    axis: int  # non-negative, of the full value's rank
+    blocks: tuple[int, ...]  # full sizes of the blocks along `axis`; a rank holds 1/mp of each
+
+    def local(self, mp: int) -> int:
+        """The rank's size along `axis`."""
+        return sum(b // mp for b in self.blocks)
+
+    def local_shape(self, shape: tuple, mp: int) -> tuple:
+        return tuple(self.local(mp) if i == self.axis else d for i, d in enumerate(shape))
+
+
+@dataclass(frozen=True)
+class ShardArgs:
+    op: Any
+    shards: list[Shard | None]  # per input: its split, None when replicated (or omitted)
+    shapes: list[tuple | None]  # per input: its full shape
+    out_shapes: list[tuple | None]  # per output: its full shape
+    mp: int
+    constant: Callable[[str], Any]  # a constant input's value as a list (None: not a constant)
+
+
+@dataclass
+class ShardResult:
+    outputs: list[Shard | None]
+    constants: dict[int, list] = field(default_factory=dict)  # input index -> the rank's value
+    attrs: dict[str, Any] = field(default_factory=dict)  # attrs to set for the rank's slice
+    note: str = ""  # what was rewritten, for the plan
+
+
+@dataclass(frozen=True)
+class ShardRule:
+    propagate: Callable[[ShardArgs], ShardResult]
+    # The block sizes a column-parallel producer should use when this op reads its output
+    # (Split of a fused QKV: one block per piece), given (op, full input shape, constant lookup as
+    # in ShardArgs); None: no say.
+    blocks_hint: Callable[[Any, tuple, Callable[[str], Any]], tuple[int, ...] | None] | None = None
+
+
+def _axis(axis: int, rank: int) -> int:
+    return axis + rank if axis < 0 else axis
+
+
+def _only_input_0(a: ShardArgs) -> Shard:
+    if any(s is not None for s in a.shards[1:]):
+        raise ShardRefused("only its first input may be split")
+    return a.shards[0]
+
+
+def _same(a: ShardArgs) -> ShardResult:
+    """Elementwise on one value (Gelu, Relu, Identity, Cast ...): the output is split as the input."""
+    s = _only_input_0(a)
+    return ShardResult([s if o else None for o in a.op.outputs])
+
+
+def _dropout(a: ShardArgs) -> ShardResult:
+    ratio = a.constant(a.op.inputs[1]) if len(a.op.inputs) > 1 and a.op.inputs[1] else [0.5]
+    train = a.constant(a.op.inputs[2]) if len(a.op.inputs) > 2 and a.op.inputs[2] else [False]
+    if ratio is None or train is None or (float(ratio[0]) > 0 and bool(train[0])):
+        raise ShardNotImplemented(
+            "dropout with p > 0 on a split activation needs a per-rank RNG stream (MP-aware RNG, "
+            "issue 16 item 3); export with dropout 0 for now"
+        )
+    return _same(a)
+
+
+def _elementwise(a: ShardArgs) -> ShardResult:
+    """Add/Sub/Mul/Div: every split input split alike; a replicated one must not reach the
+    split axis (a scalar, or broadcast along it), else each rank would read the whole of it."""
+    rank = len(a.out_shapes[0] or ())
+    split = None
+    for s, shape in zip(a.shards, a.shapes):
+        n = len(shape or ())
+        if s is not None:
+            here = Shard(s.axis + rank - n, s.blocks)
+            if split is not None and here != split:
+                raise ShardRefused(f"its inputs are split differently ({split} and {here})")
+            split = here
+    for s, shape in zip(a.shards, a.shapes):
+        if s is None and shape is not None:
+            at = split.axis - (rank - len(shape))
+            if at >= 0 and shape[at] != 1:
+                raise ShardRefused(
+                    f"a replicated input of shape {list(shape)} spans the split axis {split.axis}"
+                )
+    return ShardResult([split])
+
+
+def _transpose(a: ShardArgs) -> ShardResult:
+    s = _only_input_0(a)
+    rank = len(a.shapes[0])
+    perm = a.op.attrs.get("perm") or list(range(rank - 1, -1, -1))
+    return ShardResult([Shard(list(perm).index(s.axis), s.blocks)])
+
+
+def _split_sizes(
+    op: Any, shape: tuple, constant: Callable[[str], Any] | None
+) -> tuple[int, list[int] | None, str]:
+    """(axis, full sizes or None, where the sizes come from: "input", "attr" or "equal")."""
+    axis = _axis(op.attrs.get("axis", 0), len(shape))
+    if len(op.inputs) > 1 and op.inputs[1]:
+        value = constant(op.inputs[1]) if constant else None
+        return axis, (None if value is None else [int(v) for v in value]), "input"
+    if op.attrs.get("split"):
+        return axis, [int(v) for v in op.attrs["split"]], "attr"
+    n, parts = shape[axis], len(op.outputs)
+    if not isinstance(n, int) or n % parts:
+        return axis, None, "equal"
+    return axis, [n // parts] * parts, "equal"
+
+
+def _split(a: ShardArgs) -> ShardResult:
+    s = _only_input_0(a)
+    axis, sizes, source = _split_sizes(a.op, a.shapes[0], a.constant)
+    if axis != s.axis:  # pieces along another axis: each is split as the whole
+        return ShardResult([s] * len(a.op.outputs))
+    if sizes is None:
+        raise ShardRefused("its split sizes are not constant")
+    if tuple(sizes) != s.blocks:
+        raise ShardRefused(
+            f"it splits axis {axis} into {sizes}, but the value is split per rank in blocks {list(s.blocks)} "
+            "(a piece would straddle two ranks)"
+        )
+    local = [n // a.mp for n in sizes]
+    res = ShardResult([Shard(axis, (n,)) for n in sizes], note=f"sizes {sizes} -> {local}")
+    if source == "input":
+        res.constants[1] = local
+    elif source == "attr":
+        res.attrs["split"] = local
+    return res
+
+
+def _split_hint(op: Any, shape: tuple, constant: Callable[[str], Any]) -> tuple[int, ...] | None:
+    axis, sizes, _ = _split_sizes(op, shape, constant)
+    return tuple(sizes) if sizes and axis == len(shape) - 1 else None
+
+
+def _prod(dims: tuple) -> int | None:
+    return math.prod(dims) if all(isinstance(d, int) for d in dims) else None
+
+
+def _reshape(a: ShardArgs) -> ShardResult:
+    """A reshape that splits the split axis into (heads, size) or merges (heads, size) back:
+    the split axis must be the outermost of its group on both sides, so a rank's contiguous
+    slice stays contiguous; the shape constant's count there (heads) is divided by mp."""
+    s = _only_input_0(a)
+    src, dst = tuple(a.shapes[0]), tuple(a.out_shapes[0] or ())
+    ax = s.axis
+    if len(s.blocks) != 1:
+        raise ShardRefused(f"it reshapes a value split in {len(s.blocks)} blocks (reshape after the Split)")
+    if src[:ax] != dst[:ax]:
+        raise ShardRefused(f"it changes the dims before the split axis {ax} ({list(src)} -> {list(dst)})")
+    group = _group(src[ax:], dst[ax:])
+    if group is None:
+        raise ShardRefused(
+            f"the split axis {ax} does not map to one group of dims ({list(src)} -> {list(dst)})"
+        )
+    if not isinstance(dst[ax], int) or dst[ax] % a.mp:
+        raise ShardRefused(f"output dim {ax} ({dst[ax]}) is not divisible by mp_degree {a.mp}")
+    target = a.constant(a.op.inputs[1])
+    if target is None:
+        raise ShardRefused("its target shape is computed at run time (not a constant)")
+    target = [int(v) for v in target]
+    local = list(target)
+    if local[ax] > 0:  # -1 (inferred) and 0 (copied from the input's local dim) stay right
+        local[ax] //= a.mp
+    return ShardResult([Shard(ax, (dst[ax],))], constants={1: local}, note=f"shape {target} -> {local}")
+
+
+def _group(src: tuple, dst: tuple) -> tuple[int, int] | None:
+    """(ni, no): the first ni dims of `src` hold exactly the first no dims of `dst`, the rest equal."""
+    for ni in range(1, len(src) + 1):
+        for no in range(1, len(dst) + 1):
+            a, b = _prod(src[:ni]), _prod(dst[:no])
+            if a is not None and a == b and src[ni:] == dst[no:]:
+                return ni, no
+    return None
+
+
+def _sdpa(a: ShardArgs) -> ShardResult:
+    """Attention over split heads: q, k, v split alike on the heads axis (rank - 3); the mask
+    replicated and broadcast over heads; each rank attends with its own heads only."""
+    q, k, v = a.shards[:3]
+    if q is None or q != k or q != v:
+        raise ShardRefused(f"q, k and v are not split alike ({q}, {k}, {v})")
+    rank = len(a.shapes[0])
+    if q.axis != rank - 3:
+        raise ShardRefused(f"q is split on axis {q.axis}, not the heads axis {rank - 3}")
+    if len(a.shards) > 3 and a.shards[3] is not None:
+        raise ShardRefused("its mask is split")
+    mask = a.shapes[3] if len(a.shapes) > 3 else None
+    at = q.axis - (rank - len(mask)) if mask is not None else -1
+    if mask is not None and at >= 0 and mask[at] != 1:
+        raise ShardRefused(f"its mask of shape {list(mask)} differs per head (heads of other ranks)")
+    if float(a.op.attrs.get("dropout_p", 0.0)) > 0:
+        raise ShardNotImplemented(
+            "attention dropout with p > 0 over split heads needs a per-rank RNG stream (MP-aware RNG, "
+            "issue 16 item 3); export with dropout 0 for now"
+        )
+    outs = [
+        Shard(q.axis, q.blocks) if o and len(a.out_shapes[k] or ()) > q.axis else None
+        for k, o in enumerate(a.op.outputs)
+    ]
+    return ShardResult(outs)
+
+
+_UNARY = ("Identity", "Gelu", "Relu", "Tanh", "Sigmoid", "Erf", "Neg", "Cast", "Sqrt", "Exp")
+_SAME = ShardRule(_same)
+_ELEMENTWISE = ShardRule(_elementwise)
+
+RULES: dict[str, ShardRule] = {
+    **{t: _SAME for t in _UNARY},
+    **{t: _ELEMENTWISE for t in ("Add", "Sub", "Mul", "Div")},
+    "Dropout": ShardRule(_dropout),
+    "Transpose": ShardRule(_transpose),
+    "Split": ShardRule(_split, blocks_hint=_split_hint),
+    "Reshape": ShardRule(_reshape),
+    "ScaledDotProductAttention": ShardRule(_sdpa),
+}
+
+
+def rule(op_type: str) -> ShardRule | None:
+    """The split rule of `op_type`; None: a split value cannot pass through it."""
+    return RULES.get(op_type)
+
+
+def linear_parts(op: Any) -> tuple[str, str, str] | None:
+    """(x, weight [out, in], bias or "") of a Linear op (torch's nn.Linear); None for any other
+    op: only these are column- or row-parallel layers."""
+    if op.type != "Linear":
+        return None
+    x, w, *rest = op.inputs
+    return x, w, (rest[0] if rest else "")

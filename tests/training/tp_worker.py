@@ -1,0 +1,78 @@
+"""One tensor-parallel worker (started by tests/passes/test_tensor_parallel.py with RANK/WORLD_SIZE/
+MASTER_*): for each reference program named on the command line, exports it (same seed on every
+rank), applies the tensor-parallel pass for its rank (mp_degree = world size, group = every
+rank), trains 3 SGD steps on the same full batch as every other rank, and writes its losses and
+(local) params to `<out>/<name>.rank<r>.pt`."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import metaopt
+import programs
+from metaopt import fleet
+from metaopt.passes.tensor_parallel import plan_tensor_parallel, tensor_parallel
+
+STEPS = 3
+BATCH = 8
+LR = 0.1
+SEED = 0
+COLUMN = {
+    "gpt": ["transformer.h.*.attn.c_attn", "transformer.h.*.mlp.c_fc"],
+    "bert": [
+        "bert.encoder.layer.*.attention.self.query",
+        "bert.encoder.layer.*.attention.self.key",
+        "bert.encoder.layer.*.attention.self.value",
+        "bert.encoder.layer.*.intermediate.dense",
+    ],
+}
+ROW = {
+    "gpt": ["transformer.h.*.attn.c_proj", "transformer.h.*.mlp.c_proj"],
+    "bert": ["bert.encoder.layer.*.attention.output.dense", "bert.encoder.layer.*.output.dense"],
+}
+
+
+def export(name: str) -> metaopt.Program:
+    mod = programs.get(name)
+    model = mod.build("tiny", seed=SEED, dropout=0.0)
+    return metaopt.export(model, mod.example_inputs("tiny", 4, seed=1), name=name)
+
+
+def batch(name: str, step: int) -> dict[str, torch.Tensor]:
+    """The step's full batch (every MP rank is fed all of it)."""
+    mod = programs.get(name)
+    return dict(zip(mod.INPUT_NAMES, mod.example_inputs("tiny", BATCH, seed=10 + step), strict=True))
+
+
+def plan(program: metaopt.Program, name: str, rank: int, world: int):
+    return plan_tensor_parallel(
+        program, mp_degree=world, mp_rank=rank, column=COLUMN[name], row=ROW[name], group=list(range(world))
+    )
+
+
+def train(program: metaopt.Program, name: str) -> dict:
+    """3 SGD steps; the losses and the final params (as this process holds them)."""
+    metaopt.optimizer.SGD(learning_rate=LR).minimize(program.loss)
+    exe = metaopt.Executor("cpu")
+    losses = []
+    for step in range(STEPS):
+        (loss,) = exe.run(program, feed=batch(name, step), fetch_list=[program.loss])
+        losses.append(float(loss))
+    return {"losses": losses, "params": {v.name: exe.scope[v.name].clone() for v in program.params()}}
+
+
+def main() -> None:
+    out, names = sys.argv[1], sys.argv[2:]
+    fleet.init(is_collective=True)
+    rank, world = fleet.worker_index(), fleet.worker_num()
+    for name in names:
+        program = export(name)
+        program = tensor_parallel(program, plan=plan(program, name, rank, world))
+        torch.save(train(program, name), f"{out}/{name}.rank{rank}.pt")
+    fleet.barrier_worker()
+
+
+if __name__ == "__main__":
+    main()
