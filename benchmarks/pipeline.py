@@ -11,6 +11,17 @@ against single-process gradient accumulation over the same m micro-batches (a
 stages. `--gpt117m` adds Paddle's published shape (GPT-2 117M, seq `--gpt-seq`, default
 1024, 2 stages 1F1B): each stage's peak memory and tokens/s, plain, with recompute and
 with offload (`--skip-schedules` runs only those rows).
+
+The communication overhead rows (`--overhead-only` runs only them): 2 stages, 1F1B, 8
+micro-batches of a BERT whose compute is not negligible (width `--ovh-hidden`, `--ovh-layers`
+layers, seq `--ovh-seq`, a 1000-token vocabulary so the last stage's head does not dwarf the
+layers). Each worker times every action's compute (its wall time less its waits on
+communication: `runtime.pipeline.last_step_profile`); the schedule simulator turns the
+per-stage means into the step's ideal time with free communication (plus each worker's
+work outside the actions: feed split, optimizer), and the overhead is the actual
+step time (the slower worker's) over that ideal, the median over the timed steps. Rows: the
+steady-state protocol (headers on a step's first use of an edge only, data alone after) and
+``METAOPT_PIPELINE_CHECK=1`` (a header before every message: the protocol before the change).
 """
 
 from __future__ import annotations
@@ -33,6 +44,11 @@ sys.path.insert(0, ROOT)
 import metaopt  # noqa: E402
 import programs  # noqa: E402
 from metaopt import fleet  # noqa: E402
+from metaopt.runtime.comm import CHECK_ENV  # noqa: E402
+from metaopt.runtime.pipeline import last_step_profile  # noqa: E402
+from metaopt.runtime.schedules import simulate  # noqa: E402
+
+OVERHEAD_MODES = {"data only": "0", "header every message": "1"}  # value of METAOPT_PIPELINE_CHECK
 
 
 def _cuts(layers: int, stages: int) -> list[str]:
@@ -85,10 +101,126 @@ def run_one(cfg: dict, schedule: str, m: int, mbs: int, steps: int, device: str,
     }
 
 
+def _overhead_cfg(args: argparse.Namespace) -> dict:
+    h = args.ovh_hidden
+    return {
+        "hidden_size": h,
+        "num_layers": args.ovh_layers,
+        "num_heads": max(1, h // 64),
+        "intermediate_size": 4 * h,
+        "seq_len": args.ovh_seq,
+        "vocab_size": 1000,
+        "dropout": 0.0,
+    }
+
+
+def overhead_worker(args: argparse.Namespace) -> dict:
+    """This worker's step profiles (2 stages, 1F1B, `--ovh-m` micro-batches) under each
+    protocol mode: per step its wall time, per-action compute, waits and the rest."""
+    bert, cfg = programs.get("bert"), _overhead_cfg(args)
+    model = bert.build("base", seed=0, **cfg)
+    base = metaopt.export(model, bert.example_inputs("base", 2, **cfg), name="bert")
+    out = {}
+    for mode, switch in OVERHEAD_MODES.items():
+        main = base.clone()
+        strategy = fleet.DistributedStrategy()
+        strategy.pipeline = True
+        cut = f"bert.encoder.layer.{args.ovh_layers // 2}"
+        strategy.pipeline_configs = {"accumulate_steps": args.ovh_m, "schedule_mode": "1F1B", "cuts": [cut]}
+        fleet.distributed_optimizer(metaopt.optimizer.Adam(learning_rate=1e-4), strategy).minimize(main.loss)
+        exe = metaopt.Executor(args.device)
+        os.environ[CHECK_ENV] = switch  # every worker alike (else every message keeps a header)
+        steps = []
+        for step in range(args.ovh_steps + 1):
+            inputs = bert.example_inputs("base", args.ovh_m * args.ovh_mbs, seed=step, **cfg)
+            fleet.barrier_worker()
+            exe.run(main, feed=dict(zip(bert.INPUT_NAMES, inputs, strict=True)), fetch_list=["loss"])
+            prof = last_step_profile(exe, main)
+            if step:  # the first step verifies every edge (and builds the plans)
+                steps.append(
+                    {
+                        "step_s": prof.step_s,
+                        "comm_s": prof.comm_s,
+                        "before_s": prof.before_s,
+                        "after_s": prof.after_s,
+                        "f_s": prof.mean_compute("F"),
+                        "b_s": prof.mean_compute("B"),
+                        "messages": prof.messages,
+                        "headers": prof.headers,
+                    }
+                )
+        del os.environ[CHECK_ENV]
+        out[f"overhead:{mode}"] = steps
+    return out
+
+
+def overhead_rows(ranks: list[dict], m: int) -> list[dict]:
+    """Per protocol mode: the median over steps of actual / ideal step time. Ideal: each
+    worker's end in the 1F1B simulation from every stage's mean F and B compute, plus its
+    work after the actions (optimizer), the latest of those, plus the longer of the
+    workers' work before the first action (feed split)."""
+    rows = []
+    for mode in OVERHEAD_MODES:
+        per_step = list(zip(*[r[f"overhead:{mode}"] for r in ranks], strict=True))  # [step][rank]
+        figures = []
+        for workers in per_step:
+            sim = simulate(
+                "1F1B",
+                num_stages=len(workers),
+                micro_batches=m,
+                f_cost=[w["f_s"] for w in workers],
+                b_cost=[w["b_s"] for w in workers],
+            )
+            ends = [tl[-1][1] + w["after_s"] for tl, w in zip(sim.timeline, workers, strict=True)]
+            ideal = max(w["before_s"] for w in workers) + max(ends)
+            actual = max(w["step_s"] for w in workers)
+            figures.append((actual / ideal, actual, ideal, workers))
+        ratio, actual, ideal, workers = sorted(figures, key=lambda f: f[0])[len(figures) // 2]
+        rows.append(
+            {
+                "mode": mode,
+                "ratio": ratio,
+                "actual_s": actual,
+                "ideal_s": ideal,
+                "f_ms": [1e3 * w["f_s"] for w in workers],
+                "b_ms": [1e3 * w["b_s"] for w in workers],
+                "comm_ms": [1e3 * w["comm_s"] for w in workers],
+                "messages": workers[0]["messages"],
+                "headers": workers[0]["headers"],
+                "ratios": [f[0] for f in figures],
+            }
+        )
+    return rows
+
+
+def print_overhead(rows: list[dict], args: argparse.Namespace) -> None:
+    c = _overhead_cfg(args)
+    print(
+        f"\ncommunication overhead: bert width {c['hidden_size']}, {c['num_layers']} layers, seq "
+        f"{c['seq_len']}, 2 stages 1F1B, {args.ovh_m} micro-batches of {args.ovh_mbs}, {args.device}; "
+        f"median of {args.ovh_steps} steps"
+    )
+    print(
+        f"{'protocol':<22} {'F ms s0/s1':>12} {'B ms s0/s1':>12} {'ideal ms':>9} {'actual ms':>10} "
+        f"{'actual/ideal':>12} {'waits ms s0/s1':>15} {'headers/msgs':>13}"
+    )
+    for r in rows:
+        f, b, w = r["f_ms"], r["b_ms"], r["comm_ms"]
+        print(
+            f"{r['mode']:<22} {f[0]:>5.1f}/{f[1]:<6.1f} {b[0]:>5.1f}/{b[1]:<6.1f} {1e3 * r['ideal_s']:>9.1f} "
+            f"{1e3 * r['actual_s']:>10.1f} {r['ratio']:>12.3f} {w[0]:>7.1f}/{w[1]:<7.1f} "
+            f"{r['headers']:>6}/{r['messages']:<6}"
+        )
+    verdict = "pass" if rows[0]["ratio"] <= 1.25 else "FAIL"
+    print(f"overhead (actual / ideal) <= 1.25 at 2 stages x {args.ovh_m} micro-batches: {verdict}")
+
+
 def worker(args: argparse.Namespace) -> None:
     fleet.init(is_collective=True)
     cfg = {"num_layers": args.layers, "seq_len": args.seq}
     out = {}
+    if args.run_overhead:
+        out.update(overhead_worker(args))
     for schedule in () if args.skip_schedules else ("F-then-B", "1F1B"):
         for m in args.micro_batches:
             out[f"{schedule}:{m}"] = run_one(cfg, schedule, m, args.mbs, args.steps, args.device, {})
@@ -166,6 +298,13 @@ def launch(p: int, args: argparse.Namespace, out: str) -> None:
         f"--gpt-mbs={args.gpt_mbs}",
         *(["--gpt117m"] if args.gpt117m else []),
         *(["--skip-schedules"] if args.skip_schedules else []),
+        *(["--run-overhead"] if args.run_overhead else []),
+        f"--ovh-hidden={args.ovh_hidden}",
+        f"--ovh-layers={args.ovh_layers}",
+        f"--ovh-seq={args.ovh_seq}",
+        f"--ovh-mbs={args.ovh_mbs}",
+        f"--ovh-m={args.ovh_m}",
+        f"--ovh-steps={args.ovh_steps}",
         "--micro-batches",
         *[str(m) for m in args.micro_batches],
     ]
@@ -204,6 +343,15 @@ def main() -> None:
     ap.add_argument("--gpt-m", type=int, default=4, help="GPT-117M micro-batches per step")
     ap.add_argument("--gpt-mbs", type=int, default=1, help="GPT-117M sequences per micro-batch")
     ap.add_argument("--skip-schedules", action="store_true", help="only the GPT-117M rows")
+    ap.add_argument("--overhead-only", action="store_true", help="only the communication overhead rows")
+    ap.add_argument("--no-overhead", dest="overhead", action="store_false", help="skip those rows")
+    ap.add_argument("--ovh-hidden", type=int, default=256, help="overhead rows: BERT width")
+    ap.add_argument("--ovh-layers", type=int, default=4, help="overhead rows: BERT layers")
+    ap.add_argument("--ovh-seq", type=int, default=128, help="overhead rows: sequence length")
+    ap.add_argument("--ovh-mbs", type=int, default=2, help="overhead rows: samples per micro-batch")
+    ap.add_argument("--ovh-m", type=int, default=8, help="overhead rows: micro-batches per step")
+    ap.add_argument("--ovh-steps", type=int, default=5, help="overhead rows: timed steps")
+    ap.add_argument("--run-overhead", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", default=os.path.join(RESULTS, "pipeline.json"))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -212,15 +360,20 @@ def main() -> None:
         return worker(args)
     if args.quick:
         args.layers, args.seq, args.steps, args.micro_batches = 4, 16, 1, [4, 8]
+        args.ovh_steps = 3
+    if args.overhead_only:
+        args.skip_schedules, args.gpt117m, args.overhead, args.stages = True, False, True, [2]
     t_start = time.perf_counter()
     rows = []
     gpt_rows: dict[str, list[dict]] = {}
+    ovh_rows: list[dict] = []
     base = {} if args.skip_schedules else single_process(args)
     for p in args.stages:
         gpt = args.gpt117m and p == 2
-        if args.skip_schedules and not gpt:
+        ovh = args.overhead and p == 2
+        if args.skip_schedules and not gpt and not ovh:
             continue
-        run_args = argparse.Namespace(**{**vars(args), "gpt117m": gpt})
+        run_args = argparse.Namespace(**{**vars(args), "gpt117m": gpt, "run_overhead": ovh})
         with tempfile.TemporaryDirectory() as out:
             launch(p, run_args, out)
             ranks = []
@@ -228,6 +381,8 @@ def main() -> None:
                 with open(os.path.join(out, f"rank{r}.json")) as f:
                     ranks.append(json.load(f))
         r0 = ranks[0]
+        if ovh:
+            ovh_rows = overhead_rows(ranks, args.ovh_m)
         if gpt:
             for key in ("plain", "recompute", "offload"):
                 gpt_rows[key] = [rk[f"gpt117m:{key}"] for rk in ranks]
@@ -285,10 +440,12 @@ def main() -> None:
             print(
                 f"{key:<10} {mib[0]:>11.0f} {mib[1]:>11.0f} {host:>9.0f} {tps:>9.1f} {tps / plain_tps:>9.2f}"
             )
+    if ovh_rows:
+        print_overhead(ovh_rows, args)
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         report = {"machine": machine(torch.device(args.device)), "args": vars(args), "rows": rows}
-        json.dump({**report, "gpt117m": gpt_rows}, f, indent=1)
+        json.dump({**report, "gpt117m": gpt_rows, "overhead": ovh_rows}, f, indent=1)
     print(f"wrote {args.json} ({time.perf_counter() - t_start:.0f} s)")
 
 

@@ -117,7 +117,7 @@ class DistributedOptimizer:
         self.loss_scaling: bool | None = None
         self.context: Context | None = None  # what the last minimize's steps handed each other
         self.amp_plan = self.recompute_plan = self.memory_report = None
-        self.data_parallel_plan = self.pipeline_plan = None
+        self.data_parallel_plan = self.pipeline_plan = self.tensor_parallel_plan = None
         self.stage_programs: list[Program] = []
 
     @property
@@ -200,6 +200,7 @@ class DistributedOptimizer:
         self.amp_plan = ctx.plans.get("amp_casts")
         self.recompute_plan = ctx.plans.get("recompute")
         self.data_parallel_plan = ctx.plans.get("data_parallel")
+        self.tensor_parallel_plan = ctx.plans.get("tensor_parallel")
         self.pipeline_plan = ctx.plans.get("pipeline_split")
         self.memory_report = ctx.extra.get("memory_report")
         self.stage_programs = list(ctx.parts) if self.pipeline_plan is not None else []

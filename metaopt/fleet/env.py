@@ -270,6 +270,8 @@ def _hybrid_group(topo: Topology, env: WorkerEnv) -> HybridCommunicateGroup:
             f"rank {differ[0]} has {Topology(*dims[differ[0]]).describe()}; "
             "give every worker the same strategy"
         )
+    from metaopt.runtime.comm import register_topology_group
+
     timeout = comm_timeout()
     mine: dict[str, object] = {}
     for axis in AXES:
@@ -277,6 +279,9 @@ def _hybrid_group(topo: Topology, env: WorkerEnv) -> HybridCommunicateGroup:
             group = dist.new_group(ranks, timeout=timeout)
             if env.rank in ranks:
                 mine[axis] = group
+                # the collectives of tensor parallel and of data parallel beside it look their
+                # groups up by ranks: only these exist on every worker
+                register_topology_group(axis, ranks, group)
     return HybridCommunicateGroup(topo, env.rank, mine)
 
 

@@ -6,13 +6,14 @@ enables plans once, rewrites with a pure pass from ``metaopt/passes`` given that
 is verified, dumped (``METAOPT_DUMP``) and logged before the next one runs::
 
     fuse_linear_ce   LM head + softmax cross-entropy as one chunked op   (fuse_linear_cross_entropy)
+    tensor_parallel  column/row layers split over the model-parallel group  (tensor_parallel, mp > 1)
     amp_casts        casts around white-listed ops, black-listed ops in float32   (amp)
     scale_loss       loss@SCALED = loss x loss_scaling; the backward starts there   (amp, float16)
     tie_params       params named in pipeline_configs['shared'] read as one          (pipeline)
     append_backward  grad ops by reverse walk; (param, grad) pairs                   (always)
     apply_optimizer  step counter, learning rate, clipping, one update op per param (always)
     gradient_merge   grads summed into @MERGED over k runs, updates every k-th run  (gradient_merge)
-    data_parallel    fused AllReduce of the grads the updates read                  (worker_num() > 1)
+    data_parallel    fused AllReduce of the grads the updates read (per dp group)   (dp_degree > 1)
     broadcast_init   startup op: rank 0's initial params, buffers, on the 1st run  (worker_num() > 1)
     recompute        segments re-emitted before their grad ops                      (recompute)
     offload          checkpoints to pinned host after the forward, prefetched back   (enable_offload)
@@ -22,9 +23,11 @@ is verified, dumped (``METAOPT_DUMP``) and logged before the next one runs::
     early_updates    each update right after its grad's last use: grads freed early (optimizer_in_backward)
 
 Why this order: the LM-head fusion first, on the exported forward (it replaces ops amp would
-cast, and the backward emits the fused op's chunked grad); amp before the backward so the grad
-ops inherit the forward's precisions; the backward and the optimizer before everything that
-rewrites a training program;
+cast, and the backward emits the fused op's chunked grad); tensor parallel next, also on the
+forward (it slices params and inserts TPCopy / TPReduce, whose grad rules give the backward its
+model-parallel all-reduces), so every later step works on this rank's program alone; amp
+before the backward so the grad ops inherit the forward's precisions; the backward and the
+optimizer before everything that rewrites a training program;
 gradient merge before data parallel so the all-reduce runs on the merged grads, once per
 k runs; recompute after data parallel (its re-emitted forward ops land before their grad
 ops, whatever collectives are there) and offload after recompute (it moves recompute's
@@ -83,6 +86,122 @@ def _fuse_linear_ce(p: Program, plan: Any, ctx: Context) -> Program:
     from metaopt.passes.fuse_linear_cross_entropy import fuse_linear_cross_entropy
 
     return fuse_linear_cross_entropy(p, plan=plan)  # the loss keeps its name: ctx.loss holds
+
+
+# --- tensor parallel ------------------------------------------------------------------------
+
+
+def _mp_degree(ctx: Context) -> int:
+    """The job's mp_degree (1 where the layout itself is refused: ``hybrid_errors`` says why)."""
+    try:
+        return _layout(ctx).mp_degree
+    except ValueError:
+        return 1
+
+
+def _tp_on(ctx: Context) -> tuple[bool, str]:
+    if not ctx.strategy.tensor_parallel:
+        return False, "strategy.tensor_parallel=False"
+    mp = _mp_degree(ctx)
+    if mp == 1:
+        return False, "strategy.tensor_parallel=True but mp_degree=1: nothing to split"
+    return True, f"strategy.tensor_parallel=True (mp_degree={mp})"
+
+
+def _tp_check(ctx: Context) -> None:
+    """Refuse, by name, what does not run with split params yet."""
+    s, why = ctx.strategy, []
+    if s.pipeline:
+        why.append("strategy.pipeline=True (a stage program's TP groups and sends are not wired yet)")
+    if s.recompute:
+        why.append(
+            "strategy.recompute=True (re-running TPReduce needs the MP group to recompute in lockstep)"
+        )
+    clip = getattr(ctx.optimizer, "grad_clip", None)
+    if clip is not None and type(clip).__name__ == "ClipGradByGlobalNorm":
+        why.append(
+            "grad_clip=ClipGradByGlobalNorm (the norm of split grads needs an all-reduce over the MP group)"
+        )
+    if why:
+        raise NotImplementedError(
+            f"strategy.tensor_parallel=True with mp_degree={_mp_degree(ctx)} cannot be combined yet with: "
+            + "; ".join(why)
+        )
+
+
+def _tp_plan(p: Program, ctx: Context) -> Any:
+    from metaopt.passes.tensor_parallel import plan_tensor_parallel
+
+    topo, cfg = _layout(ctx), ctx.strategy.tensor_parallel_configs
+    return plan_tensor_parallel(
+        p,
+        mp_degree=topo.mp_degree,
+        mp_rank=topo.get_coord(ctx.rank).model,
+        column=list(cfg["column"]),
+        row=list(cfg["row"]),
+        group=topo.group_ranks("model", ctx.rank),
+    )
+
+
+def _tensor_parallel(p: Program, plan: Any, ctx: Context) -> Program:
+    from metaopt.passes.tensor_parallel import tensor_parallel
+
+    q = tensor_parallel(p, plan=plan)
+    # The workers' programs are compared line by line at minimize, and the MP groups of two
+    # replicas differ ([0, 1] and [2, 3]): name the group by its axis; the kernels look this
+    # worker's up in the groups fleet.init made on every worker (runtime/comm.py).
+    for op in q.ops:
+        if op.type in ("TPCopy", "TPReduce"):
+            op.attrs["group"] = "model_parallel"
+    return q
+
+
+def split_params(ctx: Context) -> list[str]:
+    """The params tensor parallel sliced: each model-parallel rank holds its own part."""
+    plan = ctx.plans.get("tensor_parallel")
+    return [] if plan is None else [sp.name for sp in plan.params]
+
+
+def tensor_parallel_errors(strategy: Any, topo: Topology, init: Topology | None) -> list[Exception]:
+    """What minimize refuses of tensor parallel's layout: an mp axis nothing splits for, a
+    tensor_parallel_degree other than the hybrid mp_degree, model-parallel groups that
+    fleet.init did not make, layers not named."""
+    mp, cfg = topo.mp_degree, strategy.tensor_parallel_configs
+    degree = cfg["tensor_parallel_degree"]
+    if not strategy.tensor_parallel:
+        if mp == 1:
+            return []
+        return [
+            ValueError(
+                f"hybrid_configs mp_degree={mp} needs strategy.tensor_parallel=True with "
+                "tensor_parallel_configs['column'] and ['row'] naming the layers to split: without it "
+                "nothing would run on the model axis"
+            )
+        ]
+    errors: list[Exception] = []
+    if degree not in (1, mp):
+        errors.append(
+            ValueError(
+                f"tensor_parallel_configs['tensor_parallel_degree']={degree} conflicts with hybrid_configs "
+                f"mp_degree={mp}: the hybrid degrees lay the workers out; leave tensor_parallel_degree at 1 "
+                f"or set it equal (and give fleet.init's strategy hybrid_configs {{'mp_degree': {degree}}})"
+            )
+        )
+    elif mp > 1 and init is None:
+        errors.append(
+            ValueError(
+                f"mp_degree={mp}: tensor parallel's groups are fleet.init's; give fleet.init a strategy with "
+                f"hybrid_configs {{'mp_degree': {mp}}} (fleet.init(is_collective=True, strategy=strategy))"
+            )
+        )
+    if mp > 1 and not (cfg["column"] and cfg["row"]):
+        errors.append(
+            ValueError(
+                "strategy.tensor_parallel=True needs tensor_parallel_configs['column'] and ['row']: the "
+                "Linear layers to split (module paths or patterns, e.g. 'transformer.h.*.mlp.c_fc')"
+            )
+        )
+    return errors
 
 
 # --- amp -----------------------------------------------------------------------------------
@@ -232,14 +351,25 @@ def _gradient_merge(p: Program, plan: Any, ctx: Context) -> Program:
 # --- data parallel ------------------------------------------------------------------------------
 
 
-def _dp_on(ctx: Context) -> tuple[bool, str]:
+def _init_on(ctx: Context) -> tuple[bool, str]:
     if ctx.world_size == 1:
         return False, "fleet.worker_num()=1"
     if ctx.strategy.pipeline:
         return False, "strategy.pipeline=True replicates over hybrid_configs' or pipeline_configs' dp_degree"
-    # without a pipeline the data axis is every worker: pp_degree > 1 needs strategy.pipeline and
-    # mp_degree > 1 is refused (UNIMPLEMENTED), so the data groups are the one group of all
     return True, f"fleet.worker_num()={ctx.world_size}"
+
+
+def _dp_on(ctx: Context) -> tuple[bool, str]:
+    on, why = _init_on(ctx)
+    mp = _mp_degree(ctx) if on and ctx.strategy.tensor_parallel else 1
+    if mp == 1:
+        # without a pipeline or tensor parallel the data axis is every worker (pp_degree > 1
+        # needs strategy.pipeline, mp_degree > 1 strategy.tensor_parallel)
+        return on, why
+    dp = ctx.world_size // mp
+    if dp == 1:
+        return False, f"mp_degree={mp} spans every worker: no data-parallel replicas"
+    return True, f"dp_degree={dp} x mp_degree={mp}: over each data-parallel group"
 
 
 def _dp_check(ctx: Context) -> None:
@@ -250,11 +380,14 @@ def _dp_how(p: Program, ctx: Context) -> dict:
     from metaopt.passes.optimize import update_grads
 
     s = ctx.strategy
+    mp = _mp_degree(ctx) if s.tensor_parallel else 1
     return {
         "grads": update_grads(p),
-        "world_size": ctx.world_size,
+        "world_size": ctx.world_size // mp,
         "bucket_bytes": int(s.fuse_grad_size_in_MB) * 2**20 if s.fuse_all_reduce_ops else 0,
         "at_update": p.gradient_merge is not None,  # grads final only at the window's end
+        # beside tensor parallel the replicas holding the same slices are one dp group, not all
+        "group": "data_parallel" if mp > 1 else None,
     }
 
 
@@ -273,7 +406,8 @@ def _data_parallel(p: Program, plan: Any, ctx: Context) -> Program:
 def _broadcast_init(p: Program, plan: Any, ctx: Context) -> Program:
     from metaopt.passes.broadcast_init import broadcast_init
 
-    return broadcast_init(p, src=0)
+    # split params: within the data-parallel group (each MP rank holds its own slice)
+    return broadcast_init(p, src=0, split=split_params(ctx))
 
 
 # --- recompute and offload ----------------------------------------------------------------------
@@ -490,6 +624,14 @@ def _pipeline_split(p: Program, plan: Any, ctx: Context) -> list[Program]:
 
 STEPS: tuple[Step, ...] = (
     Step("fuse_linear_ce", _lce_on, _fuse_linear_ce, _lce_plan, doc="LM head + cross-entropy, chunked"),
+    Step(
+        "tensor_parallel",
+        _tp_on,
+        _tensor_parallel,
+        _tp_plan,
+        _tp_check,
+        "column/row layers split over the model-parallel group",
+    ),
     Step("amp_casts", _amp_on, _amp_casts, _amp_plan, _amp_check, "casts around white-listed ops"),
     Step("scale_loss", _loss_scaling, _scale_loss, doc="loss@SCALED = loss x loss_scaling"),
     Step("tie_params", _tie_on, _tie_params, doc="params tied across pipeline stages read as one"),
@@ -497,7 +639,9 @@ STEPS: tuple[Step, ...] = (
     Step("apply_optimizer", _always, _apply_optimizer, doc="step counter, lr, clipping, update ops"),
     Step("gradient_merge", _gm_on, _gradient_merge, doc="grads merged over k runs, updates every k-th"),
     Step("data_parallel", _dp_on, _data_parallel, _dp_plan, _dp_check, "AllReduce of the grads, in buckets"),
-    Step("broadcast_init", _dp_on, _broadcast_init, check=_dp_check, doc="rank 0's initial params, buffers"),
+    Step(
+        "broadcast_init", _init_on, _broadcast_init, check=_dp_check, doc="rank 0's initial params, buffers"
+    ),
     Step("recompute", _rc_on, _recompute, _rc_plan, _rc_check, "segments re-emitted before their grads"),
     Step("offload", _offload_on, _offload, doc="checkpoints to host and back"),
     Step("pipeline_split", _pp_on, _pipeline_split, _pp_plan, _pp_check, "one program per stage"),
@@ -527,27 +671,32 @@ META_OF_STEP = {
     "gradient_merge": "gradient_merge",
     "data_parallel": "data_parallel",
     "broadcast_init": "data_parallel",
+    "tensor_parallel": "tensor_parallel",
 }
-FLEET_META_OPTIMIZERS = ("amp", "pipeline", "recompute", "gradient_merge", "data_parallel")
+FLEET_META_OPTIMIZERS = ("amp", "pipeline", "tensor_parallel", "recompute", "gradient_merge", "data_parallel")
 
 
 def hybrid_errors(strategy: Any) -> list[Exception]:
     """What ``minimize`` refuses of the job's layout (needs ``fleet.init``): a world size other
     than the degrees' product, hybrid degrees that conflict with fleet.init's or with
-    pipeline_configs, pp_degree > 1 without a pipeline (``topology.job_topology``); and, when
-    the degrees come from fleet.init's strategy, its UNIMPLEMENTED ones (mp_degree > 1: tensor
-    parallel is not implemented yet). This strategy's own are in ``strategy.unimplemented()``."""
+    pipeline_configs, pp_degree > 1 without a pipeline (``topology.job_topology``); tensor
+    parallel's (`tensor_parallel_errors`); and, when the degrees come from fleet.init's strategy,
+    its UNIMPLEMENTED ones (sharding_degree > 1). This strategy's own are in
+    ``strategy.unimplemented()``."""
     from metaopt.fleet.strategy import unimplemented
 
     init = env.hybrid_topology()
     try:
-        job_topology(strategy, env.worker_num(), init)
+        topo = job_topology(strategy, env.worker_num(), init)
     except ValueError as e:
         return [e]
+    errors = tensor_parallel_errors(strategy, topo, init)
     init_strategy = env.user_strategy()
     if init is None or init_strategy is None or hybrid_is_set(strategy.hybrid_configs):
-        return []
-    return [NotImplementedError(f"fleet.init's {e}") for e in unimplemented(init_strategy, "hybrid_configs")]
+        return errors
+    return errors + [
+        NotImplementedError(f"fleet.init's {e}") for e in unimplemented(init_strategy, "hybrid_configs")
+    ]
 
 
 def requirement_errors(strategy: Any) -> list[Exception]:

@@ -256,12 +256,45 @@ HYBRID_CONFIGS: dict[str, Key] = {
     "mp_degree": Key(
         1,
         "int",
-        "model (tensor) parallel workers per layer; > 1 is refused at minimize (UNIMPLEMENTED)",
+        "model (tensor) parallel workers per layer; > 1 needs strategy.tensor_parallel=True",
         check=_COUNT,
     ),
     "pp_degree": Key(1, "int", "pipeline stages (needs strategy.pipeline=True when > 1)", check=_COUNT),
     "sharding_degree": Key(
         1, "int", "optimizer-state sharding workers; > 1 is refused at minimize (UNIMPLEMENTED)", check=_COUNT
+    ),
+}
+
+# Fleet's tensor_parallel_configs (its TensorParallelConfig proto: tensor_parallel_degree,
+# tensor_init_seed) plus metaopt's column / row, which name the layers to split (Fleet's static
+# TensorParallelOptimizer takes a model built of hand-written parallel layers; metaopt rewrites
+# the exported program by module path: passes/tensor_parallel.py).
+TENSOR_PARALLEL_CONFIGS: dict[str, Key] = {
+    "tensor_parallel_degree": Key(
+        1,
+        "int",
+        "model-parallel workers per layer; must equal hybrid_configs['mp_degree'] (1: take that)",
+        check=_COUNT,
+    ),
+    "tensor_init_seed": Key(
+        -1,
+        "int",
+        "seed of the split params' init; metaopt slices the exported params (UNIMPLEMENTED)",
+        check=((lambda v: v >= -1, "must be >= 0, or -1 (the default: none)"), _INT32),
+    ),
+    "column": Key(
+        [],
+        "list[str]",
+        "column-parallel Linear layers (module paths or patterns as recompute's checkpoints; "
+        "'*' is one path component): each rank keeps its rows of the weight",
+        extra=True,
+    ),
+    "row": Key(
+        [],
+        "list[str]",
+        "row-parallel Linear layers, each ending a column layer's split region: each rank keeps its "
+        "columns of the weight, the partial products are all-reduced",
+        extra=True,
     ),
 }
 
@@ -271,6 +304,7 @@ CONFIGS: dict[str, dict[str, Key]] = {
     "recompute": RECOMPUTE_CONFIGS,
     "pipeline": PIPELINE_CONFIGS,
     "gradient_merge": GRADIENT_MERGE_CONFIGS,
+    "tensor_parallel": TENSOR_PARALLEL_CONFIGS,
 }
 # Configs with no feature flag (Fleet has none for them): always in effect, printed when they
 # differ from their defaults. "hybrid" -> strategy.hybrid_configs.
@@ -288,7 +322,6 @@ UNSUPPORTED_FEATURES: tuple[str, ...] = (
     "a_sync",
     "fp16_allreduce",
     "sync_batch_norm",
-    "tensor_parallel",
 )
 
 FIELDS: dict[str, Key] = {
@@ -296,6 +329,7 @@ FIELDS: dict[str, Key] = {
     "recompute": Key(False, "bool", "recompute, optionally with offload (recompute_configs)"),
     "pipeline": Key(False, "bool", "pipeline parallelism (pipeline_configs)"),
     "gradient_merge": Key(False, "bool", "gradient accumulation over k steps (gradient_merge_configs)"),
+    "tensor_parallel": Key(False, "bool", "tensor (model) parallel layers (tensor_parallel_configs)"),
     # communication flags of data parallel
     "fuse_all_reduce_ops": Key(True, "bool", "all-reduce gradients in fused buckets"),
     "fuse_grad_size_in_MB": Key(32, "int", "bucket size of fused all-reduce, MB", check=_SIZE),
@@ -349,10 +383,9 @@ UNIMPLEMENTED: dict[str, str] = {
     "pipeline_configs.micro_batch_size": (
         "the micro-batch size is the fed batch divided by pipeline_configs['accumulate_steps']"
     ),
-    # issue 16: the topology and its process groups exist (fleet.init); the pass does not yet
-    "hybrid_configs.mp_degree": (
-        "tensor parallel, the pass that splits params over the model-parallel group, is not implemented "
-        "yet; fleet.init lays the workers out and fleet.get_hybrid_communicate_group() works"
+    "tensor_parallel_configs.tensor_init_seed": (
+        "each worker slices its params from the exported model; data parallel's start broadcasts "
+        "them (replicated ones from rank 0, split ones within the data-parallel group)"
     ),
     "hybrid_configs.sharding_degree": "every worker holds the whole optimizer state: no sharding pass",
 }

@@ -8,11 +8,18 @@ program, writing the broadcast values into its scope; later runs leave it out. T
 therefore visible in the printed program and nothing communicates at ``minimize``: the
 collective runs where every other one does, through the executor's communicator (timeouts,
 errors naming the op).
+
+Beside tensor parallel, `split` names the params each model-parallel rank holds its own slice
+of: a second op broadcasts those within this worker's data-parallel group only
+(``group="data_parallel"``, from its first rank), the first op everything else from `src`, so
+replicated params stay equal across the model-parallel group too.
 """
 
 from __future__ import annotations
 
-from metaopt.ir import Op, Program, roles
+from collections.abc import Sequence
+
+from metaopt.ir import Op, Program, did_you_mean, roles
 
 
 class BroadcastInitError(ValueError):
@@ -25,11 +32,18 @@ def startup_vars(p: Program) -> list[str]:
     return [v.name for v in p.vars.values() if v.kind in ("param", "buffer")]
 
 
-def broadcast_init(p: Program, *, src: int = 0) -> Program:
-    """`p` with ``Broadcast(params and buffers, src=src)  # role=startup`` first (module doc)."""
+def broadcast_init(p: Program, *, src: int = 0, split: Sequence[str] = ()) -> Program:
+    """`p` with ``Broadcast(params and buffers, src=src)  # role=startup`` first, and the
+    `split` ones in ``Broadcast(..., src=0, group="data_parallel")`` after it (module doc)."""
     if not isinstance(src, int) or isinstance(src, bool) or src < 0:
         raise BroadcastInitError(f"broadcast_init: src must be a worker rank >= 0, got {src!r}")
     xs = startup_vars(p)
+    unknown = [x for x in split if x not in xs]
+    if unknown:
+        raise BroadcastInitError(
+            f"broadcast_init: split param {unknown[0]!r} is not a param of {p.name!r}"
+            f"{did_you_mean(unknown[0], xs)}"
+        )
     done = {x for op in p.ops if roles.is_startup(op.role) for x in op.inputs}
     again = [x for x in xs if x in done]
     if again:
@@ -37,6 +51,11 @@ def broadcast_init(p: Program, *, src: int = 0) -> Program:
             f"program {p.name!r} already has a startup op setting {again[0]!r} (broadcast_init was applied)"
         )
     q = p.clone()
-    if xs:
-        q.ops = [Op("Broadcast", xs, [], {"src": src}, role="startup"), *q.ops]
+    local = set(split)
+    whole = [x for x in xs if x not in local]
+    ops = [Op("Broadcast", whole, [], {"src": src}, role="startup")] if whole else []
+    if split:
+        group = [x for x in xs if x in local]  # program order, as the first op's
+        ops.append(Op("Broadcast", group, [], {"src": 0, "group": "data_parallel"}, role="startup"))
+    q.ops = [*ops, *q.ops]
     return q

@@ -17,7 +17,10 @@ Every later reader of a grad (clipping, the optimizer's updates) reads its reduc
 copy. ``bucket_bytes=0`` gives one op per grad (Fleet's ``fuse_all_reduce_ops=False``).
 With ``at_update=True`` (grads summed over several runs first: gradient merge) every
 bucket goes right before the first update-phase op instead, where the grads are final,
-so the all-reduce runs with the updates: once per k runs. Initial values are made equal by
+so the all-reduce runs with the updates: once per k runs. ``group="data_parallel"`` (beside
+tensor parallel: dp x mp workers) reduces over this worker's data-parallel group of the hybrid
+layout only (the ranks holding the same slices), averaging by its size, `world_size` being the
+dp degree; without it, over every worker. Initial values are made equal by
 passes/broadcast_init.py (a startup op run before the first step), not here. The pass is
 pure.
 """
@@ -45,6 +48,7 @@ class Bucket:
 class DataParallelPlan:
     world_size: int
     bucket_bytes: int
+    group: str | None = None  # "data_parallel": this worker's data-parallel group; None: all workers
     buckets: list[Bucket] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (grad, why it is not reduced)
 
@@ -54,8 +58,11 @@ class DataParallelPlan:
 
     def __str__(self) -> str:
         cap = f"{self.bucket_bytes / 2**20:g} MB buckets" if self.bucket_bytes else "unfused"
+        who = f"{self.world_size} workers"
+        if self.group:
+            who = f"the {who} of each data-parallel group"
         lines = [
-            f"data parallel over {self.world_size} workers ({cap}): all_reduce ops: {self.num_grads}, "
+            f"data parallel over {who} ({cap}): all_reduce ops: {self.num_grads}, "
             f"after fusion: {len(self.buckets)}"
         ]
         for k, b in enumerate(self.buckets):
@@ -65,15 +72,23 @@ class DataParallelPlan:
 
 
 def plan_data_parallel(
-    p: Program, *, grads: list[str], world_size: int, bucket_bytes: int, at_update: bool = False
+    p: Program,
+    *,
+    grads: list[str],
+    world_size: int,
+    bucket_bytes: int,
+    at_update: bool = False,
+    group: str | None = None,
 ) -> DataParallelPlan:
     """Which grads go into which bucket, and where each bucket's AllReduce goes."""
     if world_size < 1:
         raise DataParallelError(f"data parallel: world_size must be >= 1, got {world_size}")
+    if group not in (None, "data_parallel"):
+        raise DataParallelError(f"data parallel: group must be 'data_parallel' or None, got {group!r}")
     if bucket_bytes < 0:
         raise DataParallelError(f"data parallel: bucket_bytes must be >= 0, got {bucket_bytes}")
     producers = p.producers()
-    plan = DataParallelPlan(world_size, bucket_bytes)
+    plan = DataParallelPlan(world_size, bucket_bytes, group)
     ready: list[tuple[int, str]] = []
     for g in dict.fromkeys(grads):
         if g not in p.vars:
@@ -117,13 +132,14 @@ def data_parallel(
     world_size: int,
     bucket_bytes: int,
     at_update: bool = False,
+    group: str | None = None,
     plan: DataParallelPlan | None = None,
 ) -> Program:
     """A clone of `p` whose grads are averaged over `world_size` workers (see the module doc);
     `plan`: the one `plan_data_parallel` made for these arguments (else it is made here)."""
     if plan is None:
         plan = plan_data_parallel(
-            p, grads=grads, world_size=world_size, bucket_bytes=bucket_bytes, at_update=at_update
+            p, grads=grads, world_size=world_size, bucket_bytes=bucket_bytes, at_update=at_update, group=group
         )
     q = p.clone()
     after: dict[int, list[Bucket]] = {}
@@ -146,7 +162,8 @@ def data_parallel(
                 v = q.vars[g]
                 q.vars[r] = Var(r, v.dtype, v.shape, v.kind)
                 outs.append(r)
-            ops.append(Op("AllReduce", list(b.grads), outs, {"reduce": "avg"}, role="comm"))
+            attrs = {"reduce": "avg", **({"group": plan.group} if plan.group else {})}
+            ops.append(Op("AllReduce", list(b.grads), outs, attrs, role="comm"))
             renamed.update(zip(b.grads, outs, strict=True))
     q.ops = ops
     q.outputs = [renamed.get(x, x) for x in q.outputs]

@@ -5,15 +5,51 @@ Every collective waits with a timeout (``METAOPT_COMM_TIMEOUT`` seconds, default
 the same that ``fleet.init`` gives the process group), and a failure — a peer that died,
 or never reached the same collective — becomes an error naming the op, this rank and
 the timeout, never a hang.
+
+Pipeline point to point (`Communicator.send` / `recv`) is a protocol, because shapes
+and dtypes are static and a header per message costs a round trip and a host read:
+
+- A step begins with a handshake (`start_pipeline_step`): each worker sends each
+  neighbour its step signature, the micro-batch dims (every worker is fed the whole batch,
+  so it knows them) and the check switch, and reads the neighbour's at its first message
+  with it (sent before the step's first compute, so it is normally there already).
+- An edge (peer, var, direction) sends a header (name hash, dtype, shape; the receiver
+  checks it against the program's shape with the micro-batch dim bound, and refuses a
+  mismatch on both sides, naming stage, micro-batch, var and both shapes) the first time
+  it is used and whenever its expected shape changes (a smaller last batch of an epoch):
+  both sides see the same change, so both expect the header.
+- After that the data goes alone, into a receive buffer of the known shape: no header,
+  no host read. Its tag is made from the var, shape and dtype, so a message the receiver
+  did not expect can never land in its buffer (gloo would fill a larger buffer partly
+  without a word, or abort the process on a smaller one): it waits and times out naming
+  the var instead. On gloo the receive of an edge's next message of the step is posted
+  as soon as this one arrived, so the data is written while the worker computes; NCCL
+  (which pairs messages by order, not tag) receives each in turn.
+- Receive buffers are reused within a step once nothing references them (the executor
+  frees a var after its last use); one still held, such as an activation kept for the
+  backward, is never overwritten: the next message gets a fresh buffer. The executor's
+  memory accounting counts a buffer from its receive on; one posted ahead (one per edge)
+  is not counted until then, and none is kept between steps.
+- Where the two signatures differ (feeds of different batch sizes, or the switch on
+  one side only), every message of the step with that neighbour carries its header, so
+  the first one names the mismatch on both sides. A dim the batch does not give (None)
+  also keeps the header on every message.
+- ``METAOPT_PIPELINE_CHECK=1`` (the debug switch) keeps the header on every message.
+
+Headers (and a refusal, sent back in a header's place) travel on one tag per link, in
+send order: every schedule keeps each link first-in first-out (`schedules.simulate`
+checks it), so headers meet in order. A step that failed leaves messages in flight:
+the job must be restarted.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import sys
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -35,6 +71,70 @@ _MAX_DIMS = 8
 _REJECTED = -1  # the dtype code of a header refusing the peer's last send
 _REJECT_WAIT_S = 10.0
 _HEADER_LEN = 3 + _MAX_DIMS  # name hash, dtype code, ndim, dims
+CHECK_ENV = "METAOPT_PIPELINE_CHECK"
+_HEADER_TAG = 0  # headers and refusals: one first-in first-out stream per link
+_SIGNATURE_TAG = 2  # step signatures; data tags are odd (`_data_tag`)
+_SIG_LEN = 3 + _MAX_DIMS  # check switch, names' hash, number of dims, dims
+
+
+def check_every_message() -> bool:
+    """Whether ``METAOPT_PIPELINE_CHECK`` asks for a header before every pipeline message."""
+    return os.environ.get(CHECK_ENV, "").strip() not in ("", "0")
+
+
+def _signature(check_all: bool, dims: Mapping[str, int]) -> list[int]:
+    names = sorted(dims)
+    if len(names) > _MAX_DIMS:
+        raise PipelineCommError(f"a pipeline step binds {len(names)} dims, at most {_MAX_DIMS} are supported")
+    values = [int(dims[n]) for n in names]
+    return [int(check_all), _hash(",".join(names)), len(names), *values, *[0] * (_MAX_DIMS - len(names))]
+
+
+def _dims_text(signature: list[int], names: list[str]) -> str:
+    """A signature as "batch=4" (the names are this worker's: the hash says they match)."""
+    values = signature[3 : 3 + signature[2]]
+    if signature[1] != _hash(",".join(names)) or len(names) != len(values):
+        return f"dims {values}"
+    return ", ".join(f"{n}={v}" for n, v in zip(names, values, strict=True))
+
+
+def _data_tag(var: str, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    # odd (control tags are even), and different for another var, shape or dtype: a message
+    # the receiver does not expect waits for the timeout instead of filling its buffer
+    return (zlib.crc32(f"{var}|{list(shape)}|{dtype}".encode()) & 0x3FFFFFFF) * 2 + 1
+
+
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+_POOL = 3  # receive buffers kept per edge: 1F1B needs two (one in use, one posted into)
+
+
+def _counts(t: torch.Tensor) -> tuple[int, int]:
+    """(Python references to `t`, tensors sharing its storage), including this call's own
+    references: compare only with `_FREE`, measured by the same loop `_free_buffer` runs."""
+    return sys.getrefcount(t), _use_count(t.untyped_storage()._cdata) if _use_count is not None else -1
+
+
+def _calibrate() -> tuple[int, int] | None:
+    # a buffer held by a pool list and the loop's variable, as in `_free_buffer`, and by
+    # nothing else: measured, so interpreter differences cannot make a held buffer look free
+    if _use_count is None:
+        return None  # never reuse a buffer
+    for buf in [torch.empty(1)]:
+        return _counts(buf)
+    return None
+
+
+_FREE = _calibrate()
+
+
+def _free_buffer(pool: list[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """A buffer of `pool` of this shape and dtype that nothing outside the pool references."""
+    for buf in pool:
+        if buf.shape == shape and buf.dtype == dtype and _counts(buf) == _FREE:
+            return buf
+    return None
 
 
 def _hash(name: str) -> int:
@@ -67,6 +167,29 @@ def forget_groups() -> None:
     """Drop the sub-groups made so far (their default group is being destroyed)."""
     _GROUPS.clear()
     _CPU_GROUP.clear()
+    _TOPOLOGY_GROUPS.clear()
+    _AXIS_RANKS.clear()
+
+
+# --- groups of the hybrid topology (fleet.init) -------------------------------------------------
+# fleet.init makes every group of every hybrid axis on every worker, in one order (torch's rule
+# for new_group); a group only some workers would ask for (a model-parallel group [0, 1] of 4)
+# must come from there, never be made lazily by its members alone, which would hang.
+_TOPOLOGY_GROUPS: dict[tuple[int, ...], object] = {}  # this worker's groups, by their ranks
+_AXIS_RANKS: dict[str, tuple[int, ...]] = {}  # axis ("data", "model", ...) -> this worker's group
+
+
+def register_topology_group(axis: str, ranks: Sequence[int], group: object) -> None:
+    """Record `group` (made by fleet.init on every worker) as this worker's group on `axis`."""
+    key = tuple(sorted(ranks))
+    _TOPOLOGY_GROUPS[key] = group
+    _AXIS_RANKS[axis] = key
+
+
+def axis_ranks(axis: str) -> list[int] | None:
+    """This worker's group on hybrid `axis` (global ranks, ascending); None if fleet.init made none."""
+    ranks = _AXIS_RANKS.get(axis)
+    return None if ranks is None else list(ranks)
 
 
 _CPU_GROUP: dict[str, object] = {}  # "gloo": a gloo group of every worker, for a NCCL job's host data
@@ -149,12 +272,30 @@ class Communicator:
         self.timeout = timeout()
         self.seconds = 0.0  # time spent in collectives in the last run
         self.bytes = 0  # bytes all-reduced in the last run
+        self.messages = 0  # pipeline messages sent and received in the last run
+        self.headers = 0  # of them with a header
         self._pending: list = []  # (work, what, tensor) of sends not yet known to be done
         self._sent_names: dict[int, str] = {}  # name hash -> var, for a peer's rejection
+        # pipeline P2P: the (expected shape, dtype) each edge (peer, var, "send"/"recv") last
+        # verified with a header; this step's signature, the peers' (pending, then read), and
+        # whether each peer's equals this worker's; the receive buffers by (peer, var)
+        self._verified: dict[tuple[int, str, str], tuple[tuple[int, ...], torch.dtype]] = {}
+        self._check_all = True
+        self._signature: list[int] = []
+        self._dim_names: list[str] = []
+        self._signatures: dict[int, tuple[object, torch.Tensor]] = {}
+        self._peer_signature: dict[int, list[int]] = {}
+        self._agreed: dict[int, bool] = {}
+        self._buffers: dict[tuple[int, str], list[torch.Tensor]] = {}
+        self._per_step = 0  # messages per edge in a pipeline step (one per micro-batch)
+        self._received: dict[tuple[int, str], int] = {}  # this step's, per (peer, var)
+        self._posted: dict[tuple[int, str], tuple[object, torch.Tensor, int]] = {}  # work, buffer, tag
 
     def start_run(self) -> None:
         self.seconds = 0.0
         self.bytes = 0
+        self.messages = 0
+        self.headers = 0
 
     def all_reduce(
         self, xs: Sequence[torch.Tensor], reduce: str, what: str, ranks: Sequence[int] | None = None
@@ -176,30 +317,156 @@ class Communicator:
             at += x.numel()
         return out
 
-    # --- point to point (pipeline): a header, then the data ------------------------------
+    # --- point to point (pipeline) ----------------------------------------------------------
+    # The protocol (see the module docstring): a step starts with each neighbour's dims
+    # signature; an edge (peer, var, direction) exchanges a header the first time it is used
+    # and whenever its expected shape changes, and otherwise sends the data alone.
+    def start_pipeline_step(self, peers: Sequence[int], dims: Mapping[str, int], micro_batches: int) -> None:
+        """Begin a pipeline step with the neighbouring workers `peers` (ranks): send each this
+        step's micro-batch `dims` and the check switch, and post the receive of theirs (read
+        at the first message with that peer, so the exchange overlaps the first compute).
+        Each edge carries one message per micro-batch (`micro_batches` in the step)."""
+        if self._posted:  # each edge's m-th message posts nothing: only a failed step leaves some
+            left = sorted(self._posted)
+            raise CommError(f"receives posted in the last step were never used ({left}): did it fail?")
+        self._per_step = micro_batches
+        self._received.clear()
+        self._check_all = check_every_message()
+        self._signature = _signature(self._check_all, dims)
+        self._dim_names = sorted(dims)
+        self._agreed.clear()
+        dist = _dist()
+        group = _cpu_group(dist)  # host ints: gloo even in a NCCL job
+        for peer in peers:
+            mine = torch.tensor(self._signature, dtype=torch.int64)
+            theirs = torch.empty(_SIG_LEN, dtype=torch.int64)
+            what = f"the step handshake with worker {peer}"
+            self._pending.append((dist.isend(mine, dst=peer, group=group, tag=_SIGNATURE_TAG), what, mine))
+            work = dist.irecv(theirs, src=peer, group=group, tag=_SIGNATURE_TAG)
+            self._signatures[peer] = (work, theirs)
+
     def send(
         self, t: torch.Tensor, peer: int, var: str, expected: tuple[int | None, ...], where: str
     ) -> None:
-        """Send `t` (var `var`) to `peer` asynchronously; a header with its name, shape and
-        dtype goes first, so a mismatch is reported on both sides. Raises (after sending
-        the header) if `t` is not of the `expected` shape (None: any size in that dim)."""
-        header = _header(var, t.shape, t.dtype, self._p2p_device())
-        self._sent_names[_hash(var)] = var
-        self._isend(header, peer, f"Send of {var!r} to worker {peer} ({where})")
-        if not _fits(tuple(t.shape), expected):
-            raise PipelineCommError(
-                f"{where}: Send of {var!r}: its shape is {list(t.shape)} but the program expects "
-                f"{_fmt(expected)} (the receiving worker {peer} reports it too)"
-            )
+        """Send `t` (var `var`) to `peer` asynchronously (done by `finish_sends`). A verified
+        edge sends the data alone; otherwise a header with its name, shape and dtype goes
+        first, so a mismatch is reported on both sides. Raises (after sending the header) if
+        `t` is not of the `expected` shape (None: any size in that dim)."""
+        what = f"Send of {var!r} to worker {peer} ({where})"
+        self.messages += 1
+        if self._needs_header(peer, var, "send", expected, where):
+            self.headers += 1
+            self._send_header(t, peer, var, expected, where, what)
+        else:
+            self._check_steady(t, peer, var, expected, where)
         data = t.to(self._p2p_device()).contiguous()
-        self._isend(data, peer, f"Send of {var!r} to worker {peer} ({where})")
+        self._isend(data, peer, what, _data_tag(var, tuple(t.shape), t.dtype))
 
     def recv(
         self, peer: int, var: str, expected: tuple[int | None, ...], dtype: torch.dtype, where: str
     ) -> torch.Tensor:
-        header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self._p2p_device())
+        """Var `var` as `peer` sent it, checked against the `expected` shape and `dtype`: by
+        its header on a new edge, by the step's handshake on a verified one (no header, no
+        host read: the data lands in a buffer of the expected shape)."""
         what = f"Recv of {var!r} from worker {peer} ({where})"
-        self._run(lambda dist: dist.irecv(header, src=peer), what, header)
+        self.messages += 1
+        if self._needs_header(peer, var, "recv", expected, where):
+            self.headers += 1
+            shape = self._recv_header(peer, var, expected, dtype, what, where)
+            if None not in expected:
+                self._verified[(peer, var, "recv")] = (expected, dtype)
+        else:
+            shape = expected  # type: ignore[assignment]  # verified: no None in it
+        tag = _data_tag(var, shape, dtype)
+        work, out = self._posted_recv(peer, var, tag)
+        if work is None:
+            out = self._recv_buffer(peer, var, shape, dtype)
+            work = _dist().irecv(out, src=peer, tag=tag)
+        self._wait(work, what, out)
+        self._post_next(peer, var, expected, dtype, tag)
+        return out if out.device == self.device else out.to(self.device)
+
+    def _posted_recv(self, peer: int, var: str, tag: int) -> tuple[object, torch.Tensor | None]:
+        """The receive of this message posted ahead (`_post_next`), or (None, None)."""
+        posted = self._posted.pop((peer, var), None)
+        if posted is None:
+            return None, None
+        work, buf, posted_tag = posted
+        if posted_tag != tag:  # both are derived from the same step state: a bug if they differ
+            raise CommError(f"internal: a receive of {var!r} was posted for another shape or dtype")
+        return work, buf
+
+    def _post_next(
+        self, peer: int, var: str, expected: tuple[int | None, ...], dtype: torch.dtype, tag: int
+    ) -> None:
+        """Post the receive of the edge's next message of this step now, if it will come
+        without a header (same step: same shape, tag and buffer size): gloo then writes it
+        into its buffer as soon as it is sent, while this worker computes, instead of waiting
+        for this worker to ask (a round trip) when it needs it."""
+        key = (peer, var)
+        self._received[key] = n = self._received.get(key, 0) + 1
+        steady = not self._check_all and self._agreed.get(peer, False)
+        if n >= self._per_step or not steady or self._verified.get((*key, "recv")) != (expected, dtype):
+            return
+        if self.backend == "nccl":  # NCCL pairs messages by order, not tag: no receive out of turn
+            return
+        buf = self._recv_buffer(peer, var, expected, dtype)  # type: ignore[arg-type]  # verified: no None
+        self._posted[key] = (_dist().irecv(buf, src=peer, tag=tag), buf, tag)
+
+    def _needs_header(
+        self, peer: int, var: str, direction: str, expected: tuple[int | None, ...], where: str
+    ) -> bool:
+        """Whether this message carries a header. Both sides decide alike from what both
+        know: the agreed step signature, the program's expected shape, the edge's history."""
+        agreed = self._agrees(peer, where)
+        if self._check_all or not agreed or None in expected:
+            return True
+        return self._verified.get((peer, var, direction), (None,))[0] != expected
+
+    def _agrees(self, peer: int, where: str) -> bool:
+        """Whether `peer` runs this step with this worker's dims and switch (waits, once
+        per step, for its signature; False outside a step started by `start_pipeline_step`)."""
+        pending = self._signatures.pop(peer, None)
+        if pending is not None:
+            work, theirs = pending
+            self._wait(work, f"the step handshake with worker {peer} ({where})", theirs)
+            self._peer_signature[peer] = theirs.tolist()
+            self._agreed[peer] = self._peer_signature[peer] == self._signature
+        return self._agreed.get(peer, False)
+
+    def _send_header(
+        self, t: torch.Tensor, peer: int, var: str, expected: tuple[int | None, ...], where: str, what: str
+    ) -> None:
+        header = _header(var, t.shape, t.dtype, self._p2p_device())
+        self._sent_names[_hash(var)] = var
+        self._isend(header, peer, what, _HEADER_TAG)
+        if not _fits(tuple(t.shape), expected):
+            raise PipelineCommError(
+                f"{where}: Send of {var!r}: its shape is {list(t.shape)} but the program expects "
+                f"{_fmt(expected)} (the receiving worker {peer} reports it too){self._feeds_note(peer)}"
+            )
+        if None not in expected:
+            self._verified[(peer, var, "send")] = (expected, t.dtype)
+
+    def _check_steady(
+        self, t: torch.Tensor, peer: int, var: str, expected: tuple[int | None, ...], where: str
+    ) -> None:
+        """A data-only send must be what the receiver's buffer expects: the verified shape
+        and dtype (from the program, so a failure here is a kernel's bug; the receiver then
+        waits for data that never comes and times out naming the var)."""
+        _, dtype = self._verified[(peer, var, "send")]
+        if tuple(t.shape) != expected or t.dtype != dtype:
+            raise PipelineCommError(
+                f"{where}: Send of {var!r}: it is {list(t.shape)} {t.dtype} but the program expects "
+                f"{_fmt(expected)} {dtype}, verified with worker {peer}; nothing was sent"
+            )
+
+    def _recv_header(
+        self, peer: int, var: str, expected: tuple[int | None, ...], dtype: torch.dtype, what: str, where: str
+    ) -> tuple[int, ...]:
+        """Read and check `peer`'s header for `var`; the shape it announces."""
+        header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self._p2p_device())
+        self._run(lambda dist: dist.irecv(header, src=peer, tag=_HEADER_TAG), what, header)
         name_hash, code, ndim, *dims = header.tolist()
         shape = tuple(dims[:ndim])
         if code == _REJECTED:
@@ -207,6 +474,7 @@ class Communicator:
             raise PipelineCommError(
                 f"{where}: worker {peer} rejected {rejected!r}, which this worker sent: it expects shape "
                 f"{_fmt(tuple(None if d < 0 else d for d in shape))} (see worker {peer}'s error)"
+                f"{self._feeds_note(peer)}"
             )
         if name_hash != _hash(var):
             self._reject(peer, var, expected)
@@ -219,11 +487,35 @@ class Communicator:
             self._reject(peer, var, expected)
             raise PipelineCommError(
                 f"{what}: worker {peer} sent shape {list(shape)} {got_dtype}, this program expects "
-                f"{_fmt(expected)} {dtype}"
+                f"{_fmt(expected)} {dtype}{self._feeds_note(peer)}"
             )
-        out = torch.empty(shape, dtype=dtype, device=self._p2p_device())
-        self._run(lambda dist: dist.irecv(out, src=peer), what, out)
-        return out if out.device == self.device else out.to(self.device)
+        return shape
+
+    def _feeds_note(self, peer: int) -> str:
+        """Why the two sides disagree, when the step's signatures already say so."""
+        theirs = self._peer_signature.get(peer)
+        if theirs is None or self._agreed.get(peer, True):
+            return ""
+        mine, names = self._signature, self._dim_names
+        if theirs[0] != mine[0]:
+            return f"; {CHECK_ENV} is {mine[0]} on this worker, {theirs[0]} on worker {peer}"
+        return (
+            f"; this step's micro-batches differ: {_dims_text(mine, names)} on this worker, "
+            f"{_dims_text(theirs, names)} on worker {peer} (feed the same whole batch to every worker)"
+        )
+
+    def _recv_buffer(self, peer: int, var: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A buffer for `var`'s data: one of the edge's last few that nothing references any
+        more (the executor dropped it after its last use), else a fresh one. A buffer still
+        held (an activation kept for the backward, one a receive is posted into) is never
+        overwritten; an edge keeps at most `_POOL` buffers."""
+        pool = self._buffers.setdefault((peer, var), [])
+        buf = _free_buffer(pool, shape, dtype)
+        if buf is None:
+            buf = torch.empty(shape, dtype=dtype, device=self._p2p_device())
+            pool.append(buf)
+            del pool[:-_POOL]
+        return buf
 
     def _reject(self, peer: int, var: str, expected: tuple[int | None, ...]) -> None:
         """Tell `peer` its send of `var` is refused: the next header it reads from this
@@ -236,30 +528,37 @@ class Communicator:
             device=self._p2p_device(),
         )
         try:
-            _dist().isend(header, dst=peer).wait(datetime.timedelta(seconds=_REJECT_WAIT_S))
+            _dist().isend(header, dst=peer, tag=_HEADER_TAG).wait(datetime.timedelta(seconds=_REJECT_WAIT_S))
         except Exception:  # noqa: BLE001 - best effort: this worker is failing anyway
             pass
 
     def finish_sends(self) -> None:
-        """Wait for every send still in flight (end of a pipeline step)."""
+        """Wait for every send still in flight, and every step signature not read yet (end
+        of a pipeline step: nothing of it is left pending)."""
+        for peer in list(self._signatures):
+            self._agrees(peer, "end of the step")
+        self._buffers.clear()  # between steps the communicator holds no receive buffer
         pending, self._pending = self._pending, []
         for work, what, t in pending:
             self._wait(work, what, t)
 
-    def _isend(self, t: torch.Tensor, peer: int, what: str) -> None:
+    def _isend(self, t: torch.Tensor, peer: int, what: str, tag: int) -> None:
         dist = _dist()
-        self._pending.append((dist.isend(t, dst=peer), what, t))  # t held until the send is done
+        self._pending.append((dist.isend(t, dst=peer, tag=tag), what, t))  # t held until the send is done
 
     def _p2p_device(self) -> torch.device:
         return self.device if self.backend == "nccl" else torch.device("cpu")
 
     def group(self, ranks: Sequence[int] | None):
-        """The process group of `ranks` (None: every worker). Groups are made on first use,
-        which torch requires of every worker in the same order: pipelines create theirs
-        together at their first run (`PipelineInfo.groups`)."""
+        """The process group of `ranks` (None: every worker): one fleet.init made for a hybrid
+        axis (`register_topology_group`), else made on first use, which torch requires of every
+        worker in the same order: pipelines create theirs together at their first run
+        (`PipelineInfo.groups`)."""
         if ranks is None or len(ranks) == self.world_size:
             return None
         key = tuple(sorted(ranks))
+        if key in _TOPOLOGY_GROUPS:  # made by fleet.init on every worker (hybrid axes)
+            return _TOPOLOGY_GROUPS[key]
         if key not in _GROUPS:
             _GROUPS[key] = _dist().new_group(list(key), timeout=self.timeout)
         return _GROUPS[key]

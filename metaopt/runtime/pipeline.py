@@ -12,12 +12,20 @@ NCCL on CUDA), every receive with the communicator's timeout.
 
 Held activations are counted in the executor's memory accounting, so
 ``exe.memory_stats()`` shows what a schedule keeps in flight.
+
+Each step starts with the communicator's handshake with the neighbours (this step's
+micro-batch dims; see `runtime.comm` for the protocol: headers on an edge's first use,
+data alone after), and is timed (`last_step_profile`): each action's compute (its wall time
+less its waits on communication), the waits, and the work before the first action (feed
+split) and after the last (optimizer), from which `schedules.simulate` gives the step's
+ideal time with free communication.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -52,6 +60,26 @@ class PipelineState:
 
 
 @dataclass
+class StepProfile:
+    """One pipeline step on this worker, timed on the host (on CUDA: without a device sync,
+    so launch times, not kernel times). `actions` holds (action as printed, "F3" or "B0.c1",
+    its compute seconds: wall time less its waits on communication)."""
+
+    step_s: float = 0.0  # the whole step, wall time
+    comm_s: float = 0.0  # waits on communication (receives, send completions, all-reduces)
+    before_s: float = 0.0  # before the first action: feed split, the handshake's start
+    after_s: float = 0.0  # after the last action, less waits: the optimizer
+    actions: list[tuple[str, float]] = field(default_factory=list)
+    messages: int = 0  # pipeline messages sent and received
+    headers: int = 0  # of them with a header (first use of an edge, a new shape, the switch)
+
+    def mean_compute(self, kind: str) -> float:
+        """Mean compute seconds of this worker's "F" (or "B") actions."""
+        times = [t for a, t in self.actions if a.startswith(kind)]
+        return sum(times) / len(times) if times else 0.0
+
+
+@dataclass
 class _Part:
     program: Program
     feeds: list[str]  # inputs of the whole program (sliced per micro-batch)
@@ -79,10 +107,13 @@ class PipelineRunner:
             micro_batches=info.micro_batches,
             chunks=info.chunks,
         )
+        self.peers = _peers(program, self.state)
+        self.profile: StepProfile | None = None  # the last step's (`last_step_profile`)
         self._started = False
 
     # --- one step --------------------------------------------------------------------
     def run(self, feed: Mapping[str, Any], fetches: list[str]) -> list[Any]:
+        t_step = time.perf_counter()
         rt = self.exe.runtime
         # one stage (gradient accumulation over micro-batches) talks to nobody
         comm = rt.comm if self.info.num_stages > 1 else None  # fails clearly without a group
@@ -99,32 +130,18 @@ class PipelineRunner:
         # every worker is fed the whole batch: its batch size gives the micro-batch size even
         # on a stage that reads no feed (shapes of what it receives are checked against it)
         micro = _split_feed(self.program, feed, m, keep=needed)
+        if comm is not None:  # every worker knows the micro-batch dims: agree on them
+            comm.start_pipeline_step(self.peers, {"batch": micro[0]["__batch__"]}, m)
         rt.pipeline = self.state
-        tracker = self.exe._tracker
         held: dict[int, dict[str, torch.Tensor]] = {i: {} for i in range(m)}
         losses: list[torch.Tensor] = []
-        loss = self.program.loss_name
+        profile = StepProfile(before_s=time.perf_counter() - t_step)
         try:
             for action in self.actions:
-                k = action.chunk * self.info.num_stages + self.info.stage
-                part = self.parts[(k, roles.FORWARD if action.kind == "F" else roles.BACKWARD)]
-                i = action.micro_batch
-                self.state.stage, self.state.micro_batch = k, i
-                self.state.dims = {"batch": micro[i]["__batch__"]}
-                feed_i = {x: micro[i][x] for x in part.feeds}
-                if names.micro_batch() in part.program.inputs:
-                    feed_i[names.micro_batch()] = torch.tensor(i, dtype=torch.int64)
-                carried = {x: held[i].pop(x) if x in part.last_use else held[i][x] for x in part.carried_in}
-                want = list(part.carried_out) + ([loss] if loss in part.produced else [])
-                out = self.exe._run_part(part.program, feed_i, want, carried)
-                for x in part.last_use:
-                    tracker.release(carried[x])
-                for x, t in zip(want, out, strict=True):
-                    if x == loss:
-                        losses.append(t.detach())
-                    if x in part.carried_out:
-                        held[i][x] = t
-                        tracker.acquire(t, x in part.host_out)  # offloaded copies: host bytes
+                t0, c0 = time.perf_counter(), _comm_seconds(comm)
+                self._run_action(action, micro, held, losses)
+                waited = _comm_seconds(comm) - c0
+                profile.actions.append((str(action), time.perf_counter() - t0 - waited))
             if comm is not None:
                 comm.finish_sends()
             opt = self.parts.get((-1, roles.OPTIMIZE))
@@ -134,8 +151,39 @@ class PipelineRunner:
             rt.pipeline = None
             for values in held.values():
                 for t in values.values():
-                    tracker.release(t)
+                    self.exe._tracker.release(t)
+        self.profile = _finish_profile(profile, t_step, comm)
         return [self._fetch(f, losses) for f in fetches]
+
+    def _run_action(
+        self,
+        action: schedules.Action,
+        micro: list[dict[str, Any]],
+        held: dict[int, dict[str, torch.Tensor]],
+        losses: list[torch.Tensor],
+    ) -> None:
+        """One F or B of a micro-batch: its part's program, fed the micro-batch's slice and
+        what earlier parts made for it; what later parts read is held (and counted)."""
+        tracker, loss = self.exe._tracker, self.program.loss_name
+        k = action.chunk * self.info.num_stages + self.info.stage
+        part = self.parts[(k, roles.FORWARD if action.kind == "F" else roles.BACKWARD)]
+        i = action.micro_batch
+        self.state.stage, self.state.micro_batch = k, i
+        self.state.dims = {"batch": micro[i]["__batch__"]}
+        feed_i = {x: micro[i][x] for x in part.feeds}
+        if names.micro_batch() in part.program.inputs:
+            feed_i[names.micro_batch()] = torch.tensor(i, dtype=torch.int64)
+        carried = {x: held[i].pop(x) if x in part.last_use else held[i][x] for x in part.carried_in}
+        want = list(part.carried_out) + ([loss] if loss in part.produced else [])
+        out = self.exe._run_part(part.program, feed_i, want, carried)
+        for x in part.last_use:
+            tracker.release(carried[x])
+        for x, t in zip(want, out, strict=True):
+            if x == loss:
+                losses.append(t.detach())
+            if x in part.carried_out:
+                held[i][x] = t
+                tracker.acquire(t, x in part.host_out)  # offloaded copies: host bytes
 
     def _fetch(self, name: str, losses: list[torch.Tensor]) -> Any:
         if name == self.info.loss:
@@ -187,6 +235,32 @@ class PipelineRunner:
                 [self.state.rank_of(r) for r in ranks],
             )
         self._started = True
+
+
+def last_step_profile(executor: Any, program: Program) -> StepProfile | None:
+    """The timing of `executor`'s last step of pipeline stage program `program` (None
+    before its first step): per-action compute, communication waits, the rest."""
+    return executor._pipeline_runner(program).profile
+
+
+def _comm_seconds(comm) -> float:
+    return comm.seconds if comm is not None else 0.0
+
+
+def _finish_profile(profile: StepProfile, t_step: float, comm) -> StepProfile:
+    profile.step_s = time.perf_counter() - t_step
+    profile.comm_s = _comm_seconds(comm)  # the communicator's count starts with the step
+    rest = profile.step_s - profile.comm_s - sum(t for _, t in profile.actions) - profile.before_s
+    profile.after_s = max(0.0, rest)
+    if comm is not None:
+        profile.messages, profile.headers = comm.messages, comm.headers
+    return profile
+
+
+def _peers(program: Program, state: PipelineState) -> list[int]:
+    """The ranks this worker sends to or receives from (its neighbours' in this replica)."""
+    stages = {op.attrs["peer"] for op in program.ops if op.type in ("Send", "Recv")}
+    return sorted({state.rank_of(k) for k in stages})
 
 
 def _replica(info: PipelineInfo) -> int:

@@ -29,6 +29,8 @@ import difflib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+Cost = float | Sequence[float]  # one cost for every worker, or one per worker
+
 __all__ = [
     "SCHEDULES",
     "Action",
@@ -271,8 +273,8 @@ def simulate(
     num_stages: int,
     micro_batches: int,
     chunks: int = 1,
-    f_cost: float = 1.0,
-    b_cost: float = 2.0,
+    f_cost: Cost = 1.0,
+    b_cost: Cost = 2.0,
 ) -> SimResult:
     """Run every worker's `schedule(mode, ...)` together; see `simulate_actions`."""
     mode = _check_mode(mode)
@@ -289,27 +291,40 @@ def simulate_actions(
     *,
     micro_batches: int,
     chunks: int = 1,
-    f_cost: float = 1.0,
-    b_cost: float = 2.0,
+    f_cost: Cost = 1.0,
+    b_cost: Cost = 2.0,
 ) -> SimResult:
     """Discrete-event run of per-worker action lists (actions[w] is worker w's list).
 
     f_cost / b_cost are one micro-batch's forward / backward through a worker's whole share
     of the model, so with chunks > 1 a chunk's action costs f_cost / chunks: makespans of
-    different schedules compare directly. Communication is free; a worker waits only on
-    receives. Raises ScheduleError on a malformed list, a B before its F, a deadlock (naming
-    every blocked worker and the message it waits for) or an unmatched send/recv.
+    different schedules compare directly. Either one number for every worker or one per
+    worker (stages of unequal cost: the runtime's measured compute times, which give a
+    step's ideal time, `makespan`, to compare a real step with). Communication is free; a
+    worker waits only on receives. Raises ScheduleError on a malformed list, a B before its
+    F, a deadlock (naming every blocked worker and the message it waits for) or an
+    unmatched send/recv.
     """
     _check_int("micro_batches", micro_batches, minimum=1)
     _check_int("chunks", chunks, minimum=1)
-    for name, cost in (("f_cost", f_cost), ("b_cost", b_cost)):
-        if not isinstance(cost, (int, float)) or isinstance(cost, bool) or not cost > 0:
-            raise ValueError(f"{name} must be a positive number, got {cost!r}")
     if not actions:
         raise ValueError("actions must hold one list per worker, got none")
+    f = _per_worker("f_cost", f_cost, len(actions))
+    b = _per_worker("b_cost", b_cost, len(actions))
     for w, acts in enumerate(actions):
         _check_list(w, acts, micro_batches, chunks)
-    return _Sim(actions, micro_batches, chunks, f_cost / chunks, b_cost / chunks).run()
+    return _Sim(actions, micro_batches, chunks, [x / chunks for x in f], [x / chunks for x in b]).run()
+
+
+def _per_worker(name: str, cost: Cost, workers: int) -> list[float]:
+    """`cost` as one positive number per worker."""
+    costs = list(cost) if isinstance(cost, Sequence) and not isinstance(cost, str) else [cost] * workers
+    if len(costs) != workers:
+        raise ValueError(f"{name} must be one number or one per worker ({workers}), got {len(costs)}")
+    for c in costs:
+        if not isinstance(c, (int, float)) or isinstance(c, bool) or not c > 0:
+            raise ValueError(f"{name} must be a positive number, got {c!r}")
+    return [float(c) for c in costs]
 
 
 def _check_list(worker: int, acts: Sequence[Action], m: int, v: int) -> None:
@@ -335,10 +350,12 @@ def _check_list(worker: int, acts: Sequence[Action], m: int, v: int) -> None:
 class _Sim:
     """State of one simulation; `run` advances workers until all finish or none can move."""
 
-    def __init__(self, actions: Sequence[Sequence[Action]], m: int, v: int, f: float, b: float) -> None:
+    def __init__(
+        self, actions: Sequence[Sequence[Action]], m: int, v: int, f: list[float], b: list[float]
+    ) -> None:
         self.actions = [list(a) for a in actions]
         self.p, self.m, self.v = len(actions), m, v
-        self.cost = {"F": f, "B": b}
+        self.cost = [{"F": fw, "B": bw} for fw, bw in zip(f, b, strict=True)]  # per worker
         self.last_vstage = self.p * v - 1
         self.sent: dict[_Msg, float] = {}  # message -> time its send was issued
         self.received: set[_Msg] = set()
@@ -399,7 +416,7 @@ class _Sim:
                 f"worker {w} runs {a} before {forward}: a backward needs its forward's activations"
             )
         start = self.clock[w] if need is None else max(self.clock[w], self.sent[need])
-        end = start + self.cost[a.kind]
+        end = start + self.cost[w][a.kind]
         if need is not None:
             self.received.add(need)
             self.recv_order.setdefault(self.msg_link(need), []).append(need)

@@ -84,6 +84,8 @@ FLEET_DEFAULTS = {
         "chunks": 1,  # ours: virtual stages per worker (interleaved)
     },
     "gradient_merge_configs": {"k_steps": 1, "avg": True},
+    # Fleet's TensorParallelConfig (column / row: ours)
+    "tensor_parallel_configs": {"tensor_parallel_degree": 1, "tensor_init_seed": -1, "column": [], "row": []},
     # Fleet's HybridConfig: dp_degree -1 = inferred from the world size
     "hybrid_configs": {"dp_degree": -1, "mp_degree": 1, "pp_degree": 1, "sharding_degree": 1},
 }
@@ -97,6 +99,7 @@ OURS = {
         "seed_random_ops",
     },
     "pipeline_configs": {"cuts", "num_stages", "dp_degree", "shared", "chunks"},
+    "tensor_parallel_configs": {"column", "row"},
 }
 
 
@@ -209,6 +212,8 @@ OUT_OF_RANGE = {
     "pipeline_configs.num_stages": [0],
     "pipeline_configs.dp_degree": [0],
     "gradient_merge_configs.k_steps": [0, _INT32_TOO_BIG],
+    "tensor_parallel_configs.tensor_parallel_degree": [0, _INT32_TOO_BIG],
+    "tensor_parallel_configs.tensor_init_seed": [-2, _INT32_TOO_BIG],
     "hybrid_configs.dp_degree": [0, -2, _INT32_TOO_BIG],  # -1 is the default: inferred
     "hybrid_configs.mp_degree": [0, -1, _INT32_TOO_BIG],
     "hybrid_configs.pp_degree": [0, _INT32_TOO_BIG],
@@ -580,7 +585,7 @@ def test_hybrid_configs_have_fleets_keys_defaults_and_did_you_mean():
         s.hybrid_configs["dp_degree"] = 4
 
 
-def test_hybrid_configs_print_once_set_and_mp_degree_prints_as_refused():
+def test_hybrid_configs_print_once_set_and_sharding_degree_prints_as_refused():
     s = fleet.DistributedStrategy()
     assert "hybrid_configs" not in str(s)  # at Fleet's defaults: nothing to show
     s.hybrid_configs = {"dp_degree": 2, "pp_degree": 2}
@@ -591,18 +596,24 @@ def test_hybrid_configs_print_once_set_and_mp_degree_prints_as_refused():
     assert "refused" not in text and len({len(line) for line in text.splitlines()}) == 1
     s.hybrid_configs = {"mp_degree": 2, "sharding_degree": 2}
     text = str(s)
-    assert re.search(r"^\s*\|\s+hybrid_configs\['mp_degree'\]\s+2, default 1\s+\|$", text, re.M)
+    assert not re.search(r"hybrid_configs\['mp_degree'\]\s+2, default 1", text)  # served: tensor parallel
     assert re.search(r"^\s*\|\s+hybrid_configs\['sharding_degree'\]\s+2, default 1\s+\|$", text, re.M)
 
 
-def test_mp_and_sharding_degrees_are_refused_naming_the_key():
+def test_sharding_degree_is_refused_naming_the_key_and_mp_degree_is_not():
     s = fleet.DistributedStrategy()
     s.hybrid_configs = {"mp_degree": 2, "sharding_degree": 4}
-    mp, sh = unimplemented(s)  # no feature flag: hybrid_configs are always in effect
-    assert isinstance(mp, NotImplementedError) and isinstance(sh, NotImplementedError)
-    assert re.match(
-        r"strategy\.hybrid_configs\['mp_degree'\]=2: .*tensor parallel.* not implemented yet", str(mp)
-    )
+    (sh,) = unimplemented(s)  # no feature flag: hybrid_configs are always in effect
+    assert isinstance(sh, NotImplementedError)
     assert str(sh).startswith("strategy.hybrid_configs['sharding_degree']=4: not implemented in metaopt")
-    assert [str(e) for e in unimplemented(s, "hybrid_configs")] == [str(mp), str(sh)]
+    assert [str(e) for e in unimplemented(s, "hybrid_configs")] == [str(sh)]
     assert unimplemented(s, "pipeline_configs") == []
+
+
+def test_tensor_init_seed_is_refused_while_tensor_parallel_is_on():
+    s = fleet.DistributedStrategy()
+    s.tensor_parallel_configs = {"tensor_init_seed": 7}
+    assert unimplemented(s) == []  # the feature is off: its config is unused
+    s.tensor_parallel = True
+    (e,) = unimplemented(s)
+    assert str(e).startswith("strategy.tensor_parallel_configs['tensor_init_seed']=7: not implemented")

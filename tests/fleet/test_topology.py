@@ -328,7 +328,7 @@ def test_hybrid_dp_and_pp_degrees_drive_the_pipeline(monkeypatch, rank):
     assert (info.num_stages, info.dp_degree, info.stage) == (2, 2, rank % 2)  # rank = replica x 2 + stage
 
 
-def test_mp_degree_is_refused_at_minimize_naming_the_key_before_rewriting(monkeypatch):
+def test_mp_degree_without_tensor_parallel_is_refused_before_rewriting(monkeypatch):
     fleet.init()
     _fake_world(monkeypatch, 0, 4)
     p = _program()
@@ -336,21 +336,19 @@ def test_mp_degree_is_refused_at_minimize_naming_the_key_before_rewriting(monkey
     opt = fleet.distributed_optimizer(
         metaopt.optimizer.SGD(learning_rate=0.1), _strategy(dp_degree=2, mp_degree=2)
     )
-    with pytest.raises(
-        NotImplementedError, match=r"hybrid_configs\['mp_degree'\]=2: .*tensor parallel.* not implemented yet"
-    ):
+    with pytest.raises(ValueError, match=r"mp_degree=2 needs strategy\.tensor_parallel=True"):
         opt.minimize(p.loss)
     assert str(p) == before
-    assert "refused: strategy.hybrid_configs['mp_degree']=2" in str(opt.plan())
+    assert "refused: hybrid_configs mp_degree=2 needs strategy.tensor_parallel=True" in str(opt.plan())
 
 
-def test_mp_degree_from_fleet_inits_strategy_is_refused_too(monkeypatch):
+def test_mp_degree_from_fleet_inits_strategy_is_refused_without_tensor_parallel_too(monkeypatch):
     fleet.init()
     _fake_world(monkeypatch, 0, 4)
     init_strategy = _strategy(dp_degree=2, mp_degree=2)  # as fleet.init would have kept it on 4 workers
     monkeypatch.setattr(env._STATE, "strategy", init_strategy)
     monkeypatch.setattr(env._STATE, "hcg", HybridCommunicateGroup(Topology(dp_degree=2, mp_degree=2), 0))
-    with pytest.raises(NotImplementedError, match=r"^fleet.init's strategy.hybrid_configs\['mp_degree'\]=2"):
+    with pytest.raises(ValueError, match=r"^hybrid_configs mp_degree=2 needs strategy\.tensor_parallel=True"):
         _minimize(fleet.DistributedStrategy())
 
 

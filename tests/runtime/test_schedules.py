@@ -283,3 +283,38 @@ def test_action_prints_short_and_validates() -> None:
         Action("X", 0)
     with pytest.raises(ValueError, match="micro_batch must be >= 0, got -1"):
         Action("F", -1)
+
+
+# ---------------------------------------------------------------- per-worker costs (ideal step time)
+
+
+@pytest.mark.parametrize("mode", SCHEDULES)
+def test_one_cost_per_worker_equal_costs_give_the_scalar_result(mode: str) -> None:
+    p, m, v = 4, 8, (2 if mode == "interleaved" else 1)
+    scalar = sim(mode, p, m, v, 1.0, 2.0)
+    listed = simulate(mode, num_stages=p, micro_batches=m, chunks=v, f_cost=[1.0] * p, b_cost=(2.0,) * p)
+    assert listed == scalar
+
+
+@pytest.mark.parametrize("m", [1, 2, 8])
+def test_the_slowest_stage_sets_the_pace(m: int) -> None:
+    """Two stages, the second three times the first's cost: after the first forward, the
+    second stage works without pause (f1 + b1 per micro-batch), then the first stage's last
+    backward: f0 + m (f1 + b1) + b0, as a timeline by hand for m = 2 also shows."""
+    f, b = [1.0, 3.0], [2.0, 6.0]
+    for mode in ("1F1B", "F-then-B"):
+        r = simulate(mode, num_stages=2, micro_batches=m, f_cost=f, b_cost=b)
+        assert r.makespan == pytest.approx(f[0] + m * (f[1] + b[1]) + b[0]), (mode, m)
+        assert r.compute_time == pytest.approx(m * (sum(f) + sum(b)))
+    if m == 2:
+        r = simulate("1F1B", num_stages=2, micro_batches=2, f_cost=f, b_cost=b)
+        spans = [[(s, e, str(a)) for s, e, a in tl] for tl in r.timeline]
+        assert spans[0] == [(0, 1, "F0"), (1, 2, "F1"), (10, 12, "B0"), (19, 21, "B1")]
+        assert spans[1] == [(1, 4, "F0"), (4, 10, "B0"), (10, 13, "F1"), (13, 19, "B1")]
+
+
+def test_per_worker_costs_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"f_cost must be one number or one per worker \(2\), got 3"):
+        simulate("1F1B", num_stages=2, micro_batches=2, f_cost=[1.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="b_cost must be a positive number, got 0"):
+        simulate("1F1B", num_stages=2, micro_batches=2, b_cost=[1.0, 0])

@@ -103,7 +103,7 @@ def _layout(dp: int, mp: int, pp: int) -> dict:
         try:
             fleet.distributed_optimizer(metaopt.optimizer.SGD(learning_rate=0.1)).minimize(_program().loss)
             rec["refused"] = None
-        except NotImplementedError as e:
+        except (NotImplementedError, ValueError) as e:  # mp_degree without strategy.tensor_parallel
             rec["refused"] = str(e)
     elif pp > 1:
         rec["pipeline"] = _pipeline(dp, pp)

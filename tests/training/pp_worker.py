@@ -1,15 +1,20 @@
 """One pipeline worker (started by test_pipeline.py with RANK/WORLD_SIZE/MASTER_*).
 
 argv: out dir, then cases "name:schedule:micro_batches:mode" (mode: plain | recompute |
-offload). For each case: export the model (same seed on every worker), split it into
+offload | tied | check: METAOPT_PIPELINE_CHECK=1 on every worker | check1: on worker 0 only |
+shrink: the second step's batch is half the others', as an epoch's smaller last batch). For
+each case: export the model (same seed on every worker), split it into
 stages with fleet's pipeline meta optimizer, train STEPS Adam steps on the full batch
 (each worker is fed the whole batch; micro-batches are cut by the runtime) and write the
-losses (last stage) and this worker's params to `<out>/<case>.rank<r>.pt`.
+losses (last stage), this worker's params and each step's pipeline traffic (messages,
+those with a header) to `<out>/<case>.rank<r>.pt`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import sys
 
 import torch
@@ -18,6 +23,8 @@ from dp_worker import full_batch
 import metaopt
 import programs
 from metaopt import fleet
+from metaopt.runtime.comm import CHECK_ENV
+from metaopt.runtime.pipeline import last_step_profile
 
 STEPS = 3
 CUTS = {  # where stage k begins, for 2 and 4 stages
@@ -35,6 +42,29 @@ TIED_QUERY = [
     "bert.encoder.layer.1.attention.self.query.weight",
 ]
 CHECKPOINTS = {"mlp": ["fc1", "fc2"], "bert": ["bert.encoder.layer.*"], "gpt": ["transformer.h.*"]}
+
+
+def step_batch(name: str, step: int, mode: str) -> tuple[torch.Tensor, ...]:
+    """The step's whole batch; mode "shrink" halves the second step's (every worker alike)."""
+    batch = full_batch(name, step)
+    return tuple(x[: x.shape[0] // 2] for x in batch) if mode == "shrink" and step == 1 else batch
+
+
+@contextlib.contextmanager
+def check_switch(mode: str, rank: int):
+    """METAOPT_PIPELINE_CHECK=1 while the case runs: on every worker ("check") or on worker
+    0 only ("check1": the workers' step signatures differ, so all messages keep headers)."""
+    on = mode == "check" or (mode == "check1" and rank == 0)
+    old = os.environ.get(CHECK_ENV)
+    if on:
+        os.environ[CHECK_ENV] = "1"
+    try:
+        yield
+    finally:
+        if on and old is None:
+            del os.environ[CHECK_ENV]
+        elif on:
+            os.environ[CHECK_ENV] = old
 
 
 @functools.cache
@@ -69,15 +99,19 @@ def train_case(case: str, rank: int, world: int) -> dict:
     opt = fleet.distributed_optimizer(metaopt.optimizer.Adam(learning_rate=1e-2), strategy)
     opt.minimize(main.loss)
     exe = metaopt.Executor("cpu")
-    losses = []
+    losses, traffic = [], []
     for step in range(steps):
-        replica, share = rank // stages, full_batch(name, step)[0].shape[0] // dp
-        part = [x[replica * share : (replica + 1) * share] for x in full_batch(name, step)]
+        batch = step_batch(name, step, mode)
+        replica, share = rank // stages, batch[0].shape[0] // dp
+        part = [x[replica * share : (replica + 1) * share] for x in batch]
         feed = dict(zip(mod.INPUT_NAMES, part, strict=True))
-        (loss,) = exe.run(main, feed=feed, fetch_list=["loss"])
+        with check_switch(mode, rank):
+            (loss,) = exe.run(main, feed=feed, fetch_list=["loss"])
         losses.append(None if loss is None else float(loss))
+        prof = last_step_profile(exe, main)
+        traffic.append((prof.messages, prof.headers, len(prof.actions)))
     params = {v.name: exe.scope[v.name].clone() for v in main.params()}
-    return {"losses": losses, "params": params, "program": str(main)}
+    return {"losses": losses, "params": params, "program": str(main), "traffic": traffic}
 
 
 def main() -> None:

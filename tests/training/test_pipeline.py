@@ -21,10 +21,9 @@ STEPS = 3
 
 
 @functools.cache
-def reference(name: str, tied: bool = False) -> dict:
+def reference(name: str, tied: bool = False, mode: str = "plain") -> dict:
     """One process, the full batch, Adam: losses and params after each of STEPS steps."""
     sys.path.insert(0, str(HERE))
-    import dp_worker
     import pp_worker
 
     from metaopt.passes.tie import tie_params
@@ -38,7 +37,7 @@ def reference(name: str, tied: bool = False) -> dict:
     exe = metaopt.Executor("cpu")
     losses = []
     for step in range(STEPS):
-        feed = dict(zip(mod.INPUT_NAMES, dp_worker.full_batch(name, step), strict=True))
+        feed = dict(zip(mod.INPUT_NAMES, pp_worker.step_batch(name, step, mode), strict=True))
         (loss,) = exe.run(main, feed=feed, fetch_list=[main.loss])
         losses.append(float(loss))
     return {"losses": losses, "params": {v.name: exe.scope[v.name].clone() for v in main.params()}}
@@ -67,7 +66,7 @@ def run_workers(tmp: Path, world: int, cases: list[str]) -> None:
 def check_case(tmp: Path, world: int, case: str, dp: int = 1) -> None:
     name, _, _, mode, *_ = case.split(":")
     ranks = [torch.load(tmp / f"{case}.rank{r}.pt", weights_only=True) for r in range(world)]
-    ref = reference(name, tied=mode == "tied")
+    ref = reference(name, tied=mode == "tied", mode="shrink" if mode == "shrink" else "plain")
     # Micro-batch grads are summed (scaled by 1/M) instead of one batch's: float32 sums in
     # another order, the issue's bar rtol 1e-5, atol 4e-5 after STEPS Adam steps. With dp
     # replicas (rank = replica x stages + stage) each saw its share: their mean loss.
@@ -83,6 +82,28 @@ def check_case(tmp: Path, world: int, case: str, dp: int = 1) -> None:
             torch.testing.assert_close(v, ref["params"][k], rtol=1e-5, atol=4e-5, msg=f"{case} {k}")
             seen.add(k)
     assert seen == set(ref["params"])  # every param lives on some stage
+    for r, rank in enumerate(ranks):
+        check_traffic(case, r, rank["traffic"])
+
+
+def check_traffic(case: str, rank: int, traffic: list[tuple[int, int, int]]) -> None:
+    """The P2P protocol, seen from one worker: each edge (peer, var, direction) is used once
+    per micro-batch, with a header on its first use and data alone after; a step whose
+    expected shapes changed (mode shrink) verifies every edge again; the switch keeps a
+    header on every message (check; check1: on one worker, so every worker's step
+    signatures differ and all messages keep their headers)."""
+    _, _, m, mode, *rest = case.split(":")
+    m, chunks = int(m), int(rest[0]) if rest else 1
+    for step, (messages, headers, actions) in enumerate(traffic):
+        where = f"{case} worker {rank} step {step}"
+        assert actions == 2 * m * chunks, where  # every F and B timed
+        assert messages > 0 and messages % m == 0, where
+        if mode in ("check", "check1"):
+            assert headers == messages, where
+        elif step == 0 or mode == "shrink":
+            assert headers * m == messages, where  # first use (or new shape) of each edge
+        else:
+            assert headers == 0, where  # steady state: data only
 
 
 # The issue's matrix, cut to what a 2-core CI machine runs in about a minute per world
@@ -101,6 +122,9 @@ CASES_2 = [
     "bert:interleaved:2:recompute:2",
     "gpt:interleaved:4:offload:2",
     "bert:1F1B:2:tied",  # two layers' query weights declared one param, across the cut
+    "bert:1F1B:4:shrink",  # a smaller batch in step 2: every edge verified again, twice
+    "gpt:1F1B:2:check",  # METAOPT_PIPELINE_CHECK=1: a header on every message
+    "mlp:F-then-B:2:check1",  # the switch on one worker only: headers on every message, no error
 ]
 CASES_4 = [
     "mlp:1F1B:8:plain",
@@ -108,6 +132,7 @@ CASES_4 = [
     "bert:1F1B:4:offload",
     "gpt:1F1B:8:recompute",
     "mlp:interleaved:8:plain:2",
+    "mlp:1F1B:4:shrink",
 ]
 TIED = "gpt:1F1B:2:plain:1:20"
 # 2 stages x 2 replicas on 4 workers, each replica half the batch (tied gpt too)
@@ -155,8 +180,13 @@ def test_tied_copies_stay_bit_identical_over_20_steps(two_workers):
     assert "AllReduce(transformer.wte.weight@GRAD@STAGE" in ranks[0]["program"]
 
 
-def test_a_micro_batch_shape_mismatch_fails_both_workers_naming_the_var():
-    procs = _start_workers(2, [str(HERE / "pp_fault_worker.py")], {"METAOPT_COMM_TIMEOUT": "25"})
+@pytest.mark.parametrize("when", ["first", "late"])
+def test_a_micro_batch_shape_mismatch_fails_both_workers_naming_the_var(when):
+    """Workers fed different batch sizes fail on the step where they first disagree, both
+    naming the var and both shapes: on the first step by the edges' first headers; on a
+    later one (steady state, data alone) because the step signatures differ, which puts
+    the header back on every message of that step."""
+    procs = _start_workers(2, [str(HERE / "pp_fault_worker.py"), when], {"METAOPT_COMM_TIMEOUT": "25"})
     outs = []
     try:
         for p in procs:
@@ -168,8 +198,15 @@ def test_a_micro_batch_shape_mismatch_fails_both_workers_naming_the_var():
     for r, (p, out) in enumerate(zip(procs, outs, strict=True)):
         assert p.returncode != 0, f"worker {r} did not fail:\n{out[-2000:]}"
         assert "PipelineCommError" in out and "'dropout1'" in out, f"worker {r}:\n{out[-3000:]}"
+        assert "did not reach this collective" not in out, f"worker {r} timed out:\n{out[-3000:]}"
+        # the failing step is the first that disagrees
+        assert (f"rank {r} finished step 0" in out) == (when == "late")
+        assert f"rank {r} finished step 1" not in out
     assert "expects [3, 32]" in outs[1] and "sent shape [4, 32]" in outs[1]
     assert "worker 1 rejected 'dropout1'" in outs[0]
+    if when == "late":  # the handshake saw the feeds differ: both errors say how
+        assert "micro-batches differ: batch=4 on this worker, batch=3 on worker 1" in outs[0]
+        assert "micro-batches differ: batch=3 on this worker, batch=4 on worker 0" in outs[1]
 
 
 def test_one_stage_pipeline_offload_counts_host_bytes_and_matches_recompute():

@@ -25,16 +25,34 @@ def all_reduce(
     _key: str,
 ) -> tuple[torch.Tensor, ...]:
     """`ranks`: pipeline workers sharing a tied param, in this worker's pipeline replica;
-    ``group="data_parallel"``: this stage in every replica; neither: every worker."""
+    ``group="data_parallel"``: in a pipeline stage, this stage in every replica; else this
+    worker's data-parallel group of fleet.init's hybrid layout (dp x mp); neither: every worker.
+    ``avg`` divides by the group's size."""
     if group not in (None, "data_parallel"):
         raise ValueError(f"AllReduce: group must be 'data_parallel' or absent, got {group!r}")
-    if (ranks is not None or group is not None) and _rt.pipeline is None:
-        raise ValueError("AllReduce with ranks/group runs in a pipeline stage program only")
+    if ranks is not None and _rt.pipeline is None:
+        raise ValueError("AllReduce with ranks runs in a pipeline stage program only")
     if group == "data_parallel":
-        ranks = _rt.pipeline.dp_ranks()
+        ranks = _rt.pipeline.dp_ranks() if _rt.pipeline is not None else hybrid_ranks("data", "AllReduce")
     elif ranks is not None:
         ranks = [_rt.pipeline.rank_of(r) for r in ranks]
+    if ranks is not None and len(ranks) == 1:
+        return tuple(x.clone() for x in xs)  # a group of one: nothing to reduce (fresh outputs)
     return tuple(_rt.comm.all_reduce(xs, reduce, f"{len(xs)} tensor(s) ({_key}, ...)", ranks))
+
+
+def hybrid_ranks(axis: str, op: str) -> list[int]:
+    """This worker's group on hybrid `axis` as fleet.init laid the workers out (its groups are
+    the only ones every worker made); refused, naming `op`, when fleet.init made none."""
+    from metaopt.runtime.comm import axis_ranks
+
+    ranks = axis_ranks(axis)
+    if ranks is None:
+        raise RuntimeError(
+            f"{op} over this worker's {axis!r} group of the hybrid layout, but fleet.init made no hybrid "
+            "groups: give fleet.init a strategy with hybrid_configs (dp_degree, mp_degree)"
+        )
+    return ranks
 
 
 @register(
@@ -46,12 +64,23 @@ def all_reduce(
     writes_inputs=True,
     notes="startup op: every input (a persistable) overwritten in place with worker `src`'s value",
 )
-def broadcast(*xs: torch.Tensor, src: int = 0, _rt, _key: str) -> None:
+def broadcast(*xs: torch.Tensor, src: int = 0, group: str | None = None, _rt, _key: str) -> None:
     """Data parallel's start (as DDP's constructor): every worker takes worker `src`'s initial
-    params and buffers. A startup op: the executor runs it once, on the program's first run,
-    and it writes the scope's tensors themselves (the program's `values` are never touched)."""
+    params and buffers. ``group="data_parallel"``: only within this worker's data-parallel
+    group of the hybrid layout, from its `src`-th rank (tensor parallel's split params: each
+    model-parallel rank holds its own slice). A startup op: the executor runs it once, on the
+    program's first run, and it writes the scope's tensors themselves (the program's `values`
+    are never touched)."""
+    if group not in (None, "data_parallel"):
+        raise ValueError(f"Broadcast: group must be 'data_parallel' or absent, got {group!r}")
+    ranks = None
+    if group is not None:
+        ranks = hybrid_ranks("data", "Broadcast")
+        if len(ranks) == 1:
+            return  # a replica of one: its values are the ones
+        src = ranks[src]
     for k, x in enumerate(xs):  # an error names the op's printed line, so its vars too
-        _rt.comm.broadcast(x, src, f"initial value {k + 1} of {len(xs)}")
+        _rt.comm.broadcast(x, src, f"initial value {k + 1} of {len(xs)}", ranks)
 
 
 # --- pipeline -----------------------------------------------------------------------------

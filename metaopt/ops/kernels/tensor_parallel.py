@@ -7,8 +7,11 @@ all-reduce sum forward, identity backward; it sums a row-parallel layer's partia
 
 ``group`` is the list of GLOBAL ranks of this worker's model-parallel group, always (in a
 pipeline stage program too: unlike AllReduce's ``ranks``, which are pipeline-stage indices the
-pipeline runtime maps to ranks, the hybrid topology hands TP its global ranks directly). A group
-of one rank is the identity, so an mp_degree=1 program runs without torch.distributed.
+pipeline runtime maps to ranks, the hybrid topology hands TP its global ranks directly), or
+``"model_parallel"``: this worker's model-parallel group of fleet.init's hybrid layout, as fleet's
+tensor_parallel step writes it so that every worker's program reads the same (they are compared
+at minimize). A group of one rank is the identity, so an mp_degree=1 program runs without
+torch.distributed.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from metaopt.ops.registry import SAME, register
 
 def _tp_copy_grad(g, op, dy):
     # f's backward is g: the grads of the replicated input, summed over the group.
-    return [g.emit1("TPReduce", [dy[0]], like=op.inputs[0], group=list(op.attrs["group"]))]
+    group = op.attrs["group"]  # a list of ranks or "model_parallel": kept as it is
+    group = group if isinstance(group, str) else list(group)
+    return [g.emit1("TPReduce", [dy[0]], like=op.inputs[0], group=group)]
 
 
 def _tp_reduce_grad(g, op, dy):
@@ -36,7 +41,7 @@ def _tp_reduce_grad(g, op, dy):
     grad=_tp_copy_grad,
     notes="tensor parallel f: identity forward, all-reduce sum over `group` backward",
 )
-def tp_copy(x: torch.Tensor, group: list[int]) -> torch.Tensor:
+def tp_copy(x: torch.Tensor, group: list[int] | str) -> torch.Tensor:
     return x
 
 
@@ -51,8 +56,20 @@ def tp_copy(x: torch.Tensor, group: list[int]) -> torch.Tensor:
     grad=_tp_reduce_grad,
     notes="tensor parallel g: all-reduce sum over `group` forward, identity backward",
 )
-def tp_reduce(x: torch.Tensor, group: list[int], _rt, _key: str) -> torch.Tensor:
+def tp_reduce(x: torch.Tensor, group: list[int] | str, _rt, _key: str) -> torch.Tensor:
+    group = _ranks(group)
     if len(group) == 1:
         return x.clone()  # fresh storage, as the row promises
     (y,) = _rt.comm.all_reduce([x], "sum", f"{_key} over model-parallel group {list(group)}", list(group))
     return y
+
+
+def _ranks(group: list[int] | str) -> list[int]:
+    """The global ranks of `group` ("model_parallel": this worker's, from fleet.init's layout)."""
+    if not isinstance(group, str):
+        return list(group)
+    if group != "model_parallel":
+        raise ValueError(f"TPReduce: group must be a list of ranks or 'model_parallel', got {group!r}")
+    from metaopt.ops.kernels.comm import hybrid_ranks
+
+    return hybrid_ranks("model", "TPReduce")

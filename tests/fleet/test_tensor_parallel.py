@@ -1,0 +1,203 @@
+"""Tensor parallel through fleet (the ``tensor_parallel`` step of STEPS): MP=2 on 2 gloo workers
+and DP=2 x MP=2 on 4 equal single-process training of gpt tiny (dropout 0, 3 SGD steps), and the
+combinations minimize refuses, by name, in one process."""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import metaopt
+from metaopt import fleet
+from metaopt.fleet import env
+from metaopt.fleet.topology import HybridCommunicateGroup, Topology
+from metaopt.passes.tensor_parallel import plan_tensor_parallel, unshard
+
+TRAINING = Path(__file__).resolve().parent.parent / "training"
+sys.path.insert(0, str(TRAINING))
+import fleet_tp_worker  # noqa: E402  (beside the other workers, started as a script there)
+import tp_worker  # noqa: E402
+from test_data_parallel import _start_workers  # noqa: E402
+
+NAME = fleet_tp_worker.NAME
+# The all-reduces sum partial products in another order than one matmul: a few ulps per step.
+TOL = {"rtol": 1e-5, "atol": 4e-5}
+ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PADDLE_TRAINER_ID")
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for name in ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    env.reset()
+    yield
+    env.reset()
+
+
+# --- on gloo workers ---------------------------------------------------------------------------
+
+
+def _run_workers(out: Path, dp: int, mp: int) -> list[dict]:
+    """Start dp x mp workers, wait (bounded: a hang is a failure, never a stuck suite), load results."""
+    world = dp * mp
+    args = [str(TRAINING / "fleet_tp_worker.py"), str(out), str(dp), str(mp)]
+    procs = _start_workers(world, args, {"METAOPT_COMM_TIMEOUT": "60"})
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=240)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"{world} tensor-parallel workers did not finish in 240 s")
+    for r, (p, log) in enumerate(zip(procs, logs, strict=True)):
+        assert p.returncode == 0, f"worker {r} exited {p.returncode}:\n{log[-3000:]}"
+    return [torch.load(out / f"{NAME}.rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+@functools.cache
+def _single_process() -> dict:
+    """The reference: one process, the full batch, the same export and SGD steps."""
+    return tp_worker.train(tp_worker.export(NAME), NAME)
+
+
+@functools.cache
+def _split() -> dict:
+    program = tp_worker.export(NAME)
+    plan = plan_tensor_parallel(
+        program, mp_degree=2, mp_rank=0, group=[0, 1], column=tp_worker.COLUMN[NAME], row=tp_worker.ROW[NAME]
+    )
+    return {sp.name: sp for sp in plan.params}
+
+
+def _check_params(mp_ranks: list[dict]) -> None:
+    """The MP ranks' params, split ones put back together, equal the single process's."""
+    split = _split()
+    assert split, "nothing was split"
+    for k, want in _single_process()["params"].items():
+        got = [r["params"][k] for r in mp_ranks]
+        if k in split:
+            sp = split[k]
+            assert got[0].shape == sp.local_shape, k
+            torch.testing.assert_close(unshard(got, sp.axis, sp.blocks), want, **TOL)
+        else:  # replicated: the same update on every MP rank, from the same all-reduced values
+            assert torch.equal(got[0], got[1]), k
+            torch.testing.assert_close(got[0], want, **TOL)
+
+
+def test_mp2_through_fleet_equals_one_process(tmp_path):
+    ranks = _run_workers(tmp_path, dp=1, mp=2)
+    ref = _single_process()
+    for r in ranks:
+        assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=4e-5)
+        assert "tensor_parallel  run   strategy.tensor_parallel=True (mp_degree=2)" in r["plan"]
+        assert "data_parallel    skip  mp_degree=2 spans every worker" in r["plan"]
+    _check_params(ranks)
+
+
+def test_dp2_x_mp2_through_fleet_equals_one_process_on_the_full_batch(tmp_path):
+    ranks = _run_workers(tmp_path, dp=2, mp=2)  # ranks 0, 1: replica 0's MP group; 2, 3: replica 1's
+    ref = _single_process()
+    assert [(r["dp_rank"], r["mp_rank"]) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    # each replica's loss is its half batch's; their mean is the full batch's
+    for step, want in enumerate(ref["losses"]):
+        assert (ranks[0]["losses"][step] + ranks[2]["losses"][step]) / 2 == pytest.approx(
+            want, rel=1e-5, abs=4e-5
+        )
+    assert "over the 2 workers of each data-parallel group" in ranks[0]["dp_plan"]
+    assert "AllReduce [('group', 'data_parallel'), ('reduce', 'avg')]" in ranks[0]["ops"]
+    _check_params(ranks[:2])
+    for a, b in ((0, 2), (1, 3)):  # the two replicas of each MP rank: bitwise equal
+        for k, t in ranks[a]["params"].items():
+            assert torch.equal(t, ranks[b]["params"][k]), (a, b, k)
+
+
+# --- refusals, in one process ------------------------------------------------------------------
+
+
+def _fake_job(monkeypatch, rank: int, dp: int, mp: int, pp: int = 1) -> None:
+    """Worker `rank` as fleet.init would leave it with these hybrid degrees (no collective runs:
+    every refusal comes before the first rewrite)."""
+    fleet.init()
+    topo = Topology(dp_degree=dp, mp_degree=mp, pp_degree=pp)
+    monkeypatch.setattr(env._STATE, "env", env.WorkerEnv(rank=rank, world_size=topo.world_size()))
+    init = fleet.DistributedStrategy()
+    init.hybrid_configs = {"dp_degree": dp, "mp_degree": mp, "pp_degree": pp}
+    monkeypatch.setattr(env._STATE, "strategy", init)
+    monkeypatch.setattr(env._STATE, "hcg", HybridCommunicateGroup(topo, rank))
+
+
+def _tp_strategy(**configs) -> fleet.DistributedStrategy:
+    s = fleet.DistributedStrategy()
+    s.tensor_parallel = True
+    s.tensor_parallel_configs = {"column": tp_worker.COLUMN[NAME], "row": tp_worker.ROW[NAME], **configs}
+    return s
+
+
+def _refused(s: fleet.DistributedStrategy, error: type, match: str, opt=None) -> None:
+    program = tp_worker.export(NAME)
+    before = str(program)
+    opt = opt or metaopt.optimizer.SGD(learning_rate=0.1)
+    with pytest.raises(error, match=match):
+        fleet.distributed_optimizer(opt, s).minimize(program.loss)
+    assert str(program) == before  # refused before anything was rewritten
+
+
+def test_tensor_parallel_with_a_pipeline_is_refused(monkeypatch):
+    _fake_job(monkeypatch, 0, dp=1, mp=2, pp=2)
+    s = _tp_strategy()
+    s.pipeline = True
+    s.pipeline_configs = {"cuts": ["transformer.h.0"], "accumulate_steps": 2}
+    _refused(s, NotImplementedError, r"tensor_parallel=True with mp_degree=2 .*strategy\.pipeline=True")
+
+
+def test_tensor_parallel_with_recompute_is_refused(monkeypatch):
+    _fake_job(monkeypatch, 0, dp=1, mp=2)
+    s = _tp_strategy()
+    s.recompute = True
+    s.recompute_configs = {"checkpoints": ["transformer.h.0"]}
+    _refused(s, NotImplementedError, r"mp_degree=2 cannot be combined yet with: strategy\.recompute=True")
+
+
+def test_global_norm_clipping_with_tensor_parallel_is_refused(monkeypatch):
+    _fake_job(monkeypatch, 0, dp=1, mp=2)
+    clip = metaopt.optimizer.ClipGradByGlobalNorm(1.0)
+    opt = metaopt.optimizer.SGD(learning_rate=0.1, grad_clip=clip)
+    _refused(_tp_strategy(), NotImplementedError, r"grad_clip=ClipGradByGlobalNorm", opt)
+
+
+def test_a_tensor_parallel_degree_other_than_mp_degree_is_refused_naming_both(monkeypatch):
+    _fake_job(monkeypatch, 0, dp=2, mp=2)
+    _refused(
+        _tp_strategy(tensor_parallel_degree=4),
+        ValueError,
+        r"tensor_parallel_configs\['tensor_parallel_degree'\]=4 conflicts with hybrid_configs mp_degree=2",
+    )
+
+
+def test_mp_groups_not_made_by_fleet_init_are_refused(monkeypatch):
+    fleet.init()
+    monkeypatch.setattr(env._STATE, "env", env.WorkerEnv(rank=0, world_size=2))
+    s = _tp_strategy()
+    s.hybrid_configs = {"mp_degree": 2}  # the optimizer's strategy only: fleet.init made no groups
+    _refused(s, ValueError, r"mp_degree=2: tensor parallel's groups are fleet\.init's")
+
+
+def test_tensor_parallel_without_layers_is_refused(monkeypatch):
+    _fake_job(monkeypatch, 0, dp=1, mp=2)
+    s = _tp_strategy()
+    s.tensor_parallel_configs = {}
+    _refused(s, ValueError, r"needs tensor_parallel_configs\['column'\] and \['row'\]")
+
+
+def test_the_plan_shows_the_step_and_the_grouped_data_parallel(monkeypatch):
+    _fake_job(monkeypatch, 3, dp=2, mp=2)
+    text = str(fleet.distributed_optimizer(metaopt.optimizer.SGD(learning_rate=0.1), _tp_strategy()).plan())
+    assert "tensor_parallel  run   strategy.tensor_parallel=True (mp_degree=2)" in text
+    assert "data_parallel    run   dp_degree=2 x mp_degree=2: over each data-parallel group" in text
+    assert "refused" not in text
