@@ -1,4 +1,4 @@
-"""One worker of tensor parallel through fleet (started by tests/fleet/test_tensor_parallel.py
+"""One worker of tensor parallel through fleet (started by tests/fleet/test_fleet_tensor_parallel.py
 with RANK/WORLD_SIZE/MASTER_*): ``python fleet_tp_worker.py OUT DP MP``.
 
 fleet.init lays the DP x MP workers out from hybrid_configs; the optimizer's strategy turns on
