@@ -259,7 +259,7 @@ def _finish_profile(profile: StepProfile, t_step: float, comm) -> StepProfile:
 
 def _peers(program: Program, state: PipelineState) -> list[int]:
     """The ranks this worker sends to or receives from (its neighbours' in this replica)."""
-    stages = {op.attrs["peer"] for op in program.ops if op.type in ("Send", "Recv")}
+    stages = {op.attrs["peer"] for op in program.ops if "peer" in op.attrs}  # Send and Recv
     return sorted({state.rank_of(k) for k in stages})
 
 
