@@ -65,7 +65,7 @@ def node_scope(node: onnx.NodeProto) -> tuple[str, list[str]]:
     The exporter records ``['', 'layer.0', 'layer.0.fc', 'linear']``: module
     paths from the root down, then the FX node's name.
     """
-    raw = _meta(node).get(_SCOPES_KEY)
+    raw = _meta(node).get(_SCOPES_KEY) if node.metadata_props else None  # most nodes have none
     if not raw:
         return "", []
     try:
@@ -86,45 +86,80 @@ def _shape_of(t: onnx.TypeProto, dims: dict[str, str]) -> tuple | None:
         return None
     out: list[int | str] = []
     for d in tt.shape.dim:
-        if d.HasField("dim_value"):
+        which = d.WhichOneof("value")
+        if which == "dim_value":
             out.append(int(d.dim_value))
-        elif d.HasField("dim_param"):
+        elif which == "dim_param":
             out.append(dims.get(d.dim_param, d.dim_param))
         else:
             return None
     return tuple(out)
 
 
-def _value_types(graph: onnx.GraphProto, dims: dict[str, str]) -> dict[str, tuple[str, tuple | None]]:
-    out: dict[str, tuple[str, tuple | None]] = {}
-    for vi in [*graph.input, *graph.value_info, *graph.output]:
-        tt = vi.type.tensor_type
-        if vi.type.HasField("tensor_type") and tt.elem_type:
-            out[vi.name] = (
-                dtype_name(torch_dtype_from_onnx(tt.elem_type, what=f"value {vi.name!r}")),
-                _shape_of(vi.type, dims),
-            )
+Types = dict[str, tuple[str, tuple | None]]  # value name -> (dtype name, shape or None)
+
+
+def _value_types(graph: onnx.GraphProto, dims: dict[str, str]) -> Types:
+    # A 100k-node graph has 100k values and a handful of distinct types: each type is read
+    # once, keyed by its bytes (reading a TypeProto field by field makes a Python object per
+    # field: most of this function's time), and equal shapes share one tuple (one object for
+    # the garbage collector to walk, not one per value).
+    out: Types = {}
+    seen: dict[bytes, tuple[str, tuple | None] | None] = {}
+    for values in (graph.input, graph.value_info, graph.output):
+        for vi in values:
+            t = vi.type
+            key = t.SerializeToString()
+            if key not in seen:
+                seen[key] = _tensor_type(t, dims, vi.name)
+            typed = seen[key]
+            if typed is not None:
+                out[vi.name] = typed
     return out
 
 
-def _with_inferred_types(model: onnx.ModelProto) -> onnx.ModelProto:
+def _tensor_type(t: onnx.TypeProto, dims: dict[str, str], name: str) -> tuple[str, tuple | None] | None:
+    """(dtype name, shape or None) of a tensor type; None for another type or no elem type."""
+    if not t.HasField("tensor_type") or not t.tensor_type.elem_type:
+        return None
+    dtype = torch_dtype_from_onnx(t.tensor_type.elem_type, what=f"value {name!r}")
+    return dtype_name(dtype), _shape_of(t, dims)
+
+
+def _with_inferred_types(model: onnx.ModelProto, dims: dict[str, str]) -> tuple[onnx.ModelProto, Types]:
+    """The model with its values typed, and their types (`_value_types` with `dims`)."""
     # The exporter leaves some helper values (shape arithmetic) untyped; ONNX's
     # own inference fills them in, keeping the exporter's symbolic dim names.
     known = {vi.name for vi in [*model.graph.value_info, *model.graph.input, *model.graph.output]}
     known |= {t.name for t in model.graph.initializer}
-    if all(o in known for node in model.graph.node for o in node.output if o and node.op_type != "Constant"):
-        return model
+    # the values the importer types (a Constant's value gives its type)
+    needed = [o for node in model.graph.node if node.op_type != "Constant" for o in node.output if o]
+    if all(o in known for o in needed):
+        return model, _value_types(model.graph, dims)
     try:
         # Without data propagation onnx computes shapes only (no values), so a file cannot
         # make it allocate; its answer tells whether propagation would stay bounded.
         plain = onnx.shape_inference.infer_shapes(model, data_prop=False)
-        if _data_prop_risk(plain, _limits.active().max_shape_data) is not None:
-            return plain
-        return onnx.shape_inference.infer_shapes(model, data_prop=True)
+        types = _value_types(plain.graph, dims)
+        if _all_static(needed, types) or _data_prop_risk(plain, _limits.active().max_shape_data) is not None:
+            return plain, types
+        full = onnx.shape_inference.infer_shapes(model, data_prop=True)
+        return full, _value_types(full.graph, dims)
     except onnx.shape_inference.InferenceError as e:
         raise ImportError_(f"ONNX shape inference failed: {e}") from e
     except MemoryError as e:  # a size onnx could not even reserve (bad_alloc)
         raise ImportError_(f"ONNX shape inference ran out of memory (an absurd size in the file): {e}") from e
+
+
+def _all_static(names: list[str], types: Types) -> bool:
+    """Has every value of `names` a tensor type (`types`) with every dim a number? Then data
+    propagation has nothing to add (it only pins dims plain inference could not), and its
+    second pass over the model (a quarter of a 100k-node load) is skipped."""
+    for o in names:
+        shape = types.get(o, (None, None))[1]
+        if shape is None or not all(type(d) is int for d in shape):
+            return False
+    return True
 
 
 # Ops whose output shape onnx infers from the *values* of these inputs: with data propagation
@@ -239,10 +274,10 @@ def to_program(
     model = split_sequences(model)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 20)
     check_supported(model.graph, opset)
-    model = _with_inferred_types(model)
+    model, types = _with_inferred_types(model, opts.symbolic_dims)
     g = model.graph
-    types = _value_types(g, opts.symbolic_dims)
-    meta = {vi.name: _meta(vi) for vi in [*g.value_info, *g.output]}
+    # (looked up with a default of {}: values without metadata, nearly all, are left out)
+    meta = {vi.name: _meta(vi) for vi in [*g.value_info, *g.output] if vi.metadata_props}
     torch_kinds = {"PARAMETER": "param", "BUFFER": "buffer"}
     p = Program(name)
     chains: dict[str, list[str]] = {}
@@ -277,27 +312,30 @@ def to_program(
         p.add_var(Var(vi.name, dtype, shape, kind="input"))
         p.inputs.append(vi.name)
 
+    # Each protobuf field read below makes a Python object: read once per node (100k nodes).
     for node in g.node:
-        scope, chain = node_scope(node)
-        if node.op_type == "Constant":
+        has_meta = bool(node.metadata_props)  # scopes, saved op fields: few nodes of most files
+        scope, chain = node_scope(node) if has_meta else ("", [])
+        op_type, outputs = node.op_type, list(node.output)
+        if op_type == "Constant":
             value = _constant_value(node)
-            p.add_var(
-                Var(node.output[0], dtype_name(value.dtype), tuple(value.shape), kind="constant"), value
-            )
+            p.add_var(Var(outputs[0], dtype_name(value.dtype), tuple(value.shape), kind="constant"), value)
             continue
-        attrs = {a.name: attr_value(a) for a in node.attribute}
-        for o in node.output:
+        attrs = {a.name: attr_value(a) for a in node.attribute} if node.attribute else {}
+        for o in outputs:
             if not o:
                 continue
             dtype, shape = types.get(o, (None, None))
             if dtype is None:
                 raise ImportError_(f"{_describe(node)}: output {o!r} has no inferred type")
-            kind = "grad" if meta.get(o, {}).get(onnx_save.KIND_KEY) == "grad" else "activation"
+            kind = "grad" if meta and meta.get(o, {}).get(onnx_save.KIND_KEY) == "grad" else "activation"
             p.add_var(Var(o, dtype, shape, kind=kind))
-        op = Op(node.op_type, [rn(x, x) for x in node.input], list(node.output), attrs, scope=scope)
-        _restore_fields(op, node)
-        if node.output:  # a Send has none
-            chains[node.output[0]] = chain
+        inputs = [rn(x, x) for x in node.input] if opts.rename else list(node.input)
+        op = Op(op_type, inputs, outputs, attrs, scope=scope)
+        if has_meta:
+            _restore_fields(op, node)
+        if outputs and chain:  # a Send has no outputs; a missing chain reads as empty (naming.py)
+            chains[outputs[0]] = chain
         p.ops.append(op)
 
     for prop in model.metadata_props:  # a file metaopt saved: its state updates
@@ -417,6 +455,8 @@ def _mixed_list(text: str) -> list:
 
 def _restore_fields(op: Op, node: onnx.NodeProto) -> None:
     """Op fields of a file metaopt saved (role, stage, scope, origin)."""
+    if not node.metadata_props:
+        return
     m = _meta(node)
     for key, value in m.items():
         if key.startswith(onnx_save.ATTR_PREFIX) and key[len(onnx_save.ATTR_PREFIX) :] in op.attrs:

@@ -114,8 +114,7 @@ def load_model_proto(
     limits = limits or _limits.LIMITS
     model, label, folder = _materialize(source, base_dir)
     _check_structure(model, label)
-    _check_tensor_sizes(model, label, limits)
-    refs = [ref for ref in _iter_tensors(model) if _is_external(ref.tensor)]
+    refs = _check_tensor_sizes(model, label, limits)  # the external tensors
     if refs:
         if folder is None:
             raise ModelLoadError(
@@ -264,7 +263,8 @@ def _graph_tensors(graph: onnx.GraphProto) -> Iterator[_TensorRef]:
     for sparse in graph.sparse_initializer:
         yield from _sparse_tensors(sparse, f"sparse initializer of {scope}")
     for node in graph.node:
-        yield from _node_tensors(node, scope)
+        if node.attribute:  # most nodes have none: no generator for them
+            yield from _node_tensors(node, scope)
 
 
 def _sparse_tensors(sparse: onnx.SparseTensorProto, where: str) -> Iterator[_TensorRef]:
@@ -274,6 +274,8 @@ def _sparse_tensors(sparse: onnx.SparseTensorProto, where: str) -> Iterator[_Ten
 
 
 def _node_tensors(node: onnx.NodeProto, scope: str) -> Iterator[_TensorRef]:
+    if not node.attribute:  # most nodes: nothing to name (this runs twice per node per load)
+        return
     node_name = node.name or (node.output[0] if node.output else node.op_type)
     for attr in node.attribute:
         where = f"attribute {attr.name!r} of node {node_name!r} in {scope}"
@@ -367,11 +369,13 @@ def _declared_bytes(ref: _TensorRef, label: str, dims: list[int] | None = None) 
     return numel * itemsize
 
 
-def _check_tensor_sizes(model: onnx.ModelProto, label: str, limits: LoadLimits) -> None:
+def _check_tensor_sizes(model: onnx.ModelProto, label: str, limits: LoadLimits) -> list[_TensorRef]:
     """Check every stored tensor's declared size against the limits and against the data that
     holds it, before anything is converted or read (an external tensor's length is checked
-    once its reference is validated, before it is read)."""
+    once its reference is validated, before it is read). Returns the external tensors, in
+    walk order (one walk of the model: a 100k-node graph takes 0.1 s per walk)."""
     total = 0
+    external: list[_TensorRef] = []
     for ref in _iter_tensors(model):
         t = ref.tensor
         nbytes = _declared_bytes(ref, label)
@@ -397,6 +401,7 @@ def _check_tensor_sizes(model: onnx.ModelProto, label: str, limits: LoadLimits) 
                 "max_total_bytes",
             )
         if _is_external(t):
+            external.append(ref)
             continue
         # Inline data must hold exactly what the dims promise: fewer elements make numpy
         # fail mid-conversion, and dims alone must never decide what we allocate.
@@ -428,6 +433,7 @@ def _check_tensor_sizes(model: onnx.ModelProto, label: str, limits: LoadLimits) 
                 f"the limit of {fmt_bytes(limits.max_tensor_bytes)} for one tensor",
                 "max_tensor_bytes",
             )
+    return external
 
 
 def _iter_sparse(model: onnx.ModelProto) -> Iterator[_TensorRef]:

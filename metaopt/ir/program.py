@@ -9,7 +9,6 @@ fields (kind, role, stage, scope, origin), never in names. Persistable values
 from __future__ import annotations
 
 import ast
-import copy
 import difflib
 import itertools
 import operator
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 
 from metaopt.ir import roles as _roles
+from metaopt.ir.gc_pause import without_gc
 
 Dim = int | str  # a str is a symbolic dim such as "batch"
 Shape = tuple[Dim, ...]
@@ -163,6 +163,52 @@ class Op:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"op {self.type}: unknown role {self.role!r}{did_you_mean(self.role, ROLES)}")
+
+
+# Copies field by field: no __init__ (the fields were validated when the original was made),
+# and no __dict__ or copy-protocol round trip (either makes a dict per object, which the
+# garbage collector then tracks). A 100k-op program is cloned several times while it loads.
+# tests/ir/test_clone.py checks that every dataclass field is copied.
+_new = object.__new__
+
+
+def _copy_var(v: Var, program: Program) -> Var:
+    new = _new(Var)
+    new.name = v.name
+    new.dtype = v.dtype
+    new.shape = v.shape  # a tuple
+    new.kind = v.kind
+    new.trainable = v.trainable
+    new.program = program
+    return new
+
+
+def _copy_op(op: Op) -> Op:
+    """`op` with its own inputs, outputs and attrs: passes edit these in place (``op.inputs[j]
+    = ...``, ``op.outputs.append``, ``op.attrs.update``), so a clone must not share them. The
+    other fields are immutable values (str, int, None) and are shared."""
+    new = _new(Op)
+    new.type = op.type
+    new.inputs = list(op.inputs)
+    new.outputs = list(op.outputs)
+    attrs = op.attrs
+    new.attrs = {k: _copy_attr(x) for k, x in attrs.items()} if attrs else {}
+    new.role = op.role
+    new.stage = op.stage
+    new.scope = op.scope
+    new.origin = op.origin
+    return new
+
+
+def _copy_attr(x: Any) -> Any:
+    # Lists are copied, nested ones too (a caller may append to a copied op's "dims"); the
+    # leaves (int, float, str, bool, None, tensor) are immutable or, for tensors, read-only by
+    # contract (the executor binds them to kernels as they are).
+    if type(x) is list:
+        return [_copy_attr(y) for y in x]
+    if type(x) is tuple:
+        return tuple(_copy_attr(y) for y in x)
+    return x
 
 
 @dataclass(frozen=True)
@@ -314,23 +360,32 @@ class Program:
     def sort_vars(self) -> None:
         """Inputs, params, buffers, optimizer state, constants, then the rest in program
         order: the printed program reads top-down (and a saved one loads back the same)."""
-        first_use = {o: i for i, op in reversed(list(enumerate(self.ops))) for o in op.outputs}
-        order = sorted(
-            self.vars.values(),
-            key=lambda v: (
-                _KIND_ORDER.get(v.kind, 5),
-                first_use.get(v.name, -1) if v.kind not in _KIND_ORDER else 0,
-            ),
-        )
-        self.vars = {v.name: v for v in order}
+        first_use: dict[str, int] = {}
+        for i, op in enumerate(self.ops):
+            for o in op.outputs:
+                first_use.setdefault(o, i)
+        # A stable sort by (kind rank, first use of the rest), as buckets in dict order: one
+        # key call per var of the rest, not a tuple per var (100k-var programs sort once per load).
+        buckets: list[list[Var]] = [[] for _ in range(6)]
+        for v in self.vars.values():
+            buckets[_KIND_ORDER.get(v.kind, 5)].append(v)
+        rest = buckets[5]
+        keys = [first_use.get(v.name, -1) for v in rest]
+        buckets[5] = [rest[i] for i in sorted(range(len(rest)), key=keys.__getitem__)]
+        self.vars = {v.name: v for bucket in buckets for v in bucket}
 
+    @without_gc  # a bulk build: see metaopt.ir.gc_pause
     def clone(self) -> Program:
-        """A deep copy of the structure; initial value tensors are shared (read-only)."""
+        """A copy whose vars, ops and maps can be changed without touching this program.
+
+        Initial value tensors (`values`) and tensor-valued op attributes are shared: both are
+        read-only (the executor binds them to kernels as they are, so writing one would
+        corrupt the program itself). Everything a pass edits is copied: each var, each op
+        with its inputs, outputs and attrs (containers in attrs too), every list and map.
+        """
         p = Program(self.name)
-        p.vars = {k: copy.copy(v) for k, v in self.vars.items()}
-        for v in p.vars.values():
-            v.program = p
-        p.ops = [copy.deepcopy(op) for op in self.ops]
+        p.vars = {k: _copy_var(v, p) for k, v in self.vars.items()}
+        p.ops = [_copy_op(op) for op in self.ops]
         p.inputs, p.outputs = list(self.inputs), list(self.outputs)
         p.loss_name = self.loss_name
         p.values = dict(self.values)

@@ -40,47 +40,61 @@ def verify(p: Program) -> None:
     def worker(stage: int) -> int:  # a worker's chunks (interleaved) share its values
         return stage % n if n else stage
 
+    # Per role, looked up once: a 100k-op program has a handful of roles. The loop below runs
+    # once per op and is what a 100k-op program's verify costs: locals, one lookup per name.
+    rank: dict[str, int | None] = {}
+    startup: dict[str, bool] = {}
+    declared = p.vars
+    program_inputs = set(p.inputs)
     for i, op in enumerate(p.ops):
-        _check_startup(p, i, op)
+        role = op.role
+        if role not in rank:
+            rank[role], startup[role] = roles.phase_rank(role), roles.is_startup(role)
+        if startup[role]:
+            _check_startup(p, i, op)
+        stage = op.stage
         for x in op.inputs:
             if not x:
                 continue
-            if x not in p.vars:
-                raise _fail(p, i, op, f"input {x!r} is not a declared var")
-            if x not in defined:
+            if x not in defined:  # (everything defined is declared)
+                if x not in declared:
+                    raise _fail(p, i, op, f"input {x!r} is not a declared var")
                 raise _fail(p, i, op, f"input {x!r} is used before it is defined")
-            src = stage_of.get(x)
-            if op.stage is not None and src is not None and worker(src) != worker(op.stage):
-                raise _fail(p, i, op, f"input {x!r} comes from stage {src} without a Send/Recv pair")
+            if stage is not None:
+                src = stage_of.get(x)
+                if src is not None and worker(src) != worker(stage):
+                    raise _fail(p, i, op, f"input {x!r} comes from stage {src} without a Send/Recv pair")
         for o in op.outputs:
             if not o:
                 continue
-            if o not in p.vars:
+            var = declared.get(o)
+            if var is None:
                 raise _fail(p, i, op, f"output {o!r} is not a declared var")
             if o in producer:
                 raise _fail(
                     p, i, op, f"output {o!r} is already produced by op {producer[o]} (SSA: one producer)"
                 )
-            if p.vars[o].persistable:
+            if var.persistable:
                 raise _fail(
                     p,
                     i,
                     op,
-                    f"output {o!r} is persistable ({p.vars[o].kind}); write it through program.updates",
+                    f"output {o!r} is persistable ({var.kind}); write it through program.updates",
                 )
-            if o in p.inputs:
+            if o in program_inputs:
                 raise _fail(p, i, op, f"output {o!r} is a program input")
             producer[o] = i
             defined.add(o)
-            stage_of[o] = op.stage
+            if stage is not None:  # a missing entry reads as None, like an unstaged op's
+                stage_of[o] = stage
         # Once an op of a later phase has run, no op of an earlier phase may follow; roles
         # the table does not order (offload, comm, lr-sched) may appear in any phase.
-        ph = roles.phase_rank(op.role)
+        ph = rank[role]
         if ph is not None:
             if ph < phase:
                 raise _fail(p, i, op, f"role {op.role} after a later phase has begun (roles out of order)")
             phase = ph
-    _check_offloads(p)
+    _check_offloads(p, set(rank))
     _check_updates(p, defined)
     for name in p.outputs:
         if name not in defined:
@@ -95,8 +109,11 @@ def verify(p: Program) -> None:
             )
 
 
-def _check_offloads(p: Program) -> None:
-    if not any(roles.is_backward(op.role) or op.role == "prefetch" for op in p.ops):
+def _check_offloads(p: Program, seen: set[str]) -> None:
+    """`seen`: the roles of `p`'s ops."""
+    if "offload" not in seen:
+        return
+    if not any(roles.is_backward(r) or r == "prefetch" for r in seen):
         return  # a forward alone (a pipeline's forward part): the backward fetches it back
     consumers = p.consumers()
     for i, op in enumerate(p.ops):

@@ -1,4 +1,6 @@
-"""Compile a Program into a straight-line Python function (once per program version).
+"""Make a Program runnable (once per program version): generated straight-line Python, or
+for a program too large to compile at once, an interpreter of the same steps until it has run
+often enough to pay for compiling (`Plan`).
 
 Like torch.fx's codegen: each var is a local, each op one call of its bound
 kernel, and a non-persistable var is dropped (``del``) right after its last
@@ -10,7 +12,8 @@ unique filename (``<metaopt plan NAME #N>``), so a traceback through a plan show
 generated lines, and `Plan.run` turns an exception escaping the plan into one whose
 message starts ``while running op I: <the op's printed line>``, with the original as
 ``__cause__``. The op is found from the traceback's line in the generated source
-(`Plan.op_of_line`, kept while generating): the hot path has no per-op try/except.
+(`Plan.op_of_line`, kept while generating), or the interpreter frame's op index: the hot
+path has no per-op try/except.
 Tracebacks formatted by the `traceback` module (pytest, logging, ``traceback.print_exc``,
 the default hook from Python 3.13) show the generated lines; the interpreter's own printer
 of an uncaught error before 3.13 reads real files only, and shows the frame without it.
@@ -23,33 +26,74 @@ import itertools
 import linecache
 import os
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
 from metaopt.ir import Op, Program, did_you_mean, verify
+from metaopt.ir.gc_pause import without_gc
 from metaopt.ir.liveness import liveness
 from metaopt.ir.printer import fmt_op
 from metaopt.ops import registry
 
+# Programs with more ops than this start interpreted (see `Plan`). Python compiles the generated
+# source at ~30-50 µs per op: 3-5 s for 100k ops, more than such a program's first runs take.
+COMPILE_AT_ONCE_OPS = 5000
+# An interpreted plan compiles itself on its run after this many. Compiling costs 25-55 µs per
+# op, the interpreter 0-0.3 µs per op per run more than compiled code (2-core CPU, chains of
+# 10k-100k tiny ops, benchmarks/load_100k.py): both grow with the op count, so from about this
+# many runs on, whatever the size, the interpreter's accumulated extra cost would exceed the
+# cost of compiling. A program run fewer times never pays for compiling; one run more often
+# pays at most about twice the least possible overhead (the ski-rental bound).
+COMPILE_AFTER_RUNS = 200
+
 
 @dataclass
 class Plan:
-    fn: object  # fn(S, F, T) -> tuple of fetched tensors
-    source: str
+    """A program made runnable once per program version: `run(S, F, T)` -> fetched tensors.
+
+    Two ways to run the same `_Layout` (one step per op, values in numbered slots): generated
+    straight-line Python (`compile`, torch.fx-style: no per-op interpretation cost), or a
+    loop over the steps (`_interpret`: nothing to compile). A program of at most
+    `COMPILE_AT_ONCE_OPS` ops is compiled when the plan is built; a larger one is
+    interpreted for its first `COMPILE_AFTER_RUNS` runs, then compiled. Both free, count
+    memory, update state, snapshot and copy fetches at the same points, and name the failing
+    op the same way.
+    """
+
     persistables: list[str]  # scope names the program reads or updates
     constants: dict[str, torch.Tensor]  # the program's constants on the device, held by the plan
     feeds: list[str]
     fetches: list[str]
+    ops: list[Op]  # the program's ops when planned, by index
+    layout: _Layout | None = field(default=None, repr=False)  # None once compiled
+    fn: object = None  # the compiled fn(S, F, T) -> tuple of fetched tensors; None: interpreted
     filename: str = ""  # the generated source's name in tracebacks (registered with linecache)
-    ops: list[Op] = field(default_factory=list)  # the program's ops when compiled, by index
     op_of_line: dict[int, int] = field(default_factory=dict)  # source line (1-based) -> op index
+    runs: int = 0  # interpreted runs so far
+    _source: str | None = field(default=None, repr=False)
+
+    @property
+    def source(self) -> str:
+        """The generated Python (made on demand for a plan not compiled yet)."""
+        if self._source is None:
+            self._source, self.op_of_line = _source(self.layout, self.ops)
+        return self._source
+
+    def compile(self) -> object:
+        """Compile the generated source (once); returns the compiled fn."""
+        if self.fn is None:
+            source = self.source
+            self.fn, self.filename = _register_source(source, self.layout.name, _globals(self.layout))
+            self.layout = None  # what the interpreter ran: not needed any more
+        return self.fn
 
     def run(self, S, F, T) -> tuple:
-        """`fn(S, F, T)`, naming the op in an error that escapes it.
+        """Run the plan once, naming the op in an error that escapes it.
 
-        An `Exception` raised while running op ``i`` (its kernel, or the bookkeeping lines
-        emitted with it) is re-raised as ``while running op i: <fmt_op line>``, followed on
+        An `Exception` raised while running op ``i`` (its kernel, or the bookkeeping done
+        with it) is re-raised as ``while running op i: <fmt_op line>``, followed on
         the next line by the original message, ``from`` the original (its traceback, through
         the generated source, is the cause's). The new error keeps the original's type where
         that is exact: ``type(e)(message)`` must build an exception whose ``args`` and
@@ -60,25 +104,37 @@ class Plan:
         op (reading the scope or feeds, returning fetches) and a `BaseException` that is not
         an `Exception` (KeyboardInterrupt, SystemExit) pass through untouched.
         """
+        fn = self.fn
+        if fn is None:
+            self.runs += 1
+            if self.runs > COMPILE_AFTER_RUNS:
+                fn = self.compile()
+            else:
+                fn = functools.partial(_interpret, self.layout)
         try:
-            return self.fn(S, F, T)
+            return fn(S, F, T)
         except Exception as e:
             err = self.op_error(e)
             if err is None:
                 raise
             raise err from e
 
+    def failed_op(self, e: BaseException) -> int | None:
+        """The index of the op whose run raised `e`, or None (raised outside any op)."""
+        code = getattr(self.fn, "__code__", None)
+        tb = e.__traceback__
+        while tb is not None:  # the plan is one frame: the first match is the op's
+            frame = tb.tb_frame
+            if frame.f_code is code:
+                return self.op_of_line.get(tb.tb_lineno)
+            if frame.f_code is _INTERPRET_CODE and frame.f_locals.get("t") is self.layout:
+                return frame.f_locals.get("i")
+            tb = tb.tb_next
+        return None
+
     def op_error(self, e: BaseException) -> BaseException | None:
         """The error naming the op that raised `e` (see `run`); None if no op did."""
-        code = getattr(self.fn, "__code__", None)
-        line = None
-        tb = e.__traceback__
-        while tb is not None:
-            if tb.tb_frame.f_code is code:
-                line = tb.tb_lineno  # the plan is one frame: the first match is the op's line
-                break
-            tb = tb.tb_next
-        i = self.op_of_line.get(line) if line is not None else None
+        i = self.failed_op(e)
         if i is None:
             return None
         head = f"while running op {i}: {fmt_op(self.ops[i])}"
@@ -139,10 +195,11 @@ def host_placement(p: Program) -> tuple[set[str], set[tuple[int, int]]]:
     return host, reads
 
 
-def _bind(op, device: torch.device, runtime):
-    row = registry.get(op.type)
+def _bind(op, row: registry.OpDef | None, device: torch.device, runtime, check: bool):
     if row is None:
         raise NotImplementedError(f"no kernel for op type {op.type!r}: {fmt_op(op)}")
+    if not (op.attrs or check or row.needs_outputs or row.needs_device or row.needs_runtime):
+        return row.kernel  # nothing to bind (most ops of a long elementwise chain)
     kw = dict(op.attrs)
     if row.needs_outputs:
         kw["_nout"] = len(op.outputs)
@@ -154,7 +211,7 @@ def _bind(op, device: torch.device, runtime):
         kw["_rt"] = runtime
         kw["_key"] = next((o for o in op.outputs if o), None) or next((x for x in op.inputs if x), "")
     kernel = functools.partial(row.kernel, **kw) if kw else row.kernel
-    return _alias_checked(kernel, op, row) if os.environ.get(CHECK_ALIASES) == "1" else kernel
+    return _alias_checked(kernel, op, row) if check else kernel
 
 
 CHECK_ALIASES = "METAOPT_CHECK_ALIASES"
@@ -241,8 +298,12 @@ def check_inplace(p: Program, fetches: set[str]) -> tuple[_Aliases, set[str]]:
     last = {x: i for i, op in enumerate(p.ops) for x in op.inputs if x}
     aliases = _Aliases()
     defined = set(p.inputs) | {v.name for v in p.vars.values() if v.persistable}
+    rows: dict[str, registry.OpDef | None] = {}  # one lookup per op type
     for i, op in enumerate(p.ops):
-        row = registry.get(op.type)
+        row = rows[op.type] if op.type in rows else rows.setdefault(op.type, registry.get(op.type))
+        if row is not None and not row.inplace and not row.aliases:
+            defined.update(o for o in op.outputs if o)  # writes nothing in place, shares nothing
+            continue
         for k, j in row.inplace if row is not None else ():
             if k >= len(op.outputs) or not op.outputs[k]:
                 continue  # an optional output (and input) this op does not have
@@ -280,121 +341,308 @@ def check_inplace(p: Program, fetches: set[str]) -> tuple[_Aliases, set[str]]:
     return aliases, snapshots
 
 
-def build_plan(p: Program, fetches: list[str], device: torch.device, track: bool, runtime=None) -> Plan:
-    """Compile `p`; `runtime` (a `runtime.context.Runtime`) is what `needs_runtime` rows get."""
+@dataclass
+class _Layout:
+    """A program as numbered slots and one step per op, what both ways of running it read.
+
+    Slot s holds ``v<s>`` of the generated source; in the interpreter's list of values, the
+    host copy ``h_v<s>`` of a constant is at n + s, the snapshot ``f_v<s>`` of a fetch at
+    2n + s, and the last entry (index -1, an omitted input) is always None. A step is a tuple
+    (op index, arg indices, lone output's slot or None, (output position, slot) pairs or None,
+    snapshot slots, slots counted, counted as host memory, (state, new slot, old slot) updates,
+    slots freed) of ints, strs and tuples of them, the empty tuple where there is nothing; the
+    bound kernels are a list beside the steps. The garbage collector stops tracking such
+    tuples after one look: a 100k-op plan adds no 100k objects to every later collection.
+    """
+
+    name: str
+    track: bool
+    n: int
+    env: list  # what each run's values start as: constants (and host copies) in place, else None
+    consts: list[int]  # the slots of constants
+    loads: list[tuple[str, int]]  # persistables read from the scope S
+    feeds: list[tuple[str, int]]  # inputs read from the feeds F
+    steps: list[tuple]
+    kernels: list  # per step, its op's bound kernel
+    releases: list[int]  # fetched slots whose bytes stop counting before the return
+    returns: list[tuple[str, object, bool]]  # ("slot" | "snap" | "scope", slot or name, copy it)
+
+
+@without_gc  # a bulk build: see metaopt.ir.gc_pause
+def build_plan(
+    p: Program,
+    fetches: list[str],
+    device: torch.device,
+    track: bool,
+    runtime=None,
+    *,
+    compile_now: bool | None = None,
+) -> Plan:
+    """Plan `p`; `runtime` (a `runtime.context.Runtime`) is what `needs_runtime` rows get.
+    `compile_now`: compile now (True), interpret first (False), or by the op count (None)."""
     verify(p)  # once per program version: a broken program fails here, naming its line
+    layout, consts, persist = _plan_layout(p, fetches, device, track, runtime)
+    feeds = [name for name, _ in layout.feeds]
+    plan = Plan(persist, consts, feeds, list(fetches), list(p.ops), layout)
+    if compile_now or (compile_now is None and len(p.ops) <= COMPILE_AT_ONCE_OPS):
+        plan.compile()
+    return plan
+
+
+def _check_fetches(p: Program, fetches: list[str], persist: set[str], consts: set[str]) -> None:
     for f in fetches:
         if f not in p.vars:
             raise KeyError(f"fetch {f!r} is not a var of program {p.name!r}{did_you_mean(f, p.vars)}")
     produced = {o for op in p.ops for o in op.outputs if o}
+    inputs = set(p.inputs)
+    for f in fetches:
+        if f not in produced and f not in persist and f not in consts and f not in inputs:
+            raise ValueError(f"fetch {f!r} is never computed by program {p.name!r}")
+
+
+class _Slots(dict):
+    """var name -> slot number, numbered in order of first use."""
+
+    def __missing__(self, name: str) -> int:
+        n = self[name] = len(self)
+        return n
+
+
+def _plan_layout(
+    p: Program, fetches: list[str], device: torch.device, track: bool, runtime
+) -> tuple[_Layout, dict[str, torch.Tensor], list[str]]:
+    """(layout, the constants on the device, the persistables used)."""
     # Constants belong to their program, not to the shared scope (two programs may
     # both have a "const_1"): the plan holds them, on the device and, where read as
     # host values, on the CPU.
     persist = [v.name for v in p.vars.values() if v.persistable and v.kind != "constant"]
     consts = {v.name for v in p.vars.values() if v.kind == "constant"}
     pset = set(persist)
-    for f in fetches:
-        if f not in produced and f not in pset and f not in consts and f not in p.inputs:
-            raise ValueError(f"fetch {f!r} is never computed by program {p.name!r}")
-
-    slot: dict[str, str] = {}
-
-    def local(name: str) -> str:
-        if name not in slot:
-            slot[name] = f"v{len(slot)}"
-        return slot[name]
-
+    _check_fetches(p, fetches, pset, consts)
     # Last use of every var: fetches and update sources live to their sink.
     last, update_at = liveness(p, fetches)
     aliases, snapshots = check_inplace(p, set(fetches))
     frees: dict[int, list[str]] = {}
+    fetched = set(fetches)
     for name, i in last.items():
-        if name not in pset and name not in consts:
+        if name not in pset and name not in consts and name not in fetched:
             frees.setdefault(i, []).append(name)
-
-    g: dict[str, object] = {}
-    lines = ["def run(S, F, T):"]
-    if device.type == "cpu":
-        host_reads: set[tuple[int, int]] = set()  # host and device are the same memory
-    else:
-        _, host_reads = host_placement(p)
-    dev_consts: dict[str, torch.Tensor] = {}
-    for name in sorted(consts & set(last)):
-        value = p.values[name].detach()
-        if any(name == p.ops[i].inputs[j] for i, j in host_reads):
-            g["h_" + local(name)] = value.cpu()
-        dev_consts[name] = g[local(name)] = value.to(device, copy=True)
+    # host and device are the same memory on the CPU: nothing is read from a host copy there
+    host_reads = host_placement(p)[1] if device.type != "cpu" else set()
+    slot = _Slots()
+    values = _constants(
+        p, sorted(consts & set(last)), {p.ops[i].inputs[j] for i, j in host_reads}, device, slot
+    )
     used_persist = [x for x in persist if x in last or x in p.updates]
-    for name in used_persist:
-        lines.append(f"    {local(name)} = S[{name!r}]")
-    for name in p.inputs:
-        if name in last:
-            lines.append(f"    {local(name)} = F[{name!r}]")
-            if track:
-                lines.append(f"    T.acquire({local(name)})")
-    op_of_line: dict[int, int] = {}
+    loads = [(name, slot[name]) for name in used_persist]
+    feeds = [(name, slot[name]) for name in p.inputs if name in last]
+    check = os.environ.get(CHECK_ALIASES) == "1"
+    rows = {t: registry.get(t) for t in {op.type for op in p.ops}}  # one lookup per op type
+    steps, kernels = [], []
     for i, op in enumerate(p.ops):
-        first = len(lines) + 1  # the 1-based line number of this op's first generated line
-        k = f"k{i}"
-        g[k] = _bind(op, device, runtime)
-        args = ", ".join(
-            ("h_" + local(x) if (i, j) in host_reads else local(x)) if x else "None"
-            for j, x in enumerate(op.inputs)
-        )
-        outs = list(op.outputs)
-        if len(outs) == 1:
-            o = local(outs[0])
-            lines.append(f"    {o} = {k}({args})  # {op.type}")
-            lines.append(f"    if type({o}) is tuple: {o} = {o}[0]")
-        else:
-            tmp = "_t"
-            lines.append(f"    {tmp} = {k}({args})  # {op.type}")
-            for j, o in enumerate(outs):
-                if o:
-                    lines.append(f"    {local(o)} = {tmp}[{j}]")
-            lines.append(f"    del {tmp}")
-        for o in outs:
-            if o in snapshots:  # fetched, and an in-place op later writes its storage: keep a copy
-                lines.append(f"    f_{local(o)} = {local(o)}.clone()")
-        if track:
-            row = registry.get(op.type)
-            to_host = row is not None and row.host_memory is not None and row.host_memory(op.attrs)
-            for o in outs:
-                if o:
-                    lines.append(f"    T.acquire({local(o)}{', True' if to_host else ''})")
-            lines.append("    T.mark()")
-        for target, new in update_at.get(i, []):
-            lines.append(f"    S[{target!r}] = {local(new)}")
-            if track:
-                lines.append(f"    T.acquire({local(new)}); T.release({local(target)})")
-            # Nothing reads the old value after this point: drop it now, so a step
-            # holds one copy of each param, not two, by its end.
-            lines.append(f"    del {local(target)}")
-        for name in frees.get(i, []):
-            if name in fetches:
-                continue
-            if track:
-                lines.append(f"    T.release({local(name)})")
-            lines.append(f"    del {local(name)}")
-        op_of_line.update(dict.fromkeys(range(first, len(lines) + 1), i))
-    # A fetched persistable is its value after the run (updated, as Fleet's in-place ops
-    # leave it). Whatever may share storage with state or constants is returned as a
-    # copy: the next run updates state in place, and constants are the plan's.
+        row = rows[op.type]
+        kernels.append(_bind(op, row, device, runtime, check))
+        to_host = track and row is not None and row.host_memory is not None and _to_host(op, row)
+        steps.append(_op_step(i, op, slot, snapshots, track, to_host, update_at.get(i, ()), frees.get(i, ())))
+    releases, returns = _epilogue(fetches, slot, snapshots, pset, consts, aliases)
+    n = len(slot)
+    _read_host_copies(steps, host_reads, n)
+    env: list = [None] * (3 * n + 1)
+    for name, (dev, host) in values.items():
+        env[slot[name]], env[n + slot[name]] = dev, host
+    const_slots = [slot[c] for c in values]
+    layout = _Layout(p.name, track, n, env, const_slots, loads, feeds, steps, kernels, releases, returns)
+    return layout, {name: dev for name, (dev, _) in values.items()}, used_persist
+
+
+def _constants(p: Program, names: list[str], host: set[str], device: torch.device, slot: _Slots) -> dict:
+    """name -> (the constant on the device, its host copy where an op reads one, else None)."""
+    out = {}
+    for name in names:
+        value = p.values[name].detach()
+        slot[name]  # numbered in this order (the generated names follow it)
+        out[name] = (value.to(device, copy=True), value.cpu() if name in host else None)
+    return out
+
+
+def _to_host(op: Op, row: registry.OpDef | None) -> bool:
+    """Are the op's outputs in host memory (counted in the host account)?"""
+    return row is not None and row.host_memory is not None and bool(row.host_memory(op.attrs))
+
+
+def _op_step(
+    i: int,
+    op: Op,
+    slot: _Slots,
+    snapshots: set[str],
+    track: bool,
+    to_host: bool,
+    updates: Iterable[tuple[str, str]],
+    frees: Iterable[str],
+) -> tuple:
+    """Op `i`'s step (see `_Layout`); slots are numbered in the order the source names them."""
+    # Lists made into tuples, and () where empty (most snapshots, updates): a 100k-op plan is
+    # built once per program version, and this is its per-op cost.
+    args = tuple([slot[x] if x else -1 for x in op.inputs])
+    outputs = op.outputs
+    if len(outputs) == 1:
+        out, outs = slot[outputs[0]], None
+        counted = (out,) if track and outputs[0] else ()
+    else:
+        out, outs = None, tuple([(j, slot[o]) for j, o in enumerate(outputs) if o])
+        counted = tuple([slot[o] for o in outputs if o]) if track else ()
+    snaps = tuple([slot[o] for o in outputs if o in snapshots]) if snapshots else ()
+    ups = tuple([(target, slot[new], slot[target]) for target, new in updates]) if updates else ()
+    return i, args, out, outs, snaps, counted, to_host, ups, tuple([slot[x] for x in frees])
+
+
+def _read_host_copies(steps: list[tuple], host_reads: set[tuple[int, int]], n: int) -> None:
+    """Point the args that read a constant's host copy (CUDA) at it: slot + n."""
+    for i in {i for i, _ in host_reads}:
+        step = steps[i]
+        args = tuple(a + n if (i, j) in host_reads else a for j, a in enumerate(step[1]))
+        steps[i] = (step[0], args, *step[2:])
+
+
+def _epilogue(fetches, slot, snapshots, pset, consts, aliases):  # noqa: ANN001, ANN202
+    """(slots released before returning, what each fetch returns).
+
+    A fetched persistable is its value after the run (updated, as Fleet's in-place ops
+    leave it). Whatever may share storage with state or constants is returned as a
+    copy: the next run updates state in place, and constants are the plan's."""
     held = {aliases.find(x) for x in (*pset, *consts)}
-
-    def fetched(f: str) -> str:
+    returns = []
+    for f in fetches:
         if f in snapshots:
-            return f"f_{local(f)}"
-        expr = f"S[{f!r}]" if f in pset else local(f)
-        return f"{expr}.clone()" if aliases.find(f) in held else expr
+            returns.append(("snap", slot[f], False))
+        else:
+            where = ("scope", f) if f in pset else ("slot", slot[f])
+            returns.append((*where, aliases.find(f) in held))
+    # a name fetched twice is released once
+    releases = [slot[f] for f in dict.fromkeys(fetches) if f not in pset and f not in consts]
+    return releases, returns
 
-    out = ", ".join(fetched(f) for f in fetches)
-    lines.append(f"    return ({out}{',' if len(fetches) == 1 else ''})")
+
+def _source(layout: _Layout, ops: list[Op]) -> tuple[str, dict[int, int]]:
+    """The generated straight-line function, and source line (1-based) -> op index.
+
+    Like torch.fx's codegen: each var is a local, each op one call of its bound kernel, and
+    a non-persistable var is dropped (``del``) right after its last use, so the interpreter
+    frees it exactly when torch.fx's Interpreter would. Memory accounting calls are emitted
+    next to allocations and frees."""
+    track = layout.track
+    lines = ["def run(S, F, T):"]
+    for name, s in layout.loads:
+        lines.append(f"    v{s} = S[{name!r}]")
+    for name, s in layout.feeds:
+        lines.append(f"    v{s} = F[{name!r}]")
+        if track:
+            lines.append(f"    T.acquire(v{s})")
+    op_of_line: dict[int, int] = {}
+    for step in layout.steps:
+        first = len(lines) + 1  # the 1-based line number of this op's first generated line
+        _step_lines(step, ops[step[0]].type, layout.n, track, lines)
+        op_of_line.update(dict.fromkeys(range(first, len(lines) + 1), step[0]))
     if track:
-        for f in dict.fromkeys(fetches):  # a name fetched twice is released once
-            if f not in pset and f not in consts:
-                lines.insert(-1, f"    T.release({local(f)})")
-    source = "\n".join(lines) + "\n"
-    fn, filename = _register_source(source, p.name, g)
-    feeds = [x for x in p.inputs if x in last]
-    return Plan(fn, source, used_persist, dev_consts, feeds, list(fetches), filename, list(p.ops), op_of_line)
+        lines += [f"    T.release(v{s})" for s in layout.releases]
+    out = ", ".join(_return_text(kind, key, copy) for kind, key, copy in layout.returns)
+    lines.append(f"    return ({out}{',' if len(layout.returns) == 1 else ''})")
+    return "\n".join(lines) + "\n", op_of_line
+
+
+def _step_lines(step: tuple, op_type: str, n: int, track: bool, lines: list[str]) -> None:
+    i, args, out, outs, snaps, counted, to_host, updates, frees = step
+    call = f"k{i}(" + ", ".join("None" if a < 0 else f"h_v{a - n}" if a >= n else f"v{a}" for a in args) + ")"
+    if outs is None:
+        lines.append(f"    v{out} = {call}  # {op_type}")
+        lines.append(f"    if type(v{out}) is tuple: v{out} = v{out}[0]")
+    else:
+        lines.append(f"    _t = {call}  # {op_type}")
+        lines += [f"    v{s} = _t[{j}]" for j, s in outs]
+        lines.append("    del _t")
+    # fetched, and an in-place op later writes its storage: keep a copy
+    lines += [f"    f_v{s} = v{s}.clone()" for s in snaps]
+    if track:
+        lines += [f"    T.acquire(v{s}{', True' if to_host else ''})" for s in counted]
+        lines.append("    T.mark()")
+    for target, new, old in updates:
+        lines.append(f"    S[{target!r}] = v{new}")
+        if track:
+            lines.append(f"    T.acquire(v{new}); T.release(v{old})")
+        # Nothing reads the old value after this point: drop it now, so a step
+        # holds one copy of each param, not two, by its end.
+        lines.append(f"    del v{old}")
+    for s in frees:
+        if track:
+            lines.append(f"    T.release(v{s})")
+        lines.append(f"    del v{s}")
+
+
+def _return_text(kind: str, key, copy: bool) -> str:  # noqa: ANN001
+    if kind == "snap":
+        return f"f_v{key}"
+    expr = f"S[{key!r}]" if kind == "scope" else f"v{key}"
+    return f"{expr}.clone()" if copy else expr
+
+
+def _globals(layout: _Layout) -> dict[str, object]:
+    """The generated function's globals: bound kernels ``k<op>``, constants ``v<slot>`` and
+    their host copies ``h_v<slot>``."""
+    g: dict[str, object] = {f"k{step[0]}": k for step, k in zip(layout.steps, layout.kernels, strict=True)}
+    for s in layout.consts:
+        g[f"v{s}"] = layout.env[s]
+        if layout.env[layout.n + s] is not None:
+            g[f"h_v{s}"] = layout.env[layout.n + s]
+    return g
+
+
+def _interpret(t: _Layout, S, F, T) -> tuple:
+    """Run the steps in order, doing what the generated source does line by line."""
+    R = t.env[:]
+    get = R.__getitem__
+    track = t.track
+    snap = 2 * t.n
+    for name, s in t.loads:
+        R[s] = S[name]
+    for name, s in t.feeds:
+        R[s] = F[name]
+        if track:
+            T.acquire(R[s])
+    i = None  # the op running: Plan.failed_op reads it from this frame
+    steps = zip(t.kernels, t.steps, strict=True)
+    for kernel, (i, args, out, outs, snaps, counted, to_host, updates, frees) in steps:  # noqa: B007
+        r = kernel(*map(get, args))
+        if outs is None:
+            R[out] = r[0] if type(r) is tuple else r
+        else:
+            for j, s in outs:
+                R[s] = r[j]
+        r = None  # held no longer than the generated source holds it
+        for s in snaps:
+            R[snap + s] = R[s].clone()
+        if track:
+            for s in counted:
+                T.acquire(R[s], to_host)
+            T.mark()
+        for target, new, old in updates:
+            S[target] = R[new]
+            if track:
+                T.acquire(R[new])
+                T.release(R[old])
+            R[old] = None
+        for s in frees:
+            if track:
+                T.release(R[s])
+            R[s] = None
+    i = None  # noqa: F841 - past the ops: an error from here on is no op's (Plan.failed_op)
+    if track:
+        for s in t.releases:
+            T.release(R[s])
+    out = []
+    for kind, key, copy in t.returns:
+        x = S[key] if kind == "scope" else R[snap + key] if kind == "snap" else R[key]
+        out.append(x.clone() if copy else x)
+    return tuple(out)
+
+
+_INTERPRET_CODE = _interpret.__code__
