@@ -322,6 +322,8 @@ def to_program(
             p.add_var(Var(outputs[0], dtype_name(value.dtype), tuple(value.shape), kind="constant"), value)
             continue
         attrs = {a.name: attr_value(a) for a in node.attribute} if node.attribute else {}
+        if has_meta:
+            outputs = _drop_discarded(node, outputs)
         for o in outputs:
             if not o:
                 continue
@@ -451,6 +453,21 @@ def _mixed_list(text: str) -> list:
     if not isinstance(value, list) or not all(isinstance(x, (int, str)) for x in value):
         raise ValueError(text)
     return value
+
+
+def _drop_discarded(node: onnx.NodeProto, outputs: list[str]) -> list[str]:
+    """Outputs metaopt named only because ONNX requires a name there (onnx_save): unnamed again."""
+    key = onnx_save.DISCARDED_KEY
+    raw = _meta(node).get(key)
+    if raw is None:
+        return outputs
+    try:
+        positions = {int(k) for k in raw.split(",")}
+    except ValueError:
+        raise ImportError_(f"{_describe(node)}: metadata {key!r} is {raw[:40]!r}") from None
+    if not positions <= set(range(len(outputs))):
+        raise ImportError_(f"{_describe(node)}: metadata {key!r} names no output: {raw[:40]!r}")
+    return ["" if k in positions else o for k, o in enumerate(outputs)]
 
 
 def _restore_fields(op: Op, node: onnx.NodeProto) -> None:

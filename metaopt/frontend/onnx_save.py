@@ -21,7 +21,7 @@ import torch
 from onnx import helper
 
 from metaopt.atomic import atomic_write
-from metaopt.ir import TORCH_TO_ONNX, Program, torch_dtype
+from metaopt.ir import TORCH_TO_ONNX, Op, Program, torch_dtype
 from metaopt.ops import registry
 
 OPSET = 20
@@ -35,6 +35,8 @@ PIPELINE_KEY = "metaopt.pipeline"  # a pipeline stage program's PipelineInfo, as
 MODULES_KEY = "metaopt.modules"
 ATTR_PREFIX = "metaopt.attr."
 OP_FIELD_PREFIX = "metaopt."
+DISCARDED_KEY = "metaopt.discarded_outputs"  # output positions named only for the ONNX checker
+DISCARDED_SUFFIX = "@DISCARDED"
 
 
 def _tensor(name: str, t: torch.Tensor) -> onnx.TensorProto:
@@ -67,6 +69,23 @@ def _mixed(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and len({type(x) for x in value}) > 1
 
 
+def _named_outputs(op: Op, domain: str, i: int) -> tuple[list[str], list[int]]:
+    """An output our program leaves unnamed (nothing reads it: recompute re-emits a
+    LayerNormalization for its saved mean and rstd only) must still be named where the ONNX
+    schema requires it, or the checker refuses the file. Name it after the node and say which
+    positions were ours to drop (the importer drops them again)."""
+    if "" not in op.outputs or domain != "" or not onnx.defs.has(op.type):
+        return list(op.outputs), []
+    schema = onnx.defs.get_schema(op.type, OPSET)
+    required = [o.option == onnx.defs.OpSchema.FormalParameterOption.Single for o in schema.outputs]
+    outputs, discarded = list(op.outputs), []
+    for k, name in enumerate(outputs):
+        if not name and k < len(required) and required[k]:
+            outputs[k] = f"op{i}{DISCARDED_SUFFIX}{k}"
+            discarded.append(k)
+    return outputs, discarded
+
+
 def to_model_proto(p: Program, values: Mapping[str, torch.Tensor] | None = None) -> onnx.ModelProto:
     """`values` (e.g. an executor's scope) override the program's initial values."""
     values = values or {}
@@ -82,7 +101,10 @@ def to_model_proto(p: Program, values: Mapping[str, torch.Tensor] | None = None)
         row = registry.get(op.type)
         domain = row.domain if row is not None else ""
         used_domains.add(domain)
-        node = helper.make_node(op.type, list(op.inputs), list(op.outputs), name=f"op{i}", domain=domain)
+        outputs, discarded = _named_outputs(op, domain, i)
+        node = helper.make_node(op.type, list(op.inputs), outputs, name=f"op{i}", domain=domain)
+        if discarded:
+            node.metadata_props.add(key=DISCARDED_KEY, value=",".join(map(str, discarded)))
         node.attribute.extend(_attr(k, a) for k, a in op.attrs.items())
         if domain == DOMAIN:
             from metaopt.frontend import onnx_functions
