@@ -83,6 +83,17 @@ def transient_vars(program: Program) -> set[str]:
     return {x for op in readers for x in op.inputs if x in program.updates and x != mb}
 
 
+def refuse_tensor_parallel(program: Program, what: str) -> None:
+    """Under tensor parallel a split param holds this rank's slice under the param's own name:
+    DCP would take the slices for replicas and keep one. Saving and loading them by full shape
+    is issue 16's item 5; until then, refuse rather than lose a slice."""
+    if any(op.attrs.get("group") == "model_parallel" for op in program.ops):
+        raise NotImplementedError(
+            f"{what}: program {program.name!r} is tensor parallel (it has model-parallel "
+            "collectives); checkpoints of split params are not implemented yet"
+        )
+
+
 def saved_vars(program: Program) -> list[Var]:
     skip = transient_vars(program)
     return [v for v in program.vars.values() if v.kind in SAVED_KINDS and v.name not in skip]
@@ -226,6 +237,7 @@ def save_sharded(
     """Every worker calls this with the same `dirname`; returns the complete checkpoint's folder."""
     if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
         raise ValueError(f"save_persistables: keep_last must be an int >= 1, got {keep_last!r}")
+    refuse_tensor_parallel(program, "save_persistables")
     rank, size = world()
     root = Path(os.fspath(dirname))
     # What this worker saves, before any collective: a worker that cannot (a var without a
@@ -383,6 +395,7 @@ def _check_vars(folder: Path, meta: dict, want: list[Var], md: dcp_meta.Metadata
 
 def load_sharded(exe: Any, folder: Path, program: Program, *, strict: bool = True) -> list[str]:
     """Every worker of the new layout calls this; returns the names loaded on this worker."""
+    refuse_tensor_parallel(program, "load_persistables")
     rank, size = world()
     problem, meta, md = None, None, None
     want = saved_vars(program)

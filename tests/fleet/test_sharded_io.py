@@ -192,3 +192,19 @@ def test_a_worker_without_a_value_fails_before_any_collective(tmp_path):
     with pytest.raises(sharded_io.CheckpointError, match=r"opt_state var 'm' has no value"):
         sharded_io.save_sharded(metaopt.Executor("cpu"), tmp_path / "ckpt", p, step=1)
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_tensor_parallel_program_is_refused_not_half_saved(tmp_path):
+    """Split params hold a slice under the param's name: DCP would keep one rank's slice."""
+    from metaopt.ir import Op
+
+    p = _program()
+    p.add_var(Var("y", "float32", (6, 3)))
+    p.ops.append(Op("TPReduce", ["w"], ["y"], {"group": "model_parallel"}))
+    for call in (
+        lambda: sharded_io.save_sharded(metaopt.Executor("cpu"), tmp_path / "ckpt", p, step=1),
+        lambda: sharded_io.load_sharded(metaopt.Executor("cpu"), tmp_path, p),
+    ):
+        with pytest.raises(NotImplementedError, match="tensor parallel .* split params are not implemented"):
+            call()
+    assert not (tmp_path / "ckpt").exists()
