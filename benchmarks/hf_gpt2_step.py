@@ -28,6 +28,12 @@ MODES = ("eager", "metaopt", "metaopt_unfused_attention")
 
 
 def _model():
+    # transformers imports torchvision when it is installed, whose C extension (a CUDA build
+    # here) does not load: the zoo's workaround declares the op schemas its import needs.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from zoo.tv import make_torchvision_importable
+
+    make_torchvision_importable()
     from torch import nn
     from transformers import GPT2Config, GPT2LMHeadModel
 
