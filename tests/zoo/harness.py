@@ -164,15 +164,27 @@ def _torch_sgd(module, entry, *, double: bool):
     return losses, {n: p.detach() for n, p in ref.named_parameters()}
 
 
-def check_sgd(entry) -> float:
+def check_sgd(entry, *, early_updates: bool = False) -> float:
     """SGD_STEPS steps of metaopt's SGD against torch.optim.SGD: every step's loss and every
     param after the last step, judged against float64 torch by the gradient bar (`judge_grads`):
     small CNNs with BatchNorm at batch 3 are ill-conditioned enough that float32 torch itself
     is ~1e-3 away from float64 (tv-efficientnet's first loss: 8.8270 vs 8.8485), so a fixed
-    rtol would fail on noise. Returns the worst ratio."""
+    rtol would fail on noise. `early_updates`: through fleet with optimizer_in_backward (each
+    update inside the backward, a tied lookup grad accumulated in place). Returns the worst ratio."""
     module, program = export(entry, 0.0)
     main = program.clone()
-    metaopt.optimizer.SGD(learning_rate=SGD_LR).minimize(main.loss)
+    if early_updates:
+        from metaopt import fleet
+
+        fleet.init(is_collective=True)
+        strategy = fleet.DistributedStrategy()
+        strategy.optimizer_in_backward = True
+        opt = fleet.distributed_optimizer(metaopt.optimizer.SGD(learning_rate=SGD_LR), strategy)
+        opt.minimize(main.loss)
+        if not any(op.role == "backward-update" for op in main.ops):
+            raise ZooFailure(f"{entry.name}: optimizer_in_backward moved no update into the backward")
+    else:
+        metaopt.optimizer.SGD(learning_rate=SGD_LR).minimize(main.loss)
     exe = metaopt.Executor("cpu")
     ours = []
     for step in range(SGD_STEPS):

@@ -1,9 +1,10 @@
 """Run the whole zoo and print one table: `python tests/zoo/table.py [NAME ...] [--json FILE]`.
 
 Every entry is exported and checked (grads against float64 torch, SGD against torch.optim,
-gradient merge against one torch step on the merged batches, recompute and offload
-bit-identity, a second batch size, the fused LM-head cross-entropy); a
-failing check prints its reason and the table says which check failed. Exit code 1 when any entry fails.
+the same SGD with the updates inside the backward (optimizer_in_backward), gradient merge
+against one torch step on the merged batches, recompute and offload bit-identity, a second
+batch size, the fused LM-head cross-entropy); a failing check prints its reason and the table
+says which check failed. Exit code 1 when any entry fails.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[2]))  # the repo (for `p
 
 from zoo import harness, models  # noqa: E402
 
-CHECKS = ("export", "grads", "sgd", "merge", "recompute", "fused_ce")
+CHECKS = ("export", "grads", "sgd", "early", "merge", "recompute", "fused_ce")
 
 
 def run_entry(entry) -> dict:
@@ -37,6 +38,8 @@ def run_entry(entry) -> dict:
                 row["worst_ratio"] = max((v.ratio for v in verdicts), default=0.0)
             elif check == "sgd":
                 row["sgd_rel"] = harness.check_sgd(entry)
+            elif check == "early":  # SGD with optimizer_in_backward (updates inside the backward)
+                row["early_ratio"] = harness.check_sgd(entry, early_updates=True)
             elif check == "merge":
                 row["merge_ratio"] = harness.check_gradient_merge(entry)
             elif check == "recompute":

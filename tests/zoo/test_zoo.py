@@ -34,6 +34,13 @@ def test_sgd_matches_torch_optim(name):
     harness.check_sgd(models.get(name))
 
 
+@pytest.mark.parametrize("name", ["hf-bert", "hf-gpt2", "tv-resnet18", "edge-tied-padding"])
+def test_updates_in_the_backward_match_torch_optim(name):
+    """optimizer_in_backward: the same SGD steps as torch.optim (float64 bar), tied embeddings
+    (bert, gpt2, tied padding) accumulated in place, BatchNorm buffers (resnet) updated alike."""
+    harness.check_sgd(models.get(name), early_updates=True)
+
+
 @pytest.mark.parametrize("name", ["hf-bert", "tv-resnet18", "edge-tied-padding"])
 def test_gradient_merge_equals_one_torch_step_on_the_merged_batches(name):
     """Transformer, BatchNorm (per-micro-batch statistics) and a tied param, not every FAST entry:
