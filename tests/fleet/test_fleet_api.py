@@ -16,27 +16,9 @@ from metaopt.ir import Op, Program, Var
 # the module (`fleet.distributed_optimizer` is the function, as in Fleet)
 dopt = importlib.import_module("metaopt.fleet.distributed_optimizer")
 
-ENV_VARS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "PADDLE_TRAINER_ID",
-    "PADDLE_TRAINERS_NUM",
-    "PADDLE_TRAINER_ENDPOINTS",
-    "PADDLE_CURRENT_ENDPOINT",
-    "METAOPT_COMM_TIMEOUT",
-)
 
 
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    for name in ENV_VARS:
-        monkeypatch.delenv(name, raising=False)
-    env.reset()
-    yield
-    env.reset()
+pytestmark = pytest.mark.usefixtures("clean_env")  # tests/fleet/conftest.py
 
 
 def _program() -> Program:

@@ -27,16 +27,9 @@ from test_data_parallel import _start_workers  # noqa: E402
 NAME = fleet_tp_worker.NAME
 # The all-reduces sum partial products in another order than one matmul: a few ulps per step.
 TOL = {"rtol": 1e-5, "atol": 4e-5}
-ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PADDLE_TRAINER_ID")
 
 
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    for name in ENV_VARS:
-        monkeypatch.delenv(name, raising=False)
-    env.reset()
-    yield
-    env.reset()
+pytestmark = pytest.mark.usefixtures("clean_env")  # tests/fleet/conftest.py
 
 
 # --- on gloo workers ---------------------------------------------------------------------------

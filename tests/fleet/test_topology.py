@@ -23,16 +23,7 @@ from metaopt.ir import Op, Program, Var
 from metaopt.ir.program import PipelineInfo
 from metaopt.runtime.pipeline import PipelineState
 
-ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PADDLE_TRAINER_ID")
-
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    for name in ENV_VARS:
-        monkeypatch.delenv(name, raising=False)
-    env.reset()
-    yield
-    env.reset()
+pytestmark = pytest.mark.usefixtures("clean_env")  # tests/fleet/conftest.py
 
 
 # --- the layout, against tables derived by hand from Paddle's documented ordering ---------------
