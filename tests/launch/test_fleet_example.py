@@ -31,3 +31,29 @@ def test_train_fleet_recompute_runs_under_metaoptrun(tmp_path):
     assert all(float(loss) > 0 for _, loss in lines)
     log1 = (tmp_path / "log" / "workerlog.1").read_text()  # the other worker trained too
     assert "[Epoch 0, batch 2]" in log1
+
+
+def test_train_hybrid_runs_under_metaoptrun(tmp_path):
+    """examples/train_hybrid.py at dp=2 x mp=2 on 4 CPU workers: the model-parallel ranks of a
+    replica compute one model (the same losses, bit for bit: replicated values are all-reduced
+    alike), the two replicas see different batches."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "metaopt.launch",
+        "--nproc_per_node=4",
+        f"--log_dir={tmp_path / 'log'}",
+        str(ROOT / "examples" / "train_hybrid.py"),
+        "--steps=2",
+    ]
+    done = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "tensor_parallel  run" in done.stdout
+    losses = {}
+    for r in range(4):
+        log = (tmp_path / "log" / f"workerlog.{r}").read_text()
+        found = re.findall(r"worker (\d) \(dp (\d), mp (\d)\) step (\d): loss ([0-9.]+)", log)
+        assert [s for *_, s, _ in found] == ["0", "1"], log[-2000:]
+        losses[r] = [loss for *_, loss in found]
+    assert losses[0] == losses[1] and losses[2] == losses[3]  # MP peers: one model
+    assert losses[0] != losses[2]  # DP replicas: other data
