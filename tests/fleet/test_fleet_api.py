@@ -18,7 +18,7 @@ dopt = importlib.import_module("metaopt.fleet.distributed_optimizer")
 
 
 
-pytestmark = pytest.mark.usefixtures("clean_env")  # tests/fleet/conftest.py
+pytestmark = pytest.mark.usefixtures("clean_env")  # tests/conftest.py
 
 
 def _program() -> Program:

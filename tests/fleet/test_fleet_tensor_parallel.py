@@ -29,7 +29,7 @@ NAME = fleet_tp_worker.NAME
 TOL = {"rtol": 1e-5, "atol": 4e-5}
 
 
-pytestmark = pytest.mark.usefixtures("clean_env")  # tests/fleet/conftest.py
+pytestmark = pytest.mark.usefixtures("clean_env")  # tests/conftest.py
 
 
 # --- on gloo workers ---------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from metaopt.ir import Op, Program, Var
 from metaopt.ir.program import PipelineInfo
 from metaopt.runtime.pipeline import PipelineState
 
-pytestmark = pytest.mark.usefixtures("clean_env")  # tests/fleet/conftest.py
+pytestmark = pytest.mark.usefixtures("clean_env")  # tests/conftest.py
 
 
 # --- the layout, against tables derived by hand from Paddle's documented ordering ---------------
