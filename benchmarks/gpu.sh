@@ -59,6 +59,10 @@ step executor_overhead 60 "$PY" benchmarks/executor_overhead.py --device cuda "$
 step recompute 150 "$PY" benchmarks/recompute.py --device cuda "${Q[@]}"
 step offload 150 "$PY" benchmarks/offload.py --device cuda "${Q[@]}"
 step memory_pictures 120 "$PY" benchmarks/memory_pictures.py --device cuda "${Q[@]}"
+# The same HF GPT-2 / BERT / LLaMA and torchvision ResNet-50 on both sides (issue 14 item 3): eager,
+# metaopt, torch checkpoint, metaopt recompute, a fresh process each; memory is
+# torch.cuda.max_memory_allocated on both sides. One round only here (16 processes; adds up to 6 min).
+step hf_models_step 360 "$PY" benchmarks/hf_models_step.py --device cuda --rounds 1 "${Q[@]}"
 # The founding table measured: each row's predicted largest batch run once (budget under the card)
 if [[ "${QUICK:-0}" == 1 ]]; then
   step paddle_table 150 "$PY" benchmarks/paddle_table.py --measure --layers 4 --budget-gib 16
