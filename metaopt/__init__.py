@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import torch
-
 from metaopt import fleet, optimizer
 from metaopt.frontend.importer import load
 from metaopt.frontend.torch_export import export
 from metaopt.ir import Op, Program, Var, verify
+from metaopt.ops import rng_streams
 from metaopt.report import memory_picture
 from metaopt.runtime import CPUPlace, CUDAPlace, Executor
 
@@ -15,8 +14,16 @@ __version__ = "0.1.0"
 
 
 def seed(n: int) -> None:
-    """Fix every random op's mask: same as torch.manual_seed(n) (all devices)."""
-    torch.manual_seed(n)
+    """Fix every random op's mask: seeds both RNG streams (metaopt/ops/rng_streams.py).
+
+    The shared stream is torch's default generator of every device: ``torch.manual_seed(n)``.
+    The model-parallel stream of MP rank r (random ops on split values in a tensor-parallel
+    program) is seeded ``n + 2718 + r`` (Megatron's offset). Call it with the same `n` on every
+    worker of a tensor-parallel job, so replicated values stay identical across MP ranks. A process
+    seeded neither so nor by ``torch.manual_seed`` is seeded as ``seed(0)`` (with a warning) at a
+    tensor-parallel program's first draw: torch seeds itself from the OS, differently per worker.
+    """
+    rng_streams.seed(n)
 
 
 __all__ = [

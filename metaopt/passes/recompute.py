@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from metaopt.ir import Op, Program, Var, did_you_mean, names, roles
-from metaopt.ops import registry
+from metaopt.ops import registry, rng_streams
 
 # The CPU generator's state (what RngState records on CPU; a CUDA state is 16 bytes):
 # declared so memory estimates count the states held from forward to recompute.
@@ -351,7 +351,9 @@ def recompute(
         if i in replay:
             state = names.fresh(names.saved(op.outputs[0], "RNG_STATE"), q.vars)
             q.add_var(Var(state, "uint8", (RNG_STATE_BYTES,)))
-            fwd.append(Op("RngState", [], [state], role=op.role, scope=op.scope, origin=op.outputs[0]))
+            # the stream the op draws from (MP-aware RNG): RngState records that generator's state
+            attrs = rng_streams.stream_attrs(op.attrs)
+            fwd.append(Op("RngState", [], [state], attrs, role=op.role, scope=op.scope, origin=op.outputs[0]))
             rng_state[i] = state
         fwd.append(op)
 

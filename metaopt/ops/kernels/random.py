@@ -1,8 +1,11 @@
 """Ops that draw from the RNG.
 
-They all draw from torch's global generator (of the executor's device), never from
-their ONNX `seed` attribute: `torch.manual_seed(n)` then fixes every mask, and recompute
-replays a mask by restoring the generator state it recorded (rows are ``random=True``).
+They draw from torch's default generator (of the executor's device), never from their ONNX
+`seed` attribute: `torch.manual_seed(n)` then fixes every mask, and recompute replays a mask by
+restoring the generator state it recorded (rows are ``random=True``). In a tensor-parallel
+program the pass marks each with the stream it draws from (``rng="shared"`` on a replicated
+value, ``rng="model_parallel", group=[...]`` on a split one): `rng_streams.drawn` takes those attrs
+and swaps that stream into the default generator around the kernel (metaopt/ops/rng_streams.py).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import torch
 
 from metaopt.ir.dtypes import torch_dtype_from_onnx
 from metaopt.ops.registry import SAME, register
+from metaopt.ops.rng_streams import drawn
 
 _FLOAT = 1  # ONNX TensorProto.FLOAT, the default dtype of the random generators
 _INT32 = 6  # ONNX TensorProto.INT32, Multinomial's default output dtype
@@ -30,6 +34,7 @@ def _ratio(ratio) -> float:
     aliases=SAME,
     train_repair="training_mode_input",
 )
+@drawn
 def dropout(
     data: torch.Tensor,
     ratio: torch.Tensor | float | None = None,
@@ -53,6 +58,7 @@ def dropout(
 
 
 @register("RandomNormal", needs_device=True, random=True)
+@drawn
 def random_normal(
     dtype: int = _FLOAT,
     mean: float = 0.0,
@@ -67,6 +73,7 @@ def random_normal(
 
 
 @register("RandomNormalLike", random=True)
+@drawn
 def random_normal_like(
     input: torch.Tensor,
     dtype: int | None = None,
@@ -79,6 +86,7 @@ def random_normal_like(
 
 
 @register("RandomUniform", needs_device=True, random=True)
+@drawn
 def random_uniform(
     dtype: int = _FLOAT,
     high: float = 1.0,
@@ -93,6 +101,7 @@ def random_uniform(
 
 
 @register("RandomUniformLike", random=True)
+@drawn
 def random_uniform_like(
     input: torch.Tensor,
     dtype: int | None = None,
@@ -105,12 +114,14 @@ def random_uniform_like(
 
 
 @register("Bernoulli", random=True)
+@drawn
 def bernoulli(input: torch.Tensor, dtype: int | None = None, seed: float | None = None) -> torch.Tensor:
     out = torch.bernoulli(input)
     return out.to(torch_dtype_from_onnx(dtype, what="random op")) if dtype is not None else out
 
 
 @register("Multinomial", random=True)
+@drawn
 def multinomial(
     input: torch.Tensor,
     dtype: int = _INT32,

@@ -4,6 +4,13 @@
 restores it around the op's own kernel (and puts the generator back afterwards), so
 the recomputed mask is bit-identical to the forward's — torch.utils.checkpoint's
 preserve_rng_state, one random op at a time.
+
+Streams (MP-aware RNG, metaopt/ops/rng_streams.py): ``RngState`` carries its random op's stream
+attrs (``rng``, ``group``: the recompute pass copies them) and records the state of the
+generator that op draws from, the model-parallel stream of its rank included. ``RngReplay``
+restores that state into the default generator and runs the kernel without the stream attrs, so
+the copy draws exactly what the forward drew; every generator, the stream's too, is left as it
+was (the replay consumes nothing).
 """
 
 from __future__ import annotations
@@ -12,16 +19,15 @@ from types import SimpleNamespace
 
 import torch
 
-from metaopt.ops import registry
+from metaopt.ops import registry, rng_streams
 from metaopt.ops.registry import register
 
 
 @register("RngState", domain="metaopt", needs_device=True, host_outputs=True, recomputable=False)
-def rng_state(_device: torch.device) -> torch.Tensor:
-    """The state of the generator random ops on `_device` draw from (a CPU byte tensor)."""
-    if _device.type == "cuda":
-        return torch.cuda.get_rng_state(_device)
-    return torch.get_rng_state()
+def rng_state(_device: torch.device, **stream: object) -> torch.Tensor:
+    """The state of the generator the next random op draws from on `_device` (a CPU byte tensor):
+    the stream its attrs `stream` name (rng_streams), torch's default generator when none."""
+    return rng_streams.generator(stream, _device).get_state()
 
 
 def _replay_aliases(op) -> list[tuple[int, int]]:
@@ -57,7 +63,8 @@ def rng_replay(
 ):
     """Run random op `op` on `inputs` from generator state `state`, leaving the generator as it was."""
     row = registry.get(op)
-    attrs = {k.removeprefix("f_"): v for k, v in fwd_attrs.items()}
+    # Without the stream attrs: the state restored below is the stream's, recorded in the forward.
+    attrs = rng_streams.without_stream({k.removeprefix("f_"): v for k, v in fwd_attrs.items()})
     if row.needs_outputs:
         attrs["_nout"] = n_out
     device = _device  # the executor's: a random op may have no tensor input to tell
