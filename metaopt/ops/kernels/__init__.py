@@ -16,6 +16,7 @@ from metaopt.ops.kernels import (  # noqa: F401
     nn,
     norm,
     optim,
+    partition,
     random,
     reduce,
     resize,
@@ -24,4 +25,5 @@ from metaopt.ops.kernels import (  # noqa: F401
     tensor,
     tensor_parallel,
     vision,
+    vocab_parallel,
 )

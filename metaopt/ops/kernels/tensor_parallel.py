@@ -51,8 +51,10 @@ def tp_copy(x: torch.Tensor, group: list[int] | str) -> torch.Tensor:
     needs_runtime=True,
     collective=True,
     fresh_outputs=True,
-    # re-running it in a recompute would need every rank of the group to recompute in lockstep
-    recomputable=False,
+    # Recompute re-runs it: every rank of the group runs the same program (minimize compares
+    # them), so the re-emitted TPReduce meets its peers' in the same order, and a sum of the
+    # same partial products over the same group gives the forward's bits again.
+    recomputable=True,
     grad=_tp_reduce_grad,
     notes="tensor parallel g: all-reduce sum over `group` forward, identity backward",
 )
