@@ -7,7 +7,8 @@ containers::
     {"meta": {"format": "metaopt.persistables", "version": 1, "program": name,
               "torch": version, "vars": {name: {"kind", "dtype", "shape"}}},
      "tensors": {name: CPU tensor},          # every param, buffer and opt_state var
-     "rng": {"cpu": torch.get_rng_state(), "cuda": [state per visible GPU]}}
+     "rng": {"cpu": torch.get_rng_state(), "cuda": [state per visible GPU],
+             "streams": {name: {key: state}}}}  # sharded_io.register_rng_states
 
 Constants are not saved (they are the program's own). Saving is atomic: the file is
 written to a temp file in the same folder, synced, then ``os.replace``d over the old
@@ -22,6 +23,11 @@ functions with the same folder; they then write and read one sharded checkpoint 
 ``torch.distributed.checkpoint`` (`metaopt.fleet.sharded_io`: step-numbered folders, an
 atomically replaced ``latest``, loadable into another layout). ``load_persistables`` reads
 whichever of the two formats the folder holds (the newer, if both).
+
+Tensor parallel: the file holds every var whole, so workers of a tensor-parallel job reading
+it (MP=1 saved, MP=2 loading) each take their part of every split var (``Var.split``), after
+checking the full shape. A one-process save of a program whose vars are split over several
+workers is refused: it would hold one part.
 """
 
 from __future__ import annotations
@@ -75,15 +81,18 @@ def save_persistables(
     if sharded_io.world()[1] > 1:
         return sharded_io.save_sharded(exe, dirname, program, step=step, keep_last=keep_last)
     dirname = os.fspath(dirname)
+    _refuse_parts(program)
     tensors: dict[str, torch.Tensor] = {}
     info: dict[str, dict[str, Any]] = {}
     for v in _saved_vars(program):
         t = sharded_io.value_of(exe, program, v)
         tensors[v.name] = t.detach().to("cpu").clone()
         info[v.name] = {"kind": v.kind, "dtype": _dtype(t), "shape": list(t.shape)}
+    states = sharded_io.rng_states()
     rng = {
-        "cpu": torch.get_rng_state(),
+        "cpu": states["cpu"],
         "cuda": list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else [],
+        "streams": {name: sharded_io.stream_states(states, name) for name in sharded_io._RNG_STREAMS},
     }
     meta = {
         "format": FORMAT,
@@ -96,6 +105,23 @@ def save_persistables(
     path = os.path.join(dirname, filename)
     _clean_leftovers(dirname, filename)
     return atomic_write(path, lambda f: torch.save({"meta": meta, "tensors": tensors, "rng": rng}, f))
+
+
+def _refuse_parts(program: Program) -> None:
+    """One process cannot save a var split over several workers: it holds one part."""
+    group = sharded_io.model_parallel_group(program, "save_persistables")
+    if group is not None and len(group) > 1:
+        raise sharded_io.CheckpointError(
+            f"save_persistables: program {program.name!r} is tensor parallel over workers {list(group)} and "
+            "this process is alone: call save_persistables on every worker of the tensor-parallel job"
+        )
+    for v in _saved_vars(program):
+        if v.split is not None and v.split.parts > 1:
+            raise sharded_io.CheckpointError(
+                f"save_persistables: var {v.name!r} of program {program.name!r} is one of "
+                f"{v.split.parts} parts ({v.split}) and this process is alone: call save_persistables on "
+                "every worker of the tensor-parallel job"
+            )
 
 
 def _clean_leftovers(dirname: str, filename: str) -> None:
@@ -202,6 +228,7 @@ def _load_file(exe: Any, path: str, program: Program, *, strict: bool, rng: bool
     tensors: dict[str, torch.Tensor] = obj["tensors"]
     want = _saved_vars(program)
     names = {v.name for v in want}
+    place = sharded_io.mp_place(program, "load_persistables")
 
     missing = [v.name for v in want if v.name not in tensors]
     if missing:
@@ -213,16 +240,16 @@ def _load_file(exe: Any, path: str, program: Program, *, strict: bool, rng: bool
         )
     for v in want:
         t = tensors[v.name]
-        shape = v.shape
+        shape = v.full_shape  # a split var: the whole tensor's, which the file holds
         if shape is None:
             known = exe.scope.get(v.name)
             known = known if known is not None else program.values.get(v.name)
             shape = tuple(known.shape) if known is not None else None
         if _dtype(t) != v.dtype or not _shape_ok(tuple(t.shape), shape):
-            want_shape = list(shape) if shape is not None else "?"
+            want_shape = sharded_io.describe(v) if shape is not None else f"{v.dtype} ?"
             raise ValueError(
                 f"load_persistables: var {v.name!r} is {_dtype(t)} {list(t.shape)} in {path} "
-                f"but {v.dtype} {want_shape} in program {program.name!r}"
+                f"but {want_shape} in program {program.name!r}"
             )
     extra = [k for k in tensors if k not in names]
     if extra and strict:
@@ -234,15 +261,36 @@ def _load_file(exe: Any, path: str, program: Program, *, strict: bool, rng: bool
     cpu_rng = rng.get("cpu")
     if not (isinstance(cpu_rng, torch.Tensor) and cpu_rng.dtype == torch.uint8):
         raise ValueError(f"load_persistables: {path} has no valid CPU RNG state")
+    streams = rng.get("streams", {})
+    if not isinstance(streams, dict):
+        raise ValueError(f"load_persistables: {path} has RNG streams that are not a dict")
+    flat = {f"stream.{n}.{k}": t for n, d in streams.items() if isinstance(d, dict) for k, t in d.items()}
+    problem = sharded_io.check_rng({"cpu": cpu_rng, **flat})
+    if problem:
+        raise ValueError(f"load_persistables: {path}: {problem}")
 
-    sharded_io.into_scope(exe, {v.name: tensors[v.name] for v in want})
+    sharded_io.into_scope(exe, {v.name: _part(v, tensors[v.name], place) for v in want})
     if rng:
         _restore_rng(path, obj["rng"])
     return [v.name for v in want]
 
 
+def _part(v: Var, t: torch.Tensor, place: sharded_io.MPPlace | None) -> torch.Tensor:
+    """What this worker holds of `v` whose whole value is `t`."""
+    if v.split is None:
+        return t
+    assert place is not None  # mp_place found the group of every split var
+    return sharded_io.local_part(t, v.split, place.index)
+
+
 def _restore_rng(path: str, rng: dict[str, Any]) -> None:
     torch.set_rng_state(rng["cpu"])
+    streams = dict(rng.get("streams", {}))
+    for name, (_, set_states) in sharded_io._RNG_STREAMS.items():
+        if streams.get(name):
+            set_states(dict(streams[name]))
+        else:
+            logger.warning("load_persistables: %s has no state of RNG stream %r: left as it is", path, name)
     cuda = [s for s in rng.get("cuda", []) if isinstance(s, torch.Tensor)]
     if cuda:
         if torch.cuda.is_available():

@@ -22,8 +22,22 @@ as they were.
 What is saved: every param, buffer and optimizer-state var of each worker's program (a var
 several workers hold — replicas, tied params — once: they are equal), and each worker's RNG
 states. A pipeline's per-step gradient accumulators are not saved: every step starts them
-afresh, and another layout has other ones. RNG states are restored only into the same
-number of workers (another layout draws other masks whatever is restored).
+afresh, and another layout has other ones. RNG states are restored only into the same layout
+(workers, stages, dp and mp degrees: another layout draws other masks whatever is restored).
+
+Tensor parallel: a split var (``Var.split``, recorded by the tensor-parallel pass on each split
+param and carried by the optimizer pass to its state) holds this worker's part of a larger
+tensor, and is saved as that part of the FULL tensor: each worker writes only its own pieces,
+as DCP chunks at their offsets in the full tensor (`_Pieces`: one chunk per block, since a
+fused projection's part is 1/mp of each of q, k, v, no contiguous chunk), nothing is gathered.
+The checkpoint then holds every var by name and full shape, whatever the layout: it loads
+into MP=1 (one process, DCP assembles the chunks), into MP=2 again, or from an MP=1
+checkpoint into MP=2 (each worker reads the chunks overlapping its pieces). Which part a
+worker holds is its index in its model-parallel group (the group the program's model-parallel
+collectives name). Before anything is written, the workers of each model-parallel group
+compare digests of every var they save whole: one that differs between them (a var some pass
+made from a split param without recording its layout) would be kept from one worker only,
+and is refused by name (NotImplementedError) instead.
 
 Loading reads DCP's ``.metadata`` with an unpickler that admits only DCP's own metadata
 classes, and refuses storage paths outside the checkpoint folder; tensors are read with
@@ -34,6 +48,7 @@ problem on one worker is an error on all of them, naming the worker and the var.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -41,6 +56,8 @@ import pickle
 import re
 import shutil
 import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +66,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_meta
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from metaopt.atomic import atomic_write, fsync_dir
-from metaopt.ir import Program, Var, did_you_mean, dtype_name, eval_dim, names
+from metaopt.ir import Program, Split, Var, did_you_mean, dtype_name, eval_dim, names
+from metaopt.ops import rng_streams
 
 logger = logging.getLogger("metaopt.fleet")
 
@@ -83,17 +103,6 @@ def transient_vars(program: Program) -> set[str]:
     return {x for op in readers for x in op.inputs if x in program.updates and x != mb}
 
 
-def refuse_tensor_parallel(program: Program, what: str) -> None:
-    """Under tensor parallel a split param holds this rank's slice under the param's own name:
-    DCP would take the slices for replicas and keep one. Saving and loading them by full shape
-    is issue 16's item 5; until then, refuse rather than lose a slice."""
-    if any(op.attrs.get("group") == "model_parallel" for op in program.ops):
-        raise NotImplementedError(
-            f"{what}: program {program.name!r} is tensor parallel (it has model-parallel "
-            "collectives); checkpoints of split params are not implemented yet"
-        )
-
-
 def saved_vars(program: Program) -> list[Var]:
     skip = transient_vars(program)
     return [v for v in program.vars.values() if v.kind in SAVED_KINDS and v.name not in skip]
@@ -117,6 +126,193 @@ def value_of(exe: Any, program: Program, v: Var) -> torch.Tensor:
             f"or in program {program.name!r}"
         )
     return t
+
+
+# --- tensor parallel: split vars ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MPPlace:
+    """This worker's place in its model-parallel group: which part of each split var it holds."""
+
+    index: int
+    group: tuple[int, ...]  # the group's global ranks, in part order
+
+
+def model_parallel_group(program: Program, what: str) -> tuple[int, ...] | None:
+    """The global ranks of this worker's model-parallel group, as `program`'s model-parallel
+    collectives name it (``group``: a list of global ranks, or "model_parallel", this worker's
+    group of fleet.init's hybrid layout); None when the program has no such collective."""
+    groups = {_group_key(g) for op in program.ops if _is_mp_group(g := op.attrs.get("group"))}
+    if not groups:
+        return None
+    if len(groups) > 1:
+        raise CheckpointError(
+            f"{what}: program {program.name!r} names several model-parallel groups {sorted(map(str, groups))}"
+        )
+    group = _resolve_group(next(iter(groups)), what)
+    rank = world()[0]
+    if rank not in group:
+        raise CheckpointError(
+            f"{what}: worker {rank} is not in model-parallel group {list(group)} of program {program.name!r}"
+        )
+    return group
+
+
+def mp_place(program: Program, what: str) -> MPPlace | None:
+    """Where this worker sits in the model-parallel group of `program`'s split vars; None when
+    no saved var is split. The worker's part is its index in the group (`model_parallel_group`),
+    as the tensor-parallel pass callers lay it out (fleet: the group in model-rank order; a
+    list of ranks: ``mp_rank`` is the index)."""
+    split = [v for v in saved_vars(program) if v.split is not None]
+    if not split:
+        return None
+    group = model_parallel_group(program, what)
+    if group is None:
+        if all(v.split.parts == 1 for v in split):
+            return MPPlace(0, (world()[0],))
+        v = next(v for v in split if v.split.parts > 1)
+        raise CheckpointError(
+            f"{what}: var {v.name!r} holds a part ({v.split}) but program {program.name!r} has no "
+            "model-parallel collective naming the group: which part this worker holds is unknown"
+        )
+    for v in split:
+        if v.split.parts != len(group):
+            raise CheckpointError(
+                f"{what}: var {v.name!r} is split in {v.split.parts} parts ({v.split}) but the "
+                f"model-parallel group {list(group)} has {len(group)} workers"
+            )
+    return MPPlace(group.index(world()[0]), group)
+
+
+def _is_mp_group(g: Any) -> bool:
+    # data parallel's collectives say group="data_parallel"; tensor parallel's a rank list or this
+    if g == "model_parallel":
+        return True
+    return isinstance(g, (list, tuple)) and bool(g) and all(isinstance(r, int) for r in g)
+
+
+def _group_key(g: Any) -> tuple[int, ...] | str:
+    return g if isinstance(g, str) else tuple(g)
+
+
+def _resolve_group(g: tuple[int, ...] | str, what: str) -> tuple[int, ...]:
+    if not isinstance(g, str):
+        return g
+    from metaopt.fleet import env
+
+    if env._STATE.hcg is None:
+        raise CheckpointError(
+            f"{what}: the program's collectives run over this worker's 'model_parallel' group, but "
+            "fleet.init made no hybrid layout (give fleet.init the strategy with hybrid_configs)"
+        )
+    return tuple(env._STATE.hcg.group_ranks("model"))
+
+
+def local_part(full: torch.Tensor, split: Split, index: int) -> torch.Tensor:
+    """Part `index` of `full` as `split` lays it out (a fresh tensor)."""
+    return torch.cat([full.narrow(split.axis, at, n) for at, _, n in split.pieces(index)], split.axis)
+
+
+class _Pieces:
+    """One worker's part of a split var as DCP sees it: the pieces of the full tensor it holds,
+    each a view of the local tensor at its offset in the full one (several for a fused
+    projection cut per block). DCP takes any object with these three methods (its
+    ``_Checkpointable`` protocol, the one DTensor implements); the planners below hand DCP
+    the piece at an offset. Loading writes through the views into `local`."""
+
+    def __init__(self, local: torch.Tensor, split: Split, index: int) -> None:
+        self.local = local
+        self.full = torch.Size(split.full_shape(tuple(local.shape)))
+        self.parts: dict[torch.Size, torch.Tensor] = {}
+        for full_at, local_at, n in split.pieces(index):
+            offsets = [0] * local.dim()
+            offsets[split.axis] = full_at
+            self.parts[torch.Size(offsets)] = local.narrow(split.axis, local_at, n)
+
+    def size(self) -> torch.Size:  # DCP compares it with the saved full size before loading
+        return self.full
+
+    def piece(self, offset: Any) -> torch.Tensor:
+        return self.parts[torch.Size(offset)]
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        return [
+            WriteItem(
+                index=dcp_meta.MetadataIndex(fqn, off),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=dcp_meta.ChunkStorageMetadata(offsets=off, sizes=t.size()),
+                    properties=dcp_meta.TensorProperties.create_from_tensor(t),
+                    size=self.full,
+                ),
+            )
+            for off, t in self.parts.items()
+        ]
+
+    def __create_chunk_list__(self) -> list[dcp_meta.ChunkStorageMetadata]:
+        return [dcp_meta.ChunkStorageMetadata(offsets=off, sizes=t.size()) for off, t in self.parts.items()]
+
+    def __get_tensor_shard__(self, index: dcp_meta.MetadataIndex) -> torch.Tensor:
+        return self.piece(index.offset)
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a copy of it when it is a view of a larger storage: ``torch.save`` (DCP's writer)
+    writes a view's whole storage. Called per item as DCP writes it: one piece copied at a time."""
+    if t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+class _SavePlanner(DefaultSavePlanner):
+    def lookup_object(self, index: dcp_meta.MetadataIndex) -> Any:
+        obj = self.state_dict.get(index.fqn)
+        if isinstance(obj, _Pieces):
+            return _own_storage(obj.piece(index.offset))
+        found = super().lookup_object(index)
+        return _own_storage(found) if isinstance(found, torch.Tensor) else found
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    def set_up_planner(self, state_dict: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        # DCP's set-up walks the state dict in place and replaces every object it does not know
+        # (ours) with None; keep the pieces out of its walk (the state dict is flat already).
+        pieces = {k: v for k, v in state_dict.items() if isinstance(v, _Pieces)}
+        super().set_up_planner({k: v for k, v in state_dict.items() if k not in pieces}, *args, **kwargs)
+        self.state_dict.update(pieces)
+
+    def lookup_tensor(self, index: dcp_meta.MetadataIndex) -> torch.Tensor:
+        obj = self.state_dict.get(index.fqn)
+        if isinstance(obj, _Pieces):
+            return obj.piece(index.offset)
+        return super().lookup_tensor(index)
+
+
+def _digest(t: torch.Tensor) -> bytes:
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.blake2b(flat.numpy(), digest_size=16).digest()
+
+
+def _replicas_differ(group: tuple[int, ...] | None, state: dict[str, Any]) -> str | None:
+    """Every worker's digests of the vars it saves whole, compared within each model-parallel
+    group (a collective: every worker calls it). DCP keeps one copy of a var several workers
+    save whole, so one that differs between them must be split (and say so) or be refused."""
+    mine = {k: _digest(t) for k, t in state.items() if isinstance(t, torch.Tensor)}
+    everyone = _gather((group or (world()[0],), mine))
+    for group in sorted({g for g, _ in everyone}):
+        members = [(r, d) for r, (g, d) in enumerate(everyone) if g == group]
+        (first, ref), *rest = members
+        for r, d in rest:
+            for name in sorted(set(ref) & set(d)):
+                if ref[name] != d[name]:
+                    return (
+                        f"var {name!r} differs between workers {first} and {r} of model-parallel group "
+                        f"{list(group)} but has no split layout (Var.split): saving it would keep one "
+                        "worker's value. Checkpoints of it are not implemented: the pass that made it "
+                        "from a split param must record the layout"
+                    )
+    return None
 
 
 # --- the job ---------------------------------------------------------------------------------
@@ -150,14 +346,20 @@ def _agree_or_raise(problem: str | None, what: str) -> None:
         raise CheckpointError(f"{what} refused on every worker: {detail}")
 
 
-def _layout(program: Program) -> dict[str, Any]:
+def _layout(program: Program, group: tuple[int, ...] | None) -> dict[str, Any]:
+    """What must match for RNG states to be restored (and extra vars to be an error)."""
     rank, size = world()
     pl = program.pipeline
+    mp = len(group) if group is not None else 1
     return {
         "world_size": size,
         "pipeline_stages": pl.num_stages if pl else 1,
-        "dp_degree": pl.dp_degree if pl else size,
+        "dp_degree": pl.dp_degree if pl else size // mp,
+        "mp_degree": mp,
     }
+
+
+_LAYOUT_DEFAULTS = {"mp_degree": 1}  # keys older checkpoints do not write
 
 
 # --- the folder --------------------------------------------------------------------------------
@@ -237,29 +439,39 @@ def save_sharded(
     """Every worker calls this with the same `dirname`; returns the complete checkpoint's folder."""
     if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
         raise ValueError(f"save_persistables: keep_last must be an int >= 1, got {keep_last!r}")
-    refuse_tensor_parallel(program, "save_persistables")
     rank, size = world()
     root = Path(os.fspath(dirname))
     # What this worker saves, before any collective: a worker that cannot (a var without a
     # value) must fail every worker now, not leave them waiting in DCP until the timeout.
-    state: dict[str, torch.Tensor] = {}
+    state: dict[str, Any] = {}
     info: dict[str, dict[str, Any]] = {}
-    mine, problem = -1, None
+    mine, problem, place, group = -1, None, None, None
     try:
         mine = _next_step(exe, program, root, step)
+        group = model_parallel_group(program, "save_persistables")
+        place = mp_place(program, "save_persistables")
+        if group is not None and max(group) >= size:
+            raise CheckpointError(
+                f"program {program.name!r} is split over the model-parallel group {list(group)}, "
+                f"but this job has {size} worker(s): every worker of the group must save its part"
+            )
         for v in saved_vars(program):
             t = value_of(exe, program, v).detach().to("cpu")
-            state[v.name] = t
-            info[v.name] = {"kind": v.kind, "dtype": _dtype(t), "shape": list(t.shape)}
+            state[v.name], info[v.name] = _entry(v, t, place)
     except (CheckpointError, OSError) as e:
         problem = str(e)
     _agree_or_raise(problem, f"save_persistables into {root}")
-    steps = _gather(mine)
-    if len(set(steps)) != 1:
+    steps = _gather((mine, group is not None))
+    if len({m for m, _ in steps}) != 1:
         raise CheckpointError(
-            f"save_persistables: the workers are at different steps {steps} (by rank): "
+            f"save_persistables: the workers are at different steps {[m for m, _ in steps]} (by rank): "
             "pass step=... or save from the same point of training on every worker"
         )
+    if any(tp for _, tp in steps):  # tensor parallel: what DCP keeps once must be equal
+        differ = _replicas_differ(group, state)
+        if differ is not None:
+            raise NotImplementedError(f"save_persistables into {root}: {differ}")
+    steps = [m for m, _ in steps]
     name = _step_dir(steps[0])
     partial = root / f".{name}.partial"
     problem = None
@@ -271,21 +483,44 @@ def save_sharded(
         except OSError as e:
             problem = f"cannot prepare {partial}: {e}"
     _agree_or_raise(problem, f"save_persistables into {root}")
-    for key, t in _rng_states().items():
+    for key, t in rng_states().items():
         state[f"{_RNG}/{rank}/{key}"] = t
     with warnings.catch_warnings():  # one worker (tests, tools) saving this format is meant
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.save(state, storage_writer=FileSystemWriter(partial, sync_files=True), no_dist=size == 1)
+        dcp.save(
+            state,
+            storage_writer=FileSystemWriter(partial, sync_files=True),
+            planner=_SavePlanner(),
+            no_dist=size == 1,
+        )
 
     all_info = _gather(info)
     problem = None
     if rank == 0:
         try:
-            _commit(root, partial, name, _merge_info(all_info), _layout(program), steps[0], keep_last)
+            _commit(root, partial, name, _merge_info(all_info), _layout(program, group), steps[0], keep_last)
         except (OSError, CheckpointError) as e:
             problem = f"cannot complete {root / name}: {e}"
     _agree_or_raise(problem, f"save_persistables into {root}")
     return str(root / name)
+
+
+def _entry(v: Var, t: torch.Tensor, place: MPPlace | None) -> tuple[Any, dict[str, Any]]:
+    """What DCP saves of `v` (its value `t`) and its line in metaopt.json: a split var as this
+    worker's pieces of the full tensor, described by the full shape (and the saving layout)."""
+    if v.split is None:
+        return t, {"kind": v.kind, "dtype": _dtype(t), "shape": list(t.shape)}
+    assert place is not None  # mp_place found the group of every split var
+    sp = v.split
+    if tuple(t.shape) != tuple(v.shape or ()):
+        raise CheckpointError(
+            f"var {v.name!r} holds {list(t.shape)} in the executor's scope but the program says "
+            f"{list(v.shape or ())} ({sp}): not this worker's part"
+        )
+    layout = {"axis": sp.axis, "parts": sp.parts, "blocks": list(sp.blocks)}
+    full = list(sp.full_shape(tuple(t.shape)))
+    entry = {"kind": v.kind, "dtype": _dtype(t), "shape": full, "saved_split": layout}
+    return _Pieces(t, sp, place.index), entry
 
 
 def _merge_info(per_rank: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
@@ -315,12 +550,67 @@ def _commit(
     _prune(root, keep_last, name)
 
 
-def _rng_states() -> dict[str, torch.Tensor]:
+# Generators beside torch's default ones whose states a checkpoint carries: name -> (get, set).
+_RNG_STREAMS: dict[
+    str, tuple[Callable[[], Mapping[str, torch.Tensor]], Callable[[dict[str, torch.Tensor]], None]]
+] = {}
+
+
+def register_rng_states(
+    name: str,
+    get_states: Callable[[], Mapping[str, torch.Tensor]],
+    set_states: Callable[[dict[str, torch.Tensor]], None],
+) -> None:
+    """Have checkpoints carry more generator states (e.g. tensor parallel's per-model-parallel-
+    rank dropout streams): `get_states()` returns them by key (no "/" in a key), `set_states(d)`
+    gets back exactly that dict as it was saved. Saved by every worker (sharded: under
+    ``__rng__/<rank>/stream.<name>.<key>``; the one file: ``rng["streams"][name]``) and, as
+    torch's own generators, restored only into the same layout. Before anything is loaded, a
+    saved state whose key the process has now must match its dtype and shape. Registering a
+    name again replaces it."""
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+        raise ValueError(f"register_rng_states: name must be letters, digits, '_' or '-', got {name!r}")
+    _RNG_STREAMS[name] = (get_states, set_states)
+
+
+def rng_states() -> dict[str, torch.Tensor]:
+    """This process's generator states, by key: ``cpu``, ``cuda<i>``, ``stream.<name>.<key>``."""
     states = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
             states[f"cuda{i}"] = s
+    for name, (get, _) in _RNG_STREAMS.items():
+        for key, t in get().items():
+            if "/" in key:
+                raise ValueError(f"RNG states {name!r}: key {key!r} has a '/'")
+            states[f"stream.{name}.{key}"] = t.detach().to("cpu").clone()
     return states
+
+
+def stream_states(states: Mapping[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
+    """The states of registered `name` among `states` (keys as its `get_states` gave them)."""
+    prefix = f"stream.{name}."
+    return {k.removeprefix(prefix): t for k, t in states.items() if k.startswith(prefix)}
+
+
+def check_rng(states: dict[str, torch.Tensor]) -> str | None:
+    """What is wrong with `states` as this process's generator states (before any is set)."""
+    now = rng_states()
+    for k, t in states.items():
+        if not isinstance(t, torch.Tensor):
+            return f"RNG state {k!r} is a {type(t).__name__}, not a tensor"
+        if k not in now:
+            if k.startswith("stream."):  # a stream state this process has not made yet, or none
+                continue
+            if k.startswith("cuda"):
+                continue  # a GPU this process does not have: set_rng skips it, as before
+            return f"unknown RNG state {k!r}"
+        if not isinstance(t, torch.Tensor) or t.dtype != now[k].dtype or t.shape != now[k].shape:
+            got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            return f"RNG state {k!r} is {got}, expected {now[k].dtype} {list(now[k].shape)}"
+    if "cpu" not in states:
+        return "no CPU RNG state"
+    return None
 
 
 # --- load --------------------------------------------------------------------------------------
@@ -374,32 +664,39 @@ def _shape_ok(got: list[int], want: tuple | None) -> bool:
 
 
 def _check_vars(folder: Path, meta: dict, want: list[Var], md: dcp_meta.Metadata) -> str | None:
-    """This worker's problem with the checkpoint, or None."""
+    """This worker's problem with the checkpoint, or None. Shapes are compared whole: a split
+    var by its full shape (the checkpoint holds every var whole, whatever layout saved it)."""
     saved = meta["vars"]
     for v in want:
         if v.name not in saved or v.name not in md.state_dict_metadata:
             hint = did_you_mean(v.name, saved)
             return f"{folder} has no var {v.name!r}{hint}, which program needs"
         s = saved[v.name]
-        if s.get("dtype") != v.dtype or not _shape_ok(s["shape"], v.shape):
-            want_shape = list(v.shape) if v.shape is not None else "?"
-            return (
-                f"var {v.name!r} is {s.get('dtype')} {s['shape']} in {folder} "
-                f"but {v.dtype} {want_shape} in the program"
-            )
+        if s.get("dtype") != v.dtype or not _shape_ok(s["shape"], v.full_shape):
+            have = f"{s.get('dtype')} {s['shape']}"
+            return f"var {v.name!r} is {have} in {folder} but {describe(v)} in the program"
         tm = md.state_dict_metadata[v.name]
         if not isinstance(tm, dcp_meta.TensorStorageMetadata) or list(tm.size) != list(s["shape"]):
             return f"var {v.name!r}: DCP's metadata in {folder} disagrees with {INFO}"
     return None
 
 
+def describe(v: Var) -> str:
+    """``float32 [96, 32]``; a split var's full shape and the part this worker holds."""
+    full = list(v.full_shape) if v.shape is not None else "?"
+    if v.split is None:
+        return f"{v.dtype} {full}"
+    return f"{v.dtype} {full} (this worker holds {list(v.shape or ())}: {v.split})"
+
+
 def load_sharded(exe: Any, folder: Path, program: Program, *, strict: bool = True) -> list[str]:
     """Every worker of the new layout calls this; returns the names loaded on this worker."""
-    refuse_tensor_parallel(program, "load_persistables")
     rank, size = world()
-    problem, meta, md = None, None, None
+    problem, meta, md, place, group = None, None, None, None, None
     want = saved_vars(program)
     try:
+        group = model_parallel_group(program, "load_persistables")
+        place = mp_place(program, "load_persistables")
         meta = _read_info(folder)
         md = SafeReader(folder).read_metadata()
         problem = _check_vars(folder, meta, want, md)
@@ -410,7 +707,8 @@ def load_sharded(exe: Any, folder: Path, program: Program, *, strict: bool = Tru
 
     needed = set().union(*_gather([v.name for v in want]))
     extra = sorted(set(meta["vars"]) - needed)
-    same_layout = {k: meta.get(k) for k in _layout(program)} == _layout(program)
+    layout = _layout(program, group)
+    same_layout = {k: meta.get(k, _LAYOUT_DEFAULTS.get(k)) for k in layout} == layout
     if extra and strict and same_layout:
         raise CheckpointError(
             f"load_persistables: {folder} holds {len(extra)} var(s) no worker's program has: "
@@ -421,34 +719,45 @@ def load_sharded(exe: Any, folder: Path, program: Program, *, strict: bool = Tru
             "load_persistables: %d var(s) of %s are not in this layout: %s", len(extra), folder, extra[:10]
         )
 
-    into: dict[str, torch.Tensor] = {}
+    into: dict[str, Any] = {}
     for v in want:
-        s = meta["vars"][v.name]
-        into[v.name] = torch.empty(s["shape"], dtype=_torch_dtype(s["dtype"]))
+        if v.split is None:
+            into[v.name] = torch.empty(meta["vars"][v.name]["shape"], dtype=_torch_dtype(v.dtype))
+        else:  # this worker's pieces of the full tensor, read straight into its local tensor
+            assert place is not None  # mp_place found the group of every split var
+            into[v.name] = _Pieces(torch.empty(v.shape, dtype=_torch_dtype(v.dtype)), v.split, place.index)
     rng_keys = {k for k in md.state_dict_metadata if k.startswith(f"{_RNG}/{rank}/")}
-    restore_rng = meta["world_size"] == size and f"{_RNG}/{rank}/cpu" in rng_keys
+    restore_rng = same_layout and f"{_RNG}/{rank}/cpu" in rng_keys
     if restore_rng:
         for k in rng_keys:
             tm = md.state_dict_metadata[k]
             into[k] = torch.empty(list(tm.size), dtype=tm.properties.dtype)
     elif rank == 0:
+        saved = {k: meta.get(k, _LAYOUT_DEFAULTS.get(k)) for k in layout}
         logger.warning(
-            "load_persistables: %s was saved by %d worker(s), this job has %d: RNG states not restored "
+            "load_persistables: %s was saved by another layout (%s), this job is %s: RNG states not restored "
             "(dropout masks differ from an uninterrupted run)",
             folder,
-            meta["world_size"],
-            size,
+            saved,
+            layout,
         )
     with warnings.catch_warnings():  # one process loading is what we mean: DCP warns all the same
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         try:
-            dcp.load(into, storage_reader=SafeReader(folder), no_dist=size == 1)
+            dcp.load(into, storage_reader=SafeReader(folder), planner=_LoadPlanner(), no_dist=size == 1)
         except (Exception, CheckpointException) as e:  # damaged data: nothing was changed yet
             raise CheckpointError(f"load_persistables: reading {folder} failed: {_short(e)}") from e
-    into_scope(exe, {v.name: into[v.name] for v in want})
+    rng = {k.rsplit("/", 1)[1]: into[k] for k in rng_keys} if restore_rng else {}
+    problem = check_rng(rng) if restore_rng else None
+    _agree_or_raise(problem and f"{folder}: {problem}", "load_persistables")
+    into_scope(exe, {v.name: _local(into[v.name]) for v in want})
     if restore_rng:
-        _set_rng({k.rsplit("/", 1)[1]: into[k] for k in rng_keys})
+        set_rng(rng)
     return [v.name for v in want]
+
+
+def _local(x: Any) -> torch.Tensor:
+    return x.local if isinstance(x, _Pieces) else x
 
 
 def _short(e: BaseException) -> str:
@@ -485,12 +794,21 @@ def into_scope(exe: Any, tensors: dict[str, torch.Tensor]) -> None:
         exe.scope[name] = new
 
 
-def _set_rng(states: dict[str, torch.Tensor]) -> None:
+def set_rng(states: dict[str, torch.Tensor]) -> None:
+    """Set the generators `states` holds (checked by `check_rng` first)."""
     torch.set_rng_state(states["cpu"])
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             if f"cuda{i}" in states:
                 torch.cuda.set_rng_state(states[f"cuda{i}"], i)
+    for name, (_, set_states) in _RNG_STREAMS.items():
+        mine = stream_states(states, name)
+        if mine:
+            set_states(mine)
+        else:
+            logger.warning(
+                "load_persistables: the checkpoint has no state of RNG stream %r: left as is", name
+            )
 
 
 # --- reading DCP's metadata without running code ---------------------------------------------
@@ -562,3 +880,19 @@ class SafeReader(FileSystemReader):
     def _inside(self, rel: str) -> bool:
         target = (self._folder / rel).resolve()
         return target.parent == self._folder and target.is_file()
+
+
+def _model_parallel_streams() -> dict[str, torch.Tensor]:
+    mp = rng_streams.MODEL_PARALLEL + "."
+    return {k: t for k, t in rng_streams.state_dict().items() if k.startswith(mp)}
+
+
+def _set_model_parallel_streams(states: dict[str, torch.Tensor]) -> None:
+    # torch's default generators (the shared stream) are restored by the caller: keep them as they are
+    default = {k: t for k, t in rng_streams.state_dict().items() if "." not in k}
+    rng_streams.load_state_dict({**default, **states})
+
+
+# Tensor parallel's per-model-parallel-rank dropout streams (metaopt/ops/rng_streams.py): a resumed
+# run with dropout in split regions draws the masks it would have drawn.
+register_rng_states("model_parallel", _model_parallel_streams, _set_model_parallel_streams)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from metaopt.ir.printer import RESERVED_WORDS
-from metaopt.ir.program import GradientMergeInfo, Op, PipelineInfo, Program, Var, torch_dtype
+from metaopt.ir.program import GradientMergeInfo, Op, PipelineInfo, Program, Split, Var, torch_dtype
 
 
 class ParseError(ValueError):
@@ -144,12 +144,13 @@ def _parse_var(text: str) -> tuple[Var, torch.Tensor | None]:
     dtype = _name(t.next())
     shape = _shape(t)
     kind, trainable, value = "activation", False, None
-    if not t.done() and not t.at("="):
+    if not t.done() and not t.at("=") and not _at_split(t):
         kind = _name(t.next())
         trainable = kind == "param"
         if t.peek() == ("name", "frozen"):
             t.next()
             trainable = False
+    split = _split(t) if _at_split(t) else None
     if t.at("="):
         t.next()
         value = torch.tensor(_value(t), dtype=torch_dtype(dtype))
@@ -157,7 +158,31 @@ def _parse_var(text: str) -> tuple[Var, torch.Tensor | None]:
             value = value.reshape(shape)  # keeps zero-size dims ("= []" of a [0,3] constant)
     if not t.done():
         raise ValueError(f"unexpected {t.peek()[1]!r}")  # type: ignore[index]
-    return Var(name, dtype, shape, kind=kind, trainable=trainable), value
+    return Var(name, dtype, shape, kind=kind, trainable=trainable, split=split), value
+
+
+def _at_split(t: _Tokens) -> bool:
+    return t.peek() == ("name", "split") and t.i + 1 < len(t.toks) and t.toks[t.i + 1] == ("punct", "(")
+
+
+def _split(t: _Tokens) -> Split:
+    """``split(axis=0, parts=2, blocks=[96])``: every key once, in any order."""
+    t.next()
+    t.expect("(")
+    kv: dict[str, Any] = {}
+    while not t.at(")"):
+        key = _name(t.next())
+        t.expect("=")
+        if key in kv or key not in ("axis", "parts", "blocks"):
+            raise ValueError(f"split: unexpected key {key!r} (axis, parts and blocks, once each)")
+        kv[key] = _value(t)
+        if not t.at(")"):
+            t.expect(",")
+    t.next()
+    missing = [k for k in ("axis", "parts", "blocks") if k not in kv]
+    if missing or not isinstance(kv["blocks"], list):
+        raise ValueError(f"split needs axis=, parts= and blocks=[...], got {sorted(kv)}")
+    return Split(kv["axis"], kv["parts"], tuple(kv["blocks"]))
 
 
 def _split_comment(text: str) -> tuple[str, str]:

@@ -7,6 +7,7 @@
     vars:
       x: float32[batch,16] input
       fc1.weight: float32[32,16] param
+      fc2.weight: float32[16,32] param split(axis=0, parts=2, blocks=[32])
       h: float32[batch,32]
     modules:
       fc1: h
@@ -15,7 +16,9 @@
     ops:
       h = Gemm(x, fc1.weight, fc1.bias, transB=1)  # role=forward scope=fc1
 
-One op per line; the comment holds the op's fields. Names (and dims)
+A var holding one worker's part of a larger tensor (tensor parallel) shows its layout,
+``split(axis, parts, blocks)`` (`metaopt.ir.program.Split`), after its kind; the shape is the
+worker's own. One op per line; the comment holds the op's fields. Names (and dims)
 outside ``[A-Za-z0-9_.@/*+-]`` are JSON-quoted; an omitted optional input is ``~``.
 Constants with at most `INLINE_VALUES` elements show their value; larger
 values (weights) are not part of the text.
@@ -86,6 +89,8 @@ def fmt_var(var: Var, value: torch.Tensor | None) -> str:
         s += f" {var.kind}"
     if var.kind == "param" and not var.trainable:
         s += " frozen"
+    if var.split is not None:  # one worker's part of a larger tensor (unsplit vars print as before)
+        s += f" {var.split}"
     if var.kind == "constant" and value is not None and value.numel() <= INLINE_VALUES:
         t = value.detach().cpu()
         if t.dtype in (torch.bfloat16, torch.float16):

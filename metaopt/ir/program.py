@@ -114,6 +114,65 @@ def _eval_node(node: ast.AST, dims: dict[str, int]) -> int | None:
     return None
 
 
+@dataclass(frozen=True)
+class Split:
+    """A var that holds one worker's part of a larger tensor (tensor parallel's split params
+    and the optimizer state made from them): along `axis`, each of the `parts` workers of the
+    model-parallel group holds 1/parts of every block of `blocks` (the blocks' FULL sizes, in
+    order; they sum to the full dim), the pieces concatenated in block order.
+
+    One block is a plain contiguous slice (a column-parallel c_fc's rows); several are a fused
+    projection (GPT-2's c_attn [3H, H] cut as q, k, v: a worker holds its 1/parts of each, which
+    is no contiguous chunk of the full tensor). The var's own shape is the local one; the full
+    shape is `full_shape(var.shape)`. Which part a worker holds is its index in its
+    model-parallel group: deliberately not recorded here, so that every worker's printed
+    program reads the same (they are compared at minimize)."""
+
+    axis: int
+    parts: int
+    blocks: tuple[int, ...]
+
+    def full_shape(self, local: Shape) -> Shape:
+        return tuple(d * self.parts if i == self.axis else d for i, d in enumerate(local))
+
+    def local_shape(self, full: Shape) -> Shape:
+        return tuple(d // self.parts if i == self.axis else d for i, d in enumerate(full))
+
+    def pieces(self, index: int) -> list[tuple[int, int, int]]:
+        """(offset in the full tensor, offset in the local one, length) along `axis` of each
+        block's piece that part `index` holds, in block order."""
+        out, full_at, local_at = [], 0, 0
+        for b in self.blocks:
+            n = b // self.parts
+            out.append((full_at + index * n, local_at, n))
+            full_at += b
+            local_at += n
+        return out
+
+    def check(self, var: str, shape: Shape | None) -> None:
+        """Raise naming `var` unless this layout fits its (local) `shape`."""
+        ok = (
+            isinstance(self.axis, int)
+            and isinstance(self.parts, int)
+            and self.parts >= 1
+            and bool(self.blocks)
+            and all(isinstance(b, int) and b > 0 and b % self.parts == 0 for b in self.blocks)
+            and shape is not None
+            and 0 <= self.axis < len(shape)
+            and shape[self.axis] == sum(self.blocks) // self.parts
+        )
+        if not ok:
+            where = list(shape) if shape is not None else "?"
+            raise ValueError(
+                f"var {var!r}: its layout {self} does not fit its shape {where} "
+                "(the axis must be one of its dims, and the blocks, each divisible by parts, must sum to "
+                "parts x that dim)"
+            )
+
+    def __str__(self) -> str:
+        return f"split(axis={self.axis}, parts={self.parts}, blocks={list(self.blocks)})"
+
+
 @dataclass
 class Var:
     name: str
@@ -124,6 +183,8 @@ class Var:
     # The program this var belongs to (Fleet's `var.block.program`): lets
     # `optimizer.minimize(loss)` find the program from the loss alone.
     program: Program | None = field(default=None, repr=False, compare=False)
+    # Set when the var holds one worker's part of a larger tensor (tensor parallel): `Split`.
+    split: Split | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in VAR_KINDS:
@@ -131,6 +192,15 @@ class Var:
                 f"var {self.name!r}: unknown kind {self.kind!r}{did_you_mean(self.kind, VAR_KINDS)}"
             )
         torch_dtype(self.dtype)
+        if self.split is not None:
+            self.split.check(self.name, self.shape)
+
+    @property
+    def full_shape(self) -> Shape | None:
+        """The whole tensor's shape: the var's own, or, for a split var, all parts together."""
+        if self.split is None or self.shape is None:
+            return self.shape
+        return self.split.full_shape(self.shape)
 
     @property
     def persistable(self) -> bool:
@@ -180,6 +250,7 @@ def _copy_var(v: Var, program: Program) -> Var:
     new.kind = v.kind
     new.trainable = v.trainable
     new.program = program
+    new.split = v.split  # frozen
     return new
 
 

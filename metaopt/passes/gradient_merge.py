@@ -48,6 +48,12 @@ def gradient_merge(p: Program, *, k_steps: int, avg: bool = True, loss_grad: str
         raise GradientMergeError(f"program {q.name!r} already has a var {step!r}")
     q.add_var(Var(step, "int64", (), "opt_state"), torch.zeros((), dtype=torch.int64))
     producers = q.producers()
+    # an accumulator of a tensor-parallel param's grad is split as the param is (checkpoints save it)
+    split = {
+        op.inputs[1]: q.vars[op.inputs[0]].split
+        for op in q.ops
+        if roles.is_update(op.role) and len(op.inputs) > 1
+    }
     merged: dict[str, str] = {}
     after: dict[int, list[Op]] = {}
     for g in grads:
@@ -56,7 +62,8 @@ def gradient_merge(p: Program, *, k_steps: int, avg: bool = True, loss_grad: str
         for n in (acc, new):
             if n in q.vars:
                 raise GradientMergeError(f"program {q.name!r} already has a var {n!r}")
-        q.add_var(Var(acc, v.dtype, v.shape, "opt_state"), torch.zeros(_static(v), dtype=_dtype(v)))
+        acc_var = Var(acc, v.dtype, v.shape, "opt_state", split=split.get(g))
+        q.add_var(acc_var, torch.zeros(_static(v), dtype=_dtype(v)))
         q.add_var(Var(new, v.dtype, v.shape, "grad"))
         q.updates[acc] = new
         merged[g] = new

@@ -46,7 +46,10 @@ def master_weights(program: Program) -> Program:
             raise AmpError(f"use_pure_fp16: param {param!r} has no initial value for its master copy")
         low = pv.dtype
         master = names.master(param)
-        q.add_var(Var(master, "float32", pv.shape, "opt_state"), q.values[param].to(torch.float32))
+        # a tensor-parallel param's master copy is split as the param is (checkpoints save it by part)
+        q.add_var(
+            Var(master, "float32", pv.shape, "opt_state", split=pv.split), q.values[param].to(torch.float32)
+        )
         grad = op.inputs[1]
         if q.vars[grad].dtype != "float32":
             if grad not in casts:

@@ -20,7 +20,8 @@
                                                       w@MOMENT1, w@MOMENT2, beta1=0.9, ...)
 
    and registers ``updates[w] = w@NEW`` and one update per state var. State vars are
-   zero-initialised (``program.values``), of the param's shape and dtype, named by
+   zero-initialised (``program.values``), of the param's shape, dtype and split layout
+   (``Var.split``, tensor parallel), named by
    `metaopt.ir.names` (``w@VELOCITY``, ``w@MOMENT1``, ``w@MOMENT2``, ``w@MAX_MOMENT2``).
 
 It returns ``(new program, the role-optimize ops it appended)`` (clip and update ops;
@@ -86,7 +87,8 @@ def apply_optimizer(
         states = list(optimizer.state_names(p).values())
         for s in states:
             zeros = torch.zeros(pv.shape, dtype=torch_dtype(pv.dtype))  # torch's initial state
-            _add(q, Var(s, pv.dtype, pv.shape, "opt_state"), zeros)
+            # a tensor-parallel param's state is split as the param is: checkpoints need it
+            _add(q, Var(s, pv.dtype, pv.shape, "opt_state", split=pv.split), zeros)
         inputs = [p, g, lr] + ([step_new] if optimizer.needs_step() else []) + states
         outputs = [names.new_state(x) for x in [p, *states]]
         for x, o in zip([p, *states], outputs, strict=True):

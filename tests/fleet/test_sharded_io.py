@@ -15,7 +15,8 @@ import torch
 import metaopt
 from metaopt import fleet
 from metaopt.fleet import sharded_io
-from metaopt.ir import Program, Var
+from metaopt.ir import Op, Program, Split, Var, parse_program, torch_dtype
+from metaopt.passes.tensor_parallel import shard_tensor
 
 
 def _program(n: int = 6) -> Program:
@@ -194,17 +195,176 @@ def test_a_worker_without_a_value_fails_before_any_collective(tmp_path):
     assert not (tmp_path / "ckpt").exists()
 
 
-def test_a_tensor_parallel_program_is_refused_not_half_saved(tmp_path):
-    """Split params hold a slice under the param's name: DCP would keep one rank's slice."""
-    from metaopt.ir import Op
+# --- tensor parallel, in one process: a worker's part of each split var ------------------------
 
-    p = _program()
-    p.add_var(Var("y", "float32", (6, 3)))
-    p.ops.append(Op("TPReduce", ["w"], ["y"], {"group": "model_parallel"}))
-    for call in (
-        lambda: sharded_io.save_sharded(metaopt.Executor("cpu"), tmp_path / "ckpt", p, step=1),
-        lambda: sharded_io.load_sharded(metaopt.Executor("cpu"), tmp_path, p),
+
+def _full() -> Program:
+    """What one process holds (MP=1): every var whole."""
+    p = Program("tp")
+    p.add_var(Var("w", "float32", (6, 3), "param", trainable=True), torch.arange(18.0).reshape(6, 3))
+    p.add_var(Var("qkv", "float32", (12, 2), "param", trainable=True), torch.arange(24.0).reshape(12, 2))
+    p.add_var(Var("m", "float64", (6, 4), "opt_state"), torch.arange(24, dtype=torch.float64).reshape(6, 4))
+    p.add_var(Var("count", "int64", (), "buffer"), torch.tensor(7))
+    return p
+
+
+LAYOUTS = {"w": Split(0, 2, (6,)), "qkv": Split(0, 2, (4, 4, 4)), "m": Split(1, 2, (4,))}
+
+
+def _part_program(group: list[int], rows: int = 6) -> Program:
+    """A worker of an MP=2 job: its part of each var, and a model-parallel collective naming the
+    group (this process is worker 0: group [1, 0] makes it the group's second, part 1)."""
+    p = Program("tp")
+    for v in _full().vars.values():
+        sp = LAYOUTS.get(v.name)
+        shape = (rows, 3) if v.name == "w" else v.shape
+        sp = Split(0, 2, (rows,)) if v.name == "w" else sp
+        local = sp.local_shape(shape) if sp else shape
+        p.add_var(
+            Var(v.name, v.dtype, local, v.kind, v.trainable, split=sp),
+            torch.zeros(local, dtype=torch_dtype(v.dtype)),
+        )
+    p.add_var(Var("y", "float32", (3, 3)))
+    p.ops.append(Op("TPCopy", ["w"], ["y"], {"group": group}))
+    return p
+
+
+def _save_full(tmp, how: str) -> None:
+    p, exe = _full(), metaopt.Executor("cpu")
+    if how == "sharded":
+        sharded_io.save_sharded(exe, tmp / "ckpt", p, step=1)
+    else:
+        fleet.save_persistables(exe, tmp / "ckpt", p)  # one process: the one file
+
+
+@pytest.mark.parametrize("how", ["sharded", "file"])
+@pytest.mark.parametrize("group, part", [([0, 1], 0), ([1, 0], 1)])
+def test_a_worker_loads_its_part_of_each_split_var(tmp_path, how, group, part):
+    _save_full(tmp_path, how)
+    exe = metaopt.Executor("cpu")
+    assert sorted(fleet.load_persistables(exe, tmp_path / "ckpt", _part_program(group))) == [
+        "count",
+        "m",
+        "qkv",
+        "w",
+    ]
+    full = _full().values
+    for name, sp in LAYOUTS.items():  # the tensor-parallel pass's own slicing is the reference
+        want = shard_tensor(full[name], sp.axis, sp.blocks, sp.parts, part)
+        assert torch.equal(exe.scope[name], want), name
+    assert torch.equal(exe.scope["qkv"][:2], full["qkv"][2 * part : 2 * part + 2])  # 1/2 of q, k and v
+    assert torch.equal(exe.scope["count"], torch.tensor(7))
+
+
+@pytest.mark.parametrize("how", ["sharded", "file"])
+def test_a_split_var_of_another_full_shape_is_refused_naming_both_shapes(tmp_path, how):
+    _save_full(tmp_path, how)
+    exe = metaopt.Executor("cpu")
+    error = sharded_io.CheckpointError if how == "sharded" else ValueError
+    with pytest.raises(
+        error,
+        match=r"var 'w' is float32 \[6, 3\] in .* but float32 \[8, 3\] \(this worker holds \[4, 3\]: "
+        r"split\(axis=0, parts=2, blocks=\[8\]\)\)",
     ):
-        with pytest.raises(NotImplementedError, match="tensor parallel .* split params are not implemented"):
-            call()
-    assert not (tmp_path / "ckpt").exists()
+        fleet.load_persistables(exe, tmp_path / "ckpt", _part_program([0, 1], rows=8))
+    assert not exe.scope  # nothing loaded
+
+
+def test_one_process_cannot_save_one_part(tmp_path):
+    p, exe = _part_program([0, 1]), metaopt.Executor("cpu")
+    alone = r"tensor parallel over workers \[0, 1\] and this process is alone"
+    with pytest.raises(sharded_io.CheckpointError, match=alone):
+        fleet.save_persistables(exe, tmp_path / "ckpt", p)
+    with pytest.raises(
+        sharded_io.CheckpointError, match=r"split over the model-parallel group \[0, 1\], but this job has 1"
+    ):
+        sharded_io.save_sharded(exe, tmp_path / "ckpt", p, step=1)
+    p.ops = []  # a part without the group's collectives: refused by the var
+    with pytest.raises(
+        sharded_io.CheckpointError, match=r"var 'w' .* one of 2 parts .* this process is alone"
+    ):
+        fleet.save_persistables(exe, tmp_path / "ckpt", p)
+    assert not [x for x in (tmp_path / "ckpt").rglob("*") if x.is_file()]
+
+
+def test_a_split_var_without_a_model_parallel_group_is_refused(tmp_path):
+    _save_full(tmp_path, "sharded")
+    p = _part_program([0, 1])
+    p.ops = []
+    with pytest.raises(
+        sharded_io.CheckpointError, match=r"var 'w' holds a part .* which part this worker holds"
+    ):
+        fleet.load_persistables(metaopt.Executor("cpu"), tmp_path / "ckpt", p)
+
+
+@pytest.mark.parametrize("how", ["sharded", "file"])
+def test_a_registered_rng_stream_is_saved_and_restored(tmp_path, monkeypatch, how):
+    """The hook for generators beside torch's own (tensor parallel's per-MP-rank stream)."""
+    monkeypatch.setattr(sharded_io, "_RNG_STREAMS", {})
+    gen = torch.Generator().manual_seed(5)
+    sharded_io.register_rng_states(
+        "mp", lambda: {"rank0.cpu": gen.get_state()}, lambda d: gen.set_state(d["rank0.cpu"])
+    )
+    p, exe = _program(), metaopt.Executor("cpu")
+    if how == "sharded":
+        sharded_io.save_sharded(exe, tmp_path / "ckpt", p, step=1)
+    else:
+        fleet.save_persistables(exe, tmp_path / "ckpt", p)
+    want = torch.rand(4, generator=gen)
+    fleet.load_persistables(metaopt.Executor("cpu"), tmp_path / "ckpt", p)
+    assert torch.equal(torch.rand(4, generator=gen), want)  # the stream is back where it was saved
+
+
+@pytest.mark.parametrize("how", ["sharded", "file"])
+def test_the_model_parallel_dropout_stream_is_saved_and_restored(tmp_path, how):
+    """fleet registers tensor parallel's per-MP-rank stream (metaopt/ops/rng_streams.py): a resumed
+    run draws the split-region masks it would have drawn, and the shared stream as well."""
+    from metaopt.ops import rng_streams
+
+    metaopt.seed(3)
+    attrs = {"rng": "model_parallel", "group": [0]}  # this worker is MP rank 0 of a group of one
+    with rng_streams.drawing_from(attrs, torch.device("cpu")):
+        torch.rand(2)  # the stream exists (made at its first draw) and has moved
+    p, exe = _program(), metaopt.Executor("cpu")
+    if how == "sharded":
+        sharded_io.save_sharded(exe, tmp_path / "ckpt", p, step=1)
+    else:
+        fleet.save_persistables(exe, tmp_path / "ckpt", p)
+    with rng_streams.drawing_from(attrs, torch.device("cpu")):
+        want_mp = torch.rand(4)
+    want_shared = torch.rand(4)
+    metaopt.seed(99)  # both streams elsewhere
+    fleet.load_persistables(metaopt.Executor("cpu"), tmp_path / "ckpt", p)
+    with rng_streams.drawing_from(attrs, torch.device("cpu")):
+        assert torch.equal(torch.rand(4), want_mp)
+    assert torch.equal(torch.rand(4), want_shared)
+
+
+def test_the_layout_the_pass_records_reaches_the_optimizer_state_and_round_trips():
+    """The tensor-parallel pass sets Var.split on each param it slices; the optimizer pass gives
+    the param's state the same; the printed program carries both (what checkpoints read)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "training"))
+    import tp_worker
+
+    from metaopt.passes.tensor_parallel import tensor_parallel
+
+    program = tp_worker.export("gpt")
+    plan = tp_worker.plan(program, "gpt", 0, 2)
+    program = tensor_parallel(program, plan=plan)
+    metaopt.optimizer.Adam(learning_rate=0.1).minimize(program.loss)
+    split = {sp.name: sp for sp in plan.params}
+    assert split
+    for v in program.vars.values():
+        owner = v.name.split("@")[0] if v.kind == "opt_state" else v.name
+        sp = split.get(owner)
+        if v.kind in ("param", "opt_state") and sp is not None and v.shape == sp.local_shape:
+            assert v.split == Split(sp.axis, 2, tuple(sp.blocks)), v.name
+            assert v.full_shape == tuple(sp.full_shape), v.name
+        elif v.kind in ("param", "opt_state"):
+            assert v.split is None, v.name
+    moments = [v for v in program.vars.values() if v.kind == "opt_state" and v.split is not None]
+    assert len(moments) == 2 * len(split)  # MOMENT1 and MOMENT2 of each
+    assert parse_program(str(program)).vars == program.vars

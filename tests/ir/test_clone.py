@@ -16,7 +16,7 @@ from conftest import exported
 
 import metaopt
 from metaopt import fleet
-from metaopt.ir import Op, Program, Var
+from metaopt.ir import Op, Program, Split, Var
 from metaopt.ir.program import _copy_op, _copy_var
 
 
@@ -89,7 +89,7 @@ def test_every_op_field_is_copied():
 
 def test_every_var_field_is_copied():
     p, q = Program("p"), Program("q")
-    v = p.add_var(Var("w", "bfloat16", (4, "batch"), kind="param", trainable=True))
+    v = p.add_var(Var("w", "bfloat16", (4, 6), kind="param", trainable=True, split=Split(1, 2, (12,))))
     new = _copy_var(v, q)
     assert type(new) is Var and new is not v and new.program is q and v.program is p
     assert set(vars(new)) == {f.name for f in dataclasses.fields(Var)}

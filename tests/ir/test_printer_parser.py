@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from metaopt.ir import Op, ParseError, Program, Var, parse_program, print_program
+from metaopt.ir import Op, ParseError, Program, Split, Var, parse_program, print_program
 from metaopt.ir.printer import INLINE_VALUES, fmt_name, fmt_op, fmt_value
 from metaopt.ir.program import ROLES, VAR_KINDS
 
@@ -458,6 +458,24 @@ def test_round_trip_shapes_and_kinds():
     assert "  w: bfloat16[16,32] param\n" in text
 
 
+def test_round_trip_split_vars_and_unsplit_ones_print_as_before():
+    """Tensor parallel's Var.split: a worker's part of a larger tensor, after the kind."""
+    p = Program("split")
+    p.add_var(Var("w", "float32", (48, 32), "param", trainable=True, split=Split(0, 2, (32, 32, 32))))
+    p.add_var(Var("e", "float32", (50, 8), "param", trainable=False, split=Split(0, 2, (100,))))
+    p.add_var(Var("w@MOMENT1", "float32", (48, 32), "opt_state", split=Split(0, 2, (32, 32, 32))))
+    p.add_var(Var("split", "float32", (4, 8), split=Split(1, 4, (32,))))  # a var named like the field
+    p.add_var(Var("b", "float32", (32,), "param", trainable=True))
+    q = round_trip(p)
+    assert q.vars == p.vars
+    assert q.vars["w"].full_shape == (96, 32) and q.vars["b"].full_shape == (32,)
+    text = print_program(p)
+    assert "  w: float32[48,32] param split(axis=0, parts=2, blocks=[32, 32, 32])\n" in text
+    assert "  e: float32[50,8] param frozen split(axis=0, parts=2, blocks=[100])\n" in text
+    assert "  split: float32[4,8] split(axis=1, parts=4, blocks=[32])\n" in text
+    assert "  b: float32[32] param\n" in text
+
+
 @pytest.mark.parametrize("dim", ["4*batch", "batch - 1", "(batch+1)"])
 def test_round_trip_expression_dims(dim):
     p = _base()
@@ -605,6 +623,10 @@ def test_round_trip_digit_dash_names(name):
         (["program p", "updates:", "  w -> w@NEW"], 3),
         (["program p", "loss:"], 2),
         (["program p", "vars:", '  "x: float32[2]'], 3),  # unterminated quote
+        (["program p", "vars:", "  w: float32[3,2] param split(axis=0, parts=2, blocks=[4])"], 3),  # 4/2 != 3
+        (["program p", "vars:", "  w: float32[3,2] param split(axis=0, parts=2)"], 3),  # no blocks
+        (["program p", "vars:", "  w: float32[3,2] param split(axis=0, parts=2, blocks=[6], x=1)"], 3),
+        (["program p", "vars:", "  w: float32[3,2] param split(axis=2, parts=2, blocks=[6])"], 3),
     ],
 )
 def test_parse_error_names_line_number_and_line(lines, bad):

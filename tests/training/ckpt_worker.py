@@ -3,14 +3,20 @@
 argv: out_dir ckpt_dir layout phase
   layout: dp2 (data parallel: mlp, dropout 0.3, rank-seeded) | pp2 | pp4 (pipeline: gpt with its
           tied embedding across the first and last stage, dropout 0.1, rank-seeded)
+          | mp2 (tensor parallel: gpt, MP=2 with tp_worker's column/row layers, dropout 0,
+          Momentum, every worker fed the whole batch)
           or, with phase loop, the number of saves
   phase:  straight  train STEPS steps, save, train STEPS more
           resume    load, train STEPS more (steps STEPS .. 2*STEPS-1)
+          from_one  (mp2) load what one process saved after STEPS steps: first a checkpoint of
+                    the wrong shape (<ckpt>_bad, refused), then the sharded one (<ckpt>_sharded),
+                    then the one file (<ckpt>); train STEPS more; then drop one split param's
+                    layout and save (<ckpt>_unmarked: refused, "unmarked")
           loop      (the kill tests) a hand-built program saved again and again, values = the step
 
 Writes `<out>/<layout>.<phase>.rank<r>.pt`: the losses, the saved vars after training
 ("state") and the saved vars at the save ("at_save", straight) or right after the load
-("loaded", resume).
+("loaded", resume), each split var's layout ("splits": name -> (axis, parts, blocks)).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
+import tp_worker  # noqa: E402
 from dp_worker import full_batch  # noqa: E402
 
 import metaopt  # noqa: E402
@@ -30,23 +37,45 @@ from metaopt import fleet  # noqa: E402
 from metaopt.fleet import sharded_io  # noqa: E402
 
 STEPS = 2
+MP_LAYOUTS = ("mp2", "single_mp")  # tensor parallel and its one-process twin: same model, optimizer
 CUTS = {"pp2": ["transformer.h.1"], "pp4": ["transformer.h.0", "transformer.h.1", "transformer.ln_f"]}
 LOOP_ELEMENTS = 1 << 20  # 4 MiB per worker and save: long enough for a kill to land mid-save
+
+
+def strategy(layout: str) -> fleet.DistributedStrategy:
+    s = fleet.DistributedStrategy()
+    if layout in CUTS:
+        s.pipeline = True
+        s.pipeline_configs = {"accumulate_steps": 2, "schedule_mode": "1F1B", "cuts": CUTS[layout]}
+    if layout == "mp2":  # fleet.init lays the two workers out as one model-parallel group
+        s.hybrid_configs = {"mp_degree": 2}
+        s.tensor_parallel = True
+        s.tensor_parallel_configs = {"column": tp_worker.COLUMN["gpt"], "row": tp_worker.ROW["gpt"]}
+    return s
 
 
 def build(layout: str) -> tuple[metaopt.Program, str]:
     name = "mlp" if layout in ("dp2", "single_mlp") else "gpt"
     mod = programs.get(name)
-    dropout = 0.3 if name == "mlp" else 0.1
+    # tensor parallel refuses dropout in its split regions (no MP-aware RNG yet): 0 there
+    dropout = 0.3 if name == "mlp" else 0.0 if layout in MP_LAYOUTS else 0.1
     model = mod.build("tiny", seed=0, dropout=dropout)
     main = metaopt.export(model, mod.example_inputs("tiny", 4, seed=1), name=name)
-    strategy = fleet.DistributedStrategy()
-    if layout in CUTS:
-        strategy.pipeline = True
-        strategy.pipeline_configs = {"accumulate_steps": 2, "schedule_mode": "1F1B", "cuts": CUTS[layout]}
-    opt = fleet.distributed_optimizer(metaopt.optimizer.Adam(learning_rate=1e-2), strategy)
-    opt.minimize(main.loss)
+    # Momentum under tensor parallel: state to split, and params after its steps are a fair judge
+    # of MP=2 against one process (Adam's are not: it turns float noise into lr-sized updates)
+    opt = metaopt.optimizer.Momentum(learning_rate=0.1) if layout in MP_LAYOUTS else None
+    opt = opt or metaopt.optimizer.Adam(learning_rate=1e-2)
+    fleet.distributed_optimizer(opt, strategy(layout)).minimize(main.loss)
     return main, name
+
+
+def splits(main: metaopt.Program) -> dict[str, tuple]:
+    """name -> (axis, parts, blocks) of every saved var that holds one worker's part."""
+    return {
+        v.name: (v.split.axis, v.split.parts, v.split.blocks)
+        for v in sharded_io.saved_vars(main)
+        if v.split is not None
+    }
 
 
 def feed(name: str, layout: str, step: int, rank: int, world: int) -> dict[str, torch.Tensor]:
@@ -74,11 +103,29 @@ def run(out: str, ckpt: str, layout: str, phase: str, rank: int, world: int) -> 
     main, name = build(layout)
     exe = metaopt.Executor("cpu")
     result: dict = {}
+    result["splits"] = splits(main)
     if phase == "straight":
         first = train(exe, main, name, layout, range(STEPS), rank, world)
         result["at_save"] = saved_state(exe, main)
         result["path"] = fleet.save_persistables(exe, ckpt, main)
         result["losses"] = first + train(exe, main, name, layout, range(STEPS, 2 * STEPS), rank, world)
+    elif phase == "from_one":
+        try:
+            fleet.load_persistables(exe, f"{ckpt}_bad", main)
+        except sharded_io.CheckpointError as e:
+            result["refused"] = str(e)
+        result["untouched"] = not exe.scope  # the refusal changed nothing (no value was there yet)
+        fleet.load_persistables(exe, f"{ckpt}_sharded", main)
+        result["loaded_sharded"] = saved_state(exe, main)
+        fleet.load_persistables(exe, ckpt, main)
+        result["loaded"] = saved_state(exe, main)
+        result["losses"] = train(exe, main, name, layout, range(STEPS, 2 * STEPS), rank, world)
+        # a split param whose layout a pass forgot: its parts differ, so the save must refuse it
+        main.vars["transformer.h.0.attn.c_attn.weight"].split = None
+        try:
+            fleet.save_persistables(exe, f"{ckpt}_unmarked", main)
+        except NotImplementedError as e:
+            result["unmarked"] = str(e)
     else:
         fleet.load_persistables(exe, ckpt, main)
         result["loaded"] = saved_state(exe, main)
@@ -117,7 +164,7 @@ def loop(ckpt: str, rank: int, saves: int) -> None:
 
 def main() -> None:
     out, ckpt, layout, phase = sys.argv[1:5]
-    fleet.init(is_collective=True)
+    fleet.init(is_collective=True, strategy=strategy(layout) if layout == "mp2" else None)
     rank, world = fleet.worker_index(), fleet.worker_num()
     if phase == "loop":
         loop(ckpt, rank, int(layout))
