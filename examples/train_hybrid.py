@@ -1,7 +1,12 @@
-"""Hybrid parallel: data parallel x tensor (model) parallel on the gpt reference program.
+"""Hybrid parallel: data parallel x tensor (model) parallel x pipeline on the gpt reference program.
 
     metaoptrun --nproc_per_node=4 examples/train_hybrid.py [--dp 2] [--mp 2] [--steps 5]
     metaoptrun --nproc_per_node=2 examples/train_hybrid.py --dp 1 --mp 2
+    metaoptrun --nproc_per_node=8 examples/train_hybrid.py --dp 2 --mp 2 --pp 2
+
+With --pp 2 the program is also cut into two pipeline stages at ``transformer.h.1`` (1F1B over
+--micro micro-batches): each MP rank of stage 0 sends to the same MP rank of stage 1, and the
+loss is printed by the last stage's workers.
 
 fleet.init lays the workers out from hybrid_configs (model-parallel peers adjacent, as Paddle's
 CommunicateTopology and Megatron place them) and makes every group; the optimizer's strategy
@@ -31,14 +36,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dp", type=int, default=2)
     ap.add_argument("--mp", type=int, default=2)
+    ap.add_argument("--pp", type=int, choices=(1, 2), default=1, help="pipeline stages (tiny gpt: 2 blocks)")
+    ap.add_argument("--micro", type=int, default=2, help="micro-batches per step with --pp 2")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--batch", type=int, default=8, help="per data-parallel replica")
     args = ap.parse_args()
 
     strategy = fleet.DistributedStrategy()
-    strategy.hybrid_configs = {"dp_degree": args.dp, "mp_degree": args.mp}
+    strategy.hybrid_configs = {"dp_degree": args.dp, "mp_degree": args.mp, "pp_degree": args.pp}
     strategy.tensor_parallel = True
     strategy.tensor_parallel_configs = {"column": COLUMN, "row": ROW}
+    if args.pp > 1:  # cut where the residual stream is replicated over the MP group
+        strategy.pipeline = True
+        strategy.pipeline_configs = {"cuts": ["transformer.h.1"], "accumulate_steps": args.micro}
     fleet.init(is_collective=True, strategy=strategy)
     hcg = fleet.get_hybrid_communicate_group()
 
@@ -59,11 +69,11 @@ def main() -> None:
         (loss,) = exe.run(
             main_program, feed=dict(zip(gpt.INPUT_NAMES, inputs, strict=True)), fetch_list=["loss"]
         )
-        print(
-            f"worker {fleet.worker_index()} (dp {dp_rank}, mp {hcg.get_model_parallel_rank()}) "
-            f"step {step}: loss {float(loss):.6f}",
-            flush=True,
-        )
+        if loss is None:  # a pipeline stage before the last: the loss lives on the last one
+            continue
+        where = f"dp {dp_rank}, mp {hcg.get_model_parallel_rank()}"
+        where += f", pp {hcg.get_stage_id()}" if args.pp > 1 else ""
+        print(f"worker {fleet.worker_index()} ({where}) step {step}: loss {float(loss):.6f}", flush=True)
     fleet.barrier_worker()
 
 

@@ -175,7 +175,13 @@ def init(is_collective: bool = True, strategy=None) -> None:
         raise RuntimeError(
             "fleet.init: this process already joined a multi-worker group; the env now says 1 worker"
         )
+    if env.world_size > 1:
+        _check_same_layout(topo)  # every worker, hybrid_configs or not: one named error, no hang
     hcg = None if topo is None else _hybrid_group(topo, env)
+    if hcg is None:
+        from metaopt.runtime.comm import forget_topology
+
+        forget_topology()  # a hybrid layout of an earlier init no longer places anything
     _STATE.env = env
     _STATE.strategy = strategy
     _STATE.hcg = hcg
@@ -260,29 +266,31 @@ def _hybrid_group(topo: Topology, env: WorkerEnv) -> HybridCommunicateGroup:
         return old
     if env.world_size == 1:
         return HybridCommunicateGroup(topo, env.rank)  # no process group, so no groups
-    import torch.distributed as dist
+    from metaopt.runtime.comm import make_topology_groups
 
-    dims = _gather(list(topo.dims), "fleet.init: the exchange of hybrid_configs")
+    # the collectives of tensor parallel, of data parallel beside it and of a pipeline look their
+    # groups up there (by axis, by ranks): only these exist on every worker
+    return HybridCommunicateGroup(topo, env.rank, make_topology_groups(topo, env.rank, AXES))
+
+
+def _check_same_layout(topo: Topology | None) -> None:
+    """Every worker's fleet.init exchanges its hybrid degrees (or that it has none) before any
+    group is made: workers given other degrees, or hybrid_configs on some workers only, would
+    pair their groups with the wrong peers, or wait in a collective the others never join
+    (a timeout naming nothing). Raises WorkersDisagreeError on every worker alike, naming the
+    first rank that differs from rank 0 and both layouts."""
+    mine = None if topo is None else list(topo.dims)
+    dims = _gather(mine, "fleet.init: the exchange of hybrid_configs")
     differ = [r for r, d in enumerate(dims) if d != dims[0]]
     if differ:
-        raise WorkersDisagreeError(
-            f"fleet.init: the workers' hybrid_configs differ: rank 0 has {Topology(*dims[0]).describe()}, "
-            f"rank {differ[0]} has {Topology(*dims[differ[0]]).describe()}; "
-            "give every worker the same strategy"
-        )
-    from metaopt.runtime.comm import register_topology_group
 
-    timeout = comm_timeout()
-    mine: dict[str, object] = {}
-    for axis in AXES:
-        for ranks in topo.get_comm_list(axis):
-            group = dist.new_group(ranks, timeout=timeout)
-            if env.rank in ranks:
-                mine[axis] = group
-                # the collectives of tensor parallel and of data parallel beside it look their
-                # groups up by ranks: only these exist on every worker
-                register_topology_group(axis, ranks, group)
-    return HybridCommunicateGroup(topo, env.rank, mine)
+        def text(d: list | None) -> str:
+            return "no hybrid_configs (fleet.init got none)" if d is None else Topology(*d).describe()
+
+        raise WorkersDisagreeError(
+            f"fleet.init: the workers' hybrid_configs differ: rank 0 has {text(dims[0])}, "
+            f"rank {differ[0]} has {text(dims[differ[0]])}; give every worker's fleet.init the same strategy"
+        )
 
 
 def get_hybrid_communicate_group() -> HybridCommunicateGroup:

@@ -21,8 +21,10 @@ dp_degree=2, pp_degree=2, mp_degree=2 on 8 workers::
     model groups [0, 1] [2, 3] [4, 5] [6, 7]; pipe groups [0, 2] [1, 3] [4, 6] [5, 7];
     data groups [0, 4] [1, 5] [2, 6] [3, 7]
 
-With mp_degree = sharding_degree = 1 this is the pipeline's own placement,
-``rank = replica * num_stages + stage`` (``runtime/pipeline.py``).
+With mp_degree = sharding_degree = 1 this is ``rank = replica * num_stages + stage``, the placement
+of a pipeline laid out by pipeline_configs alone. The pipeline runtime (``runtime/pipeline.py``)
+places stages and replicas by this topology whatever the degrees: stage s's neighbours are the
+ranks of its pipe group (same data and model coordinate), its replicas those of its data group.
 """
 
 from __future__ import annotations

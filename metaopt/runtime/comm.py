@@ -167,23 +167,58 @@ def forget_groups() -> None:
     """Drop the sub-groups made so far (their default group is being destroyed)."""
     _GROUPS.clear()
     _CPU_GROUP.clear()
-    _TOPOLOGY_GROUPS.clear()
-    _AXIS_RANKS.clear()
+    forget_topology()
 
 
 # --- groups of the hybrid topology (fleet.init) -------------------------------------------------
 # fleet.init makes every group of every hybrid axis on every worker, in one order (torch's rule
 # for new_group); a group only some workers would ask for (a model-parallel group [0, 1] of 4)
 # must come from there, never be made lazily by its members alone, which would hang.
+# `make_topology_groups` is the one place that makes them: fleet.init calls it for hybrid_configs,
+# the pipeline runtime for a pipeline laid out by pipeline_configs alone (the same layout,
+# dp x pp), so no group of an axis is ever made twice.
 _TOPOLOGY_GROUPS: dict[tuple[int, ...], object] = {}  # this worker's groups, by their ranks
 _AXIS_RANKS: dict[str, tuple[int, ...]] = {}  # axis ("data", "model", ...) -> this worker's group
+_TOPOLOGY: list = []  # [the topology whose groups these are] (a fleet.topology.Topology)
 
 
 def register_topology_group(axis: str, ranks: Sequence[int], group: object) -> None:
-    """Record `group` (made by fleet.init on every worker) as this worker's group on `axis`."""
+    """Record `group` (made on every worker) as this worker's group on `axis`."""
     key = tuple(sorted(ranks))
     _TOPOLOGY_GROUPS[key] = group
     _AXIS_RANKS[axis] = key
+
+
+def make_topology_groups(topo, rank: int, axes: Sequence[str]) -> dict[str, object]:
+    """Make one process group per group of every axis of `topo` (a ``fleet.topology.Topology``),
+    on every worker alike: axis by axis in `axes` order, groups in ``topo.get_comm_list`` order,
+    as torch requires of ``new_group``. Registers this worker's (`axis_ranks`, `Communicator.group`)
+    and `topo` itself (`topology`); returns this worker's group per axis. Every worker must call
+    it at the same point with the same `topo`."""
+    dist = _dist()
+    forget_topology()
+    mine: dict[str, object] = {}
+    for axis in axes:
+        for ranks in topo.get_comm_list(axis):
+            group = dist.new_group(ranks, timeout=timeout())
+            if rank in ranks:
+                mine[axis] = group
+                register_topology_group(axis, ranks, group)
+    _TOPOLOGY[:] = [topo]
+    return mine
+
+
+def forget_topology() -> None:
+    """Forget the topology and its registered groups (the process groups themselves stay)."""
+    _TOPOLOGY_GROUPS.clear()
+    _AXIS_RANKS.clear()
+    _TOPOLOGY.clear()
+
+
+def topology():
+    """The topology whose groups `make_topology_groups` made (None before): every worker's
+    coordinate, for the pipeline runtime's placement of stages and replicas."""
+    return _TOPOLOGY[0] if _TOPOLOGY else None
 
 
 def axis_ranks(axis: str) -> list[int] | None:
@@ -572,6 +607,22 @@ class Communicator:
         )
         if buf is not t:
             t.copy_(buf)
+
+    def all_gather(
+        self, t: torch.Tensor, what: str, ranks: Sequence[int] | None = None
+    ) -> list[torch.Tensor]:
+        """Every worker's `t` among `ranks` (None: all), in ascending rank order (this
+        worker's included): new tensors of `t`'s shape on this executor's device. Every worker
+        of the group must call it with a tensor of the same shape and dtype (recompute
+        partition's slices are). Waits at most the timeout, then a `CommError` naming `what`."""
+        buf = (t if self.backend != "nccl" else t.to(self.device)).contiguous()
+        n = self.world_size if ranks is None else len(ranks)
+        outs = [torch.empty_like(buf) for _ in range(n)]
+        group = self.group(ranks)
+        self._run(
+            lambda dist: dist.all_gather(outs, buf, group=group, async_op=True), f"all-gather of {what}", buf
+        )
+        return outs if outs[0].device == self.device else [o.to(self.device) for o in outs]
 
     def _run(self, start, what: str, t: torch.Tensor) -> None:
         self._wait(start(_dist()), what, t)

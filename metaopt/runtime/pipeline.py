@@ -30,33 +30,60 @@ from typing import Any
 
 import torch
 
+from metaopt.fleet.topology import AXES, Topology
 from metaopt.ir import Op, PipelineInfo, Program, Var, did_you_mean, names, roles
 from metaopt.ops import registry
+from metaopt.runtime import comm as comm_groups
 from metaopt.runtime import schedules
 
 
 class PipelineState:
-    """What the Send/Recv kernels see of the step in progress (``Runtime.pipeline``)."""
+    """What the Send/Recv kernels see of the step in progress (``Runtime.pipeline``), and where
+    this worker's peers are: `topology` (``fleet.topology.Topology``) places every worker, and this
+    worker is `rank` in it. Its neighbours are the ranks of its pipe group (the same data and
+    model coordinate: each model-parallel rank of stage s talks to the same model-parallel rank of
+    stage s+1), its replicas the ranks of its data group (the same pipe and model coordinate)."""
 
-    def __init__(self, info: PipelineInfo, replica: int = 0) -> None:
+    def __init__(self, info: PipelineInfo, topology: Topology | None = None, rank: int | None = None) -> None:
         self.info = info
-        self.replica = replica  # which copy of the pipeline (data parallel over pipelines)
+        self.topology = topology or Topology(dp_degree=info.dp_degree, pp_degree=info.num_stages)
+        if self.topology.pp_degree != info.num_stages or self.topology.dp_degree != info.dp_degree:
+            raise ValueError(
+                f"pipeline stage program {info.stage} of {info.num_stages} (dp_degree={info.dp_degree}) "
+                f"cannot run in the layout {self.topology.describe()}: num_stages must equal pp_degree and "
+                "dp_degree the layout's"
+            )
+        if rank is None:  # one process: the layout's rank running this stage in replica 0
+            rank = self.topology.get_rank(data=0, pipe=info.stage, sharding=0, model=0)
+        coord = self.topology.get_coord(rank)
+        if coord.pipe != info.stage:
+            raise ValueError(
+                f"rank {rank} runs pipeline stage {coord.pipe} in the layout {self.topology.describe()}, "
+                f"but this program is stage {info.stage}"
+            )
+        self.rank = rank
+        self.replica = coord.data  # which copy of the pipeline (data parallel over pipelines)
+        self._pipe = self.topology.group_ranks("pipe", rank)  # by stage
+        self._data = self.topology.group_ranks("data", rank)  # by replica
         self.stage = info.stage
         self.micro_batch = 0
         self.dims: dict[str, int] = {}
 
     def where(self) -> str:
         rep = f", replica {self.replica}" if self.info.dp_degree > 1 else ""
+        if self.topology.mp_degree > 1:
+            rep += f", model-parallel rank {self.topology.get_coord(self.rank).model}"
         return f"pipeline stage {self.stage} (worker {self.info.stage}{rep}), micro-batch {self.micro_batch}"
 
     def rank_of(self, stage: int) -> int:
-        """The torch.distributed rank running (virtual) pipeline stage `stage` in this replica."""
-        return self.replica * self.info.num_stages + stage % self.info.num_stages
+        """The torch.distributed rank running (virtual) pipeline stage `stage` with this worker's
+        data and model coordinates (its pipe group's member at that stage)."""
+        return self._pipe[stage % self.info.num_stages]
 
-    def dp_ranks(self, stage: int | None = None) -> list[int]:
-        """The ranks running this worker's stage (or `stage`) in every replica."""
-        s = self.info.stage if stage is None else stage
-        return [d * self.info.num_stages + s for d in range(self.info.dp_degree)]
+    def dp_ranks(self) -> list[int]:
+        """The ranks running this worker's stage, model-parallel slice included, in every replica
+        (its data group)."""
+        return list(self._data)
 
 
 @dataclass
@@ -98,7 +125,7 @@ class PipelineRunner:
         self.exe = executor
         self.info = info
         self.program = program
-        self.state = PipelineState(info, _replica(info))
+        self.state = PipelineState(info, *_layout(info))
         self.parts = _cut(program)
         self.actions = schedules.schedule(
             info.schedule,
@@ -205,22 +232,20 @@ class PipelineRunner:
         )
 
     def _start(self, comm) -> None:
-        """First run: make the sub-groups (every worker makes every group, in the same
-        order, as torch requires), give each tied group's copies the value of its first
-        worker, and each stage's replicas the values of replica 0."""
-        p, dp = self.info.num_stages, self.info.dp_degree
-        for d in range(dp):
+        """First run: make the tied params' groups (every worker makes every group, in the same
+        order, as torch requires: one per tied group in each pipe group of the layout), give each
+        tied group's copies the value of its first worker, and each stage's replicas the values
+        of replica 0. The data and pipe groups are the layout's (`_layout`), made once."""
+        topo = self.state.topology
+        for pipe in topo.get_comm_list("pipe"):
             for group in self.info.groups:
-                comm.group([d * p + r for r in group])
-        if dp > 1:
-            for s in range(p):
-                comm.group(self.state.dp_ranks(s))
+                comm.group([pipe[r] for r in group])
+        if self.info.dp_degree > 1:
             persist = [v.name for v in self.program.vars.values() if v.kind in ("param", "buffer")]
             self.exe._materialise(self.program, persist)
+            replicas = self.state.dp_ranks()
             for name in persist:
-                comm.broadcast(
-                    self.exe.scope[name], self.info.stage, f"{name!r} (replica 0's)", self.state.dp_ranks()
-                )
+                comm.broadcast(self.exe.scope[name], replicas[0], f"{name!r} (replica 0's)", replicas)
         tied: list[tuple[str, tuple[int, ...]]] = []
         for op in self.program.ops:  # the collectives over the copies of a tied param
             row = registry.get(op.type)
@@ -263,20 +288,41 @@ def _peers(program: Program, state: PipelineState) -> list[int]:
     return sorted({state.rank_of(k) for k in stages})
 
 
-def _replica(info: PipelineInfo) -> int:
-    if info.dp_degree == 1:
-        return 0
+_MADE_HERE: list[Topology] = []  # the layout `_layout` made groups for (no hybrid_configs)
+
+
+def _layout(info: PipelineInfo) -> tuple[Topology | None, int | None]:
+    """(the job's layout, this worker's rank in it); (None, None) in one process (the layout
+    dp_degree x num_stages then; a step that needs a peer fails at its first message, naming
+    fleet.init, as every collective does without a process group).
+
+    The layout is the one whose groups fleet.init made for hybrid_configs (dp x pp x mp), else,
+    for a pipeline laid out by pipeline_configs alone, dp_degree x num_stages, whose groups are
+    made here, by every worker at its first run (the same function fleet.init uses:
+    ``runtime.comm.make_topology_groups``), so no group is made twice, nor placed by a second
+    formula."""
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        raise RuntimeError("a pipeline with dp_degree > 1 needs torch.distributed: call fleet.init")
-    replica, stage = divmod(dist.get_rank(), info.num_stages)
-    if stage != info.stage:
+    if not (dist.is_available() and dist.is_initialized()):
+        return None, None
+    rank, topo = dist.get_rank(), comm_groups.topology()
+    fits = topo is not None and (topo.pp_degree, topo.dp_degree) == (info.num_stages, info.dp_degree)
+    if topo is not None and not fits and not (_MADE_HERE and topo is _MADE_HERE[0]):
         raise ValueError(
-            f"rank {dist.get_rank()} runs stage {stage} of its replica, "
-            f"but this program is stage {info.stage}"
+            f"this pipeline stage program has num_stages={info.num_stages}, dp_degree={info.dp_degree}, "
+            f"but fleet.init laid the workers out as {topo.describe()} (hybrid_configs): minimize "
+            "with the strategy fleet.init was given"
         )
-    return replica
+    if not fits:
+        topo = Topology(dp_degree=info.dp_degree, pp_degree=info.num_stages)
+        if topo.world_size() != dist.get_world_size():
+            raise ValueError(
+                f"a pipeline of {info.num_stages} stages x dp_degree={info.dp_degree} needs "
+                f"{topo.world_size()} workers, the job has {dist.get_world_size()}"
+            )
+        comm_groups.make_topology_groups(topo, rank, AXES)
+        _MADE_HERE[:] = [topo]
+    return topo, rank
 
 
 # --- cutting the stage program ---------------------------------------------------------------
@@ -364,7 +410,8 @@ def _rest(op: Op) -> tuple:
 
 
 def _copy(v: Var, kind: str | None = None) -> Var:
-    return Var(v.name, v.dtype, v.shape, kind or v.kind, v.trainable)
+    # a tensor-parallel param (and its state) keeps its split layout: checkpoints save it by part
+    return Var(v.name, v.dtype, v.shape, kind or v.kind, v.trainable, split=v.split if kind is None else None)
 
 
 def _split_feed(p: Program, feed: Mapping[str, Any], m: int, keep: set[str]) -> list[dict[str, Any]]:

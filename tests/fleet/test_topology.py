@@ -109,16 +109,42 @@ def test_every_layout_equals_paddles_product_enumeration(dp, pp, sh, mp):
 
 @pytest.mark.parametrize("dp, stages", [(1, 2), (2, 2), (2, 3), (3, 2)])
 def test_with_mp_1_the_layout_is_the_pipelines_own_placement(dp, stages):
-    """rank = replica x num_stages + stage (runtime/pipeline.py) is the topology's (data, pipe)."""
-    topo = Topology(dp_degree=dp, pp_degree=stages)
+    """rank = replica x num_stages + stage is the topology's (data, pipe), and the pipeline
+    runtime's placement (runtime/pipeline.py) without hybrid_configs."""
     for rank in range(dp * stages):
         replica, stage = divmod(rank, stages)
-        c = topo.get_coord(rank)
-        assert (c.data, c.pipe) == (replica, stage)
         info = PipelineInfo(stage=stage, num_stages=stages, micro_batches=1, schedule="1F1B", dp_degree=dp)
-        state = PipelineState(info, replica)
-        assert state.dp_ranks() == topo.group_ranks("data", rank)  # the replicas' all-reduce group
-        assert [state.rank_of(s) for s in range(stages)] == topo.group_ranks("pipe", rank)
+        state = PipelineState(info, None, rank)  # the layout pipeline_configs give: dp x stages
+        c = state.topology.get_coord(rank)
+        assert (c.data, c.pipe, state.replica) == (replica, stage, replica)
+        assert state.dp_ranks() == [d * stages + stage for d in range(dp)]  # the replicas' all-reduce group
+        assert [state.rank_of(s) for s in range(stages)] == [replica * stages + s for s in range(stages)]
+
+
+@pytest.mark.parametrize("dp, mp, stages", [(1, 2, 2), (2, 2, 2), (2, 2, 3), (1, 4, 2)])
+def test_with_mp_the_pipeline_talks_within_its_data_and_model_coordinate(dp, mp, stages):
+    """Each MP rank of stage s sends to the same MP rank of stage s+1 (its pipe group); grads are
+    averaged over the replicas of the same (pipe, model) slot (its data group)."""
+    topo = Topology(dp_degree=dp, mp_degree=mp, pp_degree=stages)
+    for rank in range(topo.world_size()):
+        c = topo.get_coord(rank)
+        info = PipelineInfo(stage=c.pipe, num_stages=stages, micro_batches=1, schedule="1F1B", dp_degree=dp)
+        state = PipelineState(info, topo, rank)
+        peers = [state.rank_of(s) for s in range(stages)]
+        assert peers == topo.group_ranks("pipe", rank) and peers[c.pipe] == rank
+        assert all(topo.get_coord(q)[::3] == (c.data, c.model) for q in peers)  # (data, model) kept
+        assert state.dp_ranks() == topo.group_ranks("data", rank)
+        assert all(topo.get_coord(q)[1:] == c[1:] for q in state.dp_ranks())  # (pipe, sharding, model)
+
+
+def test_a_stage_program_in_another_layout_is_refused_naming_both():
+    topo = Topology(dp_degree=1, mp_degree=2, pp_degree=2)
+    info = PipelineInfo(stage=1, num_stages=2, micro_batches=1, schedule="1F1B", dp_degree=1)
+    with pytest.raises(ValueError, match=r"rank 0 runs pipeline stage 0 .*but this program is stage 1"):
+        PipelineState(info, topo, 0)
+    three = PipelineInfo(stage=0, num_stages=3, micro_batches=1, schedule="1F1B", dp_degree=1)
+    with pytest.raises(ValueError, match=r"stage program 0 of 3 .* cannot run in the layout dp_degree=1, mp"):
+        PipelineState(three, topo, 0)
 
 
 def test_bad_coordinates_and_axes_are_named():
