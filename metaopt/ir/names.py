@@ -194,3 +194,18 @@ def tp_reduced(name: str) -> str:
 def tp_local(name: str) -> str:
     """Shape constant `name` rewritten for this model-parallel rank's slice (heads per rank)."""
     return f"{name}@TP_LOCAL"
+
+
+# --- recompute partition (passes/recompute_partition.py) -------------------------------------
+
+
+def mp_slice(name: str) -> str:
+    """This model-parallel rank's 1/mp slice of replicated checkpoint `name`, held from the
+    forward to its gather (Paddle's recompute partition)."""
+    return f"{name}@MP_SLICE"
+
+
+def mp_gathered(name: str) -> str:
+    """Checkpoint `name` put back together from every model-parallel rank's slice, before its
+    segment is recomputed."""
+    return f"{name}@MP_GATHERED"

@@ -56,6 +56,12 @@ ROLE_TABLE: tuple[Role, ...] = (
     Role("recompute", BACKWARD, doc="forward ops re-run before their grads (recompute)"),
     Role("offload", FORWARD, ordered=False, host_copy=True, doc="a checkpoint's copy to host memory"),
     Role("prefetch", BACKWARD, host_copy=True, doc="an offloaded checkpoint's copy back, its wait"),
+    Role(
+        "partition",
+        FORWARD,
+        ordered=False,
+        doc="a replicated checkpoint's 1/mp slice kept after the forward (recompute partition)",
+    ),
     Role("comm", None, ordered=False, doc="data parallel's collectives"),
     Role("startup", None, ordered=False, startup=True, doc="once, before the first run (initial broadcast)"),
 )

@@ -13,6 +13,11 @@
 * The last checkpoint (the backward needs it at once) is not offloaded;
   `offload_checkpoints` may restrict the set further. `checkpoint_shape` (Fleet makes
   users give it) is only validated: every checkpoint's shape is inferred.
+* `moved` maps a checkpoint to the var that holds it after the forward when that is
+  another var: recompute partition's 1/mp slice (passes/recompute_partition.py). That var
+  is what goes to host memory and back (only the slice), and its first reader after the
+  forward (the gather) reads the copy fetched back. Checkpoints are still named, checked
+  and chosen (`offload_checkpoints`, `checkpoint_shape`) by their own names.
 
 The pass is pure.
 """
@@ -50,8 +55,10 @@ def offload(
     checkpoints: list[str],
     offload_checkpoints: list[str] | None = None,
     checkpoint_shape: list[int] | None = None,
+    moved: dict[str, str] | None = None,
 ) -> Program:
-    """Rewrite a recomputed training program so its checkpoints wait in host memory."""
+    """Rewrite a recomputed training program so its checkpoints wait in host memory (`moved`:
+    checkpoint -> the var holding it after the forward, where that is another: module doc)."""
     if not checkpoints:
         raise OffloadError(
             f"offload needs recompute checkpoints; program {p.name!r} has none (enable recompute)"
@@ -60,12 +67,16 @@ def offload(
         if c not in p.vars:
             raise OffloadError(f"checkpoint {c!r} is not a var of {p.name!r}{did_you_mean(c, p.vars)}")
     check_checkpoint_shape(p, checkpoints, list(checkpoint_shape or ()))
+    moved = dict(moved or {})
+    for c, held in moved.items():
+        if c not in checkpoints or held not in p.vars:
+            raise OffloadError(f"moved: {c!r} -> {held!r} is not a checkpoint and a var of {p.name!r}")
     q = p.clone()
     first_after = next((i for i, op in enumerate(q.ops) if roles.after_forward(op.role)), None)
     if first_after is None:
         raise OffloadError(f"program {p.name!r} has no backward: offload rewrites a training program")
     prod = {o: i for i, op in enumerate(q.ops[:first_after]) for o in op.outputs if o}
-    chosen = _chosen(q, checkpoints, offload_checkpoints, prod, first_after)
+    chosen = [moved.get(c, c) for c in _chosen(q, checkpoints, offload_checkpoints, prod, first_after, moved)]
     if not chosen:
         return q
 
@@ -109,11 +120,23 @@ def offload(
 
 
 def _chosen(
-    q: Program, checkpoints: list[str], restrict: list[str] | None, prod: dict, first_after: int
+    q: Program,
+    checkpoints: list[str],
+    restrict: list[str] | None,
+    prod: dict,
+    first_after: int,
+    moved: dict[str, str],
 ) -> list:
-    usable = [c for c in checkpoints if c in prod and any(c in op.inputs for op in q.ops[first_after:])]
+    """The checkpoints to offload (by their own names; `moved`: the var each is held in)."""
+
+    def held(c: str) -> str:
+        return moved.get(c, c)
+
+    usable = [
+        c for c in checkpoints if held(c) in prod and any(held(c) in op.inputs for op in q.ops[first_after:])
+    ]
     # The checkpoint the backward reaches first is needed at once: copying it out and back gains nothing.
-    last = max(usable, key=lambda c: prod[c], default=None)
+    last = max(usable, key=lambda c: prod[held(c)], default=None)
     chosen = [c for c in usable if c != last]
     if restrict is not None:
         for c in restrict:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # matplotlib is optional: imported by `_matplotlib` when draw
 GROUPS: dict[str, tuple[str, ...]] = {
     "forward": ("forward", "loss"),
     "backward": ("backward",),
-    "recompute": ("recompute",),
+    "recompute": ("recompute", "partition"),
     "offload/prefetch": ("offload", "prefetch"),
     "optimize": ("optimize", "lr-sched", "backward-update"),
     "comm": ("comm", "startup"),

@@ -145,6 +145,7 @@ STEP_ORDER = [
     "data_parallel",
     "broadcast_init",
     "recompute",
+    "partition",
     "offload",
     "pipeline_split",
     "unscale_grads",

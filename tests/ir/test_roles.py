@@ -17,6 +17,7 @@ def test_table_names_every_role_once_and_the_old_names_are_views():
         "forward": "forward",
         "loss": "forward",
         "offload": "forward",
+        "partition": "forward",
         "backward": "backward",
         "recompute": "backward",
         "prefetch": "backward",
@@ -34,6 +35,8 @@ def test_table_names_every_role_once_and_the_old_names_are_views():
         ("forward", "forward", True, False, False, False, False, 0),
         ("loss", "forward", True, False, False, False, False, 0),
         ("offload", "forward", False, False, False, False, True, None),
+        # recompute partition's slice: made in the forward, right after its checkpoint, unordered
+        ("partition", "forward", False, False, False, False, False, None),
         ("backward", "backward", False, True, False, True, False, 1),
         ("recompute", "backward", False, False, False, True, False, 1),
         ("prefetch", "backward", False, False, False, True, True, 1),

@@ -54,13 +54,13 @@ def test_amp_fields():
     white, black = registry.amp_types("white"), registry.amp_types("black")
     assert white == {
         "Attention", "Conv", "ConvTranspose", "Einsum", "Gemm", "Linear", "LinearCrossEntropy", "MatMul",
-        "ScaledDotProductAttention",
+        "ScaledDotProductAttention", "VocabParallelLinearCrossEntropy",
     }
     assert not white & black and {"Softmax", "ReduceSum", "Exp"} <= black
     assert "ReduceMax" not in black  # exact in any dtype: gray
     assert {t for t, row in table.items() if row.sets_dtype} == {"Cast", "CastLike"}
     for t, row in table.items():
-        if t == "LinearCrossEntropy":  # a white matmul whose loss output stays float32
+        if t in ("LinearCrossEntropy", "VocabParallelLinearCrossEntropy"):  # white matmul, float32 loss
             assert row.amp_float32_outputs == (0,) and not row.amp_float32_inputs
         elif row.amp_float32_inputs or row.amp_float32_outputs:
             assert row.amp == "gray", t  # float32 statistics in an op that follows its inputs
@@ -82,6 +82,7 @@ def test_amp_names_are_views_of_the_rows():
         "LayerNormalization": ((1, 2), (1, 2)),
         "BatchNormTraining": ((1, 2, 3, 4),) * 2,
         "LinearCrossEntropy": ((), (0,)),  # low-precision matmul, float32 loss
+        "VocabParallelLinearCrossEntropy": ((), (0,)),  # the same over this rank's vocab rows
     }
 
 
@@ -155,8 +156,12 @@ def test_train_repairs_and_collectives():
     with pytest.raises(ValueError, match="train_repair"):
         register("BadRepairForTest", train_repair="nope")(lambda x: x)
     collectives = {t for t, row in table.items() if row.collective}
-    # Broadcast: the startup op of data parallel; TPReduce: tensor parallel's forward all-reduce
-    assert collectives == {"AllReduce", "Broadcast", "TPReduce"}
+    # Broadcast: the startup op of data parallel; TPReduce: tensor parallel's forward all-reduce;
+    # PartitionGather: recompute partition's all-gather of a checkpoint's slices;
+    # VocabParallelLinearCrossEntropy: the vocab-parallel loss's all-reduce of its logsumexps
+    assert collectives == {
+        "AllReduce", "Broadcast", "TPReduce", "PartitionGather", "VocabParallelLinearCrossEntropy"
+    }
     assert all(table[t].needs_runtime for t in collectives)  # they run through the communicator
     assert "ranks" in inspect.signature(table["AllReduce"].kernel).parameters
 
