@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import json
 from dataclasses import dataclass, field
+from typing import Any
 
 import onnx
 from onnx import numpy_helper
@@ -25,6 +26,7 @@ from metaopt.ir import (
     Op,
     PipelineInfo,
     Program,
+    Split,
     Var,
     did_you_mean,
     dtype_name,
@@ -299,9 +301,19 @@ def to_program(
             continue
         frozen = t.name in opts.frozen or onnx_save.FROZEN_KEY in m
         trainable = kind == "param" and not frozen and value.is_floating_point()
-        p.add_var(
-            Var(vname, dtype_name(value.dtype), tuple(value.shape), kind=kind, trainable=trainable), value
-        )
+        split = _split_meta(t.name, m[onnx_save.SPLIT_KEY]) if onnx_save.SPLIT_KEY in m else None
+        try:
+            var = Var(
+                vname,
+                dtype_name(value.dtype),
+                tuple(value.shape),
+                kind=kind,
+                trainable=trainable,
+                split=split,
+            )
+        except ValueError as e:  # a split that does not fit the shape
+            raise ImportError_(f"initializer {t.name!r}: {e}") from None
+        p.add_var(var, value)
 
     for vi in g.input:
         if vi.name in init_names:
@@ -470,12 +482,40 @@ def _drop_discarded(node: onnx.NodeProto, outputs: list[str]) -> list[str]:
     return ["" if k in positions else o for k, o in enumerate(outputs)]
 
 
+def _split_meta(name: str, value: str) -> Split:
+    """Var.split of a file metaopt saved (onnx_save.SPLIT_KEY)."""
+    try:
+        d = json.loads(value)
+        axis, parts, blocks = d["axis"], d["parts"], d["blocks"]
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (axis, parts, *blocks)):
+            raise TypeError
+        return Split(axis, parts, tuple(blocks))
+    except (ValueError, TypeError, KeyError):
+        raise ImportError_(
+            f"initializer {name!r}: metadata {onnx_save.SPLIT_KEY!r} is {value[:80]!r}"
+        ) from None
+
+
+def _extra_attr(node: onnx.NodeProto, key: str, value: str) -> Any:
+    """An attr metaopt kept as metadata (onnx_save.EXTRA_ATTR_PREFIX): a JSON scalar or flat list."""
+    try:
+        v = json.loads(value)
+    except ValueError:
+        v = None
+    scalar = (str, int, float, bool)
+    if isinstance(v, scalar) or (isinstance(v, list) and all(isinstance(x, scalar) for x in v)):
+        return v
+    raise ImportError_(f"{_describe(node)}: metadata {key!r} is not a JSON scalar or list: {value[:60]!r}")
+
+
 def _restore_fields(op: Op, node: onnx.NodeProto) -> None:
     """Op fields of a file metaopt saved (role, stage, scope, origin)."""
     if not node.metadata_props:
         return
     m = _meta(node)
     for key, value in m.items():
+        if key.startswith(onnx_save.EXTRA_ATTR_PREFIX):
+            op.attrs[key[len(onnx_save.EXTRA_ATTR_PREFIX) :]] = _extra_attr(node, key, value)
         if key.startswith(onnx_save.ATTR_PREFIX) and key[len(onnx_save.ATTR_PREFIX) :] in op.attrs:
             try:
                 exact = _mixed_list(value) if value.startswith("[") else float(value)

@@ -34,6 +34,10 @@ GRADIENT_MERGE_KEY = "metaopt.gradient_merge"  # a gradient-merge program's Grad
 PIPELINE_KEY = "metaopt.pipeline"  # a pipeline stage program's PipelineInfo, as printed
 MODULES_KEY = "metaopt.modules"
 ATTR_PREFIX = "metaopt.attr."
+# attrs metaopt adds to a standard op (a random op's RNG stream under tensor parallel: rng, group)
+# that its ONNX schema lacks: kept as node metadata, JSON, or the checker refuses the file
+EXTRA_ATTR_PREFIX = "metaopt.extra_attr."
+SPLIT_KEY = "metaopt.split"  # a tensor-parallel var's layout (Var.split), JSON: axis, parts, blocks
 OP_FIELD_PREFIX = "metaopt."
 DISCARDED_KEY = "metaopt.discarded_outputs"  # output positions named only for the ONNX checker
 DISCARDED_SUFFIX = "@DISCARDED"
@@ -53,6 +57,15 @@ def _value_info(p: Program, name: str) -> onnx.ValueInfoProto:
     elem = TORCH_TO_ONNX[torch_dtype(v.dtype)]
     shape = None if v.shape is None else list(v.shape)
     return helper.make_tensor_value_info(name, elem, shape)
+
+
+def _extra_attrs(op: Any) -> set[str]:
+    """The attrs of standard op `op` that its ONNX schema does not have."""
+    try:
+        known = onnx.defs.get_schema(op.type, OPSET).attributes
+    except onnx.defs.SchemaError:
+        return set()
+    return {k for k in op.attrs if k not in known}
 
 
 def _attr(key: str, value: Any) -> onnx.AttributeProto:
@@ -105,7 +118,10 @@ def to_model_proto(p: Program, values: Mapping[str, torch.Tensor] | None = None)
         node = helper.make_node(op.type, list(op.inputs), outputs, name=f"op{i}", domain=domain)
         if discarded:
             node.metadata_props.add(key=DISCARDED_KEY, value=",".join(map(str, discarded)))
-        node.attribute.extend(_attr(k, a) for k, a in op.attrs.items())
+        extra = _extra_attrs(op) if domain == "" else set()
+        node.attribute.extend(_attr(k, a) for k, a in op.attrs.items() if k not in extra)
+        for k in sorted(extra):
+            node.metadata_props.add(key=EXTRA_ATTR_PREFIX + k, value=json.dumps(op.attrs[k]))
         if domain == DOMAIN:
             from metaopt.frontend import onnx_functions
 
@@ -139,6 +155,9 @@ def to_model_proto(p: Program, values: Mapping[str, torch.Tensor] | None = None)
             vi.metadata_props.add(key=KIND_KEY, value=v.kind)
             if v.kind == "param" and not v.trainable:
                 vi.metadata_props.add(key=FROZEN_KEY, value="1")
+            if v.split is not None:
+                sp = {"axis": v.split.axis, "parts": v.split.parts, "blocks": list(v.split.blocks)}
+                vi.metadata_props.add(key=SPLIT_KEY, value=json.dumps(sp))
     opsets = [helper.make_opsetid("", OPSET)]
     functions = []
     if DOMAIN in used_domains:
@@ -162,7 +181,6 @@ def to_model_proto(p: Program, values: Mapping[str, torch.Tensor] | None = None)
     return model
 
 
-
 def _one_default_opset(opsets: list, functions: list) -> None:
     """ONNX Runtime runs a function body at the model's default-domain opset: the model and every
     function get the highest any function needs (the fused attention's body is ONNX Attention,
@@ -171,6 +189,7 @@ def _one_default_opset(opsets: list, functions: list) -> None:
     for o in [*opsets, *(o for f in functions for o in f.opset_import)]:
         if o.domain == "":
             o.version = need
+
 
 def save(p: Program, path: str | os.PathLike, values: Mapping[str, torch.Tensor] | None = None) -> None:
     """Write `p` as an ONNX file, atomically (temp file + rename)."""

@@ -205,6 +205,20 @@ def test_golden_streams_in_the_rewritten_program(golden):
     assert streams.count(MP) == 2 and streams.count("shared") == 5
 
 
+def test_the_rewritten_program_saves_and_loads_back_as_onnx(tmp_path):
+    """The stream attrs on standard ops (Dropout's rng, group: not in its ONNX schema) travel as
+    node metadata, and the split params' layout (Var.split) as value metadata: the loaded program
+    prints exactly as the saved one."""
+    import metaopt
+    from metaopt.frontend.onnx_save import save
+
+    _, q = _gpt_rank1()
+    save(q, tmp_path / "p.onnx")
+    again = metaopt.load(tmp_path / "p.onnx")
+    assert str(again) == str(q)
+    assert any(v.split is not None for v in again.vars.values())
+
+
 def _as_rank(monkeypatch, r: int) -> None:
     """This process as global rank `r` (the MP rank is its place in the op's group)."""
     monkeypatch.setattr(rng_streams, "_global_rank", lambda: r)
