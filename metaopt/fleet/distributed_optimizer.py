@@ -118,6 +118,7 @@ class DistributedOptimizer:
         self.context: Context | None = None  # what the last minimize's steps handed each other
         self.amp_plan = self.recompute_plan = self.memory_report = None
         self.data_parallel_plan = self.pipeline_plan = self.tensor_parallel_plan = None
+        self.partition_plan = None
         self.stage_programs: list[Program] = []
 
     @property
@@ -201,6 +202,7 @@ class DistributedOptimizer:
         self.recompute_plan = ctx.plans.get("recompute")
         self.data_parallel_plan = ctx.plans.get("data_parallel")
         self.tensor_parallel_plan = ctx.plans.get("tensor_parallel")
+        self.partition_plan = ctx.plans.get("partition")  # recompute partition: what is sliced, why not
         self.pipeline_plan = ctx.plans.get("pipeline_split")
         self.memory_report = ctx.extra.get("memory_report")
         self.stage_programs = list(ctx.parts) if self.pipeline_plan is not None else []

@@ -16,6 +16,7 @@ is verified, dumped (``METAOPT_DUMP``) and logged before the next one runs::
     data_parallel    fused AllReduce of the grads the updates read (per dp group)   (dp_degree > 1)
     broadcast_init   startup op: rank 0's initial params, buffers, on the 1st run  (worker_num() > 1)
     recompute        segments re-emitted before their grad ops                      (recompute)
+    partition        replicated checkpoints held as 1/mp slices, gathered back   (enable_partition, mp > 1)
     offload          checkpoints to pinned host after the forward, prefetched back   (enable_offload)
     pipeline_split   one program per stage; Send/Recv; micro-batch accumulation     (pipeline)
     unscale_grads    inf/nan check + unscale before the updates; skip on overflow   (amp, float16)
@@ -30,8 +31,11 @@ before the backward so the grad ops inherit the forward's precisions; the backwa
 optimizer before everything that rewrites a training program;
 gradient merge before data parallel so the all-reduce runs on the merged grads, once per
 k runs; recompute after data parallel (its re-emitted forward ops land before their grad
-ops, whatever collectives are there) and offload after recompute (it moves recompute's
-checkpoints); the pipeline splits the finished single-process program, so every
+ops, whatever collectives are there; beside tensor parallel they re-run TPReduce, which every
+MP rank reaches in the same order, as every rank runs the same program); the partition after
+recompute (it slices recompute's checkpoints) and offload after both (it moves the
+checkpoints, or their slices where partitioned); the pipeline splits the finished
+single-process program, so every
 recompute and offload op follows the forward var it stems from to its stage; unscaling
 comes late so it checks the grads the updates read (after any all-reduce, on every
 stage) and master weights rewire those updates; updates move into the backward last, so
@@ -45,6 +49,7 @@ is one pass file under ``metaopt/passes`` and one row here.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from typing import Any
@@ -79,7 +84,10 @@ def _is_metaopt_optimizer(opt: Any) -> bool:
 def _lce_plan(p: Program, ctx: Context) -> Any:
     from metaopt.passes.fuse_linear_cross_entropy import plan_fuse_linear_cross_entropy
 
-    return plan_fuse_linear_cross_entropy(p)
+    # A vocab-split head runs only fused (VocabParallelLinearCrossEntropy): fuse it whatever its size.
+    s = ctx.strategy
+    vocab = s.tensor_parallel and s.tensor_parallel_configs["vocab"] and _mp_degree(ctx) > 1
+    return plan_fuse_linear_cross_entropy(p, **({"min_classes": 1} if vocab else {}))
 
 
 def _fuse_linear_ce(p: Program, plan: Any, ctx: Context) -> Program:
@@ -110,13 +118,13 @@ def _tp_on(ctx: Context) -> tuple[bool, str]:
 
 def _tp_check(ctx: Context) -> None:
     """Refuse, by name, what does not run with split params yet."""
-    s, why = ctx.strategy, []
-    if s.pipeline:
-        why.append("strategy.pipeline=True (a stage program's TP groups and sends are not wired yet)")
-    if s.recompute:
-        why.append(
-            "strategy.recompute=True (re-running TPReduce needs the MP group to recompute in lockstep)"
-        )
+    why: list[str] = []
+    # strategy.pipeline runs: each stage's TP collectives over its MP group, sends between the
+    # same MP rank of neighbouring stages (runtime/pipeline.py), cuts outside split regions
+    # (`_pp_plan`)
+    # strategy.recompute runs: its re-emitted TPReduce (and recompute partition's gathers) meet
+    # their peers' in the same order on every MP rank, as every rank runs the same program
+    # (minimize compares them), so the MP group recomputes in lockstep
     clip = getattr(ctx.optimizer, "grad_clip", None)
     if clip is not None and type(clip).__name__ == "ClipGradByGlobalNorm":
         why.append(
@@ -133,14 +141,26 @@ def _tp_plan(p: Program, ctx: Context) -> Any:
     from metaopt.passes.tensor_parallel import plan_tensor_parallel
 
     topo, cfg = _layout(ctx), ctx.strategy.tensor_parallel_configs
-    return plan_tensor_parallel(
-        p,
-        mp_degree=topo.mp_degree,
-        mp_rank=topo.get_coord(ctx.rank).model,
-        column=list(cfg["column"]),
-        row=list(cfg["row"]),
-        group=topo.group_ranks("model", ctx.rank),
+    mp, rank = topo.mp_degree, topo.get_coord(ctx.rank).model
+    column, row, found = list(cfg["column"]), list(cfg["row"]), None
+    if column == ["auto"]:
+        from metaopt.passes.tensor_parallel_auto import auto_layers
+
+        found = auto_layers(p, mp_degree=mp, mp_rank=rank)
+        if not found.column:
+            raise ValueError(
+                "tensor_parallel_configs['column']='auto' found no transformer block to split in "
+                f"{p.name!r}:\n{found}\nname the layers in ['column'] and ['row'] instead"
+            )
+        column, row = found.column, found.row
+    group = topo.group_ranks("model", ctx.rank)
+    plan = plan_tensor_parallel(
+        p, mp_degree=mp, mp_rank=rank, column=column, row=row, group=group, vocab=list(cfg["vocab"])
     )
+    if found is not None:  # why each Linear 'auto' left replicated, in place of "not named"
+        rest = [s for s in plan.skipped if not s.endswith("a Linear not named in column or row (replicated)")]
+        plan.skipped[:] = [*(f"auto: {s}" for s in found.skipped), *rest]
+    return plan
 
 
 def _tensor_parallel(p: Program, plan: Any, ctx: Context) -> Program:
@@ -161,6 +181,13 @@ def split_params(ctx: Context) -> list[str]:
     """The params tensor parallel sliced: each model-parallel rank holds its own part."""
     plan = ctx.plans.get("tensor_parallel")
     return [] if plan is None else [sp.name for sp in plan.params]
+
+
+def _layers_named(cfg: dict) -> bool:
+    """Column and row layers together, or none of them beside a vocab-parallel table."""
+    if cfg["column"] or cfg["row"]:
+        return bool(cfg["column"] and cfg["row"])
+    return bool(cfg["vocab"])
 
 
 def tensor_parallel_errors(strategy: Any, topo: Topology, init: Topology | None) -> list[Exception]:
@@ -195,11 +222,27 @@ def tensor_parallel_errors(strategy: Any, topo: Topology, init: Topology | None)
                 f"hybrid_configs {{'mp_degree': {mp}}} (fleet.init(is_collective=True, strategy=strategy))"
             )
         )
-    if mp > 1 and not (cfg["column"] and cfg["row"]):
+    auto = cfg["column"] == ["auto"]
+    if auto and cfg["row"] not in ([], ["auto"]):
+        errors.append(
+            ValueError(
+                f"tensor_parallel_configs['column']='auto' finds the row layers too; ['row']={cfg['row']} "
+                "would be ignored: leave it empty (or 'auto'), or name both"
+            )
+        )
+    elif cfg["row"] == ["auto"] and not auto:
+        errors.append(
+            ValueError(
+                "tensor_parallel_configs['row']='auto' needs ['column']='auto' too: 'auto' finds the "
+                "column and row layers of a block together"
+            )
+        )
+    elif mp > 1 and not auto and not _layers_named(cfg):
         errors.append(
             ValueError(
                 "strategy.tensor_parallel=True needs tensor_parallel_configs['column'] and ['row']: the "
-                "Linear layers to split (module paths or patterns, e.g. 'transformer.h.*.mlp.c_fc')"
+                "Linear layers to split (module paths or patterns, e.g. 'transformer.h.*.mlp.c_fc'), or "
+                "'column': 'auto', or only ['vocab'] (the embedding / LM head to split)"
             )
         )
     return errors
@@ -463,6 +506,13 @@ def _report(before: Program, after: Program, ctx: Context) -> None:
 
     batch = ctx.strategy.recompute_configs["budget_batch_size"]
     report = memory_report(before, ctx.plans["recompute"], after, batch=batch)
+    part = ctx.plans.get("partition")
+    if part is not None:  # a partitioned checkpoint is held as its slice: 1/mp of the bytes
+        dims = {"batch": batch}
+        held = {c: after.vars[s].nbytes(dims) or 0 for c, s in part.slices.items()}
+        report = dataclasses.replace(
+            report, checkpoint_bytes={c: held.get(c, b) for c, b in report.checkpoint_bytes.items()}
+        )
     ctx.extra["memory_report"] = report
     logger.info("%s", report)
 
@@ -476,6 +526,36 @@ def warn_if_nothing_saved(ctx: Context) -> None:
             f"at batch {report.batch}): choose checkpoints inside the model, one per block",
             stacklevel=3,  # the user's minimize call
         )
+
+
+def _part_on(ctx: Context) -> tuple[bool, str]:
+    on = bool(ctx.strategy.recompute and ctx.strategy.recompute_configs["enable_partition"])
+    why = f"recompute_configs['enable_partition']={on}"
+    if on and not _tp_on(ctx)[0]:  # refused before any step runs (requirement / partition errors)
+        return False, f"{why} but {_tp_on(ctx)[1]}"
+    return on, why + (f" (mp_degree={_mp_degree(ctx)})" if on else "")
+
+
+def _part_plan(p: Program, ctx: Context) -> Any:
+    """With strategy.pipeline the plan is the same: it runs on the whole program, before the
+    split, and the pipeline step places each checkpoint's slice and gather in the stage(s) whose
+    backward reads it (passes/pipeline.py `_place_partition`): a checkpoint at a cut is sliced
+    by the stage that receives it, so the cuts (named or "auto") need not be known here."""
+    from metaopt.passes.recompute_partition import plan_recompute_partition
+
+    tp = ctx.plans["tensor_parallel"]
+    # the group by its axis, as the tensor_parallel step names TP's (workers' programs agree)
+    return plan_recompute_partition(
+        p, checkpoints=ctx.checkpoints, mp_degree=tp.mp_degree, group="model_parallel", split=tp.sharded
+    )
+
+
+def _partition(p: Program, plan: Any, ctx: Context) -> Program:
+    from metaopt.passes.recompute_partition import recompute_partition
+
+    q = recompute_partition(p, plan=plan)
+    _report(ctx.extra["before_recompute"], q, ctx)
+    return q
 
 
 def _offload_on(ctx: Context) -> tuple[bool, str]:
@@ -492,6 +572,8 @@ def _offload(p: Program, plan: Any, ctx: Context) -> Program:
         checkpoints=ctx.checkpoints,
         offload_checkpoints=cfg["offload_checkpoints"],
         checkpoint_shape=list(cfg["checkpoint_shape"]),
+        # a partitioned checkpoint waits as its slice: only the slice goes to host and back
+        moved=ctx.plans["partition"].slices if "partition" in ctx.plans else None,
     )
     _report(ctx.extra["before_recompute"], q, ctx)
     return q
@@ -591,13 +673,20 @@ def _tie_params(p: Program, plan: Any, ctx: Context) -> Program:
     from metaopt.passes.tie import tie_params
 
     groups = _shared(ctx)  # a lone name is only checked to be a param
+    split = sorted(set(split_params(ctx)).intersection(n for g in groups for n in g))
+    if split:
+        raise NotImplementedError(
+            f"pipeline_configs['shared'] names {split[0]!r}, which tensor parallel splits over the "
+            "model-parallel group: tying split params across stages is not implemented (params "
+            "read whole by every MP rank, such as GPT's wte, can be shared)"
+        )
     q = tie_params(p, groups=groups, what="pipeline_configs['shared']")
     ctx.tied.update({name: g[0] for g in groups for name in g[1:]})
     return q
 
 
 def _pp_plan(p: Program, ctx: Context) -> Any:
-    from metaopt.passes.pipeline import plan_pipeline
+    from metaopt.passes.pipeline import check_replicated_cuts, plan_pipeline
 
     plan = plan_pipeline(p, **_pp_how(ctx), grads=ctx.grads)
     for group in _shared(ctx):
@@ -607,6 +696,8 @@ def _pp_plan(p: Program, ctx: Context) -> Any:
                 f"pipeline_configs['shared']: {group[0]!r} is read by stage(s) {list(stages)} only: "
                 "nothing to share between workers"
             )
+    # beside tensor parallel a stage hands the next only values replicated over the MP group
+    check_replicated_cuts(p, plan, split_params=split_params(ctx))
     return plan
 
 
@@ -644,6 +735,7 @@ STEPS: tuple[Step, ...] = (
         "broadcast_init", _init_on, _broadcast_init, check=_dp_check, doc="rank 0's initial params, buffers"
     ),
     Step("recompute", _rc_on, _recompute, _rc_plan, _rc_check, "segments re-emitted before their grads"),
+    Step("partition", _part_on, _partition, _part_plan, doc="checkpoints held as 1/mp slices"),
     Step("offload", _offload_on, _offload, doc="checkpoints to host and back"),
     Step("pipeline_split", _pp_on, _pipeline_split, _pp_plan, _pp_check, "one program per stage"),
     Step("unscale_grads", _loss_scaling, _unscale_grads, doc="check inf/nan, unscale, skip overflowed steps"),
@@ -668,6 +760,7 @@ META_OF_STEP = {
     "tie_params": "pipeline",
     "pipeline_split": "pipeline",
     "recompute": "recompute",
+    "partition": "recompute",
     "offload": "recompute",
     "gradient_merge": "gradient_merge",
     "data_parallel": "data_parallel",
@@ -691,7 +784,7 @@ def hybrid_errors(strategy: Any) -> list[Exception]:
         topo = job_topology(strategy, env.worker_num(), init)
     except ValueError as e:
         return [e]
-    errors = tensor_parallel_errors(strategy, topo, init)
+    errors = tensor_parallel_errors(strategy, topo, init) + partition_errors(strategy, topo)
     init_strategy = env.user_strategy()
     if init is None or init_strategy is None or hybrid_is_set(strategy.hybrid_configs):
         return errors
@@ -702,11 +795,36 @@ def hybrid_errors(strategy: Any) -> list[Exception]:
 
 def requirement_errors(strategy: Any) -> list[Exception]:
     """Config keys that need a feature flag which is off (refused, not silently unused)."""
-    if strategy.recompute_configs["enable_offload"] and not strategy.recompute:
+    cfg = strategy.recompute_configs
+    if cfg["enable_offload"] and not strategy.recompute:
         return [
             ValueError(
                 "recompute_configs['enable_offload']=True needs strategy.recompute=True: offload moves "
                 "the recompute checkpoints to host memory"
+            )
+        ]
+    if cfg["enable_partition"] and not (strategy.recompute and strategy.tensor_parallel):
+        missing = " and ".join(
+            f"strategy.{f}=True" for f in ("recompute", "tensor_parallel") if not getattr(strategy, f)
+        )
+        return [
+            ValueError(
+                f"recompute_configs['enable_partition']=True needs {missing}: it holds each recompute "
+                "checkpoint replicated over the model-parallel group as this rank's 1/mp slice"
+            )
+        ]
+    return []
+
+
+def partition_errors(strategy: Any, topo: Topology) -> list[Exception]:
+    """recompute_configs['enable_partition'] with no model-parallel group to slice over."""
+    on = strategy.recompute and strategy.tensor_parallel and strategy.recompute_configs["enable_partition"]
+    if on and topo.mp_degree == 1:
+        return [
+            ValueError(
+                "recompute_configs['enable_partition']=True slices checkpoints over the model-parallel "
+                "group, but mp_degree=1: set hybrid_configs {'mp_degree': m} with m > 1 (and fleet.init "
+                "with it), or leave enable_partition False"
             )
         ]
     return []

@@ -133,6 +133,14 @@ RECOMPUTE_CONFIGS: dict[str, Key] = {
         "'auto'. Vars are accepted and stored by name; the string 'auto' means ['auto'].",
     ),
     "enable_offload": Key(False, "bool", "copy checkpoints to pinned host memory, prefetch them back"),
+    "enable_partition": Key(
+        False,
+        "bool",
+        "hold each checkpoint replicated over the model-parallel group as this rank's 1/mp slice, "
+        "all-gathered before its segment is recomputed (Paddle's recompute partition; with "
+        "enable_offload only the slice goes to host). Needs tensor_parallel with mp_degree > 1",
+        extra=True,
+    ),
     "checkpoint_shape": Key(
         [],
         "list[int]",
@@ -286,14 +294,24 @@ TENSOR_PARALLEL_CONFIGS: dict[str, Key] = {
         [],
         "list[str]",
         "column-parallel Linear layers (module paths or patterns as recompute's checkpoints; "
-        "'*' is one path component): each rank keeps its rows of the weight",
+        "'*' is one path component): each rank keeps its rows of the weight; 'auto': the column "
+        "and row layers of every transformer block found (passes/tensor_parallel_auto.py)",
         extra=True,
     ),
     "row": Key(
         [],
         "list[str]",
         "row-parallel Linear layers, each ending a column layer's split region: each rank keeps its "
-        "columns of the weight, the partial products are all-reduced",
+        "columns of the weight, the partial products are all-reduced ('auto' or empty when column "
+        "is 'auto')",
+        extra=True,
+    ),
+    "vocab": Key(
+        [],
+        "list[str]",
+        "tables split by vocab rows (Megatron's VocabParallelEmbedding): embedding modules (a head "
+        "tied to one follows), LM-head modules (their '<module>.weight') or param names; each rank "
+        "looks up its rows and the fused LM head + cross-entropy runs over its vocab slice",
         extra=True,
     ),
 }
@@ -590,6 +608,15 @@ def _coerce_checkpoints(value: Any) -> Any:
     return value
 
 
+def _coerce_layers(value: Any) -> Any:
+    """Tensor parallel's column / row: 'auto' alone means ['auto']; one layer is still a list."""
+    if isinstance(value, str):
+        if value == "auto":
+            return ["auto"]
+        raise _Mismatch(f"got str ({value!r}); a single layer must still be a list: [{value!r}]")
+    return value
+
+
 def _is_var(v: Any) -> bool:
     from metaopt.ir import Var
 
@@ -602,6 +629,8 @@ _COERCE: dict[tuple[str, str], Callable[[Any], Any]] = {
         v if v is None or isinstance(v, str) else _coerce_checkpoints(v)
     ),
     ("pipeline_configs", "cuts"): lambda v: _coerce_checkpoints(v) if isinstance(v, (list, tuple)) else v,
+    ("tensor_parallel_configs", "column"): _coerce_layers,
+    ("tensor_parallel_configs", "row"): _coerce_layers,
 }
 
 

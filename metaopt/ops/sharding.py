@@ -10,7 +10,11 @@ its own heads of each).
 A rule gets a `ShardArgs` (the op, its inputs' shards, full shapes, constants) and returns a
 `ShardResult` (its outputs' shards and the constants/attrs to rewrite for the rank's slice), or
 raises `ShardRefused` (the split cannot pass: the pass names the op's printed line) or
-`ShardNotImplemented` (a known gap, e.g. dropout in a split region needs MP-aware RNG).
+`ShardNotImplemented` (a known gap the message names).
+
+Random ops (Dropout, attention with dropout) pass a split through as elementwise ops do, and say
+so in `ShardResult.draws`: the pass then makes them draw from this rank's model-parallel stream
+(MP-aware RNG, metaopt/ops/rng_streams.py), so each rank drops its slice with its own mask.
 """
 
 from __future__ import annotations
@@ -58,6 +62,9 @@ class ShardResult:
     constants: dict[int, list] = field(default_factory=dict)  # input index -> the rank's value
     attrs: dict[str, Any] = field(default_factory=dict)  # attrs to set for the rank's slice
     note: str = ""  # what was rewritten, for the plan
+    # The op draws random numbers from a split value (dropout with p > 0 in training): the pass
+    # gives it this rank's model-parallel RNG stream (rng_streams.model_parallel_attrs).
+    draws: bool = False
 
 
 @dataclass(frozen=True)
@@ -86,14 +93,13 @@ def _same(a: ShardArgs) -> ShardResult:
 
 
 def _dropout(a: ShardArgs) -> ShardResult:
+    """Elementwise, and random unless its ratio is a constant 0 or it is a constant eval-mode
+    dropout (a ratio or mode computed at run time counts as drawing)."""
     ratio = a.constant(a.op.inputs[1]) if len(a.op.inputs) > 1 and a.op.inputs[1] else [0.5]
     train = a.constant(a.op.inputs[2]) if len(a.op.inputs) > 2 and a.op.inputs[2] else [False]
-    if ratio is None or train is None or (float(ratio[0]) > 0 and bool(train[0])):
-        raise ShardNotImplemented(
-            "dropout with p > 0 on a split activation needs a per-rank RNG stream (MP-aware RNG, "
-            "issue 16 item 3); export with dropout 0 for now"
-        )
-    return _same(a)
+    res = _same(a)
+    res.draws = ratio is None or train is None or (float(ratio[0]) > 0 and bool(train[0]))
+    return res
 
 
 def _elementwise(a: ShardArgs) -> ShardResult:
@@ -178,6 +184,8 @@ def _reshape(a: ShardArgs) -> ShardResult:
     s = _only_input_0(a)
     src, dst = tuple(a.shapes[0]), tuple(a.out_shapes[0] or ())
     ax = s.axis
+    if src and dst and ax == len(src) - 1 and src[-1] == dst[-1]:
+        return _regroup_leading(a, s, dst)
     if len(s.blocks) != 1:
         raise ShardRefused(f"it reshapes a value split in {len(s.blocks)} blocks (reshape after the Split)")
     if src[:ax] != dst[:ax]:
@@ -197,6 +205,21 @@ def _reshape(a: ShardArgs) -> ShardResult:
     if local[ax] > 0:  # -1 (inferred) and 0 (copied from the input's local dim) stay right
         local[ax] //= a.mp
     return ShardResult([Shard(ax, (dst[ax],))], constants={1: local}, note=f"shape {target} -> {local}")
+
+
+def _regroup_leading(a: ShardArgs, s: Shard, dst: tuple) -> ShardResult:
+    """A reshape of the leading dims only, the split last (feature) dim kept whole (the Reshapes
+    around a 2-D Gemm: [B, S, F] <-> [B*S, F]): every block stays, the target's last entry is the
+    rank's share of the features."""
+    target = a.constant(a.op.inputs[1])
+    if target is None:
+        raise ShardRefused("its target shape is computed at run time (not a constant)")
+    target = [int(v) for v in target]
+    local = list(target)
+    if local[-1] > 0:  # -1 (inferred) and 0 (copied from the input's local dim) stay right
+        local[-1] = s.local(a.mp)
+    out = Shard(len(dst) - 1, s.blocks)
+    return ShardResult([out], constants={1: local}, note=f"shape {target} -> {local}")
 
 
 def _group(src: tuple, dst: tuple) -> tuple[int, int] | None:
@@ -224,16 +247,12 @@ def _sdpa(a: ShardArgs) -> ShardResult:
     at = q.axis - (rank - len(mask)) if mask is not None else -1
     if mask is not None and at >= 0 and mask[at] != 1:
         raise ShardRefused(f"its mask of shape {list(mask)} differs per head (heads of other ranks)")
-    if float(a.op.attrs.get("dropout_p", 0.0)) > 0:
-        raise ShardNotImplemented(
-            "attention dropout with p > 0 over split heads needs a per-rank RNG stream (MP-aware RNG, "
-            "issue 16 item 3); export with dropout 0 for now"
-        )
     outs = [
         Shard(q.axis, q.blocks) if o and len(a.out_shapes[k] or ()) > q.axis else None
         for k, o in enumerate(a.op.outputs)
     ]
-    return ShardResult(outs)
+    # Dropout on the probabilities of this rank's heads: its own mask (model-parallel stream).
+    return ShardResult(outs, draws=float(a.op.attrs.get("dropout_p", 0.0)) > 0)
 
 
 _UNARY = ("Identity", "Gelu", "Relu", "Tanh", "Sigmoid", "Erf", "Neg", "Cast", "Sqrt", "Exp")
@@ -257,9 +276,38 @@ def rule(op_type: str) -> ShardRule | None:
 
 
 def linear_parts(op: Any) -> tuple[str, str, str] | None:
-    """(x, weight [out, in], bias or "") of a Linear op (torch's nn.Linear); None for any other
-    op: only these are column- or row-parallel layers."""
-    if op.type != "Linear":
-        return None
-    x, w, *rest = op.inputs
-    return x, w, (rest[0] if rest else "")
+    """(x, weight, bias or "") of a linear layer; None for any other op: only these are column- or
+    row-parallel layers. A linear layer is metaopt's `Linear` (torch's nn.Linear on a >2-D input,
+    weight [out, in]) or a plain ``Gemm`` (alpha = beta = 1, A not transposed, a 1-D bias or none):
+    torch's nn.Linear on a 2-D input (transB=1, weight [out, in]) and Hugging Face's Conv1D
+    (GPT-2: transB=0, weight [in, out]). `weight_out_axis` says which axis of the weight is out."""
+    if op.type == "Linear":
+        x, w, *rest = op.inputs
+        return x, w, (rest[0] if rest else "")
+    if op.type == "Gemm":
+        a = op.attrs
+        if a.get("alpha", 1.0) != 1.0 or a.get("beta", 1.0) != 1.0 or a.get("transA", 0):
+            return None
+        x, w, *rest = op.inputs
+        return x, w, (rest[0] if rest else "")
+    return None
+
+
+def weight_out_axis(op: Any) -> int:
+    """The axis of a linear layer's weight (`linear_parts`) along its output features."""
+    return 1 if op.type == "Gemm" and not op.attrs.get("transB", 0) else 0
+
+
+def keeps_features(op: Any, in_shape: tuple | None, out_shape: tuple | None) -> bool:
+    """Whether `op` only regroups the leading dims of a value, keeping its last (feature) dim as is
+    (the Reshapes around a 2-D Gemm: [B, S, F] <-> [B*S, F]): a column layer looks through it for
+    the Split that cuts its features into blocks."""
+    return (
+        op.type == "Reshape"
+        and in_shape is not None
+        and out_shape is not None
+        and len(in_shape) >= 1
+        and len(out_shape) >= 1
+        and in_shape[-1] == out_shape[-1]
+        and isinstance(in_shape[-1], int)
+    )

@@ -21,7 +21,9 @@ w, w + num_stages, ...
   param is read; ``lr-sched`` ops run on every worker (each keeps its own step and LR).
   A param read in several stages (tied, e.g. GPT's embedding and LM head) is held by each;
   its grad is summed per holder and all-reduced among exactly the holders' workers before
-  the update, so the copies stay identical.
+  the update, so the copies stay identical. Recompute partition's slice and gather of a
+  checkpoint (and offload's copies of the slice) run in the stage(s) whose backward reads the
+  gathered value: a checkpoint received across a cut is sliced by the receiver.
 * **Transfers**: a var made in virtual stage s and read in t != s is sent by var name,
   ``Send(x, peer=k+1)`` / ``x = Recv(peer=k)``, between neighbours, relayed through the
   stages between (activations forward, grads backward). Receives come first in a stage's
@@ -38,12 +40,13 @@ The pass is pure; the plans' and programs' meaning lives in op fields (``stage``
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from metaopt.ir import Op, PipelineInfo, Program, Var, did_you_mean, names, roles, torch_dtype
+from metaopt.ir.printer import fmt_op
 from metaopt.ops import registry
 
 MICRO_BATCH = names.micro_batch()
@@ -78,6 +81,8 @@ class PipelinePlan:
     substitute: dict[int, dict[str, str]] = field(default_factory=dict)
     sends: dict[tuple[int, str], list[str]] = field(default_factory=dict)  # (stage, phase) -> vars
     recvs: dict[tuple[int, str], list[str]] = field(default_factory=dict)  # (stage, phase) -> vars
+    # recompute partition: checkpoint -> the virtual stages that slice and gather it
+    partitioned: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def virtual_stages(self) -> int:
@@ -111,6 +116,8 @@ class PipelinePlan:
             )
         for w, workers in self.shared.items():
             lines.append(f"  shared {w}: workers {list(workers)} (grads all-reduced among them)")
+        for c, stages in self.partitioned.items():
+            lines.append(f"  recompute partition of {c}: sliced and gathered in stage(s) {list(stages)}")
         lines.append(f"  transfers: {len(self.transfers)} sends between neighbours")
         return "\n".join(lines)
 
@@ -169,10 +176,14 @@ def plan_pipeline(
     first_chunk = tuple(range(num_stages))  # lr-sched: one copy per worker
     producers: dict[str, set[int]] = {}
     chains: dict[str | None, list[int]] = {}  # offload/prefetch ops by the checkpoint they move
+    partition = _partition_groups(p)  # recompute partition's slice + gather, by checkpoint
+    in_partition = {i for idx in partition.values() for i in idx}
     for i, op in enumerate(p.ops):
         if roles.is_host_copy(op.role):
             chains.setdefault(op.origin, []).append(i)
             continue
+        if i in in_partition:
+            continue  # placed with their readers, below
         if op_stages[i]:
             pass
         elif op.role == "lr-sched":
@@ -199,13 +210,49 @@ def plan_pipeline(
         for o in op.outputs:
             if o:
                 producers.setdefault(o, set()).update(op_stages[i])
+    placed_partition = _place_partition(p, partition, op_stages, made, num_stages)
     _place_offload_chains(p, chains, op_stages, made)
     plan = PipelinePlan(
         num_stages, chunks, micro_batches, schedule, resolved, op_stages, costs, holders, dict(grads)
     )
-    plan.substitute = _cross_stage_recomputes(p, op_stages)
+    plan.partitioned = placed_partition
+    plan.substitute = _cross_stage_recomputes(p, op_stages, skip=in_partition)
     _plan_transfers(p, plan)
     return plan
+
+
+def check_replicated_cuts(p: Program, plan: PipelinePlan, *, split_params: Collection[str]) -> None:
+    """Refuse a cut inside a tensor-parallel split region: every activation a stage sends on
+    must be replicated across the model-parallel group, so each MP rank of stage s hands the
+    same MP rank of stage s+1 the whole value (Megatron cuts between transformer layers).
+
+    `split_params`: the params tensor parallel sliced. A forward value is split (or a partial
+    sum) when its op reads a split param or a split value, and replicated again after a
+    collective (the row-parallel layer's all-reduce, a ``collective`` row of the op table).
+    A PipelineError names the first such value crossing a cut, the op making it and the stages."""
+    split_params = set(split_params)
+    if not split_params:
+        return
+    split: set[str] = set()
+    made_by: dict[str, Op] = {}
+    for op in p.ops:
+        if not roles.is_forward(op.role):
+            continue
+        row = registry.get(op.type)
+        reads_split = any(x in split or x in split_params for x in op.inputs if x)
+        for o in op.outputs:
+            if o:
+                made_by[o] = op
+                if reads_split and not (row is not None and row.collective):
+                    split.add(o)
+    for x, src, dst in plan.transfers:
+        if x in split:
+            raise PipelineError(
+                f"pipeline: the cut between virtual stages {src} and {dst} falls inside a tensor-parallel "
+                f"split region: {x!r}, made by `{fmt_op(made_by[x])}`, is split (or a partial sum) across "
+                "the model-parallel group, but a stage hands the next only values every MP rank holds "
+                "whole; cut at a module outside the column..row span (e.g. a transformer block's start)"
+            )
 
 
 def _place_offload_chains(
@@ -230,10 +277,75 @@ def _place_offload_chains(
             op_stages[i] = tuple(sorted(stages))
 
 
-def _cross_stage_recomputes(p: Program, op_stages: list[tuple[int, ...]]) -> dict[int, dict[str, str]]:
+def _partition_groups(p: Program) -> dict[str, list[int]]:
+    """Recompute partition's ops (passes/recompute_partition.py) by the checkpoint they hold:
+    its slice (role ``partition``, origin the checkpoint) and the op reading the slice back
+    (the gather), directly or through offload's host copies of the slice (which stay chains)."""
+    groups: dict[str, list[int]] = {}
+    derived: dict[str, str] = {}  # a slice, or a host copy of one -> its checkpoint
+    for i, op in enumerate(p.ops):
+        if op.role == "partition":
+            groups.setdefault(op.origin, []).append(i)
+            derived.update((o, op.origin) for o in op.outputs if o)
+            continue
+        held = {derived[x] for x in op.inputs if x in derived}
+        if roles.is_host_copy(op.role):
+            derived.update((o, c) for c in held for o in op.outputs if o)
+            continue
+        for c in held:
+            groups[c].append(i)
+    return groups
+
+
+def _place_partition(
+    p: Program,
+    groups: dict[str, list[int]],
+    op_stages: list[tuple[int, ...]],
+    made: dict[str, int],
+    num_stages: int,
+) -> dict[str, tuple[int, ...]]:
+    """Each partitioned checkpoint's slice and gather run in every stage that reads the
+    gathered value (its recompute, or a grad op reading it): that stage slices its own copy
+    of the checkpoint after the forward and gathers it back there. For a checkpoint at a cut
+    that is the stage that received it, not the one that made it (which only sends it and
+    frees it), as Paddle slices the input of each recomputed layer wherever that layer runs.
+    A stage reading it in the backward always has the whole value in its forward (made or
+    received), so the slice reads what the forward already holds. Returns checkpoint -> the
+    stages holding its slice."""
+    out: dict[str, tuple[int, ...]] = {}
+    for c, idx in groups.items():
+        own = set(idx)
+        gathered = {o for i in idx if p.ops[i].role != "partition" for o in p.ops[i].outputs if o}
+        readers = [j for j, op in enumerate(p.ops) if j not in own and gathered.intersection(op.inputs)]
+        stages = sorted({k for j in readers for k in op_stages[j]})
+        if not stages:
+            if c not in made:
+                raise PipelineError(
+                    f"pipeline: cannot place the recompute partition of {c!r}: nothing reads it back"
+                )
+            stages = [made[c]]
+        workers = [k % num_stages for k in stages]
+        if len(set(workers)) < len(workers):
+            # one worker would make the slice and the gathered var twice (one producer each)
+            raise NotImplementedError(
+                f"pipeline: recompute partition of {c!r} is read back by virtual stages {stages}, two "
+                "of them on one worker (chunks > 1): slicing it once per worker is not implemented; "
+                "choose other cuts or leave recompute_configs['enable_partition'] False"
+            )
+        for i in idx:
+            op_stages[i] = tuple(stages)
+        out[c] = tuple(stages)
+    return out
+
+
+def _cross_stage_recomputes(
+    p: Program, op_stages: list[tuple[int, ...]], *, skip: Collection[int] = ()
+) -> dict[int, dict[str, str]]:
     """Recompute is bit-identical to the forward (RNG replay), so a stage reading a copy
     recomputed in an earlier stage reads the forward original instead (it has it: its own
-    forward received it) — grads flow down the pipeline, recomputed activations never up."""
+    forward received it) — grads flow down the pipeline, recomputed activations never up.
+    `skip`: ops that are no recomputed copy of their origin's producer (recompute partition's
+    gathers, placed with their readers: `_place_partition`)."""
     producers = p.producers()
     equals: dict[str, str] = {}
     made_in: dict[str, tuple[int, ...]] = {}
@@ -241,7 +353,7 @@ def _cross_stage_recomputes(p: Program, op_stages: list[tuple[int, ...]]) -> dic
         for o in op.outputs:
             if o:
                 made_in[o] = op_stages[i]
-        if op.role == "recompute" and op.origin in producers:
+        if op.role == "recompute" and op.origin in producers and i not in skip:
             original = p.ops[producers[op.origin]]
             equals.update((r, x) for r, x in zip(op.outputs, original.outputs) if r and x and r != x)
     out: dict[int, dict[str, str]] = {}
@@ -642,7 +754,7 @@ class _Splitter:
                     Var(
                         **{
                             f: getattr(allvars[name], f)
-                            for f in ("name", "dtype", "shape", "kind", "trainable")
+                            for f in ("name", "dtype", "shape", "kind", "trainable", "split")
                         }
                     ),
                     values.get(name),

@@ -26,6 +26,13 @@ rank of the model-parallel group holds whole is held as this rank's 1/mp slice i
 * Offload runs after this pass: it is handed the slices (`PartitionPlan.slices`) as the vars
   to move, so only the slice goes to host memory and back, and the gather reads the copy
   fetched back.
+* With a pipeline the plan needs no cuts: it runs on the whole program before the split, and
+  the pipeline split (passes/pipeline.py `_place_partition`) puts each checkpoint's slice, its
+  host copies and its gather in the stage(s) whose backward reads the gathered value. A
+  checkpoint sent across a cut is thus sliced by the stage that received it (and holds it for
+  its recompute), as Paddle slices each recomputed layer's input wherever the layer runs; the
+  stage that made it only sends it. (Skipping such checkpoints instead would keep whole the
+  input of every later stage's first recomputed segment, with nothing gained in simplicity.)
 
 Why this is sound: every rank of the group runs the same program (fleet's minimize checks
 that the workers' printed programs agree), so the ranks reach each gather in the same order,

@@ -2,7 +2,8 @@
 
     plan = plan_tensor_parallel(program, mp_degree=2, mp_rank=rank, group=[0, 1],
                                 column=["transformer.h.*.attn.c_attn", "transformer.h.*.mlp.c_fc"],
-                                row=["transformer.h.*.attn.c_proj", "transformer.h.*.mlp.c_proj"])
+                                row=["transformer.h.*.attn.c_proj", "transformer.h.*.mlp.c_proj"],
+                                vocab=["transformer.wte"])   # optional: the table split by vocab rows
     print(plan)                      # which params split how, which collectives go where
     program = tensor_parallel(program, plan=plan)   # then minimize(): the backward follows
 
@@ -17,13 +18,31 @@
 * The split then propagates op by op through the rules of metaopt/ops/sharding.py (elementwise
   ops, Split of a fused projection, Reshape to heads and back with the head count rewritten,
   Transpose, attention over split heads). An op with a split input and no rule, or whose rule
-  refuses, stops the pass with an error naming the op's printed line and why; dropout with
-  p > 0 in the split region raises NotImplementedError (MP-aware RNG is not there yet).
+  refuses, stops the pass with an error naming the op's printed line and why.
+* MP-aware RNG (Megatron's / Paddle's model-parallel RNG tracker): every random op gets the
+  stream it draws from as attrs (metaopt/ops/rng_streams.py). One that draws on a split value
+  (dropout on this rank's heads: its rule says ``draws``) gets ``rng="model_parallel",
+  group=<the MP group>``: a generator per MP rank (this worker's place in the group, found at run
+  time, so every rank's program prints the same), seeded ``seed + 2718 + r``, so each rank drops
+  its slice with its own mask. Every other one (on replicated values) gets ``rng="shared"``: torch's default
+  generator, seeded alike on every rank, so replicated values stay identical across the group.
+  The plan lists the model-parallel ones; the printed program shows both.
 * A row-parallel Linear keeps this rank's columns of its weight (in the layout its split input
   has); it computes a partial product without bias, ``TPReduce`` (Megatron's g: all-reduce sum
   forward, identity backward) sums it over the group, and the full bias is added once after, as
   Megatron's RowParallelLinear does. The Add writes the layer's original output name.
 * A split value must end in a row-parallel layer: one that reaches a program output is refused.
+* `vocab` (Megatron's VocabParallelEmbedding + vocab-parallel cross-entropy) names tables [V, H]
+  split by vocab rows: an embedding module (its lookup's table; a head tied to it follows), a
+  module with its own ``<module>.weight`` (an untied LM head, whose output the fused loss
+  absorbed), or a param. Rank r keeps rows [r V/mp, (r+1) V/mp); V not divisible by mp is refused
+  naming the table. Every reader of the table is rewritten, or refused naming its printed line
+  (ops/vocab_parallel.py): a lookup becomes ``VocabParallelEmbedding`` (its rows, zeros for the
+  others) + ``TPReduce``; the fused head + loss (``LinearCrossEntropy``: run
+  fuse_linear_cross_entropy first) becomes ``VocabParallelLinearCrossEntropy`` with its input
+  through ``TPCopy``: this rank's vocab slice of the logits only, one all-reduce inside
+  (ops/kernels/vocab_parallel.py). The new ops carry the group, not the rank: the kernels find
+  the rank's rows at run time, so every rank's program prints the same.
 
 The pass is pure and runs on the forward program, before append_backward: the backward comes
 from the gradient rules (TPCopy's is a TPReduce, TPReduce's an Identity). Each rank applies it
@@ -33,14 +52,15 @@ param's per-rank slices back together (in rank order), the inverse of the slicin
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from metaopt.ir import Op, Program, Var, did_you_mean, names, roles
+from metaopt.ir import Op, Program, Split, Var, did_you_mean, names, roles
 from metaopt.ir.printer import fmt_op
-from metaopt.ops import sharding
+from metaopt.ops import registry, rng_streams, sharding, vocab_parallel
 from metaopt.ops.sharding import Shard, ShardArgs
 from metaopt.passes.recompute import RecomputeError, resolve_checkpoints
 
@@ -74,6 +94,21 @@ class SplitParam:
 
 
 @dataclass(frozen=True)
+class VocabOp:
+    """A reader of a vocab-split table, rewritten over this rank's rows: a lookup (kind
+    "embedding": VocabParallelEmbedding, then TPReduce) or the fused LM head + loss (kind "loss":
+    VocabParallelLinearCrossEntropy, its input `x` through TPCopy)."""
+
+    index: int
+    kind: str  # "embedding" | "loss"
+    table: str
+    inputs: tuple[str, ...]  # the new op's inputs (x, before its TPCopy, for the loss)
+    out: str
+    attrs: dict  # the new op's attrs: the vocab_size and the group among them
+    x: str = ""  # the loss's hidden states (copied through TPCopy); "" for a lookup
+
+
+@dataclass(frozen=True)
 class Change:
     """An op in a split region whose constants or attrs change for this rank's slice."""
 
@@ -90,6 +125,8 @@ class TensorParallelPlan:
     group: tuple[int, ...]
     layers: dict[int, Layer] = field(default_factory=dict)
     changes: dict[int, Change] = field(default_factory=dict)
+    vocab: dict[int, VocabOp] = field(default_factory=dict)
+    rng: dict[int, dict] = field(default_factory=dict)  # random op index -> its stream attrs
     params: list[SplitParam] = field(default_factory=list)
     sharded: dict[str, Shard] = field(default_factory=dict)  # split activations (full layout)
     events: list[str] = field(default_factory=list)  # what the rewrite does, in program order
@@ -102,6 +139,9 @@ class TensorParallelPlan:
             f"{kinds.count('column')} column and {kinds.count('row')} row layers, {len(self.params)} params "
             f"split, {len(self.changes)} ops rewritten"
         )
+        if self.vocab:
+            tables = len({v.table for v in self.vocab.values()})
+            head += f"; {tables} vocab-split table(s) read by {len(self.vocab)} op(s)"
         return "\n".join([head, *(f"  {e}" for e in self.events), *(f"  skipped  {s}" for s in self.skipped)])
 
     def param(self, name: str) -> SplitParam:
@@ -144,8 +184,10 @@ def plan_tensor_parallel(
     column: Sequence[str],
     row: Sequence[str],
     group: Sequence[int],
+    vocab: Sequence[str] = (),
 ) -> TensorParallelPlan:
-    """Which params split how, which collectives go where, which ops change (module doc)."""
+    """Which params split how, which collectives go where, which ops change (module doc);
+    `vocab`: embeddings (module paths or patterns) or params whose table is split by vocab rows."""
     _check_args(p, mp_degree, mp_rank, group)
     plan = TensorParallelPlan(mp_degree, mp_rank, tuple(group))
     producers, consumers = p.producers(), p.consumers()
@@ -156,9 +198,12 @@ def plan_tensor_parallel(
         i = min(both)
         raise TensorParallelError(f"`{fmt_op(p.ops[i])}` is named both column- and row-parallel")
     copied: set[str] = set()
+    readers = _vocab_readers(p, plan, _resolve_vocab(p, vocab, producers), consumers, set(kinds))
     for i, op in enumerate(p.ops):
         kind = kinds.get(i)
-        if kind == "column":
+        if i in readers:
+            _plan_vocab(p, plan, readers[i], copied)
+        elif kind == "column":
             _plan_column(p, plan, i, consumers, copied)
         elif kind == "row":
             _plan_row(p, plan, i, consumers)
@@ -166,6 +211,8 @@ def plan_tensor_parallel(
             _plan_through(p, plan, i)
         elif sharding.linear_parts(op) is not None:
             plan.skipped.append(f"{op.outputs[0]}: a Linear not named in column or row (replicated)")
+        if i not in plan.rng and _random(op) and not any(x in plan.sharded for x in op.inputs if x):
+            plan.rng[i] = rng_streams.shared_attrs()  # replicated: the stream the group shares
     _check_region_ends(p, plan)
     return plan
 
@@ -197,12 +244,25 @@ def _resolve(p: Program, patterns: Sequence[str], kind: str, producers: dict[str
                 f"{did_you_mean(pattern, [*p.modules, *p.vars])}"
             ) from None
         for v in found:
-            i = producers.get(v)
+            i = _linear_behind(p, producers.get(v), producers)
             if i is None or sharding.linear_parts(p.ops[i]) is None:
                 what = f"`{fmt_op(p.ops[i])}`" if i is not None else "no op (an input or param)"
                 raise TensorParallelError(f"{kind} layer {pattern!r}: {v!r} is made by {what}, not a Linear")
             out[i] = kind
     return out
+
+
+def _linear_behind(p: Program, i: int | None, producers: dict[str, int]) -> int | None:
+    """The linear layer a module's output comes from: op `i` itself, or the one behind the Reshapes
+    that put a 2-D Gemm's rows back into [B, S, F] (Hugging Face's Conv1D module output)."""
+    at = i
+    while at is not None and sharding.linear_parts(p.ops[at]) is None:
+        op = p.ops[at]
+        src = producers.get(op.inputs[0]) if op.inputs else None
+        if src is None or not sharding.keeps_features(op, _shape(p, op.inputs[0]), _shape(p, op.outputs[0])):
+            return i
+        at = src
+    return at
 
 
 def _sole_reader(p: Program, plan_kind: str, op: Op, w: str, consumers: dict[str, list[int]]) -> None:
@@ -231,19 +291,27 @@ def _plan_column(p: Program, plan: TensorParallelPlan, i: int, consumers: dict, 
     if x not in copied:
         copied.add(x)
         plan.events.append(f"TPCopy   {x} -> {names.tp_copy(x)}  (identity; backward: all-reduce sum)")
-    texts = [_split_param(p, plan, w, out, 0, blocks)]
+    axis = sharding.weight_out_axis(op)  # [out, in]: its rows; HF Conv1D's [in, out]: its columns
+    texts = [_split_param(p, plan, w, out, axis, blocks)]
     if b:
         texts.append(_split_param(p, plan, b, out, 0, blocks))
-    layout = f"{len(blocks)} blocks {list(blocks)}, 1/{mp} of each" if len(blocks) > 1 else "rows"
+    what = "rows" if axis == 0 else "columns"
+    layout = f"{len(blocks)} blocks {list(blocks)}, 1/{mp} of each" if len(blocks) > 1 else what
     plan.events.append(f"column   {out}: {', '.join(texts)}  ({layout})")
     rank = len(p.vars[out].shape)
     plan.sharded[out] = Shard(rank - 1, blocks)
 
 
 def _column_blocks(p: Program, out: str, consumers: dict[str, list[int]]) -> tuple[int, ...]:
-    """One block, or the pieces a Split right after cuts the features into (a fused q, k, v)."""
+    """One block, or the pieces a Split right after cuts the features into (a fused q, k, v),
+    looking through Reshapes that keep the features (a 2-D Gemm's output back to [B, S, F])."""
     full = p.vars[out].shape
     readers = consumers.get(out, [])
+    while len(readers) == 1 and sharding.keeps_features(
+        p.ops[readers[0]], _shape(p, out), _shape(p, p.ops[readers[0]].outputs[0])
+    ):
+        out = p.ops[readers[0]].outputs[0]
+        full, readers = p.vars[out].shape, consumers.get(out, [])
     if len(readers) == 1:
         op = p.ops[readers[0]]
         rule = sharding.rule(op.type)
@@ -276,9 +344,10 @@ def _plan_row(p: Program, plan: TensorParallelPlan, i: int, consumers: dict) -> 
         )
     _sole_reader(p, "row", op, w, consumers)
     plan.layers[i] = Layer(i, "row", x, w, b, out, s.blocks)
-    text = _split_param(p, plan, w, out, 1, s.blocks)
+    axis = 1 - sharding.weight_out_axis(op)  # the weight's input features
+    text = _split_param(p, plan, w, out, axis, s.blocks)
     bias = f"; bias {b} added once after the all-reduce" if b else ""
-    plan.events.append(f"row      {out}: {text}  (columns){bias}")
+    plan.events.append(f"row      {out}: {text}  ({'columns' if axis == 1 else 'rows'}){bias}")
     src = names.tp_partial(out)
     dst = names.tp_reduced(out) if b else out
     plan.events.append(f"TPReduce {src} -> {dst}  (all-reduce sum; backward: identity)")
@@ -320,6 +389,18 @@ def _plan_through(p: Program, plan: TensorParallelPlan, i: int) -> None:
     if res.constants or res.attrs:
         plan.changes[i] = Change(i, res.constants, res.attrs, res.note)
         plan.events.append(f"{op.type:<8} {op.outputs[0]}: {res.note}")
+    if res.draws:  # its own mask on this rank's slice: the rank's model-parallel stream
+        r = plan.mp_rank
+        plan.rng[i] = rng_streams.model_parallel_attrs(plan.group)
+        plan.events.append(
+            f"rng      {op.outputs[0]}: {op.type} draws from the model-parallel RNG stream of rank {r} "
+            f"(seed + {rng_streams.MP_SEED_OFFSET} + {r})"
+        )
+
+
+def _random(op: Op) -> bool:
+    row = registry.get(op.type)
+    return row is not None and row.random
 
 
 def _shape(p: Program, name: str) -> tuple | None:
@@ -344,6 +425,151 @@ def _check_region_ends(p: Program, plan: TensorParallelPlan) -> None:
         )
 
 
+# --- vocab parallel: tables split by vocab rows, their lookups and the LM head + loss -------------
+
+
+def _resolve_vocab(p: Program, patterns: Sequence[str], producers: dict[str, int]) -> list[str]:
+    """The tables the `vocab` entries name, in order: a param by name; a module (path or pattern)
+    whose output an embedding lookup makes: its table; a module whose weight ``<module>.weight``
+    is a param (an untied LM head, whose module output the fused loss absorbed)."""
+    params = {v.name for v in p.params()}
+    out: list[str] = []
+    for pattern in patterns:
+        found = [pattern] if pattern in params else _vocab_lookups(p, pattern, producers)
+        if not found:
+            found = [f"{m}.weight" for m in _param_modules(params, pattern)]
+        if not found:
+            raise TensorParallelError(
+                f"vocab layer {pattern!r} is neither an embedding module, nor a module with a weight, nor "
+                f"a param of {p.name!r}{did_you_mean(pattern, [*p.modules, *sorted(params)])}"
+            )
+        out += [t for t in found if t not in out]
+    return out
+
+
+def _vocab_lookups(p: Program, pattern: str, producers: dict[str, int]) -> list[str]:
+    """The tables of the lookups making the outputs of the modules `pattern` names ([] when it names
+    no module, or a module with its own ``<module>.weight``, which `_param_modules` finds)."""
+    try:
+        found = resolve_checkpoints(p, [pattern])
+    except RecomputeError:
+        return []
+    tables = []
+    for v in found:
+        i = producers.get(v)
+        try:
+            look = vocab_parallel.lookup(p.ops[i]) if i is not None else None
+        except vocab_parallel.NotVocabParallel as e:
+            raise TensorParallelError(f"vocab layer {pattern!r}: `{fmt_op(p.ops[i])}`: {e}") from None
+        if look is None or p.vars[look.table].kind != "param":
+            if f"{pattern}.weight" in p.vars:
+                return []  # a head named by its module: its weight, found by _param_modules
+            what = f"`{fmt_op(p.ops[i])}`" if i is not None else "no op (an input or param)"
+            raise TensorParallelError(
+                f"vocab layer {pattern!r}: {v!r} is made by {what}, not an embedding lookup of a param; name "
+                "the embedding (a head tied to it follows) or an LM head's module (its '<module>.weight')"
+            )
+        tables.append(look.table)
+    return tables
+
+
+def _param_modules(params: set[str], pattern: str) -> list[str]:
+    """Modules matching `pattern` (one path component per ``*``) that own a ``weight`` param."""
+    parts = pattern.split(".")
+    mods = sorted({n[: -len(".weight")] for n in params if n.endswith(".weight")})
+    return [
+        m
+        for m in mods
+        if len(m.split(".")) == len(parts)
+        and all(fnmatch.fnmatchcase(a, b) for a, b in zip(m.split("."), parts))
+    ]
+
+
+def _vocab_readers(
+    p: Program, plan: TensorParallelPlan, tables: list[str], consumers: dict, layer_ops: set[int]
+) -> dict[int, VocabOp]:
+    """Every op reading a vocab-split table, as the op it becomes; anything else reading one is
+    refused naming its printed line (ops/vocab_parallel.py says which readers are possible)."""
+    mp = plan.mp_degree
+    out: dict[int, VocabOp] = {}
+    for t in tables:
+        shape = p.vars[t].shape
+        if shape is None or len(shape) != 2 or not all(isinstance(d, int) for d in shape):
+            raise TensorParallelError(
+                f"vocab-split table {t!r} has shape {shape}, not a static [vocab, hidden]"
+            )
+        if shape[0] % mp:
+            raise TensorParallelError(
+                f"vocab-split table {t!r} has {shape[0]} rows (its vocab), not divisible by mp_degree {mp}; "
+                "pad the vocab to a multiple of it (Megatron's make-vocab-size-divisible-by)"
+            )
+        for i in consumers.get(t, []):
+            out[i] = _vocab_reader(p, i, t, shape[0], plan, consumers, layer_ops)
+    return out
+
+
+def _vocab_reader(
+    p: Program, i: int, t: str, size: int, plan: TensorParallelPlan, consumers, layer_ops
+) -> VocabOp:
+    op = p.ops[i]
+    # No rank-specific attr (the kernels find this worker's rows from its place in the group):
+    # every rank's program reads the same, as fleet checks.
+    where = {"vocab_size": size, "group": list(plan.group)}
+    try:
+        if i in layer_ops:
+            raise vocab_parallel.NotVocabParallel("it is named a column- or row-parallel layer too")
+        look = vocab_parallel.lookup(op)
+        if look is not None and look.table == t:
+            return VocabOp(i, "embedding", t, (t, look.ids), op.outputs[0], {**where, **look.attrs})
+        head = vocab_parallel.head_loss(op)
+        if head is not None and head.weight == t:
+            if head.bias:
+                _sole_reader(p, "vocab", op, head.bias, consumers)
+            attrs = {**where, **head.attrs}
+            ins = (head.x, t, head.labels) + ((head.bias,) if head.bias else ())
+            return VocabOp(i, "loss", t, ins, op.outputs[0], attrs, x=head.x)
+    except vocab_parallel.NotVocabParallel as e:
+        raise TensorParallelError(f"`{fmt_op(op)}` reads the vocab-split table {t!r}: {e}") from None
+    raise TensorParallelError(
+        f"`{fmt_op(op)}` reads the vocab-split table {t!r}, but only an embedding lookup or the fused LM "
+        "head + loss (LinearCrossEntropy) can read its vocab slice: the full-vocab value would be needed on "
+        "every rank. An unfused LM head: fuse it first (strategy.fuse_linear_cross_entropy=True, or "
+        "passes.fuse_linear_cross_entropy with min_classes=1)"
+    )
+
+
+def _plan_vocab(p: Program, plan: TensorParallelPlan, v: VocabOp, copied: set[str]) -> None:
+    op, mp = p.ops[v.index], plan.mp_degree
+    size = v.attrs["vocab_size"] // mp
+    rows = f"vocab rows [{plan.mp_rank * size}, {(plan.mp_rank + 1) * size})"
+    if all(sp.name != v.table for sp in plan.params):
+        text = _split_param(p, plan, v.table, v.out, 0, (v.attrs["vocab_size"],))
+        plan.events.append(f"vocab    {text}  ({rows})")
+    if v.kind == "embedding":
+        plan.events.append(
+            f"lookup   {v.out}: {vocab_parallel.EMBEDDING_OP} in {rows} (zeros elsewhere), then "
+            f"TPReduce {names.tp_partial(v.out)} -> {v.out}  (all-reduce sum; backward: identity; the "
+            "table's grad: its rows only)"
+        )
+    else:
+        if v.x in plan.sharded:
+            raise TensorParallelError(f"`{fmt_op(op)}`: the LM head's input {v.x!r} is itself split")
+        if len(v.inputs) > 3:
+            plan.events.append(
+                f"vocab    {_split_param(p, plan, v.inputs[3], v.out, 0, (v.attrs['vocab_size'],))}"
+            )
+        if v.x not in copied:
+            copied.add(v.x)
+            plan.events.append(
+                f"TPCopy   {v.x} -> {names.tp_copy(v.x)}  (identity; backward: all-reduce sum)"
+            )
+        plan.events.append(
+            f"loss     {v.out}: {vocab_parallel.LOSS_OP} over {rows}  (one all-reduce of each rank's "
+            "logsumexp and target logits; backward local)"
+        )
+    plan.vocab[v.index] = v
+
+
 # --- rewrite ---------------------------------------------------------------------------------
 
 
@@ -355,19 +581,25 @@ def tensor_parallel(p: Program, *, plan: TensorParallelPlan) -> Program:
     for sp in plan.params:  # the rank's slice of each split param, the var's shape to match
         q.values[sp.name] = shard_tensor(q.values[sp.name], sp.axis, sp.blocks, mp, rank)
         q.vars[sp.name].shape = sp.local_shape
+        # the layout, in the var: checkpoints save and load it by full shape (fleet/sharded_io.py),
+        # and the optimizer's state of this param inherits it (passes/optimize.py)
+        q.vars[sp.name].split = Split(sp.axis, mp, tuple(sp.blocks))
     for name, s in plan.sharded.items():
         q.vars[name].shape = s.local_shape(tuple(p.vars[name].shape), mp)
     ops: list[Op] = []
     copies: dict[str, str] = {}
     for i, op in enumerate(q.ops):
         layer = plan.layers.get(i)
-        if layer is not None and layer.kind == "column":
+        if i in plan.vocab:
+            ops += _rewrite_vocab(q, op, plan.vocab[i], plan, copies)
+        elif layer is not None and layer.kind == "column":
             ops += _rewrite_column(q, op, layer, plan, copies)
         elif layer is not None:
             ops += _rewrite_row(q, op, layer, plan)
         else:
             if i in plan.changes:
                 _rewrite_change(q, op, plan.changes[i])
+            op.attrs.update(plan.rng.get(i, {}))
             ops.append(op)
     q.ops = ops
     _drop_unread_constants(p, q)
@@ -404,6 +636,26 @@ def _rewrite_row(q: Program, op: Op, layer: Layer, plan: TensorParallelPlan) -> 
     if layer.bias:  # Megatron: the full bias, once, after the sum (not 1/mp of it on each rank)
         ops.append(Op("Add", [reduced, layer.bias], [layer.out], {}, **kw))
     return ops
+
+
+def _rewrite_vocab(q: Program, op: Op, v: VocabOp, plan: TensorParallelPlan, copies: dict) -> list[Op]:
+    kw = {"role": op.role, "scope": op.scope, "origin": op.origin}
+    if v.kind == "embedding":
+        out = q.vars[v.out]
+        partial = names.fresh(names.tp_partial(v.out), q.vars)
+        q.add_var(Var(partial, out.dtype, out.shape))
+        return [
+            Op(vocab_parallel.EMBEDDING_OP, list(v.inputs), [partial], dict(v.attrs), **kw),
+            Op("TPReduce", [partial], [v.out], {"group": list(plan.group)}, **kw),
+        ]
+    new = []
+    if v.x not in copies:  # one TPCopy per replicated value, shared with column layers reading it
+        xv = q.vars[v.x]
+        copies[v.x] = names.fresh(names.tp_copy(v.x), q.vars)
+        q.add_var(Var(copies[v.x], xv.dtype, xv.shape))
+        new.append(Op("TPCopy", [v.x], [copies[v.x]], {"group": list(plan.group)}, **{**kw, "origin": v.x}))
+    ins = [copies[v.x], *v.inputs[1:]]
+    return [*new, Op(vocab_parallel.LOSS_OP, ins, [v.out], dict(v.attrs), **kw)]
 
 
 def _rewrite_change(q: Program, op: Op, change: Change) -> None:

@@ -188,14 +188,6 @@ def test_partition_with_mp_degree_1_is_refused(monkeypatch):
     _refused(_partition_strategy(), ValueError, r"enable_partition'\]=True slices .* but mp_degree=1")
 
 
-def test_partition_with_a_pipeline_is_not_implemented(monkeypatch):
-    _fake_job(monkeypatch, 0, dp=1, mp=2, pp=2)
-    s = _partition_strategy()
-    s.pipeline = True
-    s.pipeline_configs = {"cuts": ["transformer.h.1"], "accumulate_steps": 2}
-    _refused(s, NotImplementedError, r"enable_partition'\]=True with strategy\.pipeline=True")
-
-
 def test_the_plan_lists_the_partition_step(monkeypatch):
     _fake_job(monkeypatch, 1, dp=1, mp=2)
     opt = fleet.distributed_optimizer(metaopt.optimizer.SGD(learning_rate=0.1), _partition_strategy())

@@ -141,20 +141,28 @@ def _refused(s: fleet.DistributedStrategy, error: type, match: str, opt=None) ->
     assert str(program) == before  # refused before anything was rewritten
 
 
-def test_tensor_parallel_with_a_pipeline_is_refused(monkeypatch):
+def test_a_pipeline_cut_inside_a_split_region_is_refused_naming_the_var_and_op(monkeypatch):
+    # a stage hands the next only values every MP rank holds whole (tests/training/
+    # test_hybrid_pipeline.py trains the cut at transformer.h.1 on gloo workers)
     _fake_job(monkeypatch, 0, dp=1, mp=2, pp=2)
     s = _tp_strategy()
     s.pipeline = True
-    s.pipeline_configs = {"cuts": ["transformer.h.0"], "accumulate_steps": 2}
-    _refused(s, NotImplementedError, r"tensor_parallel=True with mp_degree=2 .*strategy\.pipeline=True")
+    s.pipeline_configs = {"cuts": ["transformer.h.0.mlp.c_proj"], "accumulate_steps": 2}
+    _refused(
+        s,
+        ValueError,
+        r"cut between virtual stages 0 and 1 falls inside a tensor-parallel split region: "
+        r"'transformer\.h\.0\.mlp/gelu', made by `transformer\.h\.0\.mlp/gelu = Gelu\(",
+    )
 
 
-def test_tensor_parallel_with_recompute_is_refused(monkeypatch):
-    _fake_job(monkeypatch, 0, dp=1, mp=2)
+def test_a_split_param_tied_across_pipeline_stages_is_refused_naming_it(monkeypatch):
+    _fake_job(monkeypatch, 0, dp=1, mp=2, pp=2)
     s = _tp_strategy()
-    s.recompute = True
-    s.recompute_configs = {"checkpoints": ["transformer.h.0"]}
-    _refused(s, NotImplementedError, r"mp_degree=2 cannot be combined yet with: strategy\.recompute=True")
+    s.pipeline = True
+    fc = [f"transformer.h.{i}.mlp.c_fc.weight" for i in (0, 1)]
+    s.pipeline_configs = {"cuts": ["transformer.h.1"], "accumulate_steps": 2, "shared": [fc]}
+    _refused(s, NotImplementedError, r"pipeline_configs\['shared'\] names 'transformer\.h\.0\.mlp\.c_fc\.w")
 
 
 def test_global_norm_clipping_with_tensor_parallel_is_refused(monkeypatch):

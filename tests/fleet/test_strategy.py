@@ -64,6 +64,7 @@ FLEET_DEFAULTS = {
     "recompute_configs": {
         "checkpoints": [],
         "enable_offload": False,
+        "enable_partition": False,  # ours (Paddle's recompute_partition, a hybrid recompute ctx key)
         "checkpoint_shape": [],
         "policy": "full",  # ours
         "keep_op_types": [],  # ours
@@ -85,12 +86,15 @@ FLEET_DEFAULTS = {
     },
     "gradient_merge_configs": {"k_steps": 1, "avg": True},
     # Fleet's TensorParallelConfig (column / row: ours)
-    "tensor_parallel_configs": {"tensor_parallel_degree": 1, "tensor_init_seed": -1, "column": [], "row": []},
+    "tensor_parallel_configs": {
+        "tensor_parallel_degree": 1, "tensor_init_seed": -1, "column": [], "row": [], "vocab": []
+    },
     # Fleet's HybridConfig: dp_degree -1 = inferred from the world size
     "hybrid_configs": {"dp_degree": -1, "mp_degree": 1, "pp_degree": 1, "sharding_degree": 1},
 }
 OURS = {
     "recompute_configs": {
+        "enable_partition",
         "policy",
         "keep_op_types",
         "memory_budget",
@@ -99,7 +103,7 @@ OURS = {
         "seed_random_ops",
     },
     "pipeline_configs": {"cuts", "num_stages", "dp_degree", "shared", "chunks"},
-    "tensor_parallel_configs": {"column", "row"},
+    "tensor_parallel_configs": {"column", "row", "vocab"},
 }
 
 

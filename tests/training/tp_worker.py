@@ -6,7 +6,9 @@ rank), trains 3 SGD steps on the same full batch as every other rank, and writes
 
 from __future__ import annotations
 
+import functools
 import sys
+from pathlib import Path
 
 import torch
 
@@ -21,6 +23,8 @@ LR = 0.1
 SEED = 0
 COLUMN = {
     "gpt": ["transformer.h.*.attn.c_attn", "transformer.h.*.mlp.c_fc"],
+    # Hugging Face GPT-2 from the zoo: Conv1D layers (Gemm with an [in, out] weight between Reshapes)
+    "hf-gpt2": ["m.transformer.h.*.attn.c_attn", "m.transformer.h.*.mlp.c_fc"],
     "bert": [
         "bert.encoder.layer.*.attention.self.query",
         "bert.encoder.layer.*.attention.self.key",
@@ -30,11 +34,30 @@ COLUMN = {
 }
 ROW = {
     "gpt": ["transformer.h.*.attn.c_proj", "transformer.h.*.mlp.c_proj"],
+    "hf-gpt2": ["m.transformer.h.*.attn.c_proj", "m.transformer.h.*.mlp.c_proj"],
     "bert": ["bert.encoder.layer.*.attention.output.dense", "bert.encoder.layer.*.output.dense"],
 }
 
 
+def _zoo(name: str):
+    """A zoo entry (tests/zoo) for a "hf-..." name: the Hugging Face models built tiny."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from zoo import harness, models
+
+    return harness, models.get(name)
+
+
+@functools.cache
+def _feed_names(name: str) -> list[str]:
+    harness, entry = _zoo(name)
+    return harness.feed_names(entry.build(0.0), 8)
+
+
 def export(name: str) -> metaopt.Program:
+    if name.startswith("hf-"):
+        harness, entry = _zoo(name)
+        torch.manual_seed(SEED)
+        return harness.export(entry, 0.0)[1]
     mod = programs.get(name)
     model = mod.build("tiny", seed=SEED, dropout=0.0)
     return metaopt.export(model, mod.example_inputs("tiny", 4, seed=1), name=name)
@@ -42,6 +65,9 @@ def export(name: str) -> metaopt.Program:
 
 def batch(name: str, step: int) -> dict[str, torch.Tensor]:
     """The step's full batch (every MP rank is fed all of it)."""
+    if name.startswith("hf-"):
+        inputs = _zoo(name)[1].inputs(BATCH, 10 + step)
+        return dict(zip(_feed_names(name)[: len(inputs)], inputs, strict=True))
     mod = programs.get(name)
     return dict(zip(mod.INPUT_NAMES, mod.example_inputs("tiny", BATCH, seed=10 + step), strict=True))
 
@@ -52,9 +78,14 @@ def plan(program: metaopt.Program, name: str, rank: int, world: int):
     )
 
 
-def train(program: metaopt.Program, name: str) -> dict:
-    """3 SGD steps; the losses and the final params (as this process holds them)."""
-    metaopt.optimizer.SGD(learning_rate=LR).minimize(program.loss)
+def train(program: metaopt.Program, name: str, opt: str = "sgd") -> dict:
+    """3 SGD (or Adam) steps; the losses and the final params (as this process holds them)."""
+    optimizer = (
+        metaopt.optimizer.SGD(learning_rate=LR)
+        if opt == "sgd"
+        else metaopt.optimizer.Adam(learning_rate=1e-2)
+    )
+    optimizer.minimize(program.loss)
     exe = metaopt.Executor("cpu")
     losses = []
     for step in range(STEPS):
@@ -68,9 +99,11 @@ def main() -> None:
     fleet.init(is_collective=True)
     rank, world = fleet.worker_index(), fleet.worker_num()
     for name in names:
-        program = export(name)
-        program = tensor_parallel(program, plan=plan(program, name, rank, world))
-        torch.save(train(program, name), f"{out}/{name}.rank{rank}.pt")
+        exported = export(name)
+        for opt in ("sgd", "adam"):
+            program = tensor_parallel(exported, plan=plan(exported, name, rank, world))
+            suffix = "" if opt == "sgd" else ".adam"
+            torch.save(train(program, name, opt), f"{out}/{name}{suffix}.rank{rank}.pt")
     fleet.barrier_worker()
 
 
