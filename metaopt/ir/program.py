@@ -364,6 +364,9 @@ class Program:
         self.pipeline: PipelineInfo | None = None
         # Set on a gradient-merge program: the executor updates every k-th run.
         self.gradient_merge: GradientMergeInfo | None = None
+        # Inputs whose tensors the caller gives up (a pipeline runner's values carried into their
+        # last part): an op may write them in place, as any value at its last read.
+        self.donated: frozenset[str] = frozenset()
         # Executors key their per-program plans (liveness, bound kernels) on (uid,
         # version): uid is unique per Program object for the life of the process (an
         # id() can be reused once a program is gone), version bumps on `replace_with`.
@@ -464,6 +467,7 @@ class Program:
         p.updates = dict(self.updates)
         p.pipeline = self.pipeline
         p.gradient_merge = self.gradient_merge
+        p.donated = self.donated
         return p
 
     def replace_with(self, other: Program) -> None:

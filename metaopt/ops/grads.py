@@ -348,10 +348,27 @@ def _dropout(g, op, dy):
 
 @grad_rule("LinearCrossEntropy")
 def _linear_cross_entropy(g, op, dy):
-    # One grad op recomputes the logits chunk by chunk (ops/kernels/loss.py): nothing of the
-    # forward's [N, V] logits is saved, so nothing that size lives between forward and backward.
+    # Nothing of the forward's [N, V] logits is saved, so nothing that size lives between forward
+    # and backward. In float32 / float64 the forward makes the grads for a loss grad of 1 while it
+    # has each chunk's logits (ops/kernels/loss.py `_lce_with_unit_grads`) and the backward scales
+    # them (`ScaleGrads`): the logits are made once. Otherwise (AMP's half precision, where an
+    # unscaled grad would underflow) one grad op recomputes the logits chunk by chunk.
     x, w, labels = op.inputs[:3]
     bias = op.inputs[3] if len(op.inputs) > 3 and op.inputs[3] else ""
+    params = [x, w] + ([bias] if bias else [])
+    if all(g.dtype(v) == g.dtype(x) for v in params) and g.dtype(x) in ("float32", "float64"):
+        tags = ("GRAD_X", "GRAD_W", "GRAD_B")
+        what = [(tag, g.shape(v), g.dtype(v)) for tag, v in zip(tags, params, strict=False)]
+        units = g.saved_outputs(op, what, count=1 + len(what))
+        # every grad is made in the forward (a frozen head's weight grad too: one matmul spent)
+        made: dict[int, str] = {}
+        for v, i in zip(params, (0, 1, 3), strict=False):
+            if g.needs(i):
+                made[i] = g.contrib(v)
+        if made:
+            ins = [dy[0]] + [u for u, i in zip(units, (0, 1, 3), strict=False) if i in made]
+            g.emit("ScaleGrads", ins, list(made.values()))
+        return [made.get(0), made.get(1), None] + ([made.get(3)] if bias else [])
     attrs = {k: op.attrs[k] for k in ("ignore_index", "reduction", "chunk_size", "transB") if k in op.attrs}
     outs = [g.contrib(x) if g.needs(0) else "", g.contrib(w) if g.needs(1) else ""]
     if bias:

@@ -365,11 +365,16 @@ def _cut(p: Program) -> dict[tuple[int, str], _Part]:
         parts[key] = _Part(sub, feeds, carried_in, carried_out, produced=frozenset(produced))
         parts[key].host_out = frozenset(host_out)
     last_reader: dict[str, tuple[int, str]] = {}
+    sent = {x for part in parts.values() for op in part.program.ops if "peer" in op.attrs for x in op.inputs}
     for key, part in parts.items():  # key order = the order one micro-batch goes through them
         for x in part.carried_in:
             last_reader[x] = key
     for key, part in parts.items():
         part.last_use = frozenset(x for x in part.carried_in if last_reader[x] == key)
+        # the runner gives these up (it pops them before the part runs): an op of the part may
+        # write one in place (ScaleGrads on LinearCrossEntropy's unit grads), unless a send may
+        # still be reading it
+        part.program.donated = part.last_use - sent
     return parts
 
 

@@ -323,7 +323,7 @@ def check_inplace(p: Program, fetches: set[str]) -> tuple[_Aliases, set[str]]:
                         f"{op.type} writes {x!r} in place, which shares storage with {kind} {m!r}, but "
                         f"program.updates does not update {m!r} to {op.outputs[k]!r}: {fmt_op(op)}"
                     )
-                if kind in ("input", "constant"):
+                if kind == "constant" or (kind == "input" and m not in p.donated):
                     raise ValueError(
                         f"{op.type} writes {x!r} in place, which shares storage with {kind} {m!r}: "
                         f"{fmt_op(op)}"

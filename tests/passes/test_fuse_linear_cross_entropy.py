@@ -88,6 +88,30 @@ def test_kernel_matches_torch_cross_entropy_in_float64(chunk, trans_b, with_bias
         torch.testing.assert_close(db, bs.grad, rtol=1e-12, atol=1e-12)
     else:
         assert db is None
+    # The forward with the grads for d loss = 1 (what the float32 / float64 backward asks for),
+    # scaled by ScaleGrads: the same loss bit for bit, the same grads (float64 rounding, 1e-12).
+    loss2, *units = row.kernel(x, weight, y, b, **attrs, _nout=4 if with_bias else 3)
+    assert torch.equal(loss2, loss)
+    scaled = registry.get("ScaleGrads").kernel(dloss, *units, _nout=len(units))
+    want = [xs.grad, ws.grad if trans_b else ws.grad.t()] + ([bs.grad] if with_bias else [])
+    for got, ref_grad in zip(scaled, want, strict=True):
+        torch.testing.assert_close(got, ref_grad, rtol=1e-12, atol=1e-12)
+
+
+def test_kernel_unit_grads_of_no_token_are_zero():
+    """Every token ignored: the mean loss is NaN (as torch), its unit grads zeros (as nll_loss's
+    backward gives), not NaN."""
+    x, w = torch.randn(4, 3), torch.randn(5, 3)
+    y = torch.full((4,), -100)
+    loss, dx, dw = registry.get("LinearCrossEntropy").kernel(x, w, y, chunk_size=3, _nout=3)
+    assert torch.isnan(loss)
+    assert torch.equal(dx, torch.zeros_like(x)) and torch.equal(dw, torch.zeros_like(w))
+
+
+def test_kernel_unit_grads_refuse_half_precision():
+    x, w = torch.randn(4, 3, dtype=torch.bfloat16), torch.randn(5, 3, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="grads in the forward.*bfloat16"):
+        registry.get("LinearCrossEntropy").kernel(x, w, torch.zeros(4, dtype=torch.int64), _nout=3)
 
 
 def test_kernel_every_token_ignored_is_nan_as_torch():
@@ -327,7 +351,11 @@ def test_fleet_fuses_by_default_and_the_switch_turns_it_off():
     on, off = p.clone(), p.clone()
     opt = _minimize(on)
     assert [op.type for op in on.ops].count("LinearCrossEntropy") == 1
-    assert "LinearCrossEntropyGrad" in {op.type for op in on.ops}
+    # float32: the forward makes the grads for a unit loss grad, the backward scales them
+    (head,) = [op for op in on.ops if op.type == "LinearCrossEntropy"]
+    assert len(head.outputs) == 3  # the loss, then the grads of x and of the tied weight
+    (scale,) = [op for op in on.ops if op.type == "ScaleGrads"]
+    assert scale.inputs[1:] == head.outputs[1:] and "LinearCrossEntropyGrad" not in {op.type for op in on.ops}
     assert "1 fused" in str(opt.context.plans["fuse_linear_ce"])
     assert opt.applied_meta_list == []  # not one of Fleet's meta optimizers
     opt = _minimize(off, fuse_linear_cross_entropy=False)
@@ -373,3 +401,23 @@ def test_pipeline_puts_the_fused_loss_on_the_last_stage_with_the_tied_weight():
     assert "transformer.wte.weight" in stages[0].vars  # the embedding reads it on stage 0 too
     for s in stages:
         verify(s)
+
+
+def test_a_pipeline_stage_scales_the_carried_unit_grads_in_place_and_trains_like_one_program():
+    """A pipeline runs a stage's forward and backward as two parts: the unit grads reach the
+    backward as carried values, which the runner donates (Program.donated) so ScaleGrads may write
+    them in place. One worker, one stage, 2 micro-batches = one program on the full batch (SGD:
+    the loss grad of each micro-batch is 1/2, the grads summed in another order: rtol 1e-5)."""
+    _, inputs, p = _gpt(2048, batch=4)
+    feed = _feed("gpt", inputs)
+    piped, whole = p.clone(), p.clone()
+    _minimize(piped, pipeline=True, pipeline_configs={"accumulate_steps": 2})
+    _minimize(whole)
+    assert "ScaleGrads" in {op.type for op in piped.ops}
+    got, want = metaopt.Executor("cpu"), metaopt.Executor("cpu")
+    for _ in range(2):
+        (a,) = got.run(piped, feed=feed, fetch_list=["loss"])
+        (b,) = want.run(whole, feed=feed, fetch_list=["loss"])
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for v in whole.params():
+        torch.testing.assert_close(got.scope[v.name], want.scope[v.name], rtol=1e-5, atol=1e-6)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from metaopt.ir.dtypes import torch_dtype_from_onnx
-from metaopt.ops import patterns
+from metaopt.ops import patterns, rng_streams
 from metaopt.ops.registry import register
 
 _MODE_WITH_BIAS = 2
@@ -183,10 +183,13 @@ def rotary_embedding(
 #   kernels, `_scaled_dot_product_flash_attention_for_cpu[_backward]`, which SDPA itself picks
 #   there). No b x h x sq x sk tensor outlives the op.
 # * dropout_p > 0: torch has no fused CPU kernel with dropout (SDPA falls back to its math path),
-#   so the op runs that math once, in place where it can, and saves the probabilities and the
-#   dropout mask (the unfused program holds those plus the dropped probabilities and the masked
-#   scores). The mask is drawn by `torch.native_dropout` on the probabilities, exactly as the
-#   Dropout op draws it, so a fused program draws the same masks as the unfused one.
+#   so the op runs that math once, in place where it can, and saves the probabilities before and
+#   after dropout (P and P', 2 x b*h*sq*sk; eager SDPA's math path holds those plus the mask). The
+#   backward is FlashAttention's rowsum form on them (`_dropout_backward`) and never reads the
+#   mask. The mask is drawn from 32 random bits per entry (`_dropout`), two entries per int64
+#   draw: 4x cheaper than `native_dropout`'s bernoulli on the CPU, where the b*h*sq*sk mask was
+#   the op's largest cost after its matmuls. So a fused program does not draw the unfused
+#   program's masks (nor eager's): same distribution, other numbers.
 #
 # RNG: the row is `random=True`, so recompute records the generator state before the op
 # (RngState) and replays it around the recomputed copy (RngReplay, ops/kernels/rng.py): the mask is
@@ -223,6 +226,42 @@ def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: 
     return torch.baddbmm(m3, q3, k3.transpose(1, 2), alpha=scale).reshape(b, h, sq, sk)
 
 
+def _scores_fresh(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """`_scores` into one fresh contiguous buffer: the mask broadcast into it, then Q K^T added in
+    place (``baddbmm_``), so a mask shared by the heads (b, 1, sq, sk) is not first expanded into
+    a copy of its own. Same arithmetic as `_scores` (beta = 1, alpha = scale)."""
+    b, h, sq, d = q.shape
+    sk = k.shape[2]
+    q3, k3 = q.reshape(b * h, sq, d), k.reshape(b * h, sk, d)
+    if mask is None:
+        return torch.bmm(q3, k3.transpose(1, 2)).mul_(scale).view(b, h, sq, sk)
+    s = torch.empty((b, h, sq, sk), dtype=q.dtype, device=q.device)
+    s.copy_(mask.expand(b, h, sq, sk))
+    s.view(b * h, sq, sk).baddbmm_(q3, k3.transpose(1, 2), alpha=scale)
+    return s
+
+
+_HALF_RANGE = 1 << 31
+
+
+def _dropout(x: torch.Tensor, p: float) -> torch.Tensor:
+    """`x` with each entry zeroed with probability `p` and the others scaled by 1 / (1 - p), as
+    ``native_dropout(x, p, True)[0]`` computes it (``x * keep * scale``), the mask drawn as 32
+    uniform bits per entry: keep where the bits, read as int32, fall below the threshold that
+    leaves a 1 - p share (exact to 2^-32; torch's float bernoulli is exact to 2^-24). The bits come
+    from the default generator (``random_`` over the whole int64 range), so a recorded generator
+    state replays the mask bit for bit (recompute) and tensor parallel's stream swap covers it."""
+    if p >= 1.0:
+        return torch.zeros_like(x)
+    n = x.numel()
+    bits = torch.empty((n + 1) // 2, dtype=torch.int64, device=x.device).random_(-(1 << 63), None)
+    threshold = round((1.0 - p) * (1 << 32)) - _HALF_RANGE  # P(int32 < t) = (t + 2^31) / 2^32
+    if threshold >= _HALF_RANGE:
+        return x.clone()  # p below 2^-33: nothing is dropped
+    keep = bits.view(torch.int32)[:n].view(x.shape) < threshold
+    return x.mul(keep).mul_(1.0 / (1.0 - p))
+
+
 def _wide(s: torch.Tensor) -> torch.Tensor:
     """Scores for the log-sum-exp: float32 for half types (as the flash kernels accumulate)."""
     return s.float() if s.dtype in (torch.float16, torch.bfloat16) else s
@@ -252,7 +291,7 @@ def _sdpa_grad_rule(g, op, dy):
     dropout_p = op.attrs.get("dropout_p", 0.0)
     if dropout_p > 0.0:
         probs = ("PROBS", (b, h, sq, sk), g.dtype(q))
-        saved = g.saved_outputs(op, [probs, ("DROP_MASK", (b, h, sq, sk), "bool")], count=3)
+        saved = g.saved_outputs(op, [probs, ("DROPPED", (b, h, sq, sk), g.dtype(q))], count=3)
         y = ""  # the dropout form does not read the output
     else:
         lse_dtype = "float32" if g.dtype(q) in ("float16", "bfloat16") else g.dtype(q)
@@ -274,6 +313,7 @@ def _sdpa_grad_rule(g, op, dy):
     fresh_outputs=True,
     grad=_sdpa_grad_rule,
 )
+@rng_streams.drawn  # tensor parallel: draws from the stream its `rng` attr names (ops/rng_streams.py)
 def scaled_dot_product_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -285,16 +325,20 @@ def scaled_dot_product_attention(
 ):
     """softmax(scale * q k^T + attn_mask) v, dropout `dropout_p` on the probabilities; q, k, v
     are (batch, heads, seq, size). Outputs: y, then what the backward reads (see above):
-    (y, LSE) when dropout_p == 0, (y, PROBS, DROP_MASK) when dropout_p > 0."""
+    (y, LSE) when dropout_p == 0, (y, PROBS, DROPPED) when dropout_p > 0: the probabilities
+    before and after dropout (see `_dropout_backward` for why not the mask)."""
     mask = _mask4(attn_mask, q.dtype)
     if dropout_p > 0.0:
-        probs = torch.softmax(_scores(q, k, mask, scale), -1)
+        b, h, sq, _ = q.shape
+        probs = torch.softmax(_scores_fresh(q, k, mask, scale), -1)
         dead = _dead_rows(mask)
         if dead is not None:
             probs = probs.masked_fill_(dead, 0.0)
-        dropped, keep = torch.native_dropout(probs, dropout_p, True)
-        y = torch.matmul(dropped, v)
-        return (y, probs, keep)[:_nout] if _nout > 1 else y
+        dropped = _dropout(probs, dropout_p)
+        sk = k.shape[2]
+        y = torch.bmm(dropped.view(b * h, sq, sk), v.reshape(b * h, sk, v.shape[3]))
+        y = y.view(b, h, sq, v.shape[3])
+        return (y, probs, dropped)[:_nout] if _nout > 1 else y
     if _nout == 1:  # no backward reads this op: SDPA's own choice of kernel
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     if _flash_cpu(q):
@@ -324,7 +368,7 @@ def scaled_dot_product_attention_grad(
     _nout: int = 4,
 ):
     """(dq, dk, dv, dmask) of `ScaledDotProductAttention` from its saved outputs: (LSE) when
-    dropout_p == 0, (PROBS, DROP_MASK) when dropout_p > 0. `mask` says which are wanted; the
+    dropout_p == 0, (PROBS, DROPPED) when dropout_p > 0. `mask` says which are wanted; the
     mask's grad (a learned position bias) is summed back to the mask's shape."""
     want = [bool(m) for m in (mask or [1] * _nout)] + [False] * 4
     m4 = _mask4(attn_mask, q.dtype)
@@ -336,31 +380,51 @@ def scaled_dot_product_attention_grad(
         )
         return (dq, dk, dv, None)[:_nout]
     if dropout_p > 0.0:
-        probs, keep = saved
-        dv = (
-            torch.matmul(aten_dropout_backward(probs, keep, dropout_p).transpose(-1, -2), dy)
-            if want[2]
-            else None
-        )
-        dprobs = aten_dropout_backward(torch.matmul(dy, v.transpose(-1, -2)), keep, dropout_p)
-        ds = torch.ops.aten._softmax_backward_data(dprobs, probs, -1, probs.dtype)
-    else:  # the flash backward in torch ops: the probabilities again from Q, K and LSE
-        (lse,) = saved
-        s = _wide(_scores(q, k, m4, scale))
-        probs = torch.exp(s - lse.unsqueeze(-1)).to(q.dtype)
-        dv = torch.matmul(probs.transpose(-1, -2), dy) if want[2] else None
-        dprobs = torch.matmul(dy, v.transpose(-1, -2))
-        delta = (dy * y).sum(-1, keepdim=True)
-        ds = probs * (dprobs - delta)
+        probs, dropped = saved
+        return _dropout_backward(dy, q, k, v, attn_mask, probs, dropped, scale, want, dmask_wanted)[:_nout]
+    # the flash backward in torch ops: the probabilities again from Q, K and LSE
+    (lse,) = saved
+    s = _wide(_scores(q, k, m4, scale))
+    probs = torch.exp(s - lse.unsqueeze(-1)).to(q.dtype)
+    dv = torch.matmul(probs.transpose(-1, -2), dy) if want[2] else None
+    dprobs = torch.matmul(dy, v.transpose(-1, -2))
+    delta = (dy * y).sum(-1, keepdim=True)
+    ds = probs * (dprobs - delta)
     dq = torch.matmul(ds, k).mul_(scale) if want[0] else None
     dk = torch.matmul(ds.transpose(-1, -2), q).mul_(scale) if want[1] else None
     dmask = ds.sum_to_size(attn_mask.shape) if dmask_wanted else None
     return (dq, dk, dv, dmask)[:_nout]
 
 
-def aten_dropout_backward(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
-    """x * keep / (1 - p): the dropped values again from the saved mask (autograd's own formula)."""
-    return torch.ops.aten.native_dropout_backward(x, keep, 1.0 / (1.0 - p))
+def _dropout_backward(
+    dy, q, k, v, attn_mask, probs, dropped, scale: float, want: list[bool], dmask_wanted: bool
+):
+    """(dq, dk, dv, dmask) of the dropout form from the saved probabilities P and dropped
+    probabilities P' = P * keep / (1 - p), in FlashAttention's D = rowsum form:
+
+        U = dY V^T                      (the grad of P')
+        dP * P = U * keep / (1 - p) * P = U * P'
+        dS = P * (dP - rowsum(dP * P)) = U * P' - P * D,   D = rowsum(U * P')
+
+    so the mask itself is never read (where P' = 0 because P = 0 the mask does not matter, and
+    where it was dropped P' is 0), and U becomes dS in place: one b*h x sq x sk buffer made,
+    against four (dropped P again, U, dP, dS) for dropout's then softmax's backward. Every
+    product runs on 3-D views, transposed operands as BLAS transposes, not copies."""
+    b, h, sq, sk = probs.shape
+    d, dv_size = q.shape[3], v.shape[3]
+    p3, d3 = probs.view(b * h, sq, sk), dropped.view(b * h, sq, sk)
+    dy3 = dy.reshape(b * h, sq, dv_size)
+    dv = torch.bmm(d3.transpose(1, 2), dy3).view(b, h, sk, dv_size) if want[2] else None
+    u = torch.bmm(dy3, v.reshape(b * h, sk, dv_size).transpose(1, 2)).mul_(d3)
+    ds = u.addcmul_(p3, u.sum(-1, keepdim=True), value=-1.0)
+    dq = torch.bmm(ds, k.reshape(b * h, sk, d)).mul_(scale).view(b, h, sq, d) if want[0] else None
+    dk = (
+        torch.bmm(ds.transpose(1, 2), q.reshape(b * h, sq, d)).mul_(scale).view(b, h, sk, d)
+        if want[1]
+        else None
+    )
+    dmask = ds.view(b, h, sq, sk).sum_to_size(attn_mask.shape) if dmask_wanted else None
+    return dq, dk, dv, dmask
 
 
 # --------------------------------------------------------------------------- fusion rules
@@ -532,7 +596,8 @@ def fuse_attention(q: Any, i: int, producer: dict[str, int], consumers: dict[str
     if not _heads_known(q, qx, k, v):
         return None
     qsh, ksh, vsh = (q.vars[n].shape for n in (qx, k, v))
-    if qsh[1] != ksh[1] or ksh[1:3] != vsh[1:3] or qsh[3] != ksh[3] or qsh[0] != ksh[0]:
+    # one batch for Q, K and V: the kernels fold (batch, heads) into one BLAS batch dim
+    if qsh[1] != ksh[1] or ksh[1:3] != vsh[1:3] or qsh[3] != ksh[3] or not qsh[0] == ksh[0] == vsh[0]:
         return None
     if mask:
         ms = q.vars[mask].shape or ()

@@ -47,6 +47,26 @@ def grad_accumulate(acc: torch.Tensor, *parts: torch.Tensor) -> torch.Tensor:
     return acc
 
 
+@register(
+    "ScaleGrads",
+    domain="metaopt",
+    needs_outputs=True,
+    inplace=tuple((k, k + 1) for k in range(8)),  # output k is input k + 1, scaled in place
+    # The storage is the forward's own new output, read by nothing else (the plan checks that
+    # before writing it in place): a grad other contributions may be added into, as a fresh one.
+    fresh_outputs=True,
+)
+def scale_grads(dloss: torch.Tensor, *units: torch.Tensor, _nout: int = 1):
+    """Grads a forward op made for a loss grad of 1 (LinearCrossEntropy's, which the backward
+    reads nowhere else), each times the loss's actual grad `dloss` (a scalar: 1, AMP's loss scale,
+    a pipeline's 1/M), in place: scaled copies would hold every such grad twice at once (the LM
+    head's weight grad is vocab x width). In a pipeline stage the units reach the backward as
+    values carried from its forward, which the runner donates (`Program.donated`)."""
+    k = dloss.reshape(())
+    out = tuple(u.mul_(k) for u in units)
+    return out if _nout > 1 else out[0]
+
+
 @register("ReluGrad", domain="metaopt", fresh_outputs=True)
 def relu_grad(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return aten.threshold_backward(dy, y, 0)

@@ -126,6 +126,7 @@ def _torch_dtype(name: str) -> torch.dtype:
     amp="white",
     amp_float32_outputs=(0,),
     workspace=_lce_workspace,
+    needs_outputs=True,
 )
 def linear_cross_entropy(
     x: torch.Tensor,
@@ -136,11 +137,18 @@ def linear_cross_entropy(
     reduction: str = "mean",
     chunk_size: int = DEFAULT_CHUNK_TOKENS,
     transB: int = 1,
-) -> torch.Tensor:
+    _nout: int = 1,
+):
     """F.cross_entropy(F.linear(x, W, b).flatten(0, -2), labels.flatten(), ignore_index, reduction)
     without the [N, V] logits: `chunk_size` tokens at a time. Mean: over the tokens whose label is
-    not `ignore_index` (NaN when there are none, as torch)."""
+    not `ignore_index` (NaN when there are none, as torch). With more outputs (the backward asked
+    for them, float32 / float64 only: ops/grads.py) also the grads of x, W (and b) for a loss grad
+    of 1, made in the same pass over the chunks (`_lce_with_unit_grads`)."""
     _check_reduction(reduction)
+    if _nout > 1:
+        return _lce_with_unit_grads(
+            x, weight, labels, bias, ignore_index, reduction, chunk_size, transB, _nout
+        )
     x2, w, y, b = _lce_operands(x, weight, labels, bias, transB)
     acc = _acc_dtype(x2.dtype)
     total = torch.zeros((), dtype=acc, device=x.device)
@@ -155,6 +163,54 @@ def linear_cross_entropy(
         count += valid.sum()
         del z, lse, target  # one chunk alive at a time
     return total / count if reduction == "mean" else total
+
+
+def _lce_with_unit_grads(x, weight, labels, bias, ignore_index, reduction, chunk_size, transB, nout):
+    """(loss, dx, dW[, db]) with the grads for d loss = 1: each chunk's logits become the loss's
+    terms and, in place, their grad (softmax - onehot) / count, which the linear's two matmuls
+    turn into dx and dW right away. The backward then only scales them by the loss's actual grad
+    (`ScaleGrads`): the logits are made once per step, not again in the backward as
+    `LinearCrossEntropyGrad` must (a third of the head's matmul work), and nothing larger than
+    the grads themselves lives from here to the backward, which starts right after the loss.
+    The loss is computed exactly as with one output. float32 / float64 only: a half-precision
+    unit grad would underflow where AMP's loss scale is there to keep it representable."""
+    x2, w, y, b = _lce_operands(x, weight, labels, bias, transB)
+    if x2.dtype not in (torch.float32, torch.float64) or w.dtype != x2.dtype:
+        raise NotImplementedError(
+            f"LinearCrossEntropy with its grads in the forward: x {x2.dtype}, weight {w.dtype} (only "
+            "float32 / float64 of one dtype; ops/grads.py asks for it only then)"
+        )
+    n = x2.shape[0]
+    valid_all = y != ignore_index
+    count = valid_all.sum()
+    unit = (
+        1.0 / count.to(x2.dtype) if reduction == "mean" else torch.ones((), dtype=x2.dtype, device=x.device)
+    )
+    zero = torch.zeros((), dtype=x2.dtype, device=x.device)
+    total = torch.zeros((), dtype=x2.dtype, device=x.device)
+    dx = torch.empty_like(x2)
+    dw = torch.zeros(w.shape, dtype=w.dtype, device=x.device)  # [V, H]
+    db = torch.zeros(w.shape[0], dtype=x2.dtype, device=x.device) if b is not None else None
+    for s in range(0, n, chunk_size):
+        e = min(n, s + chunk_size)
+        z = F.linear(x2[s:e], w, b)
+        valid = valid_all[s:e]
+        t = torch.where(valid, y[s:e], 0)  # any valid index for an ignored row, masked out
+        lse = torch.logsumexp(z, 1)
+        target = z.gather(1, t.unsqueeze(1)).squeeze(1)
+        total += torch.where(valid, lse - target, 0).sum()
+        g = z.sub_(lse.unsqueeze(1)).exp_()  # the softmax, in the logits' buffer
+        g[torch.arange(e - s, device=x.device), t] -= valid.to(g.dtype)
+        g.mul_(torch.where(valid, unit, zero).unsqueeze(1))
+        torch.mm(g, w, out=dx[s:e])
+        dw.addmm_(g.t(), x2[s:e])
+        if db is not None:
+            db += g.sum(0)
+        del z, g, lse, target  # one chunk alive at a time
+    loss = total / count if reduction == "mean" else total
+    out_dw = dw if transB else dw.t().contiguous()
+    grads = [dx.reshape(x.shape), out_dw] + ([db.reshape(bias.shape)] if db is not None else [])
+    return (loss, *grads)[:nout]
 
 
 def _lce_grad_workspace(attrs: dict, shapes: list, dtypes: list) -> int:
