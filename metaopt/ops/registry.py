@@ -83,6 +83,9 @@ class OpDef:
     aliases: tuple[tuple[int, int], ...] | Callable[[Any], Iterable[tuple[int, int]]] = ()
     # Outputs are views of input 0 (no new storage): memory estimates count them as free.
     view: bool = False
+    # Outputs are views of input 0 only when this holds, given (op, its input shapes): Gather
+    # with a scalar index (a `select` on the CPU). Memory estimates ask it where `view` is False.
+    view_if: Callable[[Any, list], bool] | None = field(default=None, compare=False)
     # Bytes the kernel holds while it runs besides its inputs and outputs, given (attrs, input
     # shapes with dims bound, input dtypes): the chunk of a chunked op (LinearCrossEntropy's
     # logits). Memory estimates add it at the op; None: nothing worth counting.

@@ -186,11 +186,14 @@ class _Replay:
         for i, op in enumerate(self.p.ops):
             self._step(i, op)
 
+    def _shapes(self, op: Op) -> list:
+        return [self.p.vars[x].shape if x else None for x in op.inputs]
+
     def _step(self, i: int, op: Op) -> None:
         row = registry.get(op.type)
         # Which input's storage each output reuses: a view's input 0; an in-place pair's input.
         shares = {k: j for k, j in (row.inplace if row is not None else ())}
-        if row is not None and row.view:
+        if row is not None and (row.view or (row.view_if is not None and row.view_if(op, self._shapes(op)))):
             shares.update({k: 0 for k in range(len(op.outputs))})
         # Outputs in host memory (offload's copies) are not device bytes: the executor
         # counts them in its host account.
@@ -274,7 +277,7 @@ class _Replay:
 
 
 def human_bytes(n: float) -> str:
-    """"512 B", "3.1 KiB" ... "12.5 GiB" (GiB the largest unit)."""
+    """ "512 B", "3.1 KiB" ... "12.5 GiB" (GiB the largest unit)."""
     for unit in ("B", "KiB", "MiB"):
         if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

@@ -25,7 +25,12 @@ def _shape_value_of_gather(a: ShapeArgs) -> tuple[list, bool] | None:
     return [a.tracked[0][0][i] for i in idx], scalar
 
 
-@register("Gather", aliases=SAME, shape_value=_shape_value_of_gather)  # a scalar index on the CPU: a view
+def _scalar_index(op, shapes: list) -> bool:  # noqa: ANN001
+    return len(shapes) > 1 and shapes[1] is not None and len(shapes[1]) == 0
+
+
+# a scalar index on the CPU: a view (`view_if`: memory estimates count no new storage)
+@register("Gather", aliases=SAME, shape_value=_shape_value_of_gather, view_if=_scalar_index)
 def gather(data: torch.Tensor, indices: torch.Tensor, axis: int = 0) -> torch.Tensor:
     if indices.dim() == 0 and indices.device.type == "cpu":
         return data.select(axis, int(indices))  # a view; python-int indexing handles negatives
