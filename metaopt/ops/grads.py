@@ -242,6 +242,23 @@ def _matmul(g, op, dy):
     return [o or None for o in outs]
 
 
+@grad_rule("MaxPool")
+def _max_pool(g, op, dy):
+    # The forward also gives the argmax indices (ONNX's optional output 1) and MaxPoolGrad
+    # scatters the grad there: the generic Vjp would run the pooling a second time.
+    x = op.inputs[0]
+    if (
+        not g.needs(0)
+        or len(g.shape(x)) != 4
+        or g.dtype(x) not in ("float32", "float64", "float16", "bfloat16")
+    ):
+        return g.vjp(op, dy)
+    (idx,) = g.saved_outputs(op, [("INDICES", g.shape(op.outputs[0]), "int64")], count=2)
+    dx = g.contrib(x)
+    g.emit("MaxPoolGrad", [dy[0], x, idx], [dx], **op.attrs)
+    return [dx]
+
+
 @grad_rule("Gemm")
 def _gemm(g, op, dy):
     # Y = alpha * A'B' + beta * C, A' = A^T if transA, B' = B^T if transB (2-D only).

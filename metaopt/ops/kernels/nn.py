@@ -269,6 +269,51 @@ def max_pool(
     return (y, idx) if _nout > 1 else y
 
 
+@register("MaxPoolGrad", domain="metaopt", fresh_outputs=True)
+def max_pool_grad(
+    dy: torch.Tensor,
+    X: torch.Tensor,
+    indices: torch.Tensor,
+    auto_pad: str = "NOTSET",
+    ceil_mode: int = 0,
+    dilations: list[int] | None = None,
+    kernel_shape: list[int] | None = None,
+    pads: list[int] | None = None,
+    storage_order: int = 0,
+    strides: list[int] | None = None,
+) -> torch.Tensor:
+    """dX of a 2-D MaxPool from its forward's ONNX indices: torch's own max-pool backward (the
+    grad scattered to each window's argmax) when the pooling is torch's (symmetric pads, row-major
+    indices, torch's output size); otherwise autograd through the forward kernel."""
+    strides_, dilations_, begin, end, out = _pool_geometry(
+        X, kernel_shape, auto_pad, pads, strides, dilations, ceil_mode
+    )
+    torch_out = None
+    if _fits_torch(kernel_shape, dilations_, begin, end) and not storage_order:
+        meta = torch.empty(X.shape, device="meta", dtype=X.dtype)
+        torch_out = F.max_pool2d(meta, kernel_shape, strides_, begin, dilations_, bool(ceil_mode)).shape
+    if torch_out is not None and list(torch_out[2:]) == list(out) and X.is_floating_point():
+        plane = X.shape[2] * X.shape[3]
+        base = torch.arange(X.shape[0] * X.shape[1], device=indices.device).reshape(
+            X.shape[0], X.shape[1], 1, 1
+        )
+        local = indices - base * plane  # ONNX's indices address the flattened input; torch's a plane
+        return torch.ops.aten.max_pool2d_with_indices_backward(
+            dy, X, kernel_shape, strides_, begin, dilations_, bool(ceil_mode), local
+        )
+    attrs = {
+        "auto_pad": auto_pad,
+        "ceil_mode": ceil_mode,
+        "dilations": dilations,
+        "kernel_shape": kernel_shape,
+    }
+    with torch.enable_grad():
+        x = X.detach().requires_grad_(True)
+        y = max_pool(x, pads=pads, storage_order=storage_order, strides=strides, **attrs)
+        (dx,) = torch.autograd.grad(y, x, dy)
+    return dx
+
+
 def _onnx_indices(idx, shape, padded_shape, begin, storage_order: int) -> torch.Tensor:
     """torch's per-plane argmax indices -> ONNX's indices into the whole flattened input."""
     spatial = list(shape[2:])
