@@ -5,7 +5,6 @@ what minimize refuses of recompute_configs['enable_partition'], in one process."
 from __future__ import annotations
 
 import functools
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +19,7 @@ TRAINING = Path(__file__).resolve().parent.parent / "training"
 sys.path.insert(0, str(TRAINING))
 import fleet_tp_recompute_worker as worker  # noqa: E402  (beside the other workers, started as a script)
 import tp_worker  # noqa: E402
-from test_data_parallel import _start_workers  # noqa: E402
+from test_data_parallel import _start_workers, _wait_workers  # noqa: E402
 from test_fleet_tensor_parallel import _fake_job, _refused, _tp_strategy  # noqa: E402
 
 NAME = worker.NAME
@@ -38,16 +37,7 @@ def _run_workers(out: Path, dropout: float, cases: list[str]) -> dict[str, list[
     hang is a failure, never a stuck suite."""
     args = [str(TRAINING / "fleet_tp_recompute_worker.py"), str(out), str(dropout), *cases]
     procs = _start_workers(MP, args, {"METAOPT_COMM_TIMEOUT": "60"})
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=400)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"{MP} workers did not finish in 400 s")
-    for r, (p, log) in enumerate(zip(procs, logs, strict=True)):
-        assert p.returncode == 0, f"worker {r} exited {p.returncode}:\n{log[-3000:]}"
+    _wait_workers(procs, "tensor-parallel recompute", 400)
     return {c: [torch.load(out / f"{c}.rank{r}.pt", weights_only=False) for r in range(MP)] for c in cases}
 
 

@@ -5,7 +5,6 @@ combinations minimize refuses, by name, in one process."""
 from __future__ import annotations
 
 import functools
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ TRAINING = Path(__file__).resolve().parent.parent / "training"
 sys.path.insert(0, str(TRAINING))
 import fleet_tp_worker  # noqa: E402  (beside the other workers, started as a script there)
 import tp_worker  # noqa: E402
-from test_data_parallel import _start_workers  # noqa: E402
+from test_data_parallel import _start_workers, _wait_workers  # noqa: E402
 
 NAME = fleet_tp_worker.NAME
 # The all-reduces sum partial products in another order than one matmul: a few ulps per step.
@@ -40,16 +39,7 @@ def _run_workers(out: Path, dp: int, mp: int) -> list[dict]:
     world = dp * mp
     args = [str(TRAINING / "fleet_tp_worker.py"), str(out), str(dp), str(mp)]
     procs = _start_workers(world, args, {"METAOPT_COMM_TIMEOUT": "60"})
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=240)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"{world} tensor-parallel workers did not finish in 240 s")
-    for r, (p, log) in enumerate(zip(procs, logs, strict=True)):
-        assert p.returncode == 0, f"worker {r} exited {p.returncode}:\n{log[-3000:]}"
+    _wait_workers(procs, "tensor-parallel", 240)
     return [torch.load(out / f"{NAME}.rank{r}.pt", weights_only=False) for r in range(world)]
 
 

@@ -5,7 +5,6 @@ Face GPT-2, whose Conv1D layers are Gemms with [in, out] weights; dropout 0)."""
 from __future__ import annotations
 
 import functools
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from metaopt.passes.tensor_parallel import (
 TRAINING = Path(__file__).resolve().parent.parent / "training"
 sys.path.insert(0, str(TRAINING))
 import tp_worker  # noqa: E402  (beside the other workers, started as a script there)
-from test_data_parallel import _start_workers  # noqa: E402
+from test_data_parallel import _start_workers, _wait_workers  # noqa: E402
 
 NAMES = ["gpt", "bert", "hf-gpt2"]  # hf-gpt2: the zoo's Hugging Face GPT-2 (Conv1D layers = Gemm)
 
@@ -128,16 +127,7 @@ def test_mp_degree_one_trains_as_the_unsplit_program():
 def two_workers(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp")
     procs = _start_workers(2, [str(TRAINING / "tp_worker.py"), str(out), *NAMES])
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=240)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("tensor-parallel workers did not finish in 240 s")
-    for r, (p, log) in enumerate(zip(procs, logs, strict=True)):
-        assert p.returncode == 0, f"worker {r} exited {p.returncode}:\n{log[-3000:]}"
+    _wait_workers(procs, "tensor-parallel", 240)
     return out
 
 

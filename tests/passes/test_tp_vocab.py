@@ -6,7 +6,6 @@ the gpt reference program with its tied LM head (and of a small LM with an untie
 from __future__ import annotations
 
 import functools
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -34,7 +33,7 @@ TRAINING = Path(__file__).resolve().parent.parent / "training"
 sys.path.insert(0, str(TRAINING))
 import tp_vocab_worker  # noqa: E402  (beside the other workers, started as a script there)
 import tp_worker  # noqa: E402
-from test_data_parallel import _start_workers  # noqa: E402
+from test_data_parallel import _start_workers, _wait_workers  # noqa: E402
 
 VOCAB = tp_vocab_worker.VOCAB
 
@@ -303,16 +302,7 @@ def test_the_config_key_is_validated_with_a_suggestion():
 def two_workers(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp_vocab")
     procs = _start_workers(2, [str(TRAINING / "tp_vocab_worker.py"), str(out)])
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=300)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("vocab-parallel workers did not finish in 300 s")
-    for r, (p, log) in enumerate(zip(procs, logs, strict=True)):
-        assert p.returncode == 0, f"worker {r} exited {p.returncode}:\n{log[-3000:]}"
+    _wait_workers(procs, "vocab-parallel", 300)
     return out
 
 

@@ -61,6 +61,26 @@ def _start_workers(world: int, args: list[str], extra_env: dict[str, str] | None
     return procs
 
 
+def _wait_workers(procs, what: str, timeout: float) -> list[str]:
+    """Wait for every worker (bounded: a hang is a failure, never a stuck suite; all are killed),
+    then fail unless each exited 0, the first failure (the cause: the others see a closed
+    connection) shown first. Returns their logs, in rank order."""
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"{len(procs)} {what} workers did not finish in {timeout} s")
+    failed = [
+        (r, p.returncode, log) for r, (p, log) in enumerate(zip(procs, logs, strict=True)) if p.returncode
+    ]
+    failed.sort(key=lambda f: "Connection closed by peer" in f[2] or "Connection reset" in f[2])
+    assert not failed, "\n".join(f"worker {r} exited {rc}:\n{log[-4000:]}" for r, rc, log in failed)
+    return logs
+
+
 @functools.cache
 def _single_process(name: str) -> dict:
     """The reference: one process, the full batch, no recompute (which is bit-identical)."""
@@ -92,16 +112,7 @@ def _single_process(name: str) -> dict:
 def two_workers(tmp_path_factory):
     out = tmp_path_factory.mktemp("dp")
     procs = _start_workers(2, [str(HERE / "dp_worker.py"), str(out), *CASES])
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=300)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("data-parallel workers did not finish in 300 s")
-    for r, (p, log) in enumerate(zip(procs, logs, strict=True)):
-        assert p.returncode == 0, f"worker {r} exited {p.returncode}:\n{log[-3000:]}"
+    _wait_workers(procs, "data-parallel", 300)
     return out
 
 

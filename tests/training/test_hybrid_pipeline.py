@@ -8,13 +8,12 @@ hybrid_configs fail at fleet.init with a named error, not a timeout."""
 from __future__ import annotations
 
 import functools
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from test_data_parallel import _start_workers
+from test_data_parallel import _start_workers, _wait_workers
 
 import metaopt
 from metaopt import fleet
@@ -46,20 +45,7 @@ def _run_workers(out: Path, dp: int, mp: int, pp: int, opts: list[str]) -> dict[
     save(_exported(), program)  # the workers load it: an export per worker would take long
     args = [str(HERE / "hybrid_pp_worker.py"), str(out), str(program), str(dp), str(mp), str(pp), *opts]
     procs = _start_workers(world, args, {"METAOPT_COMM_TIMEOUT": "120"})
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=WORKER_TIMEOUT_S)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"{world} hybrid pipeline workers did not finish in {WORKER_TIMEOUT_S} s")
-    failed = [
-        (r, p.returncode, log) for r, (p, log) in enumerate(zip(procs, logs, strict=True)) if p.returncode
-    ]
-    # the first failure is the cause (the others see a closed connection): show it first
-    failed.sort(key=lambda f: "Connection closed by peer" in f[2] or "Connection reset" in f[2])
-    assert not failed, "\n".join(f"worker {r} exited {rc}:\n{log[-4000:]}" for r, rc, log in failed)
+    _wait_workers(procs, "hybrid pipeline", WORKER_TIMEOUT_S)
     return {
         opt: [torch.load(out / f"{opt}.rank{r}.pt", weights_only=False) for r in range(world)] for opt in opts
     }

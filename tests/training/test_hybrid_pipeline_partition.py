@@ -9,7 +9,6 @@ measured and predicted alike; offload moves only the slices. In one process: the
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,7 +27,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import hybrid_pp_recompute_worker as worker  # noqa: E402
 import tp_worker  # noqa: E402
-from test_data_parallel import _start_workers  # noqa: E402
+from test_data_parallel import _start_workers, _wait_workers  # noqa: E402
 from test_hybrid_pipeline import _exported, _reference  # noqa: E402
 
 NAME = worker.NAME
@@ -64,19 +63,7 @@ def runs(tmp_path_factory) -> dict[str, dict[str, list[dict]]]:
         save(_exported() if dropout == 0 else _export(dropout), path)  # the workers load it
         specs.append(f"{tag}:{path}:{','.join(RUNS[tag])}")
     procs = _start_workers(WORLD, [str(HERE / "hybrid_pp_recompute_worker.py"), str(out), *specs])
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=WORKER_TIMEOUT_S)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"{WORLD} workers did not finish in {WORKER_TIMEOUT_S} s")
-    failed = [
-        (r, p.returncode, log) for r, (p, log) in enumerate(zip(procs, logs, strict=True)) if p.returncode
-    ]
-    failed.sort(key=lambda f: "Connection closed by peer" in f[2] or "Connection reset" in f[2])
-    assert not failed, "\n".join(f"worker {r} exited {rc}:\n{log[-4000:]}" for r, rc, log in failed)
+    _wait_workers(procs, "hybrid pipeline partition", WORKER_TIMEOUT_S)
     return {
         tag: {
             c: [torch.load(out / f"{tag}.{c}.rank{r}.pt", weights_only=False) for r in range(WORLD)]
