@@ -81,6 +81,11 @@ class OpDef:
     # valid program, a missing one lets an update corrupt a value still to be read), and
     # METAOPT_CHECK_ALIASES=1 makes every run check them against the storage kernels return.
     aliases: tuple[tuple[int, int], ...] | Callable[[Any], Iterable[tuple[int, int]]] = ()
+    # An in-place form for when an input dies at the op (ops/reuse.py decides, once per plan):
+    # (the inputs output 0 may be written into, kernel(j) -> the kernel that writes output 0 into
+    # input j's storage and returns it). Same values bit for bit, fewer allocations: relu's and the
+    # residual add's, which eager code writes in place by hand.
+    reuse: tuple[tuple[int, ...], Callable[[int], Kernel]] | None = field(default=None, compare=False)
     # Outputs are views of input 0 (no new storage): memory estimates count them as free.
     view: bool = False
     # Outputs are views of input 0 only when this holds, given (op, its input shapes): Gather

@@ -27,6 +27,7 @@ from metaopt.ir import Op, Program, eval_dim
 from metaopt.ir.liveness import liveness
 from metaopt.ir.printer import fmt_op
 from metaopt.ops import registry
+from metaopt.ops.reuse import plan_reuse
 
 _FOREVER = 1 << 62  # the death of a storage alive at the end of the step
 
@@ -143,7 +144,9 @@ class _Replay:
 
     def __init__(self, p: Program, dims: dict[str, int], fetches: tuple[str, ...], workspace: bool) -> None:
         self.p, self.dims, self.workspace = p, dims, workspace
-        self.last, self.update_at = liveness(p, [f for f in (*fetches, p.loss_name) if f])
+        kept = [f for f in (*fetches, p.loss_name) if f]
+        self.last, self.update_at = liveness(p, kept)
+        self.reused = plan_reuse(p, kept)  # outputs the executor writes over a dying input
         self.persistent = {v.name for v in p.vars.values() if v.persistable}
         self.storage: dict[str, str] = {}  # live var -> the var whose storage it uses
         self.refs: dict[str, int] = dict.fromkeys(self.persistent, 1)  # state never dies
@@ -193,6 +196,8 @@ class _Replay:
         row = registry.get(op.type)
         # Which input's storage each output reuses: a view's input 0; an in-place pair's input.
         shares = {k: j for k, j in (row.inplace if row is not None else ())}
+        if i in self.reused:
+            shares[0] = self.reused[i]
         if row is not None and (row.view or (row.view_if is not None and row.view_if(op, self._shapes(op)))):
             shares.update({k: 0 for k in range(len(op.outputs))})
         # Outputs in host memory (offload's copies) are not device bytes: the executor

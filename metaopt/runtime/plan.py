@@ -36,6 +36,7 @@ from metaopt.ir.gc_pause import without_gc
 from metaopt.ir.liveness import liveness
 from metaopt.ir.printer import fmt_op
 from metaopt.ops import registry
+from metaopt.ops.reuse import plan_reuse
 
 # Programs with more ops than this start interpreted (see `Plan`). Python compiles the generated
 # source at ~30-50 µs per op: 3-5 s for 100k ops, more than such a program's first runs take.
@@ -73,6 +74,9 @@ class Plan:
     op_of_line: dict[int, int] = field(default_factory=dict)  # source line (1-based) -> op index
     runs: int = 0  # interpreted runs so far
     _source: str | None = field(default=None, repr=False)
+    # op index -> the input its output 0 is written over (ops/reuse.py): relu and residual adds
+    # in place where their input dies, as eager code writes them by hand
+    reused: dict[int, int] = field(default_factory=dict)
 
     @property
     def source(self) -> str:
@@ -195,11 +199,16 @@ def host_placement(p: Program) -> tuple[set[str], set[tuple[int, int]]]:
     return host, reads
 
 
-def _bind(op, row: registry.OpDef | None, device: torch.device, runtime, check: bool):
+def _bind(
+    op, row: registry.OpDef | None, device: torch.device, runtime, check: bool, into: int | None = None
+):
+    """The op's kernel with its attrs bound; `into`: the row's in-place form writing output 0
+    into that input (ops/reuse.py chose it)."""
     if row is None:
         raise NotImplementedError(f"no kernel for op type {op.type!r}: {fmt_op(op)}")
+    fn = row.kernel if into is None else row.reuse[1](into)
     if not (op.attrs or check or row.needs_outputs or row.needs_device or row.needs_runtime):
-        return row.kernel  # nothing to bind (most ops of a long elementwise chain)
+        return fn  # nothing to bind (most ops of a long elementwise chain)
     kw = dict(op.attrs)
     if row.needs_outputs:
         kw["_nout"] = len(op.outputs)
@@ -210,18 +219,21 @@ def _bind(op, row: registry.OpDef | None, device: torch.device, runtime, check: 
             raise ValueError(f"op needs an executor's runtime (copies, collectives): {fmt_op(op)}")
         kw["_rt"] = runtime
         kw["_key"] = next((o for o in op.outputs if o), None) or next((x for x in op.inputs if x), "")
-    kernel = functools.partial(row.kernel, **kw) if kw else row.kernel
-    return _alias_checked(kernel, op, row) if check else kernel
+    kernel = functools.partial(fn, **kw) if kw else fn
+    return _alias_checked(kernel, op, row, into) if check else kernel
 
 
 CHECK_ALIASES = "METAOPT_CHECK_ALIASES"
 
 
-def _alias_checked(kernel, op, row):
+def _alias_checked(kernel, op, row, into: int | None = None):
     """`kernel`, checking after every call that an output shares storage with an input only
-    where the row declares it (`aliases`, `inplace`): a debugging mode (the zoo runs with it),
-    since an undeclared alias lets an in-place update corrupt a value still to be read."""
+    where the row declares it (`aliases`, `inplace`, the chosen `reuse`): a debugging mode (the
+    zoo runs with it), since an undeclared alias lets an in-place update corrupt a value still
+    to be read."""
     declared = set(registry.alias_pairs(op) or ()) | set(row.inplace)
+    if into is not None:
+        declared.add((0, into))
 
     def checked(*args):
         out = kernel(*args)
@@ -366,6 +378,7 @@ class _Layout:
     kernels: list  # per step, its op's bound kernel
     releases: list[int]  # fetched slots whose bytes stop counting before the return
     returns: list[tuple[str, object, bool]]  # ("slot" | "snap" | "scope", slot or name, copy it)
+    reused: dict[int, int] = field(default_factory=dict)  # op -> the input its output is written over
 
 
 @without_gc  # a bulk build: see metaopt.ir.gc_pause
@@ -383,7 +396,7 @@ def build_plan(
     verify(p)  # once per program version: a broken program fails here, naming its line
     layout, consts, persist = _plan_layout(p, fetches, device, track, runtime)
     feeds = [name for name, _ in layout.feeds]
-    plan = Plan(persist, consts, feeds, list(fetches), list(p.ops), layout)
+    plan = Plan(persist, consts, feeds, list(fetches), list(p.ops), layout, reused=layout.reused)
     if compile_now or (compile_now is None and len(p.ops) <= COMPILE_AT_ONCE_OPS):
         plan.compile()
     return plan
@@ -438,10 +451,11 @@ def _plan_layout(
     feeds = [(name, slot[name]) for name in p.inputs if name in last]
     check = os.environ.get(CHECK_ALIASES) == "1"
     rows = {t: registry.get(t) for t in {op.type for op in p.ops}}  # one lookup per op type
+    reused = plan_reuse(p, fetches)
     steps, kernels = [], []
     for i, op in enumerate(p.ops):
         row = rows[op.type]
-        kernels.append(_bind(op, row, device, runtime, check))
+        kernels.append(_bind(op, row, device, runtime, check, reused.get(i)))
         to_host = track and row is not None and row.host_memory is not None and _to_host(op, row)
         steps.append(_op_step(i, op, slot, snapshots, track, to_host, update_at.get(i, ()), frees.get(i, ())))
     releases, returns = _epilogue(fetches, slot, snapshots, pset, consts, aliases)
@@ -451,7 +465,9 @@ def _plan_layout(
     for name, (dev, host) in values.items():
         env[slot[name]], env[n + slot[name]] = dev, host
     const_slots = [slot[c] for c in values]
-    layout = _Layout(p.name, track, n, env, const_slots, loads, feeds, steps, kernels, releases, returns)
+    layout = _Layout(
+        p.name, track, n, env, const_slots, loads, feeds, steps, kernels, releases, returns, reused
+    )
     return layout, {name: dev for name, (dev, _) in values.items()}, used_persist
 
 
@@ -541,7 +557,9 @@ def _source(layout: _Layout, ops: list[Op]) -> tuple[str, dict[int, int]]:
     op_of_line: dict[int, int] = {}
     for step in layout.steps:
         first = len(lines) + 1  # the 1-based line number of this op's first generated line
-        _step_lines(step, ops[step[0]].type, layout.n, track, lines)
+        into = layout.reused.get(step[0])
+        what = ops[step[0]].type + ("" if into is None else f", written over input {into}")
+        _step_lines(step, what, layout.n, track, lines)
         op_of_line.update(dict.fromkeys(range(first, len(lines) + 1), step[0]))
     if track:
         lines += [f"    T.release(v{s})" for s in layout.releases]

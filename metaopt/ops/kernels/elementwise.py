@@ -57,8 +57,49 @@ _DIRECT = {
 # Exponentials, logarithms and their kin overflow or lose digits in half precision: AMP keeps
 # them in float32 (the rows' amp="black"; every other op above is gray).
 _AMP_FLOAT32 = frozenset({"Exp", "Log", "Reciprocal", "Acos", "Asin", "Cosh", "Sinh", "Tan"})
+
+
+def _dense(x: torch.Tensor) -> bool:
+    """Does `x` cover its elements exactly once (no broadcast stride, no gaps)? The plan only
+    picks storages a kernel made fresh; this guards a kernel that returned an expanded view."""
+    return x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last)
+
+
+def _unary_into(fn_, inplace):
+    """`reuse` for a unary op: its in-place torch function (relu_), else the kernel."""
+
+    def kernel(x: torch.Tensor) -> torch.Tensor:
+        return inplace(x) if _dense(x) else fn_(x)
+
+    return lambda j: kernel
+
+
+def _binary_into(fn_, kernel_):
+    """`reuse` for a binary op: ATen's elementwise loop writing into input j (out= may be an
+    input: an exact overlap is allowed), else the out-of-place kernel (unsigned fallbacks)."""
+
+    def into(j: int):
+        def kernel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            target = b if j else a
+            if not _dense(target):
+                return kernel_(a, b)
+            try:
+                return fn_(a, b, out=target)
+            except NotImplementedError:
+                return kernel_(a, b)
+
+        return kernel
+
+    return into
+
+
+# The ops that may write into an input dying at them (ops/reuse.py).
+_UNARY_REUSE = {"Relu": torch.relu_, "Sigmoid": torch.sigmoid_, "Neg": torch.neg_}
 for _type, _fn in _DIRECT.items():
-    register(_type, amp="black" if _type in _AMP_FLOAT32 else "gray")(_fn)
+    _reuse = ((0,), _unary_into(_fn, _UNARY_REUSE[_type])) if _type in _UNARY_REUSE else None
+    if _type == "Mul":
+        _reuse = ((0, 1), _binary_into(torch.mul, torch.mul))
+    register(_type, amp="black" if _type in _AMP_FLOAT32 else "gray", reuse=_reuse)(_fn)
 # The anchors of the GELU chains torch exports: their rows fold them into one Gelu.
 register("Tanh", fuse=fuse_tanh_gelu)(torch.tanh)
 register("Erf", fuse=fuse_erf_gelu)(torch.erf)
@@ -106,8 +147,10 @@ def _div_trunc(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.div(a, b, rounding_mode="trunc")
 
 
-add = register("Add")(_binary(torch.add, _RING))
-register("Sub")(_binary(torch.sub, _RING))
+add = _binary(torch.add, _RING)
+register("Add", reuse=((0, 1), _binary_into(torch.add, add)))(add)
+_sub = _binary(torch.sub, _RING)
+register("Sub", reuse=((0, 1), _binary_into(torch.sub, _sub)))(_sub)
 register("Less")(_binary(torch.lt, _ORDER))
 register("LessOrEqual")(_binary(torch.le, _ORDER))
 register("Greater")(_binary(torch.gt, _ORDER))

@@ -67,7 +67,18 @@ def scale_grads(dloss: torch.Tensor, *units: torch.Tensor, _nout: int = 1):
     return out if _nout > 1 else out[0]
 
 
-@register("ReluGrad", domain="metaopt", fresh_outputs=True)
+def _relu_grad_into(j: int):
+    """ReluGrad written over its incoming grad `dy` when `dy` dies there (ops/reuse.py)."""
+
+    def kernel(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if not dy.is_contiguous():
+            return aten.threshold_backward(dy, y, 0)
+        return aten.threshold_backward.grad_input(dy, y, 0, grad_input=dy)
+
+    return kernel
+
+
+@register("ReluGrad", domain="metaopt", fresh_outputs=True, reuse=((0,), _relu_grad_into))
 def relu_grad(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return aten.threshold_backward(dy, y, 0)
 
