@@ -22,7 +22,9 @@ Configurations, each in a fresh process (a worker mode of this script), interlea
   torch_ckpt         eager with torch.utils.checkpoint(use_reentrant=False) around every block
   metaopt_recompute  fleet recompute with one checkpoint at every block's output (the same blocks:
                      "m.transformer.h.*", "m.bert.encoder.layer.*", "m.model.layers.*",
-                     "m.layer1.*" ... "m.layer4.*")
+                     "m.layer1.*" ... "m.layer4.*") and at the head's ("m.transformer.drop",
+                     "m.bert.embeddings", "m.model.embed_tokens", "m.maxpool"), with
+                     recompute_head=False: the head is held and each block re-run, as torch does
 Each process: `--warm` untimed steps, then `--steps` timed ones; it reports their median. The table
 gives the median over rounds and the ratios metaopt / eager and metaopt_recompute / torch_ckpt.
 
@@ -146,6 +148,7 @@ def build(name: str, s: Shape) -> tuple[torch.nn.Module, dict[str, torch.Tensor]
     """(module in train mode, feed by forward's argument names, checkpoint patterns, blocks).
 
     The patterns and the blocks name the same modules: metaopt checkpoints each block's output,
+    and the head's (the stem's, the embeddings'), whose ops it holds (recompute_head=False),
     torch.utils.checkpoint wraps each block."""
     _importable()
     torch.manual_seed(0)
@@ -157,7 +160,7 @@ def build(name: str, s: Shape) -> tuple[torch.nn.Module, dict[str, torch.Tensor]
         images = torch.randn(s.image_batch, 3, s.image, s.image, generator=g)
         feed = {"images": images, "labels": torch.randint(0, 1000, (s.image_batch,), generator=g)}
         stages = [model.m.layer1, model.m.layer2, model.m.layer3, model.m.layer4]
-        patterns = [f"m.layer{i}.*" for i in range(1, 5)]
+        patterns = ["m.maxpool"] + [f"m.layer{i}.*" for i in range(1, 5)]
         return model, feed, patterns, [b for stage in stages for b in stage]
     model = _LMLoss(_hf(name, s)).train()
     ids = torch.randint(1, s.vocab, (s.batch, s.seq), generator=g)
@@ -167,7 +170,8 @@ def build(name: str, s: Shape) -> tuple[torch.nn.Module, dict[str, torch.Tensor]
         labels[:, 0] = ids[:, 0]  # at least one target per row
     feed = {"input_ids": ids, "labels": labels}
     blocks = {"gpt2": "m.transformer.h", "bert": "m.bert.encoder.layer", "llama": "m.model.layers"}[name]
-    return model, feed, [f"{blocks}.*"], list(model.get_submodule(blocks))
+    head = {"gpt2": "m.transformer.drop", "bert": "m.bert.embeddings", "llama": "m.model.embed_tokens"}[name]
+    return model, feed, [head, f"{blocks}.*"], list(model.get_submodule(blocks))
 
 
 def _checkpoint_each(blocks: list[torch.nn.Module]) -> None:
@@ -271,7 +275,8 @@ def _metaopt_step(model, feed: dict, patterns: list[str], recompute: bool, dev, 
     strategy = fleet.DistributedStrategy()
     if recompute:
         strategy.recompute = True
-        strategy.recompute_configs = {"checkpoints": patterns}
+        # torch.utils.checkpoint's placement: the head (stem, embeddings) held, each block re-run
+        strategy.recompute_configs = {"checkpoints": patterns, "recompute_head": False}
     opt = fleet.distributed_optimizer(metaopt.optimizer.Adam(learning_rate=1e-4), strategy)
     opt.minimize(main.loss)
     out["ops"] = len(main.ops)

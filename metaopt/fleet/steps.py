@@ -470,6 +470,7 @@ def _rc_how(ctx: Context) -> dict:
         "keep_op_types": tuple(cfg["keep_op_types"]),
         "memory_budget": cfg["memory_budget"],
         "batch": cfg["budget_batch_size"],
+        "recompute_head": cfg["recompute_head"],
     }
 
 

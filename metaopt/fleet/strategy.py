@@ -173,6 +173,14 @@ RECOMPUTE_CONFIGS: dict[str, Key] = {
     "offload_checkpoints": Key(
         None, "list[str]|None", "which checkpoints to offload (None: all, when enable_offload)", extra=True
     ),
+    "recompute_head": Key(
+        True,
+        "bool",
+        "also recompute the ops before the first checkpoint (Fleet's segments); False holds them, "
+        "as torch.utils.checkpoint around each block does (a CNN's stem: costly to re-run, small "
+        "to keep)",
+        extra=True,
+    ),
     "seed_random_ops": Key(
         True,
         "bool",

@@ -13,7 +13,9 @@
   order does not matter, duplicates are ignored; an unknown name is an error with a
   did-you-mean; a checkpoint the backward never needs is reported in `skipped`.
 * Segments run from one checkpoint to the next (the head before the first
-  checkpoint included); ops after the last checkpoint are not recomputed. Before the
+  checkpoint included, as Fleet does; ``recompute_head=False`` holds the head's values
+  instead, as torch.utils.checkpoint around each block does: the right call when the head
+  is costly and small, a CNN's stem); ops after the last checkpoint are not recomputed. Before the
   first backward op that reads a value of a segment, the forward ops of that segment
   that the backward needs are re-emitted (role ``recompute``, outputs ``x@RECOMPUTE``,
   origin = the forward var), and the backward reads the copies. So between the end of
@@ -65,9 +67,12 @@ class RecomputePlan:
     held: list[str]  # non-checkpoint values kept because a later segment reads them
     skipped: list[tuple[str, str]]  # (name, why it is not used)
     kept_by_policy: list[str] = field(default_factory=list)  # selective: matmul-class outputs kept
+    head_held: bool = False  # recompute_head=False: the ops before the first checkpoint are not re-run
 
     def __str__(self) -> str:
         lines = [f"recompute plan: {len(self.checkpoints)} checkpoints, {len(self.segments)} segments"]
+        if self.head_held and self.checkpoints:
+            lines.append(f"  <head> -> {self.checkpoints[0]}: held, not recomputed (recompute_head=False)")
         for s in self.segments:
             lines.append(f"  segment {s.start or '<head>'} -> {s.end}: {len(s.ops)} ops recomputed")
         if self.held:
@@ -201,6 +206,7 @@ def plan_recompute(
     keep_op_types: tuple[str, ...] = (),
     memory_budget: int | None = None,
     batch: int = 8,
+    recompute_head: bool = True,
 ) -> RecomputePlan:
     """Which forward ops each segment re-emits, and what is held; nothing is rewritten.
 
@@ -235,9 +241,11 @@ def plan_recompute(
     if not ckpts:
         return RecomputePlan([], [], [], skipped)
     bounds = [prod[c] for c in ckpts]
+    first = 0 if recompute_head else 1  # the first segment recomputed
 
-    def seg_of(i: int) -> int | None:  # the segment of forward op i; None: after the last checkpoint
-        return next((j for j, b in enumerate(bounds) if i <= b), None)
+    def seg_of(i: int) -> int | None:  # the segment of op i; None: held (head, after the last checkpoint)
+        j = next((j for j, b in enumerate(bounds) if i <= b), None)
+        return None if j is None or j < first else j
 
     bw_reads = {x for op in p.ops[first_bw:] for x in op.inputs if x}
     kept = set(ckpts) | set(p.inputs) | {v.name for v in p.vars.values() if v.kind != "activation"}
@@ -284,9 +292,10 @@ def plan_recompute(
         held.extend(new_held)
         kept.update(new_held)
     segments = [
-        Segment(ckpts[j - 1] if j else None, ckpts[j], sorted(needed.get(j, ()))) for j in range(len(ckpts))
+        Segment(ckpts[j - 1] if j else None, ckpts[j], sorted(needed.get(j, ())))
+        for j in range(first, len(ckpts))
     ]
-    return RecomputePlan(ckpts, segments, held, skipped, by_policy)
+    return RecomputePlan(ckpts, segments, held, skipped, by_policy, head_held=not recompute_head)
 
 
 def _loss_depends_on(p: Program, fwd: list[Op], prod: dict[str, int]) -> set[str]:
@@ -313,6 +322,7 @@ def recompute(
     seed_random_ops: bool = True,
     memory_budget: int | None = None,
     batch: int = 8,
+    recompute_head: bool = True,
     plan: RecomputePlan | None = None,
 ) -> Program:
     """Rewrite `p` (a training program) so each segment is recomputed before its backward.
@@ -329,6 +339,7 @@ def recompute(
             keep_op_types=keep_op_types,
             memory_budget=memory_budget,
             batch=batch,
+            recompute_head=recompute_head,
         )
     q = p.clone()
     if not plan.checkpoints:

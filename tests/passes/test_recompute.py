@@ -353,3 +353,37 @@ def test_a_recompute_program_saves_and_loads_back(tmp_path):
     (la, _, sa, _), (lb, _, sb, _) = _run(program, "bert", 0, steps=2), _run(loaded, "bert", 0, steps=2)
     assert all(torch.equal(x, y) for x, y in zip(la, lb, strict=True))
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_head_held_when_recompute_head_is_false():
+    """recompute_head=False (torch.utils.checkpoint's placement): the ops before the first
+    checkpoint run once and their values are held; every later segment is re-run as before;
+    still bit-identical to no recompute, dropout included."""
+    base = _train_program("gpt")
+    ck = ["transformer.drop", "transformer.h.*"]
+    fleet_plan = plan_recompute(base, checkpoints=ck)
+    held_plan = plan_recompute(base, checkpoints=ck, recompute_head=False)
+    assert fleet_plan.segments[0].start is None and fleet_plan.segments[0].ops  # Fleet re-runs the head
+    assert [s.start for s in held_plan.segments] == fleet_plan.checkpoints[:-1]
+    assert [s.ops for s in held_plan.segments] == [s.ops for s in fleet_plan.segments[1:]]
+    assert "<head> -> " in str(held_plan) and "held, not recomputed (recompute_head=False)" in str(held_plan)
+    q = recompute(base, checkpoints=ck, recompute_head=False)
+    verify(q)
+    head_ops = set(fleet_plan.segments[0].ops)
+    head_values = {o for i in head_ops for o in base.ops[i].outputs}
+    recomputed_origins = {op.origin for op in q.ops if op.role == "recompute"}
+    assert recomputed_origins and not (recomputed_origins & head_values)
+    assert _identical(_run(base, "gpt", 3, steps=3), _run(q, "gpt", 3, steps=3))
+    # through fleet: the key is checked and passed on
+    fleet.init(is_collective=True)
+    strategy = fleet.DistributedStrategy()
+    strategy.recompute = True
+    strategy.recompute_configs = {"checkpoints": ck, "recompute_head": False}
+    main = exported("gpt", dropout=0.5)[2].clone()
+    opt = fleet.distributed_optimizer(metaopt.optimizer.SGD(learning_rate=0.1), strategy)
+    opt.minimize(main.loss)
+    plan = opt.recompute_plan
+    assert plan.head_held and len(plan.segments) == len(plan.checkpoints) - 1
+    assert _identical(_run(_train_program("gpt"), "gpt", 1, steps=2), _run(main, "gpt", 1, steps=2))
+    with pytest.raises(Exception, match="recompute_head"):
+        strategy.recompute_configs = {"checkpoints": ck, "recompute_heads": False}
