@@ -10,9 +10,9 @@ An op's output 0 goes into input ``j``'s storage only when all of this holds:
 
 * the row lists ``j`` in its `reuse` inputs, and input ``j`` has the output's shape and dtype
   (every dim known), and every input has the output's dtype (no type promotion);
-* input ``j`` owns its storage: a kernel made it fresh (not a view, not a pass-through, not a
-  runtime's reused buffer, not a feed, a param, state or a constant), or it is itself such a
-  reuse of an owned storage;
+* input ``j`` owns its storage: a kernel made it fresh from inputs (not a view, not a
+  pass-through, not a runtime's reused buffer, not an attribute a Constant hands back, not a
+  feed, a param, state or a constant), or it is itself such a reuse of an owned storage;
 * nothing sharing that storage (the input, its views, what it was written over) is read after
   this op, fetched, or read by an op that may still be reading it asynchronously (copies,
   sends, collectives: rows with `needs_runtime`).
@@ -130,6 +130,9 @@ def _link(p: Program, op, row, st: _Storages, owned: set[str]) -> None:  # noqa:
         and row.host_memory is None
         and not row.view
         and row.view_if is None
+        # an op with no inputs may hand back a tensor its attrs hold (Constant's value, on the
+        # CPU the very same storage every run): never written over
+        and any(op.inputs)
     )
     written = {k: j for k, j in (row.inplace if row is not None else ())}
     for k, o in enumerate(op.outputs):

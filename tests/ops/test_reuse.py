@@ -92,3 +92,17 @@ def test_same_values_and_the_estimate_matches_the_executor():
     assert estimate_memory(p, dims={}, fetches=("r",)).peak_bytes == measured
     # one [64, 32] float32 value alive at a time besides x, w, b: h, then y, z, r on its storage
     assert measured == (64 * 16 + 16 * 32 + 32) * 4 + 64 * 32 * 4
+
+
+def test_never_over_a_constant_ops_value():
+    # Constant's kernel hands back its attribute's tensor (on the CPU the same storage every
+    # run): an Add written over it would change the constant for the next run
+    p = _program(
+        [Op("Constant", [], ["c"], {"value": torch.ones(N)}), Op("Add", ["c", "h"], ["z"])],
+        (Var("c", "float32", N),),
+    )
+    assert plan_reuse(p, ["z"]) == {2: 1}  # over h, never over c
+    exe = metaopt.Executor("cpu")
+    first = exe.run(p, feed={"x": _x()}, fetch_list=["z"], return_numpy=False)[0].clone()
+    again = exe.run(p, feed={"x": _x()}, fetch_list=["z"], return_numpy=False)[0]
+    assert torch.equal(first, again)
