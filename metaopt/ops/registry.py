@@ -98,6 +98,11 @@ class OpDef:
     # Whether the op's outputs live in host memory, given its attrs (Memcpy to pinned
     # memory): the executor counts them in the host account, not the device's.
     host_memory: Callable[[dict], bool] | None = field(default=None, compare=False)
+    # Outputs recompute holds from the forward instead of re-running the op for them: statistics
+    # a few bytes per channel (BatchNorm's saved mean and inverse std). When the backward needs
+    # only those of an op (a residual block's last BatchNorm: its output feeds the add, whose
+    # grad reads nothing), the op is not re-run at all; the values are the forward's own bits.
+    recompute_holds: tuple[int, ...] = ()
     # Matmul-class work (MatMul, Gemm, Conv, Linear ...): the selective recompute policy
     # keeps these outputs and recomputes only the cheap ops around them (Megatron-style).
     expensive: bool = False

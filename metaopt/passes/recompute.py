@@ -28,6 +28,9 @@
   bit-identical to the forward's (``seed_random_ops=False`` turns this off, to show
   the difference). The forward ops themselves are unchanged, so a recomputed program
   computes exactly what the program without recompute computes.
+* Per-channel statistics an op's row lists in `recompute_holds` (BatchNorm's saved mean and
+  inverse std) are held from the forward, not recomputed: a block's last BatchNorm, whose
+  output only the residual add reads (its grad reads nothing), is then not re-run at all.
 
 The pass is pure and runs after the backward (it is a rewrite of the training
 program: forward, backward, optimizer).
@@ -270,6 +273,16 @@ def plan_recompute(
     # outputs are held from the forward, never recomputed.
     fixed = [o for i, op in enumerate(fwd) if not table[op.type].recomputable for o in op.outputs if o]
     kept.update(fixed)
+    # Per-channel statistics (rows' `recompute_holds`) are held too: an op the backward needs
+    # only for them (a residual block's last BatchNorm) is then not re-run at all.
+    stats = [
+        op.outputs[k]
+        for i, op in enumerate(fwd)
+        if seg_of(i) is not None
+        for k in table[op.type].recompute_holds
+        if k < len(op.outputs) and op.outputs[k]
+    ]
+    kept.update(stats)
     held: list[str] = []
     while True:  # grow `held` until no segment's recompute reads another segment's value
         needed: dict[int, set[int]] = {}

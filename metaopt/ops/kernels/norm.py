@@ -48,6 +48,7 @@ def batch_normalization(
     needs_outputs=True,
     amp_float32_inputs=(1, 2, 3, 4),  # scale, bias, running mean and var
     amp_float32_outputs=(1, 2, 3, 4),  # new running stats, saved mean and inverse std
+    recompute_holds=(3, 4),  # saved mean and inverse std: C floats each
 )
 def batch_norm_training(
     X: torch.Tensor,
