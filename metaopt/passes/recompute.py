@@ -71,6 +71,11 @@ class RecomputePlan:
     skipped: list[tuple[str, str]]  # (name, why it is not used)
     kept_by_policy: list[str] = field(default_factory=list)  # selective: matmul-class outputs kept
     head_held: bool = False  # recompute_head=False: the ops before the first checkpoint are not re-run
+    stats: list[str] = field(default_factory=list)  # per-channel statistics held (rows' recompute_holds)
+
+    def not_recomputed(self) -> set[str]:
+        """Every value the backward reads from the forward rather than from a recompute."""
+        return set(self.checkpoints) | set(self.held) | set(self.kept_by_policy) | set(self.stats)
 
     def __str__(self) -> str:
         lines = [f"recompute plan: {len(self.checkpoints)} checkpoints, {len(self.segments)} segments"]
@@ -82,6 +87,10 @@ class RecomputePlan:
             lines.append(f"  held (read across segments): {', '.join(self.held)}")
         if self.kept_by_policy:
             lines.append(f"  kept by the selective policy: {len(self.kept_by_policy)} values")
+        if self.stats:
+            lines.append(
+                f"  statistics held (BatchNorm's saved mean and inverse std): {len(self.stats)} values"
+            )
         for name, why in self.skipped:
             lines.append(f"  skipped {name}: {why}")
         return "\n".join(lines)
@@ -308,7 +317,7 @@ def plan_recompute(
         Segment(ckpts[j - 1] if j else None, ckpts[j], sorted(needed.get(j, ())))
         for j in range(first, len(ckpts))
     ]
-    return RecomputePlan(ckpts, segments, held, skipped, by_policy, head_held=not recompute_head)
+    return RecomputePlan(ckpts, segments, held, skipped, by_policy, head_held=not recompute_head, stats=stats)
 
 
 def _loss_depends_on(p: Program, fwd: list[Op], prod: dict[str, int]) -> set[str]:
@@ -358,7 +367,7 @@ def recompute(
     if not plan.checkpoints:
         return q
     first_bw = next(i for i, op in enumerate(q.ops) if roles.is_backward(op.role))
-    kept = set(plan.checkpoints) | set(plan.held) | set(plan.kept_by_policy)
+    kept = plan.not_recomputed()
     seg_of_value = {
         o: j
         for j, s in enumerate(plan.segments)
@@ -461,7 +470,7 @@ def memory_report(before: Program, plan: RecomputePlan, after: Program, *, batch
 
     dims = {"batch": batch}
     ckpt = {c: before.vars[c].nbytes(dims) or 0 for c in plan.checkpoints}
-    not_recomputed = set(plan.checkpoints) | set(plan.held) | set(plan.kept_by_policy)
+    not_recomputed = plan.not_recomputed()
     seg_bytes = [
         (
             s.end,

@@ -387,3 +387,41 @@ def test_head_held_when_recompute_head_is_false():
     assert _identical(_run(_train_program("gpt"), "gpt", 1, steps=2), _run(main, "gpt", 1, steps=2))
     with pytest.raises(Exception, match="recompute_head"):
         strategy.recompute_configs = {"checkpoints": ck, "recompute_heads": False}
+
+
+def test_batch_norm_statistics_are_held_not_recomputed():
+    """A block's last BatchNorm is needed in the backward only for its saved mean and inverse
+    std (its output feeds the residual add): recompute holds those from the forward and does
+    not re-run it; every other BatchNorm is re-run for its output, its statistics still held.
+    Bit-identical to no recompute (tiny ResNet-50 depths, 2 SGD steps)."""
+    resnet = programs.get("resnet")
+    module = resnet.build("tiny", seed=0, depths=(3, 4, 6, 3))
+    base = metaopt.export(module, resnet.example_inputs("tiny", 4, depths=(3, 4, 6, 3)), name="resnet")
+    metaopt.optimizer.SGD(learning_rate=0.1).minimize(base.loss)
+    plan = plan_recompute(base, checkpoints=FLEET_RESNET_NAMES)
+    rerun = {
+        base.ops[i].scope for s in plan.segments for i in s.ops if base.ops[i].type == "BatchNormTraining"
+    }
+    assert rerun and not any(sc.endswith(("branch2c.bn", "branch1.bn")) for sc in rerun)
+    assert any(sc.endswith("branch2b.bn") for sc in rerun)
+    q = recompute(base, checkpoints=FLEET_RESNET_NAMES)
+    grads = [op for op in q.ops if op.type == "BatchNormTrainingGrad"]
+    recomputed = {o for op in q.ops if op.role == "recompute" for o in op.outputs}
+    assert grads and not any(x in recomputed for op in grads for x in op.inputs[3:5])  # the forward's
+    feeds = [
+        dict(
+            zip(
+                resnet.INPUT_NAMES, resnet.example_inputs("tiny", 4, seed=s, depths=(3, 4, 6, 3)), strict=True
+            )
+        )
+        for s in range(2)
+    ]
+    outs = []
+    for program in (base, q):
+        exe = metaopt.Executor("cpu")
+        outs.append(
+            [exe.run(program, feed=f, fetch_list=[program.loss], return_numpy=False)[0] for f in feeds]
+        )
+        outs[-1].append(dict(exe.scope))
+    assert all(torch.equal(a, b) for a, b in zip(outs[0][:2], outs[1][:2]))
+    assert all(torch.equal(outs[0][2][k], outs[1][2][k]) for k in outs[0][2])
