@@ -15,7 +15,7 @@ An op's output 0 goes into input ``j``'s storage only when all of this holds:
   feed, a param, state or a constant), or it is itself such a reuse of an owned storage;
 * nothing sharing that storage (the input, its views, what it was written over) is read after
   this op, fetched, or read by an op that may still be reading it asynchronously (copies,
-  sends, collectives: rows with `needs_runtime`).
+  sends, collectives: rows with `needs_runtime`), and no other input of the op is a view of it.
 
 Values are bit for bit those of the out-of-place kernel: the in-place kernels are the same ATen
 elementwise loops writing to another address. Only allocations (and, on CPU, the page faults of
@@ -106,7 +106,10 @@ def _pick(p: Program, i: int, op, row, st: _Storages, owned: set[str]) -> int | 
         if not x or x not in owned or not _same_layout(p, x, out):
             continue
         r = st.find(x)
-        if st.writable[r] and st.until[r] <= i:
+        # another input on the same storage (a transposed view of x) would be read while x is
+        # written: torch refuses partial overlaps; only x itself (Add(x, x)) may be read again
+        others = any(y and y != x and st.find(y) == r for y in op.inputs)
+        if st.writable[r] and st.until[r] <= i and not others:
             return j
     return None
 

@@ -106,3 +106,31 @@ def test_never_over_a_constant_ops_value():
     first = exe.run(p, feed={"x": _x()}, fetch_list=["z"], return_numpy=False)[0].clone()
     again = exe.run(p, feed={"x": _x()}, fetch_list=["z"], return_numpy=False)[0]
     assert torch.equal(first, again)
+
+
+def test_never_over_an_input_another_input_views():
+    # sq + sq^T: writing sq while reading its transposed view would be a partial overlap
+    # (torch refuses it); sq + sq (the same var twice) is an exact one and allowed
+    p = _program(
+        [
+            Op("Transpose", ["w"], ["wt"], {"perm": [1, 0]}),
+            Op("MatMul", ["wt", "w"], ["sq"]),
+            Op("Transpose", ["sq"], ["sqt"], {"perm": [1, 0]}),
+            Op("Add", ["sq", "sqt"], ["s2"]),
+            Op("Add", ["s2", "s2"], ["s4"]),
+        ],
+        tuple(
+            Var(n, "float32", s)
+            for n, s in (
+                ("wt", (32, 16)),
+                ("sq", (32, 32)),
+                ("sqt", (32, 32)),
+                ("s2", (32, 32)),
+                ("s4", (32, 32)),
+            )
+        ),
+    )
+    assert plan_reuse(p, ["s4"]) == {5: 0}
+    (s4,) = metaopt.Executor("cpu").run(p, feed={"x": _x()}, fetch_list=["s4"], return_numpy=False)
+    sq = p.values["w"].T @ p.values["w"]
+    assert torch.equal(s4, (sq + sq.T) + (sq + sq.T))
