@@ -71,6 +71,7 @@ FLEET_DEFAULTS = {
         "memory_budget": None,  # ours
         "budget_batch_size": 8,  # ours
         "offload_checkpoints": None,  # ours
+        "recompute_head": True,  # ours (False: hold the ops before the first checkpoint)
         "seed_random_ops": True,  # ours
     },
     "pipeline_configs": {
@@ -100,6 +101,7 @@ OURS = {
         "memory_budget",
         "budget_batch_size",
         "offload_checkpoints",
+        "recompute_head",
         "seed_random_ops",
     },
     "pipeline_configs": {"cuts", "num_stages", "dp_degree", "shared", "chunks"},
