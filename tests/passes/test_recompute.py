@@ -385,7 +385,9 @@ def test_head_held_when_recompute_head_is_false():
     plan = opt.recompute_plan
     assert plan.head_held and len(plan.segments) == len(plan.checkpoints) - 1
     assert _identical(_run(_train_program("gpt"), "gpt", 1, steps=2), _run(main, "gpt", 1, steps=2))
-    with pytest.raises(Exception, match="recompute_head"):
+    with pytest.raises(
+        ValueError, match=r"unknown key 'recompute_heads' \(did you mean 'recompute_head'\?\)"
+    ):
         strategy.recompute_configs = {"checkpoints": ck, "recompute_heads": False}
 
 
