@@ -129,6 +129,42 @@ def linear_cross_entropy() -> onnx.FunctionProto:
     )
 
 
+def rms_norm() -> onnx.FunctionProto:
+    """HF's RMSNorm over the last dim: scale * X / sqrt(ReduceMean(X * X) + epsilon) (opset 20:
+    ONNX's RMSNormalization needs 23)."""
+    n = helper.make_node
+    eps = _const("eps_f")
+    eps.attribute.append(_ref("value_float", "epsilon", onnx.AttributeProto.FLOAT))
+    nodes = [
+        n("Mul", ["X", "X"], ["sq"]),
+        _const("last", value=helper.make_tensor("", onnx.TensorProto.INT64, [1], [-1])),
+        n("ReduceMean", ["sq", "last"], ["ms"], keepdims=1),
+        eps,
+        n("CastLike", ["eps_f", "X"], ["eps"]),
+        n("Add", ["ms", "eps"], ["var"]),
+        n("Sqrt", ["var"], ["rms"]),
+        n("Div", ["X", "rms"], ["xhat"]),
+        n("Mul", ["xhat", "scale"], ["Y"]),
+    ]
+    return helper.make_function(
+        DOMAIN, "RMSNorm", ["X", "scale"], ["Y"], nodes, [helper.make_opsetid("", 20)], attributes=["epsilon"]
+    )
+
+
+def silu() -> onnx.FunctionProto:
+    """nn.SiLU: X * Sigmoid(X) (ONNX's Swish needs opset 24)."""
+    n = helper.make_node
+    nodes = [n("Sigmoid", ["X"], ["s"]), n("Mul", ["X", "s"], ["Y"])]
+    return helper.make_function(DOMAIN, "Silu", ["X"], ["Y"], nodes, [helper.make_opsetid("", 20)])
+
+
+def silu_mul() -> onnx.FunctionProto:
+    """The SiLU-gated MLP's gate: A * Sigmoid(A) * B (ONNX's SwiGLU needs opset 28)."""
+    n = helper.make_node
+    nodes = [n("Sigmoid", ["A"], ["s"]), n("Mul", ["A", "s"], ["g"]), n("Mul", ["g", "B"], ["Y"])]
+    return helper.make_function(DOMAIN, "SiluMul", ["A", "B"], ["Y"], nodes, [helper.make_opsetid("", 20)])
+
+
 def _attention(inputs: list[str], nodes: list[onnx.NodeProto], overload: str = "") -> onnx.FunctionProto:
     node = helper.make_node("Attention", [*inputs[:3], "mask_q"] if len(inputs) > 3 else inputs, ["y"])
     node.attribute.append(_ref("scale", "scale", onnx.AttributeProto.FLOAT))
@@ -176,7 +212,10 @@ _FUNCTIONS = {
     "Embedding": embedding,
     "Linear": linear,
     "LinearCrossEntropy": linear_cross_entropy,
+    "RMSNorm": rms_norm,
     "ScaledDotProductAttention": scaled_dot_product_attention,
+    "Silu": silu,
+    "SiluMul": silu_mul,
 }
 
 

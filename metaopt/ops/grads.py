@@ -316,6 +316,32 @@ def _layer_norm(g, op, dy):
     return [o or None for o in outs]
 
 
+@grad_rule("RMSNorm")
+def _rms_norm(g, op, dy):
+    outs, mask = g.contribs(2)
+    g.emit("RMSNormGrad", [dy[0], *op.inputs], outs, epsilon=op.attrs.get("epsilon", 1e-6), mask=mask)
+    return [o or None for o in outs]
+
+
+@grad_rule("Silu")
+def _silu(g, op, dy):
+    return [g.emit1("SiluGrad", [dy[0], op.inputs[0]], like=op.inputs[0])]
+
+
+@grad_rule("Swish")
+def _swish(g, op, dy):
+    if op.attrs.get("alpha", 1.0) != 1.0:
+        return g.vjp(op, dy)
+    return [g.emit1("SiluGrad", [dy[0], op.inputs[0]], like=op.inputs[0])]
+
+
+@grad_rule("SiluMul")
+def _silu_mul(g, op, dy):
+    outs, mask = g.contribs(2)
+    g.emit("SiluMulGrad", [dy[0], *op.inputs], outs, mask=mask)
+    return [o or None for o in outs]
+
+
 @grad_rule("BatchNormTraining")
 def _batch_norm_training(g, op, dy):
     x, scale, bias = op.inputs[:3]

@@ -255,13 +255,13 @@ def _sdpa(a: ShardArgs) -> ShardResult:
     return ShardResult(outs, draws=float(a.op.attrs.get("dropout_p", 0.0)) > 0)
 
 
-_UNARY = ("Identity", "Gelu", "Relu", "Tanh", "Sigmoid", "Erf", "Neg", "Cast", "Sqrt", "Exp")
+_UNARY = ("Identity", "Gelu", "Relu", "Tanh", "Sigmoid", "Erf", "Neg", "Cast", "Sqrt", "Exp", "Silu")
 _SAME = ShardRule(_same)
 _ELEMENTWISE = ShardRule(_elementwise)
 
 RULES: dict[str, ShardRule] = {
     **{t: _SAME for t in _UNARY},
-    **{t: _ELEMENTWISE for t in ("Add", "Sub", "Mul", "Div")},
+    **{t: _ELEMENTWISE for t in ("Add", "Sub", "Mul", "Div", "SiluMul")},
     "Dropout": ShardRule(_dropout),
     "Transpose": ShardRule(_transpose),
     "Split": ShardRule(_split, blocks_hint=_split_hint),

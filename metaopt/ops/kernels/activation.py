@@ -179,3 +179,44 @@ def hardmax(input: torch.Tensor, axis: int = -1) -> torch.Tensor:
 def swiglu(A: torch.Tensor, B: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
     gate = F.silu(A) if alpha == 1.0 else A * torch.sigmoid(alpha * A)
     return gate * B
+
+
+@register("Silu", domain="metaopt")
+def silu(X: torch.Tensor) -> torch.Tensor:
+    """``X * sigmoid(X)`` (nn.SiLU, which torch exports as Sigmoid and Mul): one kernel, and a
+    grad (SiluGrad) that reads X alone where the pair's reads X and sigmoid(X)."""
+    return F.silu(X)
+
+
+@register("SiluMul", domain="metaopt")
+def silu_mul(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """``silu(A) * B``: the SiLU-gated MLP's gate (LLaMA's, Mistral's, Qwen's SwiGLU:
+    ``down(silu(gate(x)) * up(x))``); ONNX's SwiGLU with alpha 1. Its grad reads A and B only:
+    the exported chain's holds sigmoid(A) and silu(A) too, two FFN-wide values per layer."""
+    return F.silu(A) * B
+
+
+def fuse_silu(q: Any, i: int, producer: dict[str, int], consumers: dict[str, list[int]]):
+    """Sigmoid's `fuse` rule: ``Mul(a, Sigmoid(a))`` is ``Silu(a)``, and ``Mul(Silu(a), b)``
+    with b of a's shape and dtype (the gated MLP's up projection) is ``SiluMul(a, b)``. The
+    sigmoid and the SiLU must have no other reader."""
+    from metaopt.ir import Op
+
+    sig = q.ops[i]
+    a, s = sig.inputs[0], sig.outputs[0]
+    readers = consumers.get(s, [])
+    k = readers[0] if len(readers) == 1 else None
+    if k is None or q.ops[k].type != "Mul" or sorted(q.ops[k].inputs) != sorted([a, s]):
+        return None
+    h = q.ops[k].outputs[0]
+    av = q.vars[a]
+    if av.dtype not in patterns.FLOAT_DTYPES or (av.dtype, av.shape) != (q.vars[h].dtype, q.vars[h].shape):
+        return None
+    gate = consumers.get(h, [])
+    j = gate[0] if len(gate) == 1 and q.ops[gate[0]].type == "Mul" else None
+    b = next((x for x in q.ops[j].inputs if x != h), None) if j is not None else None
+    if b is not None and (q.vars[b].dtype, q.vars[b].shape) == (av.dtype, av.shape):
+        y = q.ops[j].outputs[0]
+        if (q.vars[y].dtype, q.vars[y].shape) == (av.dtype, av.shape):
+            return [k, j], Op("SiluMul", [a, b], [y], {}, role=sig.role, scope=q.ops[j].scope)
+    return [k], Op("Silu", [a], [h], {}, role=sig.role, scope=q.ops[k].scope)

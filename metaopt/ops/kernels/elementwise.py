@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from metaopt.ops.kernels.activation import fuse_erf_gelu, fuse_tanh_gelu
+from metaopt.ops.kernels.activation import fuse_erf_gelu, fuse_silu, fuse_tanh_gelu
 from metaopt.ops.registry import LONE_INPUT, SAME, register
 
 # ONNX op type -> torch function with identical semantics (same dtypes, broadcasting, NaN rules).
@@ -99,7 +99,8 @@ for _type, _fn in _DIRECT.items():
     _reuse = ((0,), _unary_into(_fn, _UNARY_REUSE[_type])) if _type in _UNARY_REUSE else None
     if _type == "Mul":
         _reuse = ((0, 1), _binary_into(torch.mul, torch.mul))
-    register(_type, amp="black" if _type in _AMP_FLOAT32 else "gray", reuse=_reuse)(_fn)
+    _fuse = fuse_silu if _type == "Sigmoid" else None  # nn.SiLU, the gated MLP's SiLU(a) * b
+    register(_type, amp="black" if _type in _AMP_FLOAT32 else "gray", reuse=_reuse, fuse=_fuse)(_fn)
 # The anchors of the GELU chains torch exports: their rows fold them into one Gelu.
 register("Tanh", fuse=fuse_tanh_gelu)(torch.tanh)
 register("Erf", fuse=fuse_erf_gelu)(torch.erf)

@@ -149,6 +149,52 @@ def layer_norm_grad(
     return (dx, dw, db)[:_nout]
 
 
+@register("RMSNormGrad", domain="metaopt", needs_outputs=True, fresh_outputs=True)
+def rms_norm_grad(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    epsilon: float = 1e-6,
+    mask: list[int] | None = None,
+    _nout: int = 2,
+):
+    """(dx, dscale) of RMSNorm over the last dim, from x (its 1/rms again: one fused pass):
+
+        xhat = x / rms,  dscale = sum over rows of dy * xhat,
+        dx = (g - xhat * mean(g * xhat, -1)) / rms   with g = dy * scale.
+
+    Half inputs are computed in float32 (the statistics' precision, as torch's norms do)."""
+    want = [bool(m) for m in (mask or [1] * _nout)] + [False] * 2
+    dtype = x.dtype
+    if dtype in (torch.float16, torch.bfloat16):
+        dy, x, scale = dy.float(), x.float(), scale.float()
+    h = x.shape[-1]
+    xhat, rstd = aten._fused_rms_norm(x, [h], None, epsilon)
+    dscale = (dy * xhat).reshape(-1, h).sum(0).to(dtype) if want[1] else None
+    dx = None
+    if want[0]:
+        g = dy * scale
+        c = (g * xhat).mean(-1, keepdim=True)
+        dx = g.addcmul_(xhat, c, value=-1.0).mul_(rstd).to(dtype)
+    return (dx, dscale)[:_nout]
+
+
+@register("SiluGrad", domain="metaopt", fresh_outputs=True)
+def silu_grad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return aten.silu_backward(dy, x)
+
+
+@register("SiluMulGrad", domain="metaopt", needs_outputs=True, fresh_outputs=True)
+def silu_mul_grad(
+    dy: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: list[int] | None = None, _nout: int = 2
+):
+    """(da, db) of silu(a) * b: silu's own backward on dy * b, and dy * silu(a)."""
+    want = [bool(m) for m in (mask or [1] * _nout)] + [False] * 2
+    da = aten.silu_backward(dy * b, a) if want[0] else None
+    db = dy * torch.nn.functional.silu(a) if want[1] else None
+    return (da, db)[:_nout]
+
+
 @register("BatchNormTrainingGrad", domain="metaopt", needs_outputs=True, fresh_outputs=True)
 def batch_norm_training_grad(
     dy: torch.Tensor,

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
+from metaopt.ops import patterns
 from metaopt.ops.registry import register
 
 
@@ -152,3 +155,102 @@ def lrn(
     X: torch.Tensor, size: int, alpha: float = 1e-4, beta: float = 0.75, bias: float = 1.0
 ) -> torch.Tensor:
     return F.local_response_norm(X, size, alpha, beta, bias)
+
+
+@register("RMSNorm", domain="metaopt", amp="black")
+def rms_norm(X: torch.Tensor, scale: torch.Tensor, epsilon: float = 1e-6) -> torch.Tensor:
+    """``scale * X / sqrt(mean(X**2, -1) + epsilon)`` over the last dim: HF's LlamaRMSNorm /
+    T5LayerNorm, which torch exports as seven ops (ReduceMean's `fuse` folds them into this).
+    One pass (torch's fused rms_norm; bit for bit the eager module's rsqrt form); its grad
+    (RMSNormGrad) reads X and scale only, where the chain's holds X / rms as well."""
+    return F.rms_norm(X, X.shape[-1:], scale, epsilon)
+
+
+def fuse_rms_norm(q: Any, i: int, producer: dict[str, int], consumers: dict[str, list[int]]):
+    """ReduceMean's `fuse` rule: ``w * (x * 1/sqrt(ReduceMean(x**2, [-1]) + eps))`` is
+    ``RMSNorm(x, w, epsilon=eps)``: x**2 as Pow(x, 2) or Mul(x, x), x * 1/sqrt as
+    Mul(x, Reciprocal(Sqrt)) (torch.rsqrt's export), Mul(x, Div(1, Sqrt)) or Div(x, Sqrt), either
+    operand order of every Mul; w of shape [H] (a param, or computed:
+    Gemma's 1 + w). Every intermediate value must have one reader. A chain with casts (a half
+    model's float32 upcast) or no scale stays as exported."""
+    from metaopt.ir import Op
+
+    mean = q.ops[i]
+    j = producer.get(mean.inputs[0])
+    x = _square_of(q, q.ops[j]) if j is not None and consumers.get(mean.inputs[0]) == [i] else None
+    if x is None or q.vars[x].dtype not in patterns.FLOAT_DTYPES or not _last_axis(q, mean, x):
+        return None
+    chain = [j]
+    add = _lone_reader(q, mean.outputs[0], consumers, ("Add",))
+    eps = _other_scalar(q, add, mean.outputs[0])
+    sqrt = _lone_reader(q, q.ops[add].outputs[0], consumers, ("Sqrt",)) if eps is not None else None
+    divide = _divide_by(q, x, sqrt, consumers) if sqrt is not None else None
+    if divide is None:
+        return None
+    n = q.ops[divide[-1]].outputs[0]
+    scaled = _lone_reader(q, n, consumers, ("Mul",))
+    w = next((y for y in q.ops[scaled].inputs if y != n), None) if scaled is not None else None
+    xv = q.vars[x]
+    if w is None or xv.shape is None or q.vars[w].shape != tuple(xv.shape[-1:]):
+        return None
+    y = q.ops[scaled].outputs[0]
+    if (q.vars[y].dtype, q.vars[y].shape, q.vars[w].dtype) != (xv.dtype, xv.shape, xv.dtype):
+        return None
+    fused = Op("RMSNorm", [x, w], [y], {"epsilon": eps}, role=mean.role, scope=mean.scope)
+    return [*chain, add, sqrt, *divide, scaled], fused
+
+
+def _lone_reader(q, name: str, consumers, op_types: tuple[str, ...]) -> int | None:
+    """The index of the only reader of `name` when it is one of `op_types`, else None."""
+    readers = consumers.get(name, [])
+    return readers[0] if len(readers) == 1 and q.ops[readers[0]].type in op_types else None
+
+
+def _square_of(q, op) -> str | None:
+    """x when `op` is Pow(x, 2) or Mul(x, x)."""
+    if len(op.outputs) != 1:
+        return None
+    if op.type == "Mul" and op.inputs[0] == op.inputs[1]:
+        return op.inputs[0]
+    if op.type == "Pow" and patterns.scalar_constant(q, op.inputs[1]) == 2.0:
+        return op.inputs[0]
+    return None
+
+
+def _last_axis(q, mean, x: str) -> bool:
+    """Does ReduceMean `mean` average over x's last dim only, keeping it?"""
+    if not mean.attrs.get("keepdims", 1):
+        return False
+    axes = mean.attrs.get("axes")
+    if len(mean.inputs) > 1 and mean.inputs[1]:
+        t = q.values.get(mean.inputs[1])
+        axes = t.tolist() if t is not None and q.vars[mean.inputs[1]].kind == "constant" else None
+    rank = len(q.vars[x].shape or ())
+    return rank > 0 and axes is not None and [a % rank for a in axes] == [rank - 1]
+
+
+def _other_scalar(q, add: int | None, name: str) -> float | None:
+    """The positive scalar constant (an epsilon) op `add` adds to `name`, else None."""
+    if add is None:
+        return None
+    other = [y for y in q.ops[add].inputs if y != name]
+    c = patterns.scalar_constant(q, other[0]) if len(other) == 1 else None
+    return c if c is not None and c > 0 else None
+
+
+def _divide_by(q, x: str, sqrt: int, consumers) -> list[int] | None:
+    """The ops taking x / `sqrt`'s output: Mul(x, Reciprocal(s)), Mul(x, Div(1, s)) or
+    Div(x, s), each value read once; None for anything else."""
+    s = q.ops[sqrt].outputs[0]
+    k = _lone_reader(q, s, consumers, ("Reciprocal", "Div"))
+    if k is None:
+        return None
+    op = q.ops[k]
+    if op.type == "Div" and op.inputs == [x, s]:
+        return [k]
+    if op.type == "Div" and (op.inputs[1] != s or patterns.scalar_constant(q, op.inputs[0]) != 1.0):
+        return None
+    m = _lone_reader(q, op.outputs[0], consumers, ("Mul",))
+    if m is None or sorted(q.ops[m].inputs) != sorted([x, op.outputs[0]]):
+        return None
+    return [k, m]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from metaopt.ops.kernels.norm import fuse_rms_norm
 from metaopt.ops.registry import register
 
 
@@ -135,7 +136,9 @@ for _type, _fn, _amp in (
     ("ReduceLogSum", _log_sum, "black"),
     ("ReduceLogSumExp", _log_sum_exp, "black"),
 ):
-    register(_type, host_inputs=(1,), aliases=_noop_alias, amp=_amp)(_reducer(_fn))
+    # ReduceMean anchors the RMSNorm chain torch exports (HF's LlamaRMSNorm, T5LayerNorm)
+    _fuse = fuse_rms_norm if _type == "ReduceMean" else None
+    register(_type, host_inputs=(1,), aliases=_noop_alias, amp=_amp, fuse=_fuse)(_reducer(_fn))
 
 
 @register("ArgMax")
