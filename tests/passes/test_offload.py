@@ -25,13 +25,13 @@ def _recomputed(name: str, dropout: float = 0.5):
 
 @pytest.mark.parametrize("name", ["bert", "gpt"])
 def test_offload_is_bit_identical_to_recompute_only(name):
-    """10 seeds x 10 SGD steps, dropout 0.5: loss, every grad, params."""
+    """3 seeds x 10 SGD steps, dropout 0.5: loss, every grad, params."""
     rc, ckpts = _recomputed(name)
     of = offload(rc, checkpoints=ckpts)
     verify(of)
     offloaded = [op for op in of.ops if op.role == "offload"]
     assert offloaded and sum(op.type == "Memcpy" for op in of.ops) == 2 * len(offloaded)
-    for seed in range(10):
+    for seed in range(3):
         assert _identical(_run(rc, name, seed), _run(of, name, seed)), (name, seed)
 
 
