@@ -128,6 +128,19 @@ def test_fused_grads_match_float64_torch(norm):
     torch.testing.assert_close(loss, module(x).detach(), rtol=1e-5, atol=1e-6)
 
 
+def test_fused_rms_norm_forward_is_bit_for_bit_the_eager_module():
+    """RMSNorm runs torch's rms_norm, which computes LlamaRMSNorm's rsqrt form exactly (with the
+    exported float32 epsilon): equal, not close, over inputs of different scales."""
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(64)
+    p = metaopt.export(norm, (torch.randn(2, 7, 64),), name="norm")
+    assert [op.type for op in p.ops] == ["RMSNorm"]
+    for scale in (1e-3, 1.0, 1e3):
+        x = scale * torch.randn(3, 7, 64, generator=torch.Generator().manual_seed(int(scale * 1000)))
+        (y,) = metaopt.Executor().run(p, feed={p.inputs[0]: x}, fetch_list=[p.outputs[0]], return_numpy=False)
+        assert torch.equal(y, norm(x).detach())
+
+
 def test_fused_backward_holds_fewer_values():
     """The point of the fusion besides speed: the backward reads the ops' inputs only, so the
     chain's x / rms, sigmoid(a) and silu(a) are no longer held from the forward."""
