@@ -66,6 +66,13 @@ def close(poly: Poly, want: Poly, rtol: float = RTOL) -> bool:
     )
 
 
+def one_reader(consumers: dict[str, list[int]], name: str) -> int | None:
+    """The index of the only op reading `name`, else None (a fusion may absorb only values that
+    nothing else reads)."""
+    readers = consumers.get(name, [])
+    return readers[0] if len(readers) == 1 else None
+
+
 def scalar_constant(q: Any, name: str) -> float | None:
     """The value of a one-element constant var, else None."""
     v = q.vars.get(name)

@@ -204,17 +204,16 @@ def fuse_silu(q: Any, i: int, producer: dict[str, int], consumers: dict[str, lis
 
     sig = q.ops[i]
     a, s = sig.inputs[0], sig.outputs[0]
-    readers = consumers.get(s, [])
-    k = readers[0] if len(readers) == 1 else None
+    k = patterns.one_reader(consumers, s)
     if k is None or q.ops[k].type != "Mul" or sorted(q.ops[k].inputs) != sorted([a, s]):
         return None
     h = q.ops[k].outputs[0]
     av = q.vars[a]
     if av.dtype not in patterns.FLOAT_DTYPES or (av.dtype, av.shape) != (q.vars[h].dtype, q.vars[h].shape):
         return None
-    gate = consumers.get(h, [])
-    j = gate[0] if len(gate) == 1 and q.ops[gate[0]].type == "Mul" else None
-    b = next((x for x in q.ops[j].inputs if x != h), None) if j is not None else None
+    j = patterns.one_reader(consumers, h)
+    gate = j is not None and q.ops[j].type == "Mul"
+    b = next((x for x in q.ops[j].inputs if x != h), None) if gate else None
     if b is not None and (q.vars[b].dtype, q.vars[b].shape) == (av.dtype, av.shape):
         y = q.ops[j].outputs[0]
         if (q.vars[y].dtype, q.vars[y].shape) == (av.dtype, av.shape):

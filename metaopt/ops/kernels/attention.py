@@ -430,12 +430,6 @@ def _dropout_backward(
 # --------------------------------------------------------------------------- fusion rules
 
 
-def _one_reader(consumers: dict[str, list[int]], name: str) -> int | None:
-    """The index of the only op reading `name`, else None."""
-    readers = consumers.get(name, [])
-    return readers[0] if len(readers) == 1 else None
-
-
 def _scaled_by(q: Any, name: str, reader: int, producer: dict[str, int], consumers: dict[str, list[int]]):
     """(x, factor, op index) when `name` is Mul(x, c) / Div(x, c) by a scalar constant c read
     only by `reader`; (name, 1.0, None) otherwise."""
@@ -528,11 +522,11 @@ def fuse_attention(q: Any, i: int, producer: dict[str, int], consumers: dict[str
             return None
         absorbed += [nan_i, where_i]
         cur, at = where.outputs[0], where_i
-    nxt = _one_reader(consumers, cur)
+    nxt = patterns.one_reader(consumers, cur)
     while nxt is not None and q.ops[nxt].type == "Identity":  # an nn.Dropout(0.0) exports as one
         absorbed.append(nxt)
         cur, at = q.ops[nxt].outputs[0], nxt
-        nxt = _one_reader(consumers, cur)
+        nxt = patterns.one_reader(consumers, cur)
     if nxt is None:
         return None
     dropout_p = 0.0
@@ -550,7 +544,7 @@ def fuse_attention(q: Any, i: int, producer: dict[str, int], consumers: dict[str
         dropout_p = ratio if on else 0.0
         absorbed.append(nxt)
         cur, at = drop.outputs[0], nxt
-        nxt = _one_reader(consumers, cur)
+        nxt = patterns.one_reader(consumers, cur)
         if nxt is None:
             return None
     pv = q.ops[nxt]

@@ -202,8 +202,8 @@ def fuse_rms_norm(q: Any, i: int, producer: dict[str, int], consumers: dict[str,
 
 def _lone_reader(q, name: str, consumers, op_types: tuple[str, ...]) -> int | None:
     """The index of the only reader of `name` when it is one of `op_types`, else None."""
-    readers = consumers.get(name, [])
-    return readers[0] if len(readers) == 1 and q.ops[readers[0]].type in op_types else None
+    k = patterns.one_reader(consumers, name)
+    return k if k is not None and q.ops[k].type in op_types else None
 
 
 def _square_of(q, op) -> str | None:
