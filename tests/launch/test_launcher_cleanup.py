@@ -171,13 +171,21 @@ def test_a_successful_job_leaves_no_process_behind(tmp_path):
 
 
 RESTART = textwrap.dedent("""
-    import os, subprocess, sys
+    import os, subprocess, sys, time
     attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
     if attempt == "0":
         child = subprocess.Popen(["sleep", "1000"], start_new_session=True)
-        with open(f"child.{os.environ['RANK']}", "w") as f:
+        with open(f"child.{os.environ['RANK']}.tmp", "w") as f:
             f.write(str(child.pid))
-        sys.exit(1 if os.environ["RANK"] == "1" else 0)
+        os.replace(f"child.{os.environ['RANK']}.tmp", f"child.{os.environ['RANK']}")
+        if os.environ["RANK"] == "1":
+            # fail only once rank 0 has started its child too: failing earlier lets the
+            # launcher end rank 0 before it wrote child.0 (a race seen under load in CI)
+            deadline = time.monotonic() + 60
+            while not os.path.exists("child.0") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            sys.exit(1)
+        sys.exit(0)
     # the restarted group starts only once the first attempt's processes are gone
     for rank in range(2):
         pid = int(open(f"child.{rank}").read())
