@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import difflib
 import functools
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,8 +15,30 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `programs/` is beside the package, not installed
     sys.path.insert(0, str(ROOT))
+TESTS = str(ROOT / "tests")
+if TESTS not in sys.path:  # export_cache, for tests in subfolders
+    sys.path.insert(0, TESTS)
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One export cache folder for the session (tests/export_cache.py): made by the first
+    pytest process (with xdist, the controller, before it starts the workers that inherit it)."""
+    from export_cache import ENV
+
+    if not os.environ.get(ENV):
+        os.environ[ENV] = tempfile.mkdtemp(prefix="metaopt-export-cache-")
+        config._metaopt_export_cache = os.environ[ENV]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    from export_cache import ENV
+
+    folder = getattr(config, "_metaopt_export_cache", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop(ENV, None)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -53,14 +78,15 @@ def golden(request: pytest.FixtureRequest):
 @functools.cache
 def exported(name: str, config: str = "tiny", dropout: float = 0.0, batch: int = 4):
     """(module, inputs, program) for a reference program; cached: exports take seconds."""
-    import metaopt
+    import export_cache
+
     import programs
 
     mod = programs.get(name)
     overrides = {"dropout": dropout} if dropout is not None else {}
     module = mod.build(config, seed=0, **overrides)
     inputs = mod.example_inputs(config, batch, seed=1)
-    program = metaopt.export(module, inputs, name=name)
+    program = export_cache.export(module, inputs, name=name)
     return module, inputs, program
 
 

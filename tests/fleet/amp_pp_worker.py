@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 
+import export_cache
 import torch
 
 import metaopt
@@ -39,7 +40,7 @@ def main() -> None:
     fleet.init(is_collective=True)
     rank = fleet.worker_index()
     mod = programs.get("mlp")
-    main = metaopt.export(mod.build("tiny", seed=0), mod.example_inputs("tiny", 4, seed=1), name="mlp")
+    main = export_cache.export(mod.build("tiny", seed=0), mod.example_inputs("tiny", 4, seed=1), name="mlp")
     strategy = fleet.DistributedStrategy()
     strategy.amp = True
     strategy.amp_configs = {"init_loss_scaling": 1024.0, "decr_every_n_nan_or_inf": 1, "decr_ratio": 0.5}

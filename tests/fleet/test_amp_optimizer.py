@@ -455,7 +455,7 @@ def _two_workers(script: str, out: Path) -> list:
             "WORLD_SIZE": "2",
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
-            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
             "OMP_NUM_THREADS": "1",
         }
         cmd = [sys.executable, str(HERE / script), str(out)]

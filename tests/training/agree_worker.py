@@ -14,6 +14,8 @@ from __future__ import annotations
 import sys
 import time
 
+import export_cache
+
 import metaopt
 import programs
 from metaopt import fleet
@@ -26,7 +28,7 @@ def main() -> None:
     mod = programs.get("mlp")
     hidden = 48 if rank == 1 and mode in ("hidden", "pipeline") else 32
     model = mod.build("tiny", seed=0, hidden_size=hidden)
-    main = metaopt.export(model, mod.example_inputs("tiny", 4, seed=1), name="mlp")
+    main = export_cache.export(model, mod.example_inputs("tiny", 4, seed=1), name="mlp")
     strategy = fleet.DistributedStrategy()
     if mode == "bucket" and rank == 1:
         strategy.fuse_all_reduce_ops = False

@@ -27,6 +27,7 @@ from pathlib import Path
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
+import export_cache  # noqa: E402
 import torch  # noqa: E402
 import tp_worker  # noqa: E402
 from dp_worker import full_batch  # noqa: E402
@@ -60,7 +61,7 @@ def build(layout: str) -> tuple[metaopt.Program, str]:
     # tensor parallel refuses dropout in its split regions (no MP-aware RNG yet): 0 there
     dropout = 0.3 if name == "mlp" else 0.0 if layout in MP_LAYOUTS else 0.1
     model = mod.build("tiny", seed=0, dropout=dropout)
-    main = metaopt.export(model, mod.example_inputs("tiny", 4, seed=1), name=name)
+    main = export_cache.export(model, mod.example_inputs("tiny", 4, seed=1), name=name)
     # Momentum under tensor parallel: state to split, and params after its steps are a fair judge
     # of MP=2 against one process (Adam's are not: it turns float noise into lr-sized updates)
     opt = metaopt.optimizer.Momentum(learning_rate=0.1) if layout in MP_LAYOUTS else None

@@ -9,6 +9,8 @@ import os
 import sys
 import time
 
+import export_cache
+
 import metaopt
 import programs
 from metaopt import fleet
@@ -19,7 +21,7 @@ def main() -> None:
     fleet.init(is_collective=True)
     rank = fleet.worker_index()
     mod = programs.get("mlp")
-    main = metaopt.export(mod.build("tiny", seed=0), mod.example_inputs("tiny", 4, seed=1), name="mlp")
+    main = export_cache.export(mod.build("tiny", seed=0), mod.example_inputs("tiny", 4, seed=1), name="mlp")
     fleet.distributed_optimizer(metaopt.optimizer.SGD(learning_rate=0.1)).minimize(main.loss)
     exe = metaopt.Executor("cpu")
     for step in range(3):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 
+import export_cache
 import torch
 
 import metaopt
@@ -38,7 +39,7 @@ def full_batch(name: str, step: int) -> tuple[torch.Tensor, ...]:
 def train_case(name: str, mode: str, rank: int, world: int) -> dict:
     mod = programs.get(name)
     model = mod.build("tiny", seed=100 + rank, dropout=0.0)
-    main = metaopt.export(model, mod.example_inputs("tiny", 4, seed=1), name=name)
+    main = export_cache.export(model, mod.example_inputs("tiny", 4, seed=1), name=name)
     strategy = fleet.DistributedStrategy()
     if name == "mlp" or mode == "early":  # early: each update can follow its own grad's all-reduce
         strategy.fuse_all_reduce_ops = False  # one AllReduce per grad

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import sys
 
+import export_cache
+
 import metaopt
 import programs
 from metaopt import fleet
@@ -17,7 +19,7 @@ def main() -> None:
     fleet.init(is_collective=True)
     rank = fleet.worker_index()
     mod = programs.get("mlp")
-    main = metaopt.export(mod.build("tiny", seed=0), mod.example_inputs("tiny", 4, seed=1), name="mlp")
+    main = export_cache.export(mod.build("tiny", seed=0), mod.example_inputs("tiny", 4, seed=1), name="mlp")
     strategy = fleet.DistributedStrategy()
     strategy.pipeline = True
     strategy.pipeline_configs = {"accumulate_steps": 2, "cuts": ["fc2"]}

@@ -66,7 +66,7 @@ def _job(tmp: Path, ckpt: Path, world: int, saves: str):
     if world > 1:
         return _start_workers(world, args, {"METAOPT_COMM_TIMEOUT": "30"})
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parents[1]), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parents[1]), str(HERE.parent), env.get("PYTHONPATH", "")])
     return [
         subprocess.Popen(
             [sys.executable, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True

@@ -49,7 +49,7 @@ def _start_workers(world: int, args: list[str], extra_env: dict[str, str] | None
             "WORLD_SIZE": str(world),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
-            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
             "OMP_NUM_THREADS": "1",
             **(extra_env or {}),
         }

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import sys
 
+import export_cache
 import fleet_tp_worker
 import torch
 import tp_worker
@@ -58,7 +59,7 @@ REPLICATED = [
 def export() -> metaopt.Program:
     mod = programs.get(NAME)
     model = mod.build("tiny", seed=tp_worker.SEED, dropout=DROPOUT)
-    return metaopt.export(model, mod.example_inputs("tiny", 4, seed=1), name=NAME)
+    return export_cache.export(model, mod.example_inputs("tiny", 4, seed=1), name=NAME)
 
 
 def split_program(rank: int, world: int) -> metaopt.Program:

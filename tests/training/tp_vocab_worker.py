@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import sys
 
+import export_cache
 import torch
 import tp_worker
 
@@ -59,7 +60,7 @@ def untied_batch(step: int) -> dict[str, torch.Tensor]:
 
 def untied_export() -> metaopt.Program:
     torch.manual_seed(0)
-    return metaopt.export(Untied().train(), tuple(untied_batch(0).values()), name="untied")
+    return export_cache.export(Untied().train(), tuple(untied_batch(0).values()), name="untied")
 
 
 def untied_split(program: metaopt.Program, rank: int, mp: int) -> metaopt.Program:

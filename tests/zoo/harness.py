@@ -21,6 +21,7 @@ import copy
 import inspect
 from dataclasses import dataclass
 
+import export_cache
 import torch
 
 import metaopt
@@ -46,7 +47,7 @@ def feed_names(module: torch.nn.Module, n: int) -> list[str]:
 def export(entry, dropout: float) -> tuple[torch.nn.Module, metaopt.Program]:
     module = entry.build(dropout)
     kwargs = dict(entry.export_kwargs)
-    program = metaopt.export(module, entry.inputs(EXPORT_BATCH, 0), name=entry.name, **kwargs)
+    program = export_cache.export(module, entry.inputs(EXPORT_BATCH, 0), name=entry.name, **kwargs)
     return module, program
 
 

@@ -1,0 +1,126 @@
+"""One export per model per test session, shared by every process of the session.
+
+A torch export takes seconds (4-5 s for a tiny gpt on the 2-core CI machine), and the
+multi-process tests start dozens of workers that each exported the same tiny models. Here the
+first process to ask for a model exports it and saves the program as ONNX; every process,
+the first included, then gets `metaopt.load` of that file. A saved forward program loads back
+exactly as exported: the same printed program, modules, values and dtypes
+(tests/frontend/test_export_cache.py checks that on the reference programs).
+
+The cache is a folder named by `METAOPT_TEST_EXPORT_CACHE`, which tests/conftest.py sets for the
+session (and removes at its end); worker processes inherit it. Without the variable, `export` is
+`metaopt.export`. Use it where the subject under test is what runs after the export (workers,
+references), never in tests of the exporter itself.
+
+The key is a digest of everything that decides the program: the module's class, its printed
+structure, every submodule's plain attributes (flags that `repr` may not show), the name, shape,
+dtype and bytes of every parameter and buffer, the example inputs, and the export's options.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import fcntl
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import metaopt
+
+ENV = "METAOPT_TEST_EXPORT_CACHE"
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def export(
+    module: torch.nn.Module,
+    args: tuple | torch.Tensor,
+    kwargs: dict[str, Any] | None = None,
+    dynamic_batch: bool = True,
+    *,
+    name: str | None = None,
+) -> metaopt.Program:
+    """`metaopt.export(module, args, kwargs, dynamic_batch, name=name)`, once per session."""
+    folder = os.environ.get(ENV)
+    if not folder:
+        return metaopt.export(module, args, kwargs, dynamic_batch, name=name)
+    path = Path(folder) / f"{_key(module, args, kwargs, dynamic_batch, name)}.onnx"
+    with _locked(path.with_suffix(".lock")):
+        if not path.exists():
+            _save_checked(metaopt.export(module, args, kwargs, dynamic_batch, name=name), path)
+    return metaopt.load(path)
+
+
+def _save_checked(program: metaopt.Program, path: Path) -> None:
+    """Save, then keep the file only if it loads back as `program`: a difference is a bug of
+    save or load, reported here rather than tested around."""
+    from metaopt.frontend.onnx_save import save
+
+    tmp = path.with_suffix(f".{os.getpid()}.onnx")
+    save(program, tmp)
+    problem = differences(metaopt.load(tmp), program)
+    if problem:
+        tmp.unlink()
+        raise AssertionError(f"{program.name!r} does not load back as exported: {problem}")
+    os.replace(tmp, path)
+
+
+def differences(got: metaopt.Program, want: metaopt.Program) -> str | None:
+    """What differs between two programs (printed form, fields, values), or None."""
+    if str(got) != str(want):
+        diff = difflib.unified_diff(str(want).splitlines(), str(got).splitlines(), "exported", "loaded", n=1)
+        return "\n" + "\n".join(list(diff)[:40])
+    for field in ("name", "inputs", "outputs", "loss_name", "modules", "updates", "donated"):
+        if getattr(got, field) != getattr(want, field):
+            return f"{field}: {getattr(got, field)!r} != {getattr(want, field)!r}"
+    if set(got.values) != set(want.values):
+        return f"values named {sorted(set(got.values) ^ set(want.values))[:5]} in only one"
+    for name, t in want.values.items():
+        if got.values[name].dtype != t.dtype or not torch.equal(got.values[name], t):
+            return f"value {name!r}"
+    return None
+
+
+@contextlib.contextmanager
+def _locked(lock: Path):
+    """One exporter per key at a time: the others wait for its file instead of exporting too."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _key(module: torch.nn.Module, args: Any, kwargs: Any, dynamic_batch: bool, name: str | None) -> str:
+    h = hashlib.sha256()
+
+    def add(*parts: Any) -> None:
+        for part in parts:
+            h.update(part if isinstance(part, bytes) else repr(part).encode())
+            h.update(b"\0")
+
+    def tensor(t: torch.Tensor) -> None:
+        add(tuple(t.shape), t.dtype, t.requires_grad)
+        add(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+
+    add(type(module).__module__, type(module).__qualname__, str(module), dynamic_batch, name)
+    for path, sub in module.named_modules():
+        plain = sorted((k, v) for k, v in vars(sub).items() if isinstance(v, _PLAIN) and k[0] != "_")
+        add(path, type(sub).__qualname__, plain)
+    for key, t in [*module.named_parameters(), *module.named_buffers()]:
+        add(key)
+        tensor(t)
+    for value in [*(args if isinstance(args, tuple) else (args,)), *sorted((kwargs or {}).items())]:
+        if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str):
+            add(value[0])
+            value = value[1]
+        if isinstance(value, torch.Tensor):
+            tensor(value)
+        else:
+            add(value)
+    return h.hexdigest()[:32]
