@@ -28,7 +28,7 @@ afresh, and another layout has other ones. RNG states are restored only into the
 Tensor parallel: a split var (``Var.split``, recorded by the tensor-parallel pass on each split
 param and carried by the optimizer pass to its state) holds this worker's part of a larger
 tensor, and is saved as that part of the FULL tensor: each worker writes only its own pieces,
-as DCP chunks at their offsets in the full tensor (`_Pieces`: one chunk per block, since a
+as DCP chunks at their offsets in the full tensor (`dcp_glue.Pieces`: one chunk per block, since a
 fused projection's part is 1/mp of each of q, k, v, no contiguous chunk), nothing is gathered.
 The checkpoint then holds every var by name and full shape, whatever the layout: it loads
 into MP=1 (one process, DCP assembles the chunks), into MP=2 again, or from an MP=1
@@ -52,7 +52,6 @@ import hashlib
 import json
 import logging
 import os
-import pickle
 import re
 import shutil
 import warnings
@@ -63,12 +62,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import metadata as dcp_meta
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from metaopt.atomic import atomic_write, fsync_dir
 from metaopt.ir import Program, Split, Var, did_you_mean, dtype_name, eval_dim, names
@@ -212,81 +205,6 @@ def _resolve_group(g: tuple[int, ...] | str, what: str) -> tuple[int, ...]:
 def local_part(full: torch.Tensor, split: Split, index: int) -> torch.Tensor:
     """Part `index` of `full` as `split` lays it out (a fresh tensor)."""
     return torch.cat([full.narrow(split.axis, at, n) for at, _, n in split.pieces(index)], split.axis)
-
-
-class _Pieces:
-    """One worker's part of a split var as DCP sees it: the pieces of the full tensor it holds,
-    each a view of the local tensor at its offset in the full one (several for a fused
-    projection cut per block). DCP takes any object with these three methods (its
-    ``_Checkpointable`` protocol, the one DTensor implements); the planners below hand DCP
-    the piece at an offset. Loading writes through the views into `local`."""
-
-    def __init__(self, local: torch.Tensor, split: Split, index: int) -> None:
-        self.local = local
-        self.full = torch.Size(split.full_shape(tuple(local.shape)))
-        self.parts: dict[torch.Size, torch.Tensor] = {}
-        for full_at, local_at, n in split.pieces(index):
-            offsets = [0] * local.dim()
-            offsets[split.axis] = full_at
-            self.parts[torch.Size(offsets)] = local.narrow(split.axis, local_at, n)
-
-    def size(self) -> torch.Size:  # DCP compares it with the saved full size before loading
-        return self.full
-
-    def piece(self, offset: Any) -> torch.Tensor:
-        return self.parts[torch.Size(offset)]
-
-    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
-        return [
-            WriteItem(
-                index=dcp_meta.MetadataIndex(fqn, off),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=dcp_meta.ChunkStorageMetadata(offsets=off, sizes=t.size()),
-                    properties=dcp_meta.TensorProperties.create_from_tensor(t),
-                    size=self.full,
-                ),
-            )
-            for off, t in self.parts.items()
-        ]
-
-    def __create_chunk_list__(self) -> list[dcp_meta.ChunkStorageMetadata]:
-        return [dcp_meta.ChunkStorageMetadata(offsets=off, sizes=t.size()) for off, t in self.parts.items()]
-
-    def __get_tensor_shard__(self, index: dcp_meta.MetadataIndex) -> torch.Tensor:
-        return self.piece(index.offset)
-
-
-def _own_storage(t: torch.Tensor) -> torch.Tensor:
-    """`t`, or a copy of it when it is a view of a larger storage: ``torch.save`` (DCP's writer)
-    writes a view's whole storage. Called per item as DCP writes it: one piece copied at a time."""
-    if t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size():
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
-
-
-class _SavePlanner(DefaultSavePlanner):
-    def lookup_object(self, index: dcp_meta.MetadataIndex) -> Any:
-        obj = self.state_dict.get(index.fqn)
-        if isinstance(obj, _Pieces):
-            return _own_storage(obj.piece(index.offset))
-        found = super().lookup_object(index)
-        return _own_storage(found) if isinstance(found, torch.Tensor) else found
-
-
-class _LoadPlanner(DefaultLoadPlanner):
-    def set_up_planner(self, state_dict: dict[str, Any], *args: Any, **kwargs: Any) -> None:
-        # DCP's set-up walks the state dict in place and replaces every object it does not know
-        # (ours) with None; keep the pieces out of its walk (the state dict is flat already).
-        pieces = {k: v for k, v in state_dict.items() if isinstance(v, _Pieces)}
-        super().set_up_planner({k: v for k, v in state_dict.items() if k not in pieces}, *args, **kwargs)
-        self.state_dict.update(pieces)
-
-    def lookup_tensor(self, index: dcp_meta.MetadataIndex) -> torch.Tensor:
-        obj = self.state_dict.get(index.fqn)
-        if isinstance(obj, _Pieces):
-            return obj.piece(index.offset)
-        return super().lookup_tensor(index)
 
 
 def _digest(t: torch.Tensor) -> bytes:
@@ -437,6 +355,10 @@ def save_sharded(
     exe: Any, dirname: str | os.PathLike, program: Program, *, step: int | None = None, keep_last: int = 3
 ) -> str:
     """Every worker calls this with the same `dirname`; returns the complete checkpoint's folder."""
+    import torch.distributed.checkpoint as dcp  # imported here: it takes a second (dcp_glue.py)
+
+    from metaopt.fleet import dcp_glue
+
     if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
         raise ValueError(f"save_persistables: keep_last must be an int >= 1, got {keep_last!r}")
     rank, size = world()
@@ -489,8 +411,8 @@ def save_sharded(
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         dcp.save(
             state,
-            storage_writer=FileSystemWriter(partial, sync_files=True),
-            planner=_SavePlanner(),
+            storage_writer=dcp.FileSystemWriter(partial, sync_files=True),
+            planner=dcp_glue.SavePlanner(),
             no_dist=size == 1,
         )
 
@@ -520,7 +442,9 @@ def _entry(v: Var, t: torch.Tensor, place: MPPlace | None) -> tuple[Any, dict[st
     layout = {"axis": sp.axis, "parts": sp.parts, "blocks": list(sp.blocks)}
     full = list(sp.full_shape(tuple(t.shape)))
     entry = {"kind": v.kind, "dtype": _dtype(t), "shape": full, "saved_split": layout}
-    return _Pieces(t, sp, place.index), entry
+    from metaopt.fleet import dcp_glue
+
+    return dcp_glue.Pieces(t, sp, place.index), entry
 
 
 def _merge_info(per_rank: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
@@ -663,9 +587,11 @@ def _shape_ok(got: list[int], want: tuple | None) -> bool:
     return all(eval_dim(w, {}) in (None, g) for g, w in zip(got, want, strict=True))
 
 
-def _check_vars(folder: Path, meta: dict, want: list[Var], md: dcp_meta.Metadata) -> str | None:
+def _check_vars(folder: Path, meta: dict, want: list[Var], md: Any) -> str | None:
     """This worker's problem with the checkpoint, or None. Shapes are compared whole: a split
     var by its full shape (the checkpoint holds every var whole, whatever layout saved it)."""
+    from torch.distributed.checkpoint import metadata as dcp_meta
+
     saved = meta["vars"]
     for v in want:
         if v.name not in saved or v.name not in md.state_dict_metadata:
@@ -691,6 +617,11 @@ def describe(v: Var) -> str:
 
 def load_sharded(exe: Any, folder: Path, program: Program, *, strict: bool = True) -> list[str]:
     """Every worker of the new layout calls this; returns the names loaded on this worker."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from metaopt.fleet import dcp_glue
+
     rank, size = world()
     problem, meta, md, place, group = None, None, None, None, None
     want = saved_vars(program)
@@ -698,7 +629,7 @@ def load_sharded(exe: Any, folder: Path, program: Program, *, strict: bool = Tru
         group = model_parallel_group(program, "load_persistables")
         place = mp_place(program, "load_persistables")
         meta = _read_info(folder)
-        md = SafeReader(folder).read_metadata()
+        md = dcp_glue.SafeReader(folder).read_metadata()
         problem = _check_vars(folder, meta, want, md)
     except CheckpointError as e:
         problem = str(e)
@@ -725,7 +656,9 @@ def load_sharded(exe: Any, folder: Path, program: Program, *, strict: bool = Tru
             into[v.name] = torch.empty(meta["vars"][v.name]["shape"], dtype=_torch_dtype(v.dtype))
         else:  # this worker's pieces of the full tensor, read straight into its local tensor
             assert place is not None  # mp_place found the group of every split var
-            into[v.name] = _Pieces(torch.empty(v.shape, dtype=_torch_dtype(v.dtype)), v.split, place.index)
+            into[v.name] = dcp_glue.Pieces(
+                torch.empty(v.shape, dtype=_torch_dtype(v.dtype)), v.split, place.index
+            )
     rng_keys = {k for k in md.state_dict_metadata if k.startswith(f"{_RNG}/{rank}/")}
     restore_rng = same_layout and f"{_RNG}/{rank}/cpu" in rng_keys
     if restore_rng:
@@ -744,7 +677,12 @@ def load_sharded(exe: Any, folder: Path, program: Program, *, strict: bool = Tru
     with warnings.catch_warnings():  # one process loading is what we mean: DCP warns all the same
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         try:
-            dcp.load(into, storage_reader=SafeReader(folder), planner=_LoadPlanner(), no_dist=size == 1)
+            dcp.load(
+                into,
+                storage_reader=dcp_glue.SafeReader(folder),
+                planner=dcp_glue.LoadPlanner(),
+                no_dist=size == 1,
+            )
         except (Exception, CheckpointException) as e:  # damaged data: nothing was changed yet
             raise CheckpointError(f"load_persistables: reading {folder} failed: {_short(e)}") from e
     rng = {k.rsplit("/", 1)[1]: into[k] for k in rng_keys} if restore_rng else {}
@@ -757,7 +695,9 @@ def load_sharded(exe: Any, folder: Path, program: Program, *, strict: bool = Tru
 
 
 def _local(x: Any) -> torch.Tensor:
-    return x.local if isinstance(x, _Pieces) else x
+    from metaopt.fleet import dcp_glue
+
+    return x.local if isinstance(x, dcp_glue.Pieces) else x
 
 
 def _short(e: BaseException) -> str:
@@ -809,77 +749,6 @@ def set_rng(states: dict[str, torch.Tensor]) -> None:
             logger.warning(
                 "load_persistables: the checkpoint has no state of RNG stream %r: left as is", name
             )
-
-
-# --- reading DCP's metadata without running code ---------------------------------------------
-
-_ALLOWED = {
-    ("torch.distributed.checkpoint.metadata", n)
-    for n in (
-        "Metadata",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "StorageMeta",
-        "MetadataIndex",
-        "_MEM_FORMAT_ENCODING",
-    )
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PurePosixPath"),
-    ("collections", "OrderedDict"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"refused global {module}.{name} in a checkpoint's metadata")
-
-
-class SafeReader(FileSystemReader):
-    """DCP's file reader, reading ``.metadata`` through an allow-list and refusing any storage
-    path that leaves the folder."""
-
-    def __init__(self, path: str | os.PathLike) -> None:
-        super().__init__(path)
-        self._folder = Path(os.fspath(path)).resolve()
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_meta.Metadata:
-        path = self._folder / ".metadata"
-        try:
-            with open(path, "rb") as f:
-                md = _MetadataUnpickler(f).load()
-        except FileNotFoundError:
-            raise CheckpointError(
-                f"{self._folder} has no DCP metadata (.metadata): not a complete checkpoint"
-            ) from None
-        except Exception as e:  # any unpickling failure: not a checkpoint we can trust
-            raise CheckpointError(f"{path} is not readable DCP metadata ({type(e).__name__}: {e})") from None
-        if not isinstance(md, dcp_meta.Metadata) or not isinstance(md.state_dict_metadata, dict):
-            raise CheckpointError(f"{path} is not DCP metadata")
-        for index, where in (md.storage_data or {}).items():
-            rel = getattr(where, "relative_path", None)
-            if not isinstance(rel, str) or not self._inside(rel):
-                raise CheckpointError(
-                    f"{path}: {getattr(index, 'fqn', index)!r} points outside the folder ({rel!r})"
-                )
-        if getattr(md, "storage_meta", None) is None:
-            md.storage_meta = dcp_meta.StorageMeta()
-        md.storage_meta.load_id = self.load_id
-        return md
-
-    def _inside(self, rel: str) -> bool:
-        target = (self._folder / rel).resolve()
-        return target.parent == self._folder and target.is_file()
 
 
 def _model_parallel_streams() -> dict[str, torch.Tensor]:

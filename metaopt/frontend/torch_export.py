@@ -27,7 +27,6 @@ from metaopt.frontend.capture import ExportError, capture, explain_failure
 from metaopt.frontend.importer import import_model
 from metaopt.frontend.onnx_import import ImportOptions
 from metaopt.frontend.shape_probe import probe_shapes
-from metaopt.frontend.translations import translation_table
 from metaopt.ir import Program, Var, dtype_name
 
 BATCH = "batch"
@@ -124,7 +123,7 @@ def _run_exporter(ep: torch.export.ExportedProgram, args: tuple, kwargs: dict, d
                 dynamic_shapes=dynamic_shapes,  # names the ONNX dims ("batch", not torch's s77)
                 verbose=False,
                 report=False,
-                custom_translation_table=translation_table(),
+                custom_translation_table=_translation_table(),
             )
     finally:
         quiet.setLevel(level)
@@ -152,3 +151,11 @@ def _add_unused_params(program: Program, module: torch.nn.Module) -> None:
                 Var(n, dtype_name(p.dtype), tuple(p.shape), kind="param", trainable=p.requires_grad),
                 p.detach().clone(),
             )
+
+
+def _translation_table() -> dict:
+    # onnxscript (the translations' language) takes about a second to import: only an export
+    # needs it, not every process that imports metaopt (a worker that loads a saved program).
+    from metaopt.frontend.translations import translation_table
+
+    return translation_table()

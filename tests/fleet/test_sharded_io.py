@@ -14,7 +14,7 @@ import torch
 
 import metaopt
 from metaopt import fleet
-from metaopt.fleet import sharded_io
+from metaopt.fleet import dcp_glue, sharded_io
 from metaopt.ir import Op, Program, Split, Var, parse_program, torch_dtype
 from metaopt.passes.tensor_parallel import shard_tensor
 
@@ -115,7 +115,7 @@ def test_hostile_metadata_never_runs_code(tmp_path, monkeypatch):
 def test_storage_paths_must_stay_in_the_folder(tmp_path):
     _save(tmp_path, 1, 1.0)
     folder = tmp_path / "ckpt" / "step-00000001"
-    md = sharded_io.SafeReader(folder).read_metadata()
+    md = dcp_glue.SafeReader(folder).read_metadata()
     (tmp_path / "outside.distcp").write_bytes((folder / "__0_0.distcp").read_bytes())
     for where in md.storage_data.values():
         where.relative_path = "../../outside.distcp"

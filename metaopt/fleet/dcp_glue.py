@@ -1,0 +1,166 @@
+"""The parts of sharded checkpoints that subclass or build ``torch.distributed.checkpoint``'s
+own types (metaopt.fleet.sharded_io has the protocol). They live apart because importing DCP
+takes about a second (it imports DTensor and sympy): sharded_io imports this module only when a
+multi-worker save or load runs, not in every worker that never checkpoints."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import metadata as dcp_meta
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from metaopt.fleet.sharded_io import CheckpointError
+from metaopt.ir import Split
+
+
+class Pieces:
+    """One worker's part of a split var as DCP sees it: the pieces of the full tensor it holds,
+    each a view of the local tensor at its offset in the full one (several for a fused
+    projection cut per block). DCP takes any object with these three methods (its
+    ``_Checkpointable`` protocol, the one DTensor implements); the planners below hand DCP
+    the piece at an offset. Loading writes through the views into `local`."""
+
+    def __init__(self, local: torch.Tensor, split: Split, index: int) -> None:
+        self.local = local
+        self.full = torch.Size(split.full_shape(tuple(local.shape)))
+        self.parts: dict[torch.Size, torch.Tensor] = {}
+        for full_at, local_at, n in split.pieces(index):
+            offsets = [0] * local.dim()
+            offsets[split.axis] = full_at
+            self.parts[torch.Size(offsets)] = local.narrow(split.axis, local_at, n)
+
+    def size(self) -> torch.Size:  # DCP compares it with the saved full size before loading
+        return self.full
+
+    def piece(self, offset: Any) -> torch.Tensor:
+        return self.parts[torch.Size(offset)]
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        return [
+            WriteItem(
+                index=dcp_meta.MetadataIndex(fqn, off),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=dcp_meta.ChunkStorageMetadata(offsets=off, sizes=t.size()),
+                    properties=dcp_meta.TensorProperties.create_from_tensor(t),
+                    size=self.full,
+                ),
+            )
+            for off, t in self.parts.items()
+        ]
+
+    def __create_chunk_list__(self) -> list[dcp_meta.ChunkStorageMetadata]:
+        return [dcp_meta.ChunkStorageMetadata(offsets=off, sizes=t.size()) for off, t in self.parts.items()]
+
+    def __get_tensor_shard__(self, index: dcp_meta.MetadataIndex) -> torch.Tensor:
+        return self.piece(index.offset)
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a copy of it when it is a view of a larger storage: ``torch.save`` (DCP's writer)
+    writes a view's whole storage. Called per item as DCP writes it: one piece copied at a time."""
+    if t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+class SavePlanner(DefaultSavePlanner):
+    def lookup_object(self, index: dcp_meta.MetadataIndex) -> Any:
+        obj = self.state_dict.get(index.fqn)
+        if isinstance(obj, Pieces):
+            return _own_storage(obj.piece(index.offset))
+        found = super().lookup_object(index)
+        return _own_storage(found) if isinstance(found, torch.Tensor) else found
+
+
+class LoadPlanner(DefaultLoadPlanner):
+    def set_up_planner(self, state_dict: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        # DCP's set-up walks the state dict in place and replaces every object it does not know
+        # (ours) with None; keep the pieces out of its walk (the state dict is flat already).
+        pieces = {k: v for k, v in state_dict.items() if isinstance(v, Pieces)}
+        super().set_up_planner({k: v for k, v in state_dict.items() if k not in pieces}, *args, **kwargs)
+        self.state_dict.update(pieces)
+
+    def lookup_tensor(self, index: dcp_meta.MetadataIndex) -> torch.Tensor:
+        obj = self.state_dict.get(index.fqn)
+        if isinstance(obj, Pieces):
+            return obj.piece(index.offset)
+        return super().lookup_tensor(index)
+
+
+# --- reading DCP's metadata without running code ---------------------------------------------
+
+_ALLOWED = {
+    ("torch.distributed.checkpoint.metadata", n)
+    for n in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "StorageMeta",
+        "MetadataIndex",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refused global {module}.{name} in a checkpoint's metadata")
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader, reading ``.metadata`` through an allow-list and refusing any storage
+    path that leaves the folder."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__(path)
+        self._folder = Path(os.fspath(path)).resolve()
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_meta.Metadata:
+        path = self._folder / ".metadata"
+        try:
+            with open(path, "rb") as f:
+                md = _MetadataUnpickler(f).load()
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"{self._folder} has no DCP metadata (.metadata): not a complete checkpoint"
+            ) from None
+        except Exception as e:  # any unpickling failure: not a checkpoint we can trust
+            raise CheckpointError(f"{path} is not readable DCP metadata ({type(e).__name__}: {e})") from None
+        if not isinstance(md, dcp_meta.Metadata) or not isinstance(md.state_dict_metadata, dict):
+            raise CheckpointError(f"{path} is not DCP metadata")
+        for index, where in (md.storage_data or {}).items():
+            rel = getattr(where, "relative_path", None)
+            if not isinstance(rel, str) or not self._inside(rel):
+                raise CheckpointError(
+                    f"{path}: {getattr(index, 'fqn', index)!r} points outside the folder ({rel!r})"
+                )
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = dcp_meta.StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+    def _inside(self, rel: str) -> bool:
+        target = (self._folder / rel).resolve()
+        return target.parent == self._folder and target.is_file()
