@@ -19,12 +19,13 @@ def test_train_fleet_recompute_runs_under_metaoptrun(tmp_path):
         str(ROOT / "examples" / "train_fleet_recompute.py"),
         "--batches=3",
         "--batch_size=4",
+        "--depths=2,2,2,2",  # ResNet-50's layout at half depth: the suite's time
     ]
     done = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
     assert "applied meta optimizers: ['recompute', 'data_parallel']" in out
-    assert "recompute plan: 16 checkpoints" in out  # res2a ... res5c
+    assert "recompute plan: 8 checkpoints" in out  # res2a, res2b ... res5a, res5b
     assert re.search(r"all_reduce ops: \d+, after fusion: 1", out)
     lines = re.findall(r"\[Epoch 0, batch (\d)\] loss: ([0-9.]+), acc1: [0-9.]+, acc5: [0-9.]+", out)
     assert [b for b, _ in lines] == ["0", "1", "2"]

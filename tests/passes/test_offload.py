@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import export_cache
 import pytest
 from test_recompute import SETS, _bert24, _identical, _measured_activation_peak, _run, _train_program
 
@@ -64,7 +65,7 @@ def test_bytes_offloaded_per_step_are_the_checkpoints():
 
 def test_prefetch_goes_one_segment_ahead_and_readers_use_the_fetched_copy():
     bert = programs.get("bert")
-    program = metaopt.export(
+    program = export_cache.export(
         bert.build("tiny", seed=0, num_layers=4), bert.example_inputs("tiny", 4, num_layers=4)
     )
     metaopt.optimizer.SGD(learning_rate=0.1).minimize(program.loss)
@@ -135,7 +136,8 @@ def test_offload_golden(name, golden):
 
         resnet = programs.get("resnet")
         module = resnet.build("tiny", seed=0, depths=(3, 4, 6, 3))
-        base = metaopt.export(module, resnet.example_inputs("tiny", 4, depths=(3, 4, 6, 3)), name="resnet")
+        inputs = resnet.example_inputs("tiny", 4, depths=(3, 4, 6, 3))
+        base = export_cache.export(module, inputs, name="resnet")
         metaopt.optimizer.SGD(learning_rate=0.1).minimize(base.loss)
         ck = FLEET_RESNET_NAMES  # varying shapes per stage: Fleet could not offload these
     else:

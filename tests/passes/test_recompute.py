@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import export_cache
 import pytest
 import torch
 from conftest import exported
@@ -119,7 +120,7 @@ def test_no_recomputed_activation_lives_across_the_gap():
 def _bert24() -> metaopt.Program:
     bert = programs.get("bert")
     module = bert.build("tiny", seed=0, dropout=0.1, num_layers=24)
-    program = metaopt.export(module, bert.example_inputs("tiny", 4, num_layers=24), name="bert24")
+    program = export_cache.export(module, bert.example_inputs("tiny", 4, num_layers=24), name="bert24")
     metaopt.optimizer.SGD(learning_rate=0.1).minimize(program.loss)
     return program
 
@@ -212,7 +213,8 @@ def test_recompute_golden(name, checkpoints, golden):
     if name == "resnet":
         resnet = programs.get("resnet")
         module = resnet.build("tiny", seed=0, depths=(3, 4, 6, 3))
-        base = metaopt.export(module, resnet.example_inputs("tiny", 4, depths=(3, 4, 6, 3)), name="resnet")
+        inputs = resnet.example_inputs("tiny", 4, depths=(3, 4, 6, 3))
+        base = export_cache.export(module, inputs, name="resnet")
         metaopt.optimizer.SGD(learning_rate=0.1).minimize(base.loss)
     else:
         base = _train_program(name, dropout=0.1)
@@ -399,7 +401,7 @@ def test_batch_norm_statistics_are_held_not_recomputed():
     Bit-identical to no recompute (tiny ResNet-50 depths, 2 SGD steps)."""
     resnet = programs.get("resnet")
     module = resnet.build("tiny", seed=0, depths=(3, 4, 6, 3))
-    base = metaopt.export(module, resnet.example_inputs("tiny", 4, depths=(3, 4, 6, 3)), name="resnet")
+    base = export_cache.export(module, resnet.example_inputs("tiny", 4, depths=(3, 4, 6, 3)), name="resnet")
     metaopt.optimizer.SGD(learning_rate=0.1).minimize(base.loss)
     plan = plan_recompute(base, checkpoints=FLEET_RESNET_NAMES)
     rerun = {

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 
+import export_cache
 import pytest
 import torch
 from conftest import exported
@@ -69,7 +70,7 @@ def _tied(name: str):
     over = {"dropout": 0.0, **({"vocab_size": 2048} if name == "gpt" else {})}
     module = mod.build("tiny", seed=0, **over)
     inputs = mod.example_inputs("tiny", 4, seed=1, **over)
-    program = metaopt.export(module, inputs, name=name)
+    program = export_cache.export(module, inputs, name=name)
     return module, inputs, program
 
 
@@ -130,7 +131,7 @@ def _bert_small_recompute() -> metaopt.Program:
     mod = programs.get("bert")
     cfg = {"vocab_size": 2000, "hidden_size": 64, "intermediate_size": 128, "num_layers": 4, "dropout": 0.0}
     model = mod.build("tiny", seed=0, **cfg)
-    main = metaopt.export(model, mod.example_inputs("tiny", 2, seed=1, **cfg), name="bert")
+    main = export_cache.export(model, mod.example_inputs("tiny", 2, seed=1, **cfg), name="bert")
     fleet.init()
     s = fleet.DistributedStrategy()
     s.recompute = True
