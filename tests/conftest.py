@@ -41,6 +41,21 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         os.environ.pop(ENV, None)
 
 
+# Folders whose tests start worker processes or train real models: the longest files. With
+# `-n 2 --dist loadfile` each xdist worker takes the next whole file when it is free, so running
+# these first (longest first, as in LPT scheduling) leaves the short files to even out the end
+# instead of one worker finishing a long file alone.
+_LONG_FIRST = ("training", "zoo", "passes", "launch", "fleet")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        parts = Path(str(item.path)).relative_to(ROOT / "tests").parts
+        return _LONG_FIRST.index(parts[0]) if parts[0] in _LONG_FIRST else len(_LONG_FIRST)
+
+    items.sort(key=rank)  # stable: each file's tests keep their order
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--update-golden",
