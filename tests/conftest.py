@@ -49,9 +49,12 @@ _LONG_FIRST = ("training", "zoo", "passes", "launch", "fleet")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests = ROOT / "tests"
+
     def rank(item: pytest.Item) -> int:
-        parts = Path(str(item.path)).relative_to(ROOT / "tests").parts
-        return _LONG_FIRST.index(parts[0]) if parts[0] in _LONG_FIRST else len(_LONG_FIRST)
+        path = Path(str(item.path))
+        top = path.relative_to(tests).parts[0] if path.is_relative_to(tests) else ""
+        return _LONG_FIRST.index(top) if top in _LONG_FIRST else len(_LONG_FIRST)
 
     items.sort(key=rank)  # stable: each file's tests keep their order
 
