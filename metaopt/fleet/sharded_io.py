@@ -58,7 +58,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -66,6 +66,9 @@ import torch.distributed as dist
 from metaopt.atomic import atomic_write, fsync_dir
 from metaopt.ir import Program, Split, Var, did_you_mean, dtype_name, eval_dim, names
 from metaopt.ops import rng_streams
+
+if TYPE_CHECKING:  # DCP itself is imported where a save or load runs (dcp_glue.py says why)
+    from torch.distributed.checkpoint.metadata import Metadata
 
 logger = logging.getLogger("metaopt.fleet")
 
@@ -587,7 +590,7 @@ def _shape_ok(got: list[int], want: tuple | None) -> bool:
     return all(eval_dim(w, {}) in (None, g) for g, w in zip(got, want, strict=True))
 
 
-def _check_vars(folder: Path, meta: dict, want: list[Var], md: Any) -> str | None:
+def _check_vars(folder: Path, meta: dict, want: list[Var], md: Metadata) -> str | None:
     """This worker's problem with the checkpoint, or None. Shapes are compared whole: a split
     var by its full shape (the checkpoint holds every var whole, whatever layout saved it)."""
     from torch.distributed.checkpoint import metadata as dcp_meta
