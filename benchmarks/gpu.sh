@@ -63,6 +63,8 @@ step memory_pictures 120 "$PY" benchmarks/memory_pictures.py --device cuda "${Q[
 # metaopt, torch checkpoint, metaopt recompute, a fresh process each; memory is
 # torch.cuda.max_memory_allocated on both sides. One round only here (16 processes; adds up to 6 min).
 step hf_models_step 360 "$PY" benchmarks/hf_models_step.py --device cuda --rounds 1 "${Q[@]}"
+# ResNet-50's two bars from paired steps in one process (the CPU could not settle them)
+step paired_step 150 "$PY" benchmarks/paired_step.py --device cuda --models resnet50 --processes 1 "${Q[@]}"
 # The founding table measured: each row's predicted largest batch run once (budget under the card)
 if [[ "${QUICK:-0}" == 1 ]]; then
   step paddle_table 150 "$PY" benchmarks/paddle_table.py --measure --layers 4 --budget-gib 16
