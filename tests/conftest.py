@@ -30,6 +30,19 @@ def pytest_configure(config: pytest.Config) -> None:
     if not os.environ.get(ENV):
         os.environ[ENV] = tempfile.mkdtemp(prefix="metaopt-export-cache-")
         config._metaopt_export_cache = os.environ[ENV]
+    _share_the_cores(config)
+
+
+def _share_the_cores(config: pytest.Config) -> None:
+    """Under xdist, give each worker its share of the cores: torch's default of one OpenMP thread
+    per core in every worker oversubscribes the machine, and the tests' tensors are too small to
+    gain from a second thread (2 workers on 2 cores, a quarter of the suite: 361 -> 315 CPU s,
+    202 -> 177 s). Set in the controller, before the workers start, so they and every process
+    they start inherit it; an OMP_NUM_THREADS the user set wins."""
+    workers = getattr(config.option, "numprocesses", None)
+    if "OMP_NUM_THREADS" in os.environ or not isinstance(workers, int) or workers < 1:
+        return
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
