@@ -158,6 +158,23 @@ def silu() -> onnx.FunctionProto:
     return helper.make_function(DOMAIN, "Silu", ["X"], ["Y"], nodes, [helper.make_opsetid("", 20)])
 
 
+def quick_gelu() -> onnx.FunctionProto:
+    """CLIP's QuickGELU: X * Sigmoid(alpha * X) (ONNX's Swish needs opset 24)."""
+    n = helper.make_node
+    alpha = _const("alpha_f")
+    alpha.attribute.append(_ref("value_float", "alpha", onnx.AttributeProto.FLOAT))
+    nodes = [
+        alpha,
+        n("CastLike", ["alpha_f", "X"], ["alpha"]),
+        n("Mul", ["X", "alpha"], ["ax"]),
+        n("Sigmoid", ["ax"], ["s"]),
+        n("Mul", ["X", "s"], ["Y"]),
+    ]
+    return helper.make_function(
+        DOMAIN, "QuickGelu", ["X"], ["Y"], nodes, [helper.make_opsetid("", 20)], attributes=["alpha"]
+    )
+
+
 def silu_mul() -> onnx.FunctionProto:
     """The SiLU-gated MLP's gate: A * Sigmoid(A) * B (ONNX's SwiGLU needs opset 28)."""
     n = helper.make_node
@@ -212,6 +229,7 @@ _FUNCTIONS = {
     "Embedding": embedding,
     "Linear": linear,
     "LinearCrossEntropy": linear_cross_entropy,
+    "QuickGelu": quick_gelu,
     "RMSNorm": rms_norm,
     "ScaledDotProductAttention": scaled_dot_product_attention,
     "Silu": silu,

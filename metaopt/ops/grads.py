@@ -328,6 +328,11 @@ def _silu(g, op, dy):
     return [g.emit1("SiluGrad", [dy[0], op.inputs[0]], like=op.inputs[0])]
 
 
+@grad_rule("QuickGelu")
+def _quick_gelu(g, op, dy):
+    return [g.emit1("QuickGeluGrad", [dy[0], op.inputs[0]], like=op.inputs[0], alpha=op.attrs["alpha"])]
+
+
 @grad_rule("Swish")
 def _swish(g, op, dy):
     if op.attrs.get("alpha", 1.0) != 1.0:

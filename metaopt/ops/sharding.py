@@ -255,7 +255,9 @@ def _sdpa(a: ShardArgs) -> ShardResult:
     return ShardResult(outs, draws=float(a.op.attrs.get("dropout_p", 0.0)) > 0)
 
 
-_UNARY = ("Identity", "Gelu", "Relu", "Tanh", "Sigmoid", "Erf", "Neg", "Cast", "Sqrt", "Exp", "Silu")
+_UNARY = (
+    "Identity", "Gelu", "Relu", "Tanh", "Sigmoid", "Erf", "Neg", "Cast", "Sqrt", "Exp", "Silu", "QuickGelu",
+)  # fmt: skip
 _SAME = ShardRule(_same)
 _ELEMENTWISE = ShardRule(_elementwise)
 

@@ -188,6 +188,14 @@ def silu(X: torch.Tensor) -> torch.Tensor:
     return F.silu(X)
 
 
+@register("QuickGelu", domain="metaopt")
+def quick_gelu(X: torch.Tensor, alpha: float = 1.702) -> torch.Tensor:
+    """``X * sigmoid(alpha * X)``: CLIP's QuickGELU (alpha 1.702; ONNX Runtime's contrib op of
+    the same name and attribute, ONNX's Swish). Its grad (QuickGeluGrad) reads X alone; the
+    exported chain's holds alpha * X and the sigmoid too."""
+    return X * torch.sigmoid(X * alpha)
+
+
 @register("SiluMul", domain="metaopt")
 def silu_mul(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     """``silu(A) * B``: the SiLU-gated MLP's gate (LLaMA's, Mistral's, Qwen's SwiGLU:
@@ -198,12 +206,16 @@ def silu_mul(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
 
 def fuse_silu(q: Any, i: int, producer: dict[str, int], consumers: dict[str, list[int]]):
     """Sigmoid's `fuse` rule: ``Mul(a, Sigmoid(a))`` is ``Silu(a)``, and ``Mul(Silu(a), b)``
-    with b of a's shape and dtype (the gated MLP's up projection) is ``SiluMul(a, b)``. The
-    sigmoid and the SiLU must have no other reader."""
+    with b of a's shape and dtype (the gated MLP's up projection) is ``SiluMul(a, b)``;
+    ``Mul(a, Sigmoid(Mul(a, c)))`` with a scalar constant c is ``QuickGelu(a, alpha=c)``. The
+    sigmoid, the SiLU and the scaled input must have no other reader."""
     from metaopt.ir import Op
 
     sig = q.ops[i]
     a, s = sig.inputs[0], sig.outputs[0]
+    quick = _quick_gelu(q, i, producer, consumers)
+    if quick is not None:
+        return quick
     k = patterns.one_reader(consumers, s)
     if k is None or q.ops[k].type != "Mul" or sorted(q.ops[k].inputs) != sorted([a, s]):
         return None
@@ -219,3 +231,27 @@ def fuse_silu(q: Any, i: int, producer: dict[str, int], consumers: dict[str, lis
         if (q.vars[y].dtype, q.vars[y].shape) == (av.dtype, av.shape):
             return [k, j], Op("SiluMul", [a, b], [y], {}, role=sig.role, scope=q.ops[j].scope)
     return [k], Op("Silu", [a], [h], {}, role=sig.role, scope=q.ops[k].scope)
+
+
+def _quick_gelu(q: Any, i: int, producer: dict[str, int], consumers: dict[str, list[int]]):
+    """``Mul(a, Sigmoid(Mul(a, c)))`` (either operand order) -> ``QuickGelu(a, alpha=c)``, or None."""
+    from metaopt.ir import Op
+
+    sig = q.ops[i]
+    m = producer.get(sig.inputs[0])
+    if m is None or q.ops[m].type != "Mul" or patterns.one_reader(consumers, sig.inputs[0]) != i:
+        return None
+    x, y = q.ops[m].inputs
+    alpha, a = (patterns.scalar_constant(q, y), x)
+    if alpha is None:
+        alpha, a = (patterns.scalar_constant(q, x), y)
+    k = patterns.one_reader(consumers, sig.outputs[0])
+    if alpha is None or k is None or q.ops[k].type != "Mul":
+        return None
+    if sorted(q.ops[k].inputs) != sorted([a, sig.outputs[0]]):
+        return None
+    h = q.ops[k].outputs[0]
+    av = q.vars[a]
+    if av.dtype not in patterns.FLOAT_DTYPES or (av.dtype, av.shape) != (q.vars[h].dtype, q.vars[h].shape):
+        return None
+    return [m, k], Op("QuickGelu", [a], [h], {"alpha": alpha}, role=sig.role, scope=q.ops[k].scope)

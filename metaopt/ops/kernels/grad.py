@@ -184,6 +184,14 @@ def silu_grad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return aten.silu_backward(dy, x)
 
 
+@register("QuickGeluGrad", domain="metaopt", fresh_outputs=True)
+def quick_gelu_grad(dy: torch.Tensor, x: torch.Tensor, alpha: float = 1.702) -> torch.Tensor:
+    """d/dx of x * sigmoid(alpha * x) = s * (1 + alpha * x * (1 - s)), s = sigmoid(alpha * x)."""
+    ax = x * alpha
+    s = torch.sigmoid(ax)
+    return dy * s * (1 + ax * (1 - s))
+
+
 @register("SiluMulGrad", domain="metaopt", needs_outputs=True, fresh_outputs=True)
 def silu_mul_grad(
     dy: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: list[int] | None = None, _nout: int = 2
