@@ -117,7 +117,6 @@ def test_no_recomputed_activation_lives_across_the_gap():
 
 
 @functools.cache
-@functools.cache  # read-only below (recompute and memory_report copy; the executor only reads)
 def _bert24() -> metaopt.Program:
     bert = programs.get("bert")
     module = bert.build("tiny", seed=0, dropout=0.1, num_layers=24)
