@@ -90,16 +90,12 @@ def test_golden_fused_sdpa(golden):
 
 @pytest.mark.parametrize("style", ["sdpa", "eager"])
 def test_grads_match_torch_float64(style):
-    from zoo.harness import judge_grads, metaopt_grads, torch_grads
+    from zoo.harness import program_verdicts
 
     module, program = _export(style, 0.0)
     assert SDPA in _types(program) and "Softmax" not in _types(program)
     inputs = (_x(3, 1),)  # another batch size than the export's: the batch dim is symbolic
-    verdicts = judge_grads(
-        metaopt_grads(program, module, inputs),
-        torch_grads(module, inputs, double=False),
-        torch_grads(module, inputs, double=True),
-    )
+    verdicts = program_verdicts(program, module, inputs)
     assert {v.param for v in verdicts} >= {"qkv.weight", "out.weight"}
     if style == "eager":  # the learned additive bias gets its grad through the fused op
         assert "bias" in {v.param for v in verdicts}

@@ -120,10 +120,7 @@ def test_fused_grads_match_float64_torch(make_norm):
     x = torch.randn(4, 5, 8, generator=torch.Generator().manual_seed(1))
     p = _export(module)
     assert _types(p).count("RMSNorm") == 2 and "SiluMul" in _types(p)
-    ours = harness.metaopt_grads(p, module, (x,))
-    verdicts = harness.judge_grads(
-        ours, harness.torch_grads(module, (x,), double=False), harness.torch_grads(module, (x,), double=True)
-    )
+    verdicts = harness.program_verdicts(p, module, (x,))
     assert {v.param for v in verdicts} == {n for n, _ in module.named_parameters()}
     assert not [v for v in verdicts if v.wrong], verdicts
     (loss,) = metaopt.Executor().run(p, feed={p.inputs[0]: x}, fetch_list=[p.loss_name], return_numpy=False)
@@ -272,13 +269,17 @@ def test_rms_norm_grad_in_bfloat16_is_computed_in_float32():
 def test_saved_program_runs_in_onnxruntime(tmp_path):
     """RMSNorm, Silu and SiluMul are saved with standard-ops function bodies (opset 20), so
     ONNX Runtime runs the fused program; its loss equals ours to float32 rounding."""
-    p = _export(_module())
-    path = tmp_path / "block.onnx"
+    _assert_onnxruntime_agrees(_export(_module()), tmp_path / "block.onnx", seed=5)
+
+
+def _assert_onnxruntime_agrees(p: metaopt.Program, path, seed: int) -> None:
+    """Saved to `path`, `p` runs in ONNX Runtime (graph optimizations off: the function bodies
+    as written) with our loss to float32 rounding, and loads back as the same program."""
     onnx_save.save(p, path)
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-    x = np.random.default_rng(5).standard_normal((3, 5, 8)).astype(np.float32)
+    x = np.random.default_rng(seed).standard_normal((3, 5, 8)).astype(np.float32)
     (theirs,) = sess.run([p.loss_name], {p.inputs[0]: x})
     (ours,) = metaopt.Executor("cpu").run(p, feed={p.inputs[0]: x}, fetch_list=[p.loss_name])
     np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
@@ -320,10 +321,7 @@ def test_quick_gelu_grads_match_float64_torch_and_forward_is_the_eager_module():
     x = torch.randn(4, 5, 8, generator=torch.Generator().manual_seed(1))
     p = _export(module, name="clip_mlp")
     assert "QuickGelu" in _types(p)
-    ours = harness.metaopt_grads(p, module, (x,))
-    verdicts = harness.judge_grads(
-        ours, harness.torch_grads(module, (x,), double=False), harness.torch_grads(module, (x,), double=True)
-    )
+    verdicts = harness.program_verdicts(p, module, (x,))
     assert {v.param for v in verdicts} == {n for n, _ in module.named_parameters()}
     assert not [v for v in verdicts if v.wrong], verdicts
     h = module.fc1(x).detach()
@@ -372,14 +370,4 @@ def test_quick_gelu_grad_kernel_matches_autograd(dtype, tol):
 
 
 def test_quick_gelu_saved_program_runs_in_onnxruntime(tmp_path):
-    p = _export(ClipMLP(), name="clip_mlp")
-    path = tmp_path / "clip_mlp.onnx"
-    onnx_save.save(p, path)
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-    x = np.random.default_rng(7).standard_normal((3, 5, 8)).astype(np.float32)
-    (theirs,) = sess.run([p.loss_name], {p.inputs[0]: x})
-    (ours,) = metaopt.Executor("cpu").run(p, feed={p.inputs[0]: x}, fetch_list=[p.loss_name])
-    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
-    assert str(metaopt.load(path)) == str(p)
+    _assert_onnxruntime_agrees(_export(ClipMLP(), name="clip_mlp"), tmp_path / "clip_mlp.onnx", seed=7)

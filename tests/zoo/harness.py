@@ -122,14 +122,18 @@ def metaopt_grads(program: metaopt.Program, module, inputs) -> dict[str, torch.T
     return dict(zip(names, got, strict=True))
 
 
-def check_grads(entry) -> list[GradVerdict]:
-    module, program = export(entry, 0.0)
-    inputs = entry.inputs(check_batch(entry), 1)
-    verdicts = judge_grads(
+def program_verdicts(program: metaopt.Program, module, inputs) -> list[GradVerdict]:
+    """`program`'s param grads on `inputs` judged against torch on `module` (float32 and float64)."""
+    return judge_grads(
         metaopt_grads(program, module, inputs),
         torch_grads(module, inputs, double=False),
         torch_grads(module, inputs, double=True),
     )
+
+
+def check_grads(entry) -> list[GradVerdict]:
+    module, program = export(entry, 0.0)
+    verdicts = program_verdicts(program, module, entry.inputs(check_batch(entry), 1))
     _fail_if_wrong(entry, verdicts, "wrong grads")
     return verdicts
 
