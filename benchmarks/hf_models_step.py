@@ -300,17 +300,24 @@ def _metaopt_step(model, feed: dict, patterns: list[str], recompute: bool, dev, 
 
 
 def _run_worker(model: str, config: str, args) -> dict:
-    cmd = [sys.executable, __file__, "--worker", f"{model}:{config}", "--steps", str(args.steps)]
+    return run_worker(__file__, {"model": model, "config": config}, args)
+
+
+def run_worker(script: str, labels: dict[str, str], args) -> dict:
+    """Run `script --worker a:b` (a, b: the labels' values) in a fresh process with `args`'
+    steps, warm-up, device, threads and --quick; its JSON line, or the labels with the error
+    (and the log's tail) when it fails or times out."""
+    cmd = [sys.executable, script, "--worker", ":".join(labels.values()), "--steps", str(args.steps)]
     cmd += ["--warm", str(args.warm), "--device", args.device, "--threads", str(args.threads)]
     cmd += ["--quick"] if args.quick else []
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.worker_timeout)
     except subprocess.TimeoutExpired:
-        return {"model": model, "config": config, "error": f"timed out after {args.worker_timeout} s"}
+        return {**labels, "error": f"timed out after {args.worker_timeout} s"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-12:]
-        return {"model": model, "config": config, "error": f"exit {proc.returncode}", "log_tail": tail}
+        return {**labels, "error": f"exit {proc.returncode}", "log_tail": tail}
     return json.loads(lines[-1])
 
 

@@ -30,7 +30,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -136,18 +135,7 @@ def _print(summary: dict) -> None:
 
 
 def _run_worker(model: str, pair: str, args) -> dict:
-    cmd = [sys.executable, __file__, "--worker", f"{model}:{pair}", "--steps", str(args.steps)]
-    cmd += ["--warm", str(args.warm), "--device", args.device, "--threads", str(args.threads)]
-    cmd += ["--quick"] if args.quick else []
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.worker_timeout)
-    except subprocess.TimeoutExpired:
-        return {"model": model, "pair": pair, "error": f"timed out after {args.worker_timeout} s"}
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-12:]
-        return {"model": model, "pair": pair, "error": f"exit {proc.returncode}", "log_tail": tail}
-    return json.loads(lines[-1])
+    return hf.run_worker(__file__, {"model": model, "pair": pair}, args)
 
 
 def main() -> None:
