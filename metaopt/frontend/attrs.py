@@ -28,19 +28,31 @@ def tensor_value(t: onnx.TensorProto) -> torch.Tensor:
     return torch.from_numpy(np.array(arr, copy=True)).to(dtype)
 
 
+def float32_literal(f: float) -> float:
+    """The shortest decimal that rounds to float32 `f`, as a Python float.
+
+    ONNX stores float attributes as float32, so a torch export's ``eps=1e-5`` arrives as
+    9.99999975e-06; torch's kernels compute with the module's double (BatchNorm and LayerNorm add
+    eps to the variance in double), and the rounded eps changes their float32 results by an ulp.
+    The shortest decimal of the float32 is what the author wrote whenever they wrote a literal
+    of up to ~7 digits (1e-5, 1e-12, 0.1, 1.702); any kernel computing in float32 rounds it back
+    to the same float32."""
+    return float(str(np.float32(f)))
+
+
 def attr_value(a: onnx.AttributeProto) -> Any:
     """An attribute's value: ints, floats, str, lists, or a torch tensor."""
     A = onnx.AttributeProto
     if a.type == A.INT:
         return int(a.i)
     if a.type == A.FLOAT:
-        return float(a.f)
+        return float32_literal(a.f)
     if a.type == A.STRING:
         return a.s.decode("utf-8")
     if a.type == A.INTS:
         return [int(x) for x in a.ints]
     if a.type == A.FLOATS:
-        return [float(x) for x in a.floats]
+        return [float32_literal(x) for x in a.floats]
     if a.type == A.STRINGS:
         return [s.decode("utf-8") for s in a.strings]
     if a.type == A.TENSOR:

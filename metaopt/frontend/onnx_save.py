@@ -21,6 +21,7 @@ import torch
 from onnx import helper
 
 from metaopt.atomic import atomic_write
+from metaopt.frontend.attrs import float32_literal
 from metaopt.ir import TORCH_TO_ONNX, Op, Program, torch_dtype
 from metaopt.ops import registry
 
@@ -127,8 +128,9 @@ def to_model_proto(p: Program, values: Mapping[str, torch.Tensor] | None = None)
 
             node.overload = onnx_functions.overload_of(op.type, list(op.inputs))
         for k, a in op.attrs.items():
-            # ONNX float attributes are float32; keep the exact value for our own import.
-            if isinstance(a, float) and float(np.float32(a)) != a and a == a:
+            # ONNX float attributes are float32; keep the exact value for our own import where
+            # what an import reads back from the float32 (attrs.float32_literal) differs.
+            if isinstance(a, float) and float32_literal(a) != a and a == a:
                 node.metadata_props.add(key=ATTR_PREFIX + k, value=repr(a))
             elif _mixed(a):
                 node.metadata_props.add(key=ATTR_PREFIX + k, value=json.dumps(list(a)))
