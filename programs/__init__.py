@@ -45,6 +45,18 @@ def resolve_config(configs: Mapping[str, _C], config: str | _C, overrides: Mappi
     return dataclasses.replace(config, **overrides) if overrides else config
 
 
+def channels_last(inputs: Sequence[Any]) -> tuple:
+    """`inputs` with every 4-D floating tensor laid out channels-last, the layout an exported
+    program runs its 2-D convolutions in (metaopt/passes/channels_last.py): eager torch given
+    these runs the same kernels as the program, so a reference can be held to bit equality."""
+    return tuple(
+        x.contiguous(memory_format=torch.channels_last)
+        if isinstance(x, torch.Tensor) and x.dim() == 4 and x.is_floating_point()
+        else x
+        for x in inputs
+    )
+
+
 @contextlib.contextmanager
 def seeded(seed: int) -> Iterator[None]:
     """Seed the generator that weight init draws from, restoring the caller's state afterwards.

@@ -20,6 +20,7 @@ def test_dump_after_every_pass(tmp_path, monkeypatch):
         "fold_constants",
         "dead_code",
         "fuse",
+        "channels_last",
         "readable_names",
         "append_backward",
         "apply_optimizer",

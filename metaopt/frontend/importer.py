@@ -14,6 +14,7 @@ from metaopt.frontend.safe_load import ModelLoadError, load_model_proto
 from metaopt.ir import Program, verify
 from metaopt.ir.gc_pause import without_gc
 from metaopt.limits import LoadLimits, using
+from metaopt.passes.channels_last import channels_last
 from metaopt.passes.dead_code import dead_code
 from metaopt.passes.fold_constants import ConstantTooLarge, fold_constants
 from metaopt.passes.fuse import fuse
@@ -28,7 +29,8 @@ def import_model(
     bn_momentum: dict[str, float] | None = None,
     name: str = "main",
 ) -> Program:
-    """raw import -> training repairs -> fold constants -> dead code -> fuse -> names -> verify.
+    """raw import -> training repairs -> fold constants -> dead code -> fuse -> channels-last
+    convolutions -> names -> verify.
 
     Names are rewritten only for torch exports (recognised by their module-scope
     metadata); any other file keeps the names its author chose.
@@ -38,7 +40,7 @@ def import_model(
     if training:
         repair_training(p, bn_momentum=bn_momentum or {})
         dump(p, "repair_training")
-    for step in (fold_constants, dead_code, fuse):
+    for step in (fold_constants, dead_code, fuse, channels_last):
         q = step(p)
         if q is not p:
             _drop(p)

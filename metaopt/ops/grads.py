@@ -366,7 +366,8 @@ def _conv(g, op, dy):
     pads = op.attrs.get("pads", [0] * (2 * nd))
     if op.attrs.get("auto_pad", "NOTSET") != "NOTSET" or pads[:nd] != pads[nd:]:
         return g.vjp(op, dy)
-    attrs = {k: op.attrs[k] for k in ("strides", "pads", "dilations", "group") if k in op.attrs}
+    keys = ("strides", "pads", "dilations", "group", "memory_format")
+    attrs = {k: op.attrs[k] for k in keys if k in op.attrs}
     outs, mask = g.contribs(3 if b else 2)
     g.emit("ConvGrad", [dy[0], x, w], outs, mask=mask, **attrs)
     return [o or None for o in outs]

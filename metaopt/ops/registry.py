@@ -106,6 +106,9 @@ class OpDef:
     # Matmul-class work (MatMul, Gemm, Conv, Linear ...): the selective recompute policy
     # keeps these outputs and recomputes only the cheap ops around them (Megatron-style).
     expensive: bool = False
+    # The op takes ``memory_format="channels_last"`` (passes/channels_last.py marks it) when its
+    # input at this index has 4 dims: Conv, by its weight (a 2-D convolution). None: it does not.
+    channels_last: int | None = None
     # Automatic mixed precision (passes/amp.py): "white" runs in the low dtype (matmul-class
     # work), "black" in float32 (numerically sensitive), "gray" follows its inputs. The user's
     # custom_white_list / custom_black_list override this per run.

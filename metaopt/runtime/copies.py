@@ -96,7 +96,7 @@ class CopyEngine:
             self._copy_s += time.perf_counter() - t0
             return out
         compute = torch.cuda.current_stream(self.device)
-        out = torch.empty(xh.shape, dtype=xh.dtype, device=self.device)  # allocated on compute
+        out = torch.empty_like(xh, device=self.device)  # on compute; xh's layout (channels-last too)
         self.h2d.wait_stream(compute)  # out's block may have been in use by compute until now
         offloaded = self._offloaded.pop(xh.untyped_storage().data_ptr(), None)
         if offloaded is not None:
@@ -133,6 +133,9 @@ class CopyEngine:
         if buf is None or buf.dtype != x.dtype or buf.numel() < n:
             buf = torch.empty(n, dtype=x.dtype, pin_memory=True)
             self._buffers[key] = buf
+        if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+            # keep a channels-last checkpoint channels-last: what reads it back runs as before
+            return buf[:n].as_strided(x.shape, x.stride())
         return buf[:n].view(x.shape)
 
 

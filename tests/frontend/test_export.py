@@ -80,10 +80,11 @@ def test_batchnorm_buffers_are_persistable_and_updated_like_torch():
     inputs = programs.get("resnet").example_inputs("tiny", 4, seed=5)
     exe = metaopt.Executor("cpu")
     exe.run(program, feed=_feed("resnet", inputs), fetch_list=[program.loss])
-    fresh(*inputs)
+    fresh(*programs.channels_last(inputs))
     for n, b in fresh.named_buffers():
         if n in buffers:
-            # Same formula, same reduction kernels (torch batch_norm): bitwise on CPU.
+            # Same formula, same reduction kernels (torch batch_norm on the program's
+            # channels-last conv outputs): bitwise on CPU.
             assert torch.equal(exe.scope[n], b), n
 
 

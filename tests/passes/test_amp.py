@@ -167,7 +167,7 @@ def test_loss_and_grads_bitwise_equal_to_torch_autocast_on_cpu(name, dtype):
     inputs = programs.get(name).example_inputs("tiny", 4, seed=3)
     module.zero_grad()
     with torch.autocast("cpu", dtype=getattr(torch, dtype)):
-        loss = module(*inputs)
+        loss = module(*programs.channels_last(inputs))  # the program's conv layout: same kernels
     loss.backward()
     q, params_grads = append_backward(amp(p, dtype=dtype), loss="loss")
     feed = dict(zip(programs.get(name).INPUT_NAMES, inputs, strict=True))

@@ -298,7 +298,7 @@ def test_reference_program_grads_match_torch_autograd(name):
         return_numpy=False,
     )
     ref_module = mod.build("tiny", seed=0, dropout=0.0)
-    ref_module(*inputs).backward()
+    ref_module(*programs.channels_last(inputs)).backward()  # the program's conv layout
     ref = dict(ref_module.named_parameters())
     assert {p for p, _ in params_grads} == set(ref)
     for (pn, _), g in zip(params_grads, got):

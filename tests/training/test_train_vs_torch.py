@@ -50,7 +50,7 @@ def train_torch(name: str, make_opt, batches, steps: int):
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         for step in range(steps):
             opt.zero_grad()
-            loss = module(*batches[step])
+            loss = module(*programs.channels_last(batches[step]))  # the program's conv layout
             loss.backward()
             opt.step()
             losses.append(loss.item())

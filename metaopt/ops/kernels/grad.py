@@ -12,6 +12,7 @@ import torch
 
 from metaopt.ops import registry
 from metaopt.ops.kernels.loss import _NO_IGNORE as NO_IGNORE  # the forward kernel's choice
+from metaopt.ops.kernels.nn import in_memory_format
 from metaopt.ops.registry import SAME, register
 
 aten = torch.ops.aten
@@ -23,12 +24,20 @@ def zeros_like(x: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(x)
 
 
+def _channels_last(t: torch.Tensor) -> bool:
+    """A 4-D tensor laid out channels-last (and not also plain contiguous: size-1 dims)."""
+    return t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
+
+
 @register("GradSum", domain="metaopt", fresh_outputs=True)
 def grad_sum(*parts: torch.Tensor) -> torch.Tensor:
     """The sum of a var's grad contributions, in a fresh contiguous buffer whatever the
     parts' layouts (a tied weight's LM-head contribution arrives transposed; a
-    column-major param grad would slow every optimizer op on it)."""
-    out = torch.empty(parts[0].shape, dtype=parts[0].dtype, device=parts[0].device)
+    column-major param grad would slow every optimizer op on it), or a channels-last one
+    where the first part is channels-last (a conv net's activation grads, passes/channels_last.py:
+    the ops that read the sum run in that layout)."""
+    fmt = torch.channels_last if _channels_last(parts[0]) else torch.contiguous_format
+    out = torch.empty(parts[0].shape, dtype=parts[0].dtype, device=parts[0].device, memory_format=fmt)
     torch.add(parts[0], parts[1], out=out)
     for t in parts[2:]:
         out.add_(t)
@@ -40,7 +49,7 @@ def grad_accumulate(acc: torch.Tensor, *parts: torch.Tensor) -> torch.Tensor:
     """The sum of a var's grad contributions, added into the first one in place, as
     torch's AccumulateGrad adds into .grad: the backward emits it only when that first
     contribution is new storage nothing else reads (else GradSum)."""
-    if not acc.is_contiguous():
+    if not (acc.is_contiguous() or _channels_last(acc)):
         return grad_sum(acc, *parts)
     for t in parts:
         acc.add_(t)
@@ -71,7 +80,7 @@ def _relu_grad_into(j: int):
     """ReluGrad written over its incoming grad `dy` when `dy` dies there (ops/reuse.py)."""
 
     def kernel(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if not dy.is_contiguous():
+        if not (dy.is_contiguous() or _channels_last(dy)):
             return aten.threshold_backward(dy, y, 0)
         return aten.threshold_backward.grad_input(dy, y, 0, grad_input=dy)
 
@@ -298,9 +307,13 @@ def conv_grad(
     dilations: list[int] | None = None,
     group: int = 1,
     mask: list[int] | None = None,
+    memory_format: str = "",
     _nout: int = 3,
 ):
-    """(dx, dw, db) via convolution_backward (symmetric pads only: the rule checks)."""
+    """(dx, dw, db) via convolution_backward (symmetric pads only: the rule checks). With the
+    forward's `memory_format` it runs in that layout too (the forward's kernel, so the same
+    algorithm), and hands `dw` back in `w`'s layout: the update ops read it beside `w`."""
+    dy, x = in_memory_format(dy, memory_format), in_memory_format(x, memory_format)
     nd = w.dim() - 2
     strides = strides or [1] * nd
     dilations = dilations or [1] * nd
@@ -311,6 +324,8 @@ def conv_grad(
     dx, dw, db = aten.convolution_backward(
         dy, x, w, bias_sizes, strides, padding, dilations, False, [0] * nd, group, mask
     )
+    if dw is not None and w.is_contiguous() and not dw.is_contiguous():
+        dw = dw.contiguous()
     return (dx, dw, db)[:_nout]
 
 

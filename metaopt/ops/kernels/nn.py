@@ -130,7 +130,7 @@ def _ones(n: int) -> list[int]:
 # --------------------------------------------------------------------------- convolution
 
 
-@register("Conv", zero_bias_input=2, expensive=True, amp="white")
+@register("Conv", zero_bias_input=2, expensive=True, amp="white", channels_last=1)
 def conv(
     X: torch.Tensor,
     W: torch.Tensor,
@@ -141,7 +141,11 @@ def conv(
     kernel_shape: list[int] | None = None,
     pads: list[int] | None = None,
     strides: list[int] | None = None,
+    memory_format: str = "",
 ) -> torch.Tensor:
+    """ONNX Conv. `memory_format` (metaopt's, set by passes/channels_last.py): "channels_last"
+    runs a 2-D convolution on a channels-last copy of `X` (none when `X` already is one), so the
+    output is channels-last too and every op downstream that keeps the layout stays in it."""
     n = W.dim() - 2
     strides = strides or _ones(n)
     dilations = dilations or _ones(n)
@@ -154,7 +158,21 @@ def conv(
             padding = begin
         else:
             X = F.pad(X, _torch_pad(begin, end))
-    return _CONV[n](X, W, B, strides, padding, dilations, group)
+    return _CONV[n](in_memory_format(X, memory_format), W, B, strides, padding, dilations, group)
+
+
+MEMORY_FORMATS = {"": None, "channels_last": torch.channels_last}
+
+
+def in_memory_format(x: torch.Tensor, memory_format: str) -> torch.Tensor:
+    """`x` laid out as `memory_format` ("" leaves it as it is; a 4-D tensor already in the
+    format is returned itself, no copy)."""
+    if memory_format not in MEMORY_FORMATS:
+        raise ValueError(f"memory_format={memory_format!r}: expected one of {sorted(MEMORY_FORMATS)}")
+    fmt = MEMORY_FORMATS[memory_format]
+    if fmt is None or x.dim() != 4:
+        return x
+    return x.contiguous(memory_format=fmt)
 
 
 @register("ConvTranspose", zero_bias_input=2, expensive=True, amp="white")
