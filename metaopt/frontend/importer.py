@@ -14,7 +14,7 @@ from metaopt.frontend.safe_load import ModelLoadError, load_model_proto
 from metaopt.ir import Program, verify
 from metaopt.ir.gc_pause import without_gc
 from metaopt.limits import LoadLimits, using
-from metaopt.passes.channels_last import channels_last
+from metaopt.passes.channels_last import channels_last as channels_last_convs
 from metaopt.passes.dead_code import dead_code
 from metaopt.passes.fold_constants import ConstantTooLarge, fold_constants
 from metaopt.passes.fuse import fuse
@@ -28,9 +28,10 @@ def import_model(
     training: bool = False,
     bn_momentum: dict[str, float] | None = None,
     name: str = "main",
+    channels_last: bool = True,
 ) -> Program:
     """raw import -> training repairs -> fold constants -> dead code -> fuse -> channels-last
-    convolutions -> names -> verify.
+    convolutions (unless `channels_last=False`) -> names -> verify.
 
     Names are rewritten only for torch exports (recognised by their module-scope
     metadata); any other file keeps the names its author chose.
@@ -40,7 +41,7 @@ def import_model(
     if training:
         repair_training(p, bn_momentum=bn_momentum or {})
         dump(p, "repair_training")
-    for step in (fold_constants, dead_code, fuse, channels_last):
+    for step in (fold_constants, dead_code, fuse, *([channels_last_convs] if channels_last else [])):
         q = step(p)
         if q is not p:
             _drop(p)
@@ -61,6 +62,7 @@ def load(
     training: bool = False,
     name: str | None = None,
     limits: LoadLimits | None = None,
+    channels_last: bool = True,
 ) -> Program:
     """Import any ONNX model (file path, bytes or ModelProto), validated as untrusted input.
 
@@ -69,6 +71,8 @@ def load(
     the train-mode repairs (Dropout on, BatchNorm with batch statistics).
     `limits` bounds what the file may make us allocate (default `metaopt.limits.LIMITS`);
     a file over them fails with ModelLoadError naming the tensor or op and the size.
+    `channels_last=False` leaves 2-D convolutions in torch's default layout
+    (passes/channels_last.py).
     """
     with using(limits) as active:
         model = load_model_proto(source, limits=active)
@@ -76,7 +80,7 @@ def load(
             name = model.graph.name or "main"
         label = _label(source)
         try:
-            return import_model(model, training=training, name=name)
+            return import_model(model, training=training, name=name, channels_last=channels_last)
         except ConstantTooLarge as e:
             raise ModelLoadError(f"{label}: {e}") from None
         except ImportError_ as e:

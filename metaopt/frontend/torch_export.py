@@ -39,12 +39,14 @@ def export(
     dynamic_batch: bool = True,
     *,
     name: str | None = None,
+    channels_last: bool = True,
 ) -> Program:
     """Export `module` (whose forward returns the loss, or any outputs) to a Program.
 
     The module's mode decides the program's: in train mode Dropout stays random
     and BatchNorm uses batch statistics and updates its running stats. Feed
-    names are forward's argument names.
+    names are forward's argument names. 2-D convolutions run channels-last unless
+    `channels_last=False` (passes/channels_last.py).
     """
     if isinstance(args, torch.Tensor):
         args = (args,)
@@ -81,6 +83,7 @@ def export(
         training=module.training,
         bn_momentum=bn,
         name=name or type(module).__name__.lower(),
+        channels_last=channels_last,
     )
     _add_unused_params(program, module)
     if dynamic_batch:

@@ -157,3 +157,10 @@ def test_grad_sum_keeps_a_channels_last_grad_channels_last():
     out = grad_sum(a, b)
     assert out.is_contiguous(memory_format=torch.channels_last) and torch.equal(out, a + b)
     assert grad_sum(b, a).is_contiguous()  # the first part's layout decides
+
+
+def test_export_and_load_can_leave_the_layout_alone():
+    p = metaopt.export(_module(), _inputs(), dynamic_batch=False, channels_last=False)
+    assert _marked(p) == [] and "memory_format" not in str(p)
+    assert _marked(metaopt.load(onnx_save.to_model_proto(p), channels_last=False)) == []
+    assert _marked(metaopt.load(onnx_save.to_model_proto(p))) == ["conv1", "conv2"]
