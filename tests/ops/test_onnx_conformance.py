@@ -287,7 +287,11 @@ def _params():
     for case in table_cases():
         marks = ()
         if case.name in KNOWN_UNSUPPORTED:
-            marks = pytest.mark.xfail(strict=True, reason=KNOWN_UNSUPPORTED[case.name])
+            # A random case's numpy-drawn expected values can equal our draws by chance (seen:
+            # bernoulli_double, 10 draws at probabilities in [0, 1): ~2% of runs), so its xfail is
+            # not strict: a chance pass is not a fix, and must not fail the suite.
+            strict = case.name not in _RANDOM_CASES
+            marks = pytest.mark.xfail(strict=strict, reason=KNOWN_UNSUPPORTED[case.name])
         yield pytest.param(case, id=f"{primary[case.name]}-{case.name}", marks=marks)
 
 
