@@ -25,6 +25,8 @@ import time
 
 import torch
 
+from metaopt.ops.kernels.nn import is_channels_last
+
 
 class CopyEngine:
     def __init__(self, device: torch.device) -> None:
@@ -133,7 +135,7 @@ class CopyEngine:
         if buf is None or buf.dtype != x.dtype or buf.numel() < n:
             buf = torch.empty(n, dtype=x.dtype, pin_memory=True)
             self._buffers[key] = buf
-        if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+        if is_channels_last(x):
             # keep a channels-last checkpoint channels-last: what reads it back runs as before
             return buf[:n].as_strided(x.shape, x.stride())
         return buf[:n].view(x.shape)

@@ -12,7 +12,7 @@ import torch
 
 from metaopt.ops import registry
 from metaopt.ops.kernels.loss import _NO_IGNORE as NO_IGNORE  # the forward kernel's choice
-from metaopt.ops.kernels.nn import in_memory_format
+from metaopt.ops.kernels.nn import in_memory_format, is_channels_last
 from metaopt.ops.registry import SAME, register
 
 aten = torch.ops.aten
@@ -24,11 +24,6 @@ def zeros_like(x: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(x)
 
 
-def _channels_last(t: torch.Tensor) -> bool:
-    """A 4-D tensor laid out channels-last (and not also plain contiguous: size-1 dims)."""
-    return t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
-
-
 @register("GradSum", domain="metaopt", fresh_outputs=True)
 def grad_sum(*parts: torch.Tensor) -> torch.Tensor:
     """The sum of a var's grad contributions, in a fresh contiguous buffer whatever the
@@ -36,7 +31,7 @@ def grad_sum(*parts: torch.Tensor) -> torch.Tensor:
     column-major param grad would slow every optimizer op on it), or a channels-last one
     where the first part is channels-last (a conv net's activation grads, passes/channels_last.py:
     the ops that read the sum run in that layout)."""
-    fmt = torch.channels_last if _channels_last(parts[0]) else torch.contiguous_format
+    fmt = torch.channels_last if is_channels_last(parts[0]) else torch.contiguous_format
     out = torch.empty(parts[0].shape, dtype=parts[0].dtype, device=parts[0].device, memory_format=fmt)
     torch.add(parts[0], parts[1], out=out)
     for t in parts[2:]:
@@ -49,7 +44,7 @@ def grad_accumulate(acc: torch.Tensor, *parts: torch.Tensor) -> torch.Tensor:
     """The sum of a var's grad contributions, added into the first one in place, as
     torch's AccumulateGrad adds into .grad: the backward emits it only when that first
     contribution is new storage nothing else reads (else GradSum)."""
-    if not (acc.is_contiguous() or _channels_last(acc)):
+    if not (acc.is_contiguous() or is_channels_last(acc)):
         return grad_sum(acc, *parts)
     for t in parts:
         acc.add_(t)
@@ -80,7 +75,7 @@ def _relu_grad_into(j: int):
     """ReluGrad written over its incoming grad `dy` when `dy` dies there (ops/reuse.py)."""
 
     def kernel(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if not (dy.is_contiguous() or _channels_last(dy)):
+        if not (dy.is_contiguous() or is_channels_last(dy)):
             return aten.threshold_backward(dy, y, 0)
         return aten.threshold_backward.grad_input(dy, y, 0, grad_input=dy)
 

@@ -164,6 +164,11 @@ def conv(
 MEMORY_FORMATS = {"": None, "channels_last": torch.channels_last}
 
 
+def is_channels_last(t: torch.Tensor) -> bool:
+    """A 4-D tensor laid out channels-last (and not also plain contiguous: size-1 dims)."""
+    return t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
+
+
 def in_memory_format(x: torch.Tensor, memory_format: str) -> torch.Tensor:
     """`x` laid out as `memory_format` ("" leaves it as it is; a 4-D tensor already in the
     format is returned itself, no copy)."""
