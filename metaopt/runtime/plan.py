@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import itertools
 import linecache
+import math
 import os
 import weakref
 from collections.abc import Iterable
@@ -171,17 +172,32 @@ def _register_source(source: str, name: str, g: dict) -> tuple[object, str]:
     return fn, filename
 
 
-def host_placement(p: Program) -> tuple[set[str], set[tuple[int, int]]]:
-    """(vars computed on the host, (op index, input index) pairs that read a host copy).
+# The most elements a value computed on the host may have: shape arithmetic (a shape, a scalar)
+# is tiny; a value as big as a mask built from shapes (batch x 1 x seq x seq) is computed on the
+# device from its small host inputs instead, so it is neither made by the host each step nor
+# copied up to every op that reads it.
+HOST_MAX_NUMEL = 64
 
-    Shape arithmetic stays on the CPU: Shape/Size outputs are host values, an op
-    whose run-time inputs are all host values computes on the host, and a
-    constant read by such an op or at a row's `host_inputs` position is read from
-    the host mirror. Everything else lives on the executor's device.
+
+def _small(p: Program, name: str) -> bool:
+    shape = p.vars[name].shape if name in p.vars else None
+    return shape is not None and all(isinstance(d, int) for d in shape) and math.prod(shape) <= HOST_MAX_NUMEL
+
+
+def host_placement(p: Program) -> tuple[set[str], set[tuple[int, int]], dict[int, tuple[int, ...]]]:
+    """(vars computed on the host, (op index, input index) pairs that read a host copy, op index
+    -> the input positions where a device op reads a host-computed value, to copy up).
+
+    Shape arithmetic stays on the CPU: Shape/Size outputs are host values, an op whose
+    run-time inputs are all host values and whose outputs are small (`HOST_MAX_NUMEL`)
+    computes on the host, and a constant read by such an op or at a row's `host_inputs`
+    position is read from the host mirror. Everything else lives on the executor's device,
+    and reads a host-computed value (other than at a `host_inputs` position) as a device copy.
     """
     consts = {v.name for v in p.vars.values() if v.kind == "constant"}
     host: set[str] = set()
     reads: set[tuple[int, int]] = set()
+    uploads: dict[int, tuple[int, ...]] = {}
     for i, op in enumerate(p.ops):
         row = registry.get(op.type)
         runtime = [x for x in op.inputs if x and x not in consts]
@@ -189,14 +205,38 @@ def host_placement(p: Program) -> tuple[set[str], set[tuple[int, int]]]:
         # collectives) never compute on the host, whatever their inputs.
         on_device = row is not None and (row.needs_device or row.needs_runtime)
         on_host = row is not None and (
-            row.host_outputs or (not on_device and runtime and all(x in host for x in runtime))
+            row.host_outputs
+            or (
+                not on_device
+                and runtime
+                and all(x in host for x in runtime)
+                and all(_small(p, o) for o in op.outputs if o)
+            )
         )
         if on_host:
             host.update(o for o in op.outputs if o)
+        host_at = row.host_inputs if row is not None else ()
         for j, x in enumerate(op.inputs):
-            if x in consts and (on_host or (row is not None and j in row.host_inputs)):
+            if x in consts and (on_host or j in host_at):
                 reads.add((i, j))
-    return host, reads
+        if not on_host:
+            up = tuple(j for j, x in enumerate(op.inputs) if x in host and j not in host_at)
+            if up:
+                uploads[i] = up
+    return host, reads, uploads
+
+
+def _uploading(kernel, positions: tuple[int, ...], device: torch.device):
+    """`kernel` reading its host-computed inputs at `positions` as copies on `device`."""
+
+    def run(*args):
+        args = list(args)
+        for j in positions:
+            if isinstance(args[j], torch.Tensor):
+                args[j] = args[j].to(device, non_blocking=True)
+        return kernel(*args)
+
+    return run
 
 
 def _bind(
@@ -441,7 +481,7 @@ def _plan_layout(
         if name not in pset and name not in consts and name not in fetched:
             frees.setdefault(i, []).append(name)
     # host and device are the same memory on the CPU: nothing is read from a host copy there
-    host_reads = host_placement(p)[1] if device.type != "cpu" else set()
+    host_reads, uploads = host_placement(p)[1:] if device.type != "cpu" else (set(), {})
     slot = _Slots()
     values = _constants(
         p, sorted(consts & set(last)), {p.ops[i].inputs[j] for i, j in host_reads}, device, slot
@@ -455,7 +495,8 @@ def _plan_layout(
     steps, kernels = [], []
     for i, op in enumerate(p.ops):
         row = rows[op.type]
-        kernels.append(_bind(op, row, device, runtime, check, reused.get(i)))
+        kernel = _bind(op, row, device, runtime, check, reused.get(i))
+        kernels.append(_uploading(kernel, uploads[i], device) if i in uploads else kernel)
         to_host = track and row is not None and row.host_memory is not None and _to_host(op, row)
         steps.append(_op_step(i, op, slot, snapshots, track, to_host, update_at.get(i, ()), frees.get(i, ())))
     releases, returns = _epilogue(fetches, slot, snapshots, pset, consts, aliases)
