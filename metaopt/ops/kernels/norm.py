@@ -76,6 +76,14 @@ def batch_norm_training(
     return _pad_outputs((y, rm, rv, save_mean, save_invstd), _nout)
 
 
+def mixed_layer_norm(x: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Can torch's layer norm kernels take `x` and `scale` as they are? AMP keeps LayerNorm's
+    input low and its scale float32 (Paddle's rule). The CPU kernels take that mix (computing in
+    float32, rounding the output); the CUDA ones refuse it, so there the op runs on x upcast
+    to float32, the same arithmetic, and rounds its output (and dx) back to x's dtype."""
+    return x.dtype == scale.dtype or x.device.type == "cpu"
+
+
 @register(
     "LayerNormalization",
     needs_outputs=True,
@@ -92,6 +100,9 @@ def layer_normalization(
     _nout: int = 1,
 ):
     shape = X.shape[axis:]
+    if not mixed_layer_norm(X, Scale):  # AMP's low X with float32 Scale where no kernel mixes them
+        y, mean, rstd = layer_normalization(X.to(Scale.dtype), Scale, B, axis, epsilon, stash_type, 3)
+        return _pad_outputs((y.to(X.dtype), mean, rstd), _nout) if _nout > 1 else y.to(X.dtype)
     if Scale.shape == shape and (B is None or B.shape == shape):
         # native_layer_norm is what F.layer_norm runs: bitwise torch, and Mean/InvStdDev for free.
         y, mean, rstd = torch.native_layer_norm(X, shape, Scale, B, epsilon)
