@@ -25,6 +25,7 @@ import export_cache
 import torch
 
 import metaopt
+import programs
 from metaopt.passes.backward import append_backward
 from metaopt.passes.offload import offload
 from metaopt.passes.recompute import recompute, resolve_checkpoints
@@ -61,6 +62,23 @@ def _feed(module, inputs) -> dict[str, torch.Tensor]:
 
 def _double(x: torch.Tensor) -> torch.Tensor:
     return x.double() if x.is_floating_point() else x
+
+
+def _channels_last(program: metaopt.Program) -> bool:
+    """Does `program` run 2-D convolutions channels-last (passes/channels_last.py)?"""
+    return any(op.attrs.get("memory_format") == "channels_last" for op in program.ops)
+
+
+def _reference(inputs, *, double: bool, channels_last: bool) -> tuple:
+    """Inputs for a torch reference: float64 (the truth, in torch's default layout), or float32
+    laid out as the program runs its convolutions, so that torch's float32 noise floor comes from
+    the same kernels. Channels-last convolutions round differently from NCHW ones, and small
+    CNNs with BatchNorm at batch 3 amplify rounding ~1e6-fold (tv-shufflenet: NCHW float32 torch
+    is 5e-3 from float64 on one conv weight, channels-last torch 0.68, float64 in the two layouts
+    1.7e-10 apart): judged against the NCHW floor, torch's own channels-last run would fail."""
+    if double:
+        return tuple(_double(x) for x in inputs)
+    return programs.channels_last(inputs) if channels_last else tuple(inputs)
 
 
 # ---- the gradient metric (DESIGN.md, "Correctness bars") -------------------------------------------
@@ -102,38 +120,42 @@ def judge_grads(
     return out
 
 
-def torch_grads(module: torch.nn.Module, inputs, *, double: bool) -> dict[str, torch.Tensor]:
-    m = copy.deepcopy(module)
+def torch_grads(
+    module: torch.nn.Module, inputs, *, double: bool, device: str = "cpu", channels_last: bool = False
+) -> dict[str, torch.Tensor]:
+    m = copy.deepcopy(module).to(device)
+    inputs = _reference(inputs, double=double, channels_last=channels_last)
+    inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
     if double:
         m = m.double()
-        inputs = tuple(_double(x) for x in inputs)
     m.zero_grad(set_to_none=True)
     torch.manual_seed(0)
     m(*inputs).backward()
-    return {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}
+    return {n: p.grad.detach().cpu().clone() for n, p in m.named_parameters() if p.grad is not None}
 
 
-def metaopt_grads(program: metaopt.Program, module, inputs) -> dict[str, torch.Tensor]:
+def metaopt_grads(program: metaopt.Program, module, inputs, device: str = "cpu") -> dict[str, torch.Tensor]:
     q, params_grads = append_backward(program, loss=program.loss_name)
     names = [p for p, _ in params_grads]
-    got = metaopt.Executor("cpu").run(
+    got = metaopt.Executor(device).run(
         q, feed=_feed(module, inputs), fetch_list=[g for _, g in params_grads], return_numpy=False
     )
-    return dict(zip(names, got, strict=True))
+    return dict(zip(names, (g.cpu() for g in got), strict=True))
 
 
-def program_verdicts(program: metaopt.Program, module, inputs) -> list[GradVerdict]:
-    """`program`'s param grads on `inputs` judged against torch on `module` (float32 and float64)."""
+def program_verdicts(program: metaopt.Program, module, inputs, device: str = "cpu") -> list[GradVerdict]:
+    """`program`'s param grads on `inputs` judged against torch on `module`: float64 truth on the
+    CPU, and float32 torch on `device` for the noise floor (a GPU's kernels round otherwise)."""
     return judge_grads(
-        metaopt_grads(program, module, inputs),
-        torch_grads(module, inputs, double=False),
+        metaopt_grads(program, module, inputs, device),
+        torch_grads(module, inputs, double=False, device=device, channels_last=_channels_last(program)),
         torch_grads(module, inputs, double=True),
     )
 
 
-def check_grads(entry) -> list[GradVerdict]:
+def check_grads(entry, device: str = "cpu") -> list[GradVerdict]:
     module, program = export(entry, 0.0)
-    verdicts = program_verdicts(program, module, entry.inputs(check_batch(entry), 1))
+    verdicts = program_verdicts(program, module, entry.inputs(check_batch(entry), 1), device)
     _fail_if_wrong(entry, verdicts, "wrong grads")
     return verdicts
 
@@ -151,16 +173,16 @@ def _fail_if_wrong(entry, verdicts: list[GradVerdict], what: str) -> None:
 # ---- SGD against torch.optim.SGD ---------------------------------------------------------------------
 
 
-def _torch_sgd(module, entry, *, double: bool):
+def _torch_sgd(module, entry, *, double: bool, channels_last: bool = False):
     ref = copy.deepcopy(module)
     if double:
         ref = ref.double()
     opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=SGD_LR)
     losses = []
     for step in range(SGD_STEPS):
-        inputs = entry.inputs(check_batch(entry), 10 + step)
-        if double:
-            inputs = tuple(_double(x) for x in inputs)
+        inputs = _reference(
+            entry.inputs(check_batch(entry), 10 + step), double=double, channels_last=channels_last
+        )
         opt.zero_grad(set_to_none=True)
         loss = ref(*inputs)
         loss.backward()
@@ -196,7 +218,7 @@ def check_sgd(entry, *, early_updates: bool = False) -> float:
         inputs = entry.inputs(check_batch(entry), 10 + step)
         (loss,) = exe.run(main, feed=_feed(module, inputs), fetch_list=[main.loss], return_numpy=False)
         ours.append(loss.reshape(()))
-    l32, p32 = _torch_sgd(module, entry, double=False)
+    l32, p32 = _torch_sgd(module, entry, double=False, channels_last=_channels_last(program))
     l64, p64 = _torch_sgd(module, entry, double=True)
     names = [f"loss of step {i}" for i in range(SGD_STEPS)]
     verdicts = judge_grads(
@@ -213,7 +235,7 @@ def check_sgd(entry, *, early_updates: bool = False) -> float:
 MERGE_K = 2
 
 
-def _torch_merged_sgd(module, entry, *, double: bool) -> dict[str, torch.Tensor]:
+def _torch_merged_sgd(module, entry, *, double: bool, channels_last: bool = False) -> dict[str, torch.Tensor]:
     """One torch.optim.SGD step on the mean of MERGE_K batches' grads, each batch its own forward
     (as gradient merge runs them: BatchNorm sees each micro-batch's statistics)."""
     ref = copy.deepcopy(module)
@@ -222,9 +244,9 @@ def _torch_merged_sgd(module, entry, *, double: bool) -> dict[str, torch.Tensor]
     opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=SGD_LR)
     opt.zero_grad(set_to_none=True)
     for k in range(MERGE_K):
-        inputs = entry.inputs(check_batch(entry), 30 + k)
-        if double:
-            inputs = tuple(_double(x) for x in inputs)
+        inputs = _reference(
+            entry.inputs(check_batch(entry), 30 + k), double=double, channels_last=channels_last
+        )
         (ref(*inputs) / MERGE_K).backward()
     opt.step()
     return {n: p.detach() for n, p in ref.named_parameters()}
@@ -251,7 +273,7 @@ def check_gradient_merge(entry) -> float:
             moved = [n for n in trainable if not torch.equal(exe.scope[n], main.values[n])]
             if moved:
                 raise ZooFailure(f"{entry.name}: gradient merge updated {moved[0]!r} before the k-th run")
-    p32 = _torch_merged_sgd(module, entry, double=False)
+    p32 = _torch_merged_sgd(module, entry, double=False, channels_last=_channels_last(program))
     p64 = _torch_merged_sgd(module, entry, double=True)
     verdicts = judge_grads({n: exe.scope[n] for n in p64}, p32, p64)
     _fail_if_wrong(entry, verdicts, f"params differ from torch after one step merged over {MERGE_K} runs")
@@ -261,8 +283,8 @@ def check_gradient_merge(entry) -> float:
 # ---- recompute and offload bit-identity ------------------------------------------------------------
 
 
-def _train(program: metaopt.Program, module, entry, steps: int = 2):
-    exe = metaopt.Executor("cpu")
+def _train(program: metaopt.Program, module, entry, steps: int = 2, device: str = "cpu"):
+    exe = metaopt.Executor(device)
     metaopt.seed(1234)
     grads = [f"{v.name}@GRAD" for v in program.params() if v.trainable]
     grads = [g for g in grads if g in program.vars]
@@ -286,7 +308,7 @@ def _identical(a, b) -> bool:
     )
 
 
-def check_recompute(entry, *, with_offload: bool = True) -> dict:
+def check_recompute(entry, *, with_offload: bool = True, device: str = "cpu") -> dict:
     """Recompute (and offload) with dropout on: bit-identical to no recompute. Returns the memory
     figures: activation peaks (live bytes less persistables) of the plain, recomputed and
     offloaded programs at the check batch (tiny models: params and grads dominate, so these
@@ -298,8 +320,8 @@ def check_recompute(entry, *, with_offload: bool = True) -> dict:
     rec = recompute(base, checkpoints=checkpoints)
     if not any(op.role == "recompute" for op in rec.ops):
         raise ZooFailure(f"{entry.name}: checkpoints {entry.checkpoints} recompute nothing")
-    ref = _train(base, module, entry)
-    got = _train(rec, module, entry)
+    ref = _train(base, module, entry, device=device)
+    got = _train(rec, module, entry, device=device)
     if not _identical(ref, got):
         raise ZooFailure(f"{entry.name}: recompute is not bit-identical to no recompute")
 
@@ -309,7 +331,7 @@ def check_recompute(entry, *, with_offload: bool = True) -> dict:
     out = {"checkpoints": len(checkpoints), "act_peak": act(ref[2]), "recompute_act_peak": act(got[2])}
     if with_offload:
         off = offload(rec, checkpoints=checkpoints)
-        got = _train(off, module, entry)
+        got = _train(off, module, entry, device=device)
         if not _identical(ref, got):
             raise ZooFailure(f"{entry.name}: recompute + offload is not bit-identical to no recompute")
         out["offload_act_peak"] = act(got[2])
@@ -342,7 +364,7 @@ def check_fused_cross_entropy(entry) -> dict:
     inputs = entry.inputs(check_batch(entry), 1)
     verdicts = judge_grads(
         metaopt_grads(q, module, inputs),
-        torch_grads(module, inputs, double=False),
+        torch_grads(module, inputs, double=False, channels_last=_channels_last(q)),
         torch_grads(module, inputs, double=True),
     )
     _fail_if_wrong(entry, verdicts, "wrong grads with the fused cross-entropy")
