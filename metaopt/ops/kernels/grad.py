@@ -13,7 +13,6 @@ import torch
 from metaopt.ops import registry
 from metaopt.ops.kernels.loss import _NO_IGNORE as NO_IGNORE  # the forward kernel's choice
 from metaopt.ops.kernels.nn import in_memory_format, is_channels_last
-from metaopt.ops.kernels.norm import mixed_layer_norm
 from metaopt.ops.registry import SAME, register
 
 aten = torch.ops.aten
@@ -150,7 +149,10 @@ def layer_norm_grad(
     `mask` says which of them are wanted (the others are not computed)."""
     want = [bool(m) for m in (mask or [1] * _nout)] + [False] * 3
     want[2] = want[2] and bias is not None
-    low = None if mixed_layer_norm(x, scale) else x.dtype  # see norm.mixed_layer_norm
+    # AMP's low x with a float32 scale: upcast on every device. CUDA's kernel refuses the mix
+    # (norm.mixed_layer_norm); the CPU's takes it but rounds dscale and dbias through x's dtype
+    # (1e-3 relative in float16: the master weights' grads at half precision).
+    low = x.dtype if x.dtype != scale.dtype else None
     if low is not None:
         dy, x = dy.to(scale.dtype), x.to(scale.dtype)
     dx, dw, db = aten.native_layer_norm_backward(dy, x, x.shape[axis:], mean, rstd, scale, bias, want[:3])

@@ -80,7 +80,8 @@ def mixed_layer_norm(x: torch.Tensor, scale: torch.Tensor) -> bool:
     """Can torch's layer norm kernels take `x` and `scale` as they are? AMP keeps LayerNorm's
     input low and its scale float32 (Paddle's rule). The CPU kernels take that mix (computing in
     float32, rounding the output); the CUDA ones refuse it, so there the op runs on x upcast
-    to float32, the same arithmetic, and rounds its output (and dx) back to x's dtype."""
+    to float32, the same arithmetic, and rounds its output back to x's dtype. (LayerNormGrad
+    upcasts on every device: see grad.layer_norm_grad.)"""
     return x.dtype == scale.dtype or x.device.type == "cpu"
 
 
