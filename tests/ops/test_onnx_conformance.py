@@ -37,7 +37,10 @@ _NARROW_TYPE = (
     "float8/float4/int4/uint4/int2/uint2 element types are not supported "
     "(not in metaopt.frontend.attrs.ONNX_TO_TORCH; torch has no kernels for most of them)"
 )
-_RANDOM = "expected values were drawn from numpy's RNG; our random ops draw from torch's by design"
+_RANDOM = (
+    "expected values were drawn from numpy's RNG; our random ops draw from torch's by design "
+    "(test_random_case_properties checks them)"
+)
 _STRING = "string tensors are not supported"
 _LOW_PRECISION = (
     "bf16/fp16 attention: torch accumulates in fp32 and lands closer to the float64 result than the "
@@ -298,6 +301,63 @@ def _params():
 @pytest.mark.parametrize("case", list(_params()))
 def test_node_case(case: TestCase) -> None:
     check_case(case)
+
+
+DRAWS = 400  # runs of each random case: its outputs' statistics are judged, not its values
+
+
+def _draws(case: TestCase) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    """(the case's inputs, DRAWS runs' outputs), the model imported once."""
+    model = _model(case)
+    inputs, expected = case.data_sets[0]
+    feeds = [_to_tensor(v) for v in inputs]
+    program = import_model(model, name="case")
+    inits = {t.name for t in model.graph.initializer}
+    names = [i.name for i in model.graph.input if i.name not in inits]
+    feed = {k: v for k, v in zip(names, feeds, strict=True) if k in program.inputs}
+    fetch = [o.name for o in model.graph.output]
+    exe = metaopt.Executor("cpu")
+    runs = [exe.run(program, feed=feed, fetch_list=fetch, return_numpy=False) for _ in range(DRAWS)]
+    for i, e in enumerate(expected):  # dtype and shape as the reference's
+        want = _to_tensor(e)
+        assert all(r[i].dtype == want.dtype and r[i].shape == want.shape for r in runs), (case.name, i)
+    return feeds, runs
+
+
+def _binomial_ok(kept: float, n: int, p: float) -> bool:
+    """`kept` successes of `n` draws at probability `p`, within 6 standard deviations (a
+    false alarm about once in 5e8 runs)."""
+    return abs(kept - n * p) <= 6 * (n * p * (1 - p)) ** 0.5 + 1e-9
+
+
+@pytest.mark.parametrize("name", _RANDOM_CASES)
+def test_random_case_properties(name: str) -> None:
+    """What the random cases' numpy-drawn values cannot check (their xfails above): Bernoulli
+    draws are 0 or 1 at each element's probability; Dropout keeps x * 1/(1 - ratio) where its
+    mask is set and 0 elsewhere, at a kept fraction of 1 - ratio; and draws differ run to run."""
+    (case,) = [c for c in table_cases() if c.name == name]
+    feeds, runs = _draws(case)
+    outs = torch.stack([r[0] for r in runs]).double()
+    assert not all(torch.equal(outs[0], o) for o in outs[1:])  # fresh draws each run
+    if name.startswith("test_bernoulli"):
+        p = feeds[0].double()
+        if name.endswith("_expanded"):
+            # ONNX's function body for Bernoulli is Cast(Greater(RandomUniformLike(x), x)): one
+            # with probability 1 - x, as that graph says (and as we run it), not x.
+            p = 1.0 - p
+        assert bool(((outs == 0) | (outs == 1)).all())
+        for j, pj in enumerate(p.reshape(-1).tolist()):
+            assert _binomial_ok(outs.reshape(DRAWS, -1)[:, j].sum().item(), DRAWS, pj), (j, pj)
+        return
+    x, ratio = feeds[0], float(feeds[1])
+    assert bool(feeds[2])  # training mode: these cases drop
+    scale = 1.0 / (1.0 - ratio)
+    kept = outs != 0
+    torch.testing.assert_close(outs, torch.where(kept, x.double() * scale, 0.0), rtol=1e-6, atol=0)
+    if len(runs[0]) > 1:  # the mask output: exactly where the value was kept
+        masks = torch.stack([r[1] for r in runs])
+        assert masks.dtype == torch.bool and torch.equal(masks, kept)
+    assert _binomial_ok(kept.sum().item(), kept.numel(), 1.0 - ratio), (kept.float().mean().item(), ratio)
 
 
 def test_known_unsupported_are_real_cases() -> None:
