@@ -9,7 +9,9 @@
 #     exit code, seconds and the end of its log) and gpu_results.tar.gz (every JSON the benchmarks
 #     wrote) and gpu_logs.tar.gz (each step's whole log) -- three files, within what a device call
 #     brings back.
-# Usage:  OUT=$OUT bash benchmarks/gpu.sh            (about 8 minutes on one H100; QUICK=1: ~3)
+# Usage:  OUT=$OUT bash benchmarks/gpu.sh            (measured on an H200, 2026-11-27: cuda_tests
+#   40-55 s, hf_models_step ~18 s per process (16 of them), train_step 100 s; the rest unmeasured,
+#   so well over one device call's 10 minutes: give a call a DEADLINE, the next one ONLY the rest)
 #   DEADLINE=S   stop starting steps S seconds in, and cut each step's limit to what is left (a
 #                device call's limit is fixed: what ran is reported rather than all being lost)
 #   ONLY="a b"   run only the named steps (e.g. ONLY="cuda_tests hf_models_step")
@@ -76,6 +78,8 @@ step cuda_tests 300 "$PY" -m pytest -q -rs -p no:cacheprovider -n "${XDIST:-6}" 
 # metaopt, torch checkpoint, metaopt recompute, a fresh process each; memory is
 # torch.cuda.max_memory_allocated on both sides. One round only here (16 processes; adds up to 6 min).
 step hf_models_step 240 "$PY" benchmarks/hf_models_step.py --device cuda --rounds 1 "${Q[@]}"
+# Where a step's time goes, eager beside metaopt (torch.profiler: top kernels, launches, busy time)
+step profile_step 150 "$PY" benchmarks/profile_step.py --device cuda --models gpt2,llama "${Q[@]}"
 step train_step 120 "$PY" benchmarks/train_step.py --device cuda "${Q[@]}"
 step executor_overhead 60 "$PY" benchmarks/executor_overhead.py --device cuda "${Q[@]}"
 step recompute 150 "$PY" benchmarks/recompute.py --device cuda "${Q[@]}"
