@@ -73,17 +73,30 @@ def batch_norm_training() -> onnx.FunctionProto:
     )
 
 
-def linear() -> onnx.FunctionProto:
-    """torch.nn.Linear with a bias, on any rank: MatMul(x, Transpose(W)) + b."""
+def linear() -> list[onnx.FunctionProto]:
+    """torch.nn.Linear on any rank: MatMul(x, Transpose(W)) (+ b). Two overloads (IR 10), as a
+    function body cannot test for an omitted input: the plain one with a bias, and ``"no_bias"``
+    (`overload_of`: LLaMA's projections, tied LM heads)."""
     n = helper.make_node
-    nodes = [
-        n("Transpose", ["weight"], ["wt"], perm=[1, 0]),
-        n("MatMul", ["x", "wt"], ["xw"]),
-        n("Add", ["xw", "bias"], ["y"]),
-    ]
-    return helper.make_function(
-        DOMAIN, "Linear", ["x", "weight", "bias"], ["y"], nodes, [helper.make_opsetid("", 20)]
+    product = [n("Transpose", ["weight"], ["wt"], perm=[1, 0]), n("MatMul", ["x", "wt"], ["xw"])]
+    with_bias = helper.make_function(
+        DOMAIN,
+        "Linear",
+        ["x", "weight", "bias"],
+        ["y"],
+        [*product, n("Add", ["xw", "bias"], ["y"])],
+        [helper.make_opsetid("", 20)],
     )
+    without = helper.make_function(
+        DOMAIN,
+        "Linear",
+        ["x", "weight"],
+        ["y"],
+        [product[0], n("MatMul", ["x", "wt"], ["y"])],
+        [helper.make_opsetid("", 20)],
+    )
+    without.overload = "no_bias"
+    return [with_bias, without]
 
 
 def embedding() -> onnx.FunctionProto:
@@ -221,6 +234,8 @@ def overload_of(op_type: str, inputs: list[str]) -> str:
     """The function overload a saved node of `op_type` with these inputs calls ("" = the plain one)."""
     if op_type == "ScaledDotProductAttention" and len(inputs) > 3 and inputs[3]:
         return "masked"
+    if op_type == "Linear" and (len(inputs) < 3 or not inputs[2]):
+        return "no_bias"
     return ""
 
 

@@ -226,7 +226,7 @@ def _concat(g, op, dy):
 
 @grad_rule("Linear")
 def _linear(g, op, dy):
-    x, w, _ = op.inputs
+    x, w = op.inputs[:2]
     outs, mask = g.contribs()
     g.emit("LinearGrad", [dy[0], x, w], outs, mask=mask)
     return [o or None for o in outs]

@@ -53,8 +53,16 @@ def test_amp_fields():
     assert {row.amp for row in table.values()} <= set(AMP_CLASSES)
     white, black = registry.amp_types("white"), registry.amp_types("black")
     assert white == {
-        "Attention", "Conv", "ConvTranspose", "Einsum", "Gemm", "Linear", "LinearCrossEntropy", "MatMul",
-        "ScaledDotProductAttention", "VocabParallelLinearCrossEntropy",
+        "Attention",
+        "Conv",
+        "ConvTranspose",
+        "Einsum",
+        "Gemm",
+        "Linear",
+        "LinearCrossEntropy",
+        "MatMul",
+        "ScaledDotProductAttention",
+        "VocabParallelLinearCrossEntropy",
     }
     assert not white & black and {"Softmax", "ReduceSum", "Exp"} <= black
     assert "ReduceMax" not in black  # exact in any dtype: gray
@@ -144,7 +152,10 @@ def test_matmul_fuse_rule_matches_the_exported_linear():
     absorbed, fused = registry.get("MatMul").fuse(p, 1, p.producers(), p.consumers())
     assert sorted(absorbed) == [0, 2]
     assert (fused.type, fused.inputs, fused.outputs, fused.scope) == ("Linear", ["x", "W", "b"], ["y"], "fc")
-    p.ops[2].type = "Sub"
+    p.ops[2].type = "Sub"  # no bias to take: the product alone is Linear(x, W)
+    absorbed, fused = registry.get("MatMul").fuse(p, 1, p.producers(), p.consumers())
+    assert absorbed == [0] and (fused.type, fused.inputs, fused.outputs) == ("Linear", ["x", "W"], ["xw"])
+    p.vars["W"].kind = "activation"  # a transposed activation is real work: left alone
     assert registry.get("MatMul").fuse(p, 1, p.producers(), p.consumers()) is None
 
 
@@ -160,7 +171,11 @@ def test_train_repairs_and_collectives():
     # PartitionGather: recompute partition's all-gather of a checkpoint's slices;
     # VocabParallelLinearCrossEntropy: the vocab-parallel loss's all-reduce of its logsumexps
     assert collectives == {
-        "AllReduce", "Broadcast", "TPReduce", "PartitionGather", "VocabParallelLinearCrossEntropy"
+        "AllReduce",
+        "Broadcast",
+        "TPReduce",
+        "PartitionGather",
+        "VocabParallelLinearCrossEntropy",
     }
     assert all(table[t].needs_runtime for t in collectives)  # they run through the communicator
     assert "ranks" in inspect.signature(table["AllReduce"].kernel).parameters

@@ -61,7 +61,7 @@ def test_dead_code_keeps_random_ops_and_outputs():
     assert "a" not in q.vars
 
 
-def test_fuse_folds_linear_only_params_with_bias():
+def test_fuse_folds_linear_of_params_with_and_without_bias():
     p = _base()
     p.add_var(Var("W", "float32", (16, 8), kind="param", trainable=True), torch.randn(16, 8))
     p.add_var(Var("b", "float32", (16,), kind="param", trainable=True), torch.randn(16))
@@ -72,6 +72,9 @@ def test_fuse_folds_linear_only_params_with_bias():
         ("y", ("batch", 4, 16)),
         ("vt", (8, 16)),
         ("z", ("batch", 4, 16)),
+        ("u", (16, 8)),
+        ("ut", (8, 16)),
+        ("v", ("batch", 4, 16)),
     ):
         p.add_var(Var(n, "float32", s))
     p.ops = [
@@ -79,19 +82,25 @@ def test_fuse_folds_linear_only_params_with_bias():
         Op("MatMul", ["x", "wt"], ["xw"]),
         Op("Add", ["xw", "b"], ["y"], scope="fc"),
         Op("Transpose", ["V"], ["vt"], {"perm": [1, 0]}),
-        Op("MatMul", ["x", "vt"], ["z"]),  # no bias: left alone
+        Op("MatMul", ["x", "vt"], ["z"], scope="proj"),  # no bias: Linear(x, V)
+        Op("Mul", ["V", "V"], ["u"]),
+        Op("Transpose", ["u"], ["ut"], {"perm": [1, 0]}),
+        Op("MatMul", ["x", "ut"], ["v"]),  # the transpose of an activation: left alone
     ]
-    p.outputs = ["y", "z"]
+    p.outputs = ["y", "z", "v"]
     q = fuse(p)
-    assert [op.type for op in q.ops] == ["Linear", "Transpose", "MatMul"]
+    assert [op.type for op in q.ops] == ["Linear", "Linear", "Mul", "Transpose", "MatMul"]
     assert q.ops[0].inputs == ["x", "W", "b"] and q.ops[0].outputs == ["y"] and q.ops[0].scope == "fc"
-    assert "wt" not in q.vars and "xw" not in q.vars
+    assert q.ops[1].inputs == ["x", "V"] and q.ops[1].outputs == ["z"] and q.ops[1].scope == "proj"
+    assert not {"wt", "xw", "vt"} & set(q.vars)
     x = np.random.rand(2, 4, 8).astype(np.float32)
-    a = metaopt.Executor().run(p, feed={"x": x}, fetch_list=["y", "z"])
-    b = metaopt.Executor().run(q, feed={"x": x}, fetch_list=["y", "z"])
+    a = metaopt.Executor().run(p, feed={"x": x}, fetch_list=["y", "z", "v"])
+    b = metaopt.Executor().run(q, feed={"x": x}, fetch_list=["y", "z", "v"])
     # F.linear vs matmul + add: the same products, the bias added inside the GEMM: float32 rounding.
     np.testing.assert_allclose(a[0], b[0], rtol=1e-5, atol=1e-6)
+    # without a bias both are one GEMM on the transposed weight: the same bits
     np.testing.assert_array_equal(a[1], b[1])
+    np.testing.assert_array_equal(a[2], b[2])
 
 
 def test_fuse_nothing_to_do():

@@ -185,3 +185,21 @@ def test_auto_on_hugging_face_decoders_with_gemm_layers(name, columns, rows):
     found = auto_layers(p, mp_degree=2)
     assert sorted(found.column) == sorted(c.format(i) for i in range(2) for c in columns), str(found)
     assert sorted(found.row) == sorted(r.format(i) for i in range(2) for r in rows), str(found)
+
+
+def test_auto_on_a_llama_splits_its_bias_free_mlp_and_says_why_not_its_attention():
+    """LLaMA's projections have no bias: exported as MatMul(x, Transpose(W)), fused into
+    Linear(x, W) at import (before that, auto found no layer at all). The SwiGLU MLP splits (gate
+    and up column, down row); attention stays replicated, named with the rotary embedding's Slice
+    that has no split rule (not written yet)."""
+    from zoo import harness, models
+
+    _, p = harness.export(models.get("hf-llama"), 0.0)
+    found = auto_layers(p, mp_degree=2)
+    mlp = "m.model.layers.{}.mlp"
+    assert sorted(found.column) == sorted(
+        f"{mlp}.{n}".format(i) for i in range(2) for n in ("gate_proj", "up_proj")
+    )
+    assert sorted(found.row) == sorted(mlp.format(i) for i in range(2)), str(found)
+    q_proj = [s for s in found.skipped if s.startswith("m.model.layers.0.self_attn.q_proj: ")]
+    assert q_proj and "= Slice(" in q_proj[0], found.skipped

@@ -14,7 +14,7 @@ from zoo.harness import judge_grads, torch_grads
 
 import metaopt
 import programs
-from metaopt.ir import parse_program, verify
+from metaopt.ir import Op, Var, parse_program, verify
 from metaopt.passes.memory_estimate import estimate_memory
 from metaopt.passes.update_in_backward import plan_update_in_backward, update_in_backward
 
@@ -114,12 +114,30 @@ def test_the_tied_embedding_accumulates_in_place_exactly(name):
 
 
 def test_a_lookup_grad_that_is_the_accumulator_is_left_alone():
-    """gpt at its tiny vocab: the head's grad is a transposed view, so the lookup's own grad is
-    the accumulator; nothing to add into, said in the plan."""
-    base = _train("gpt", metaopt.optimizer.SGD(learning_rate=0.1), dropout=0.0)
-    plan = plan_update_in_backward(base)
+    """gpt with its tied LM head written as MatMul on the table's transposed view (as the exporter
+    gives it before the import fuses it into Linear): the head's grad is a transposed view, so
+    the lookup's own grad is the accumulator; nothing to add into, said in the plan. (Fused, the
+    head's LinearGrad makes fresh storage, which the lookup's grad is added into.)"""
+    _, _, program = exported("gpt", dropout=0.0)
+    unfused = program.clone()
+    (i,) = [
+        i
+        for i, op in enumerate(unfused.ops)
+        if op.inputs[1:2] == ["transformer.wte.weight"] and op.outputs == ["lm_head"]
+    ]
+    head = unfused.ops[i]
+    w = "transformer.wte.weight"
+    unfused.add_var(Var("lm_head/wt", "float32", tuple(reversed(unfused.vars[w].shape))))
+    unfused.ops[i : i + 1] = [
+        Op("Transpose", [w], ["lm_head/wt"], {"perm": [1, 0]}, role=head.role, scope=head.scope),
+        Op("MatMul", [head.inputs[0], "lm_head/wt"], ["lm_head"], role=head.role, scope=head.scope),
+    ]
+    metaopt.optimizer.SGD(learning_rate=0.1).minimize(unfused.loss)
+    plan = plan_update_in_backward(unfused)
     assert not plan.accumulations
     assert "EmbeddingGrad of 'transformer.wte.weight': its own grad is the accumulator" in str(plan)
+    fused = plan_update_in_backward(_train("gpt", metaopt.optimizer.SGD(learning_rate=0.1), dropout=0.0))
+    assert [a.op.type for a in fused.accumulations] == ["EmbeddingGradAccumulate"]
 
 
 @functools.cache

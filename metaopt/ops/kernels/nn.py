@@ -26,10 +26,13 @@ _AVG_POOL = (None, F.avg_pool1d, F.avg_pool2d, F.avg_pool3d)
 
 def _fuse_linear(q: Any, i: int, producer: dict[str, int], consumers: dict[str, list[int]]):
     """MatMul's `fuse` rule: torch exports an nn.Linear on a >2-D input as
-    ``Add(MatMul(x, Transpose(W, perm=[1, 0])), b)``; that is ``Linear(x, W, b)`` (one
-    `F.linear` call). Only params qualify (a transposed activation is a real computation), only
-    with a bias (without one, MatMul on the transposed view is already F.linear's single BLAS
-    call), and only when the intermediate values have no other reader."""
+    ``Add(MatMul(x, Transpose(W, perm=[1, 0])), b)``, or without a bias (LLaMA's projections,
+    tied LM heads) as ``MatMul(x, Transpose(W, perm=[1, 0]))``; that is ``Linear(x, W[, b])``,
+    one `F.linear` call. Without a bias the forward is the same BLAS call either way; the fused
+    op's grad is what autograd gives nn.Linear (dW = dYᵀX in W's layout, where MatMul's grad
+    hands back the transpose of dWᵀ, a strided view the update then reads), and tensor parallel
+    finds its layers by `Linear` (ops/sharding.py). Only params qualify (a transposed activation
+    is a real computation), and only when the intermediate values have no other reader."""
     from metaopt.ir import Op
 
     op = q.ops[i]
@@ -58,7 +61,8 @@ def _fuse_linear(q: Any, i: int, producer: dict[str, int], consumers: dict[str, 
         or q.vars[bias].kind != "param"
         or q.vars[bias].shape != (q.vars[w].shape[0],)
     ):
-        return None
+        fused = Op("Linear", [op.inputs[0], w], list(op.outputs), {}, role=op.role, scope=op.scope)
+        return [t_idx], fused
     fused = Op("Linear", [op.inputs[0], w, bias], list(add.outputs), {}, role=op.role, scope=add.scope)
     return [t_idx, readers[0]], fused
 
@@ -452,10 +456,10 @@ def global_lp_pool(X: torch.Tensor, p: int = 2) -> torch.Tensor:
 
 
 @register("Linear", domain="metaopt", expensive=True, amp="white")
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """torch.nn.Linear: x @ weight.T + bias over the last dim (one fused BLAS call with the bias).
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """torch.nn.Linear: x @ weight.T (+ bias) over the last dim (one BLAS call, the bias fused).
 
-    The importer folds the exporter's Transpose(W) -> MatMul -> Add chain into this op (the
+    The importer folds the exporter's Transpose(W) -> MatMul (-> Add) chain into this op (the
     MatMul row's `fuse` rule, passes/fuse.py).
     """
     return F.linear(x, weight, bias)
