@@ -76,8 +76,8 @@ step cuda_tests 300 "$PY" -m pytest -q -rs -p no:cacheprovider -n "${XDIST:-6}" 
   tests/ops/test_kernels.py -k "cuda or CUDA"
 # The same HF GPT-2 / BERT / LLaMA and torchvision ResNet-50 on both sides (issue 14 item 3): eager,
 # metaopt, torch checkpoint, metaopt recompute, a fresh process each; memory is
-# torch.cuda.max_memory_allocated on both sides. One round only here (16 processes; adds up to 6 min).
-step hf_models_step 240 "$PY" benchmarks/hf_models_step.py --device cuda --rounds 1 "${Q[@]}"
+# torch.cuda.max_memory_allocated on both sides. One round only here (16 processes, ~18 s each on an H200: about 5 min).
+step hf_models_step 360 "$PY" benchmarks/hf_models_step.py --device cuda --rounds 1 "${Q[@]}"
 # Where a step's time goes, eager beside metaopt (torch.profiler: top kernels, launches, busy time)
 step profile_step 150 "$PY" benchmarks/profile_step.py --device cuda --models gpt2,llama "${Q[@]}"
 step train_step 120 "$PY" benchmarks/train_step.py --device cuda "${Q[@]}"
