@@ -204,6 +204,76 @@ def _transpose(g, op, dy):
     return [g.emit1("Transpose", [dy[0]], like=op.inputs[0], perm=inv)]
 
 
+@grad_rule("Expand")
+def _expand(g, op, dy):
+    # The broadcast dims summed back (torch's sum_to_size): no re-run of the forward under
+    # autograd, which the generic rule costs (LLaMA's repeat_kv expands K and V per layer).
+    xs, ys = g.var(op.inputs[0]).shape, g.var(op.outputs[0]).shape
+    if xs is None or ys is None or len(ys) < len(xs):
+        return g.vjp(op, dy)
+    return [g.unbroadcast(dy[0], op.inputs[0]), None]
+
+
+@grad_rule("Slice")
+def _slice(g, op, dy):
+    # A unit-step slice with constant bounds along static dims: its grad is the incoming grad
+    # padded with zeros back to the input's shape (torch's slice_backward: zeros, then the
+    # slice written), so the backward keeps neither the input nor a re-run of the forward.
+    pads = _slice_pads(g, op)
+    if pads is None:
+        return g.vjp(op, dy)
+    axes, before, after = pads
+    if not any(before) and not any(after):  # x[:, ...]: the whole input, its grad as it came
+        return [dy[0]] + [None] * (len(op.inputs) - 1)
+    grad = g.emit1(
+        "Pad", [dy[0], g.const(before + after, "int64"), "", g.const(axes, "int64")], like=op.inputs[0]
+    )
+    return [grad] + [None] * (len(op.inputs) - 1)
+
+
+def _slice_pads(g, op) -> tuple[list[int], list[int], list[int]] | None:
+    """(axes, zeros before, zeros after) that pad a Slice's output back to its input, or None
+    where the rule does not apply (bounds computed at run time, a step other than 1, a sliced
+    dim of unknown size, the legacy attribute form)."""
+    xs = g.var(op.inputs[0]).shape
+    if xs is None or len(op.inputs) < 3:
+        return None
+    bounds = [g.constant_value(x) if x else None for x in op.inputs[1:5]]
+    bounds += [None] * (4 - len(bounds))
+    starts, ends, axes, steps = (_as_ints(b) for b in bounds)
+    if starts is None or ends is None or len(starts) != len(ends):
+        return None
+    axes = axes if axes is not None else list(range(len(starts)))
+    if (steps is not None and any(s != 1 for s in steps)) or len(axes) != len(starts):
+        return None
+    rank = len(xs)
+    out_axes, before, after = [], [], []
+    for ax, start, end in zip(axes, starts, ends, strict=True):
+        ax = ax % rank
+        n = xs[ax]
+        if not isinstance(n, int):
+            if start != 0 or end < _TO_THE_END:  # a symbolic dim (the batch) taken whole only
+                return None
+            n = 0
+        lo, hi = slice(start, end).indices(n)[:2]  # ONNX clamps as Python does, for step 1
+        out_axes.append(ax)
+        before.append(lo)
+        after.append(n - max(hi, lo))
+    return out_axes, before, after
+
+
+_TO_THE_END = 2**31 - 1  # an end at least this large takes a dim to its end (exporters write INT64_MAX)
+
+
+def _as_ints(value) -> list[int] | None:
+    """A constant's value as a list of ints (a scalar as one), None for none."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return [int(value)]
+    return [int(v) for v in value.reshape(-1).tolist()]
+
+
 @grad_rule("Split")
 def _split(g, op, dy):
     parts = [d if d is not None else g.emit1("ZerosLike", [o], like=o) for d, o in zip(dy, op.outputs)]

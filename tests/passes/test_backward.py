@@ -175,6 +175,51 @@ def test_split_and_concat():
     _check_against_autograd("Concat", [r(2, 3), r(2, 5, seed=2)], {"axis": 1})
 
 
+@pytest.mark.parametrize(
+    "bounds",
+    [
+        ([1], [4], [1]),  # one axis
+        ([0, -3], [2, 2**62], [0, -1]),  # several axes, a negative start, an end past the dim
+        ([2], [-1], None),  # no axes: the first ones
+        ([4], [1], [1]),  # empty: the grad is all zeros
+    ],
+    ids=str,
+)
+def test_slice_pads_the_grad_back(bounds):
+    starts, ends, axes = bounds
+    extra = [torch.tensor(starts), torch.tensor(ends)] + ([torch.tensor(axes)] if axes else [])
+    q = _check_against_autograd(
+        "Slice", [r(5, 6), *extra], {}, params=[0], consts=set(range(1, 1 + len(extra)))
+    )
+    assert [op.type for op in q.ops if op.role == "backward"].count("Pad") == 1
+    assert not any(op.type == "Vjp" and op.attrs["op"] == "Slice" for op in q.ops)
+
+
+def test_slice_of_a_whole_symbolic_dim_passes_the_grad_through():
+    # x[:, 1:4] exported with the batch dim symbolic: axis 0 taken whole (0 to INT64_MAX) needs
+    # no size, axis 1 is static
+    bounds = [torch.tensor([0, 1]), torch.tensor([2**63 - 1, 4]), torch.tensor([0, 1])]
+    p, _ = _single_op("Slice", [r(5, 6), *bounds], {}, params=[0], consts={1, 2, 3})
+    for name in ("in0", "out0", "weighted"):
+        p.vars[name].shape = ("batch", *p.vars[name].shape[1:])
+    q, _ = append_backward(p, loss="loss")
+    (pad,) = [op for op in q.ops if op.type == "Pad"]
+    assert q.values[pad.inputs[1]].tolist() == [0, 1, 0, 2] and q.values[pad.inputs[3]].tolist() == [0, 1]
+    bounds[0][1], bounds[1][1] = 0, 2**63 - 1  # both axes whole: the grad as it came, no op of its own
+    p, _ = _single_op("Slice", [r(5, 6), *bounds], {}, params=[0], consts={1, 2, 3})
+    q, pg = append_backward(p, loss="loss")
+    assert not any(op.origin == "out0" for op in q.ops)
+    assert [op.type for op in q.ops if op.outputs == [dict(pg)["in0"]]] == ["Identity"]  # the name only
+
+
+@pytest.mark.parametrize(
+    "x_shape,shape", [((3, 1, 4), [3, 5, 4]), ((4,), [2, 3, 4]), ((2, 1), [1, 3]), ((2, 3), [2, 3])], ids=str
+)
+def test_expand_sums_the_broadcast_dims(x_shape, shape):
+    q = _check_against_autograd("Expand", [r(*x_shape), torch.tensor(shape)], {}, params=[0], consts={1})
+    assert not any(op.type == "Vjp" and op.attrs["op"] == "Expand" for op in q.ops)
+
+
 def test_linear_any_rank():
     _check_against_autograd("Linear", [r(2, 3, 8), r(5, 8, seed=1), r(5, seed=2)])
     _check_against_autograd("Linear", [r(4, 8), r(5, 8, seed=1), r(5, seed=2)])
@@ -270,7 +315,8 @@ def test_dropout_reuses_the_forward_mask():
         ("AveragePool", [r(2, 3, 6, 6)], {"kernel_shape": [2, 2], "strides": [2, 2]}),
         ("ReduceMean", [r(3, 4, 5), torch.tensor([1])], {"keepdims": 0}),
         # Pow's tensor-exponent case (test_pow_tensor_exponent_keeps_the_general_rule) too.
-        ("Slice", [r(5, 6), torch.tensor([1]), torch.tensor([4]), torch.tensor([1])], {}),
+        # a step other than 1: the Pad form (test_slice_pads_the_grad_back) does not apply
+        ("Slice", [r(5, 6), torch.tensor([1]), torch.tensor([5]), torch.tensor([1]), torch.tensor([2])], {}),
     ],
 )
 def test_generic_vjp_rule(op_type, inputs, attrs):

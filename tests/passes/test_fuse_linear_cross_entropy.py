@@ -291,7 +291,9 @@ def test_memory_drops_measured_and_estimated_for_a_large_vocab():
         # the kernels' temporaries (the fused ops' chunk) only add to the var-level estimate
         assert estimate_memory(train, dims={"batch": 8}, workspace=False).peak_bytes <= e.peak_bytes
     logits = 8 * 15 * 8192 * 4
-    assert stats[0] - stats[1] >= 2 * logits, stats  # logits + log-probs (or their grad) gone
+    # Gone: the logits' grad and the padded grad of the shift's Slice, alive together (the
+    # unfused program no longer holds the logits themselves for that Slice's grad, a Pad)
+    assert stats[0] - stats[1] >= 1.5 * logits, stats
     assert est[1] < est[0] - logits, est
     # the estimate counts the fused ops' chunk: 16 tokens of float32 logits, not 120
     ws = registry.get("LinearCrossEntropyGrad").workspace
