@@ -195,6 +195,26 @@ def silu_mul() -> onnx.FunctionProto:
     return helper.make_function(DOMAIN, "SiluMul", ["A", "B"], ["Y"], nodes, [helper.make_opsetid("", 20)])
 
 
+def rotary() -> onnx.FunctionProto:
+    """Rotary position embedding: X * cos + cat(-X2, X1) * sin, X1 and X2 the halves of X's last dim."""
+    n = helper.make_node
+    nodes = [
+        n("Shape", ["X"], ["d"], start=-1),
+        _const("two", value=helper.make_tensor("", onnx.TensorProto.INT64, [1], [2])),
+        n("Div", ["d", "two"], ["h"]),
+        n("Concat", ["h", "h"], ["sizes"], axis=0),
+        n("Split", ["X", "sizes"], ["x1", "x2"], axis=-1),
+        n("Neg", ["x2"], ["nx2"]),
+        n("Concat", ["nx2", "x1"], ["r"], axis=-1),
+        n("Mul", ["X", "cos"], ["a"]),
+        n("Mul", ["r", "sin"], ["b"]),
+        n("Add", ["a", "b"], ["Y"]),
+    ]
+    return helper.make_function(
+        DOMAIN, "Rotary", ["X", "cos", "sin"], ["Y"], nodes, [helper.make_opsetid("", 20)]
+    )
+
+
 def _attention(inputs: list[str], nodes: list[onnx.NodeProto], overload: str = "") -> onnx.FunctionProto:
     node = helper.make_node("Attention", [*inputs[:3], "mask_q"] if len(inputs) > 3 else inputs, ["y"])
     node.attribute.append(_ref("scale", "scale", onnx.AttributeProto.FLOAT))
@@ -246,6 +266,7 @@ _FUNCTIONS = {
     "LinearCrossEntropy": linear_cross_entropy,
     "QuickGelu": quick_gelu,
     "RMSNorm": rms_norm,
+    "Rotary": rotary,
     "ScaledDotProductAttention": scaled_dot_product_attention,
     "Silu": silu,
     "SiluMul": silu_mul,

@@ -410,6 +410,16 @@ def _swish(g, op, dy):
     return [g.emit1("SiluGrad", [dy[0], op.inputs[0]], like=op.inputs[0])]
 
 
+@grad_rule("Rotary")
+def _rotary(g, op, dy):
+    # cos and sin come from buffers (inv_freq) and positions in every model we know: a grad for
+    # them takes the generic rule.
+    if g.needs(1) or g.needs(2):
+        return g.vjp(op, dy)
+    x, cos, sin = op.inputs
+    return [g.emit1("RotaryGrad", [dy[0], cos, sin], like=x), None, None]
+
+
 @grad_rule("SiluMul")
 def _silu_mul(g, op, dy):
     outs, mask = g.contribs(2)

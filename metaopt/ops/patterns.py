@@ -82,6 +82,15 @@ def scalar_constant(q: Any, name: str) -> float | None:
     return float(t.reshape(()).item())
 
 
+def int_constant(q: Any, name: str) -> list[int] | None:
+    """The values of an integer constant var (a Slice's bounds, axes), flattened, else None."""
+    v = q.vars.get(name)
+    t = q.values.get(name)
+    if v is None or v.kind != "constant" or t is None or t.dtype.is_floating_point or t.dtype.is_complex:
+        return None
+    return [int(x) for x in t.reshape(-1).tolist()]
+
+
 def _walk(q, name, reader, producer, consumers, ops: set[int], budget: list[int]) -> Poly | None:
     c = scalar_constant(q, name)
     if c is not None:

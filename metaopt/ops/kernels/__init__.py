@@ -22,6 +22,7 @@ from metaopt.ops.kernels import (  # noqa: F401
     resize,
     rng,
     rnn,
+    rotary,
     tensor,
     tensor_parallel,
     vision,

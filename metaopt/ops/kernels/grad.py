@@ -204,6 +204,15 @@ def quick_gelu_grad(dy: torch.Tensor, x: torch.Tensor, alpha: float = 1.702) -> 
     return dy * s * (1 + ax * (1 - s))
 
 
+@register("RotaryGrad", domain="metaopt", fresh_outputs=True)
+def rotary_grad(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """dx of Rotary (x * cos + rotate_half(x) * sin): ``dy * cos`` plus rotate_half's transpose
+    of ``dy * sin``, which is ``cat(z2, -z1)`` of its halves. x itself is not read."""
+    z = dy * sin
+    h = z.shape[-1] // 2
+    return dy * cos + torch.cat((z[..., h:], -z[..., :h]), -1)
+
+
 @register("SiluMulGrad", domain="metaopt", needs_outputs=True, fresh_outputs=True)
 def silu_mul_grad(
     dy: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: list[int] | None = None, _nout: int = 2

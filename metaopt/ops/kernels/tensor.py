@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from metaopt.ir.dtypes import torch_dtype_from_onnx
+from metaopt.ops.kernels.rotary import fuse_rotary
 from metaopt.ops.registry import ALL, SAME, ShapeArgs, register
 
 
@@ -148,7 +149,8 @@ def unsqueeze(data: torch.Tensor, axes) -> torch.Tensor:
     return data
 
 
-@register("Concat", shape_value=_shape_value_of_concat)
+# Concat anchors the rotary embedding's rotate_half (ops/kernels/rotary.py)
+@register("Concat", shape_value=_shape_value_of_concat, fuse=fuse_rotary)
 def concat(*inputs: torch.Tensor, axis: int) -> torch.Tensor:
     return torch.cat(inputs, axis)
 
