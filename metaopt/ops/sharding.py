@@ -255,6 +255,62 @@ def _sdpa(a: ShardArgs) -> ShardResult:
     return ShardResult(outs, draws=float(a.op.attrs.get("dropout_p", 0.0)) > 0)
 
 
+def _slice(a: ShardArgs) -> ShardResult:
+    """A Slice that takes the split axis whole (``x[:, :, None]`` of repeat_kv, x[..., :h] of a
+    rotation on another axis): the output is split as the input."""
+    s = _only_input_0(a)
+    rank = len(a.shapes[0])
+    starts, ends = (a.constant(x) if x else None for x in a.op.inputs[1:3])
+    axes = a.constant(a.op.inputs[3]) if len(a.op.inputs) > 3 and a.op.inputs[3] else None
+    if starts is None or ends is None or (len(a.op.inputs) > 3 and a.op.inputs[3] and axes is None):
+        raise ShardRefused("its bounds are computed at run time (not constants)")
+    axes = [int(x) % rank for x in axes] if axes is not None else list(range(len(starts)))
+    for ax, start, end in zip(axes, starts, ends, strict=True):
+        if ax == s.axis and (int(start) != 0 or int(end) < a.shapes[0][ax]):
+            raise ShardRefused(f"it slices the split axis {ax} ([{int(start)}:{int(end)}])")
+    return ShardResult([s])
+
+
+def _unsqueeze(a: ShardArgs) -> ShardResult:
+    """The split axis moves past the inserted ones before it."""
+    s = _only_input_0(a)
+    axes = a.constant(a.op.inputs[1]) if len(a.op.inputs) > 1 and a.op.inputs[1] else a.op.attrs.get("axes")
+    if axes is None:
+        raise ShardRefused("its axes are computed at run time (not a constant)")
+    rank = len(a.out_shapes[0] or ())
+    inserted = {int(x) % rank for x in axes}
+    kept = [i for i in range(rank) if i not in inserted]  # output positions of the input's dims
+    return ShardResult([Shard(kept[s.axis], s.blocks)])
+
+
+def _expand(a: ShardArgs) -> ShardResult:
+    """An Expand that does not broadcast along the split axis (repeat_kv repeats each KV head
+    within the heads of one rank): the target's count there is divided by mp."""
+    s = _only_input_0(a)
+    target = a.constant(a.op.inputs[1])
+    if target is None:
+        raise ShardRefused("its target shape is computed at run time (not a constant)")
+    target = [int(v) for v in target]
+    src, dst = tuple(a.shapes[0]), tuple(a.out_shapes[0] or ())
+    ax = s.axis + len(dst) - len(src)
+    if dst[ax] != src[s.axis]:
+        raise ShardRefused(f"it broadcasts the split axis {s.axis} ({src[s.axis]} -> {dst[ax]})")
+    local = list(target)
+    at = ax - (len(dst) - len(target))
+    if at >= 0 and local[at] > 1:  # 1 keeps the input's (local) dim
+        local[at] //= a.mp
+    return ShardResult([Shard(ax, s.blocks)], constants={1: local}, note=f"shape {target} -> {local}")
+
+
+def _rotary(a: ShardArgs) -> ShardResult:
+    """Rotary / RotaryGrad (x or its grad, cos, sin): elementwise over every dim but the last,
+    whose halves the rotation mixes; cos and sin replicated (broadcast over heads)."""
+    s = _only_input_0(a)
+    if s is not None and s.axis == len(a.shapes[0]) - 1:
+        raise ShardRefused("it is split on the rotated (last) axis, whose halves it mixes")
+    return _elementwise(a)
+
+
 _UNARY = (
     "Identity", "Gelu", "Relu", "Tanh", "Sigmoid", "Erf", "Neg", "Cast", "Sqrt", "Exp", "Silu", "QuickGelu",
 )  # fmt: skip
@@ -269,6 +325,11 @@ RULES: dict[str, ShardRule] = {
     "Split": ShardRule(_split, blocks_hint=_split_hint),
     "Reshape": ShardRule(_reshape),
     "ScaledDotProductAttention": ShardRule(_sdpa),
+    "Rotary": ShardRule(_rotary),
+    "Slice": ShardRule(_slice),
+    "Unsqueeze": ShardRule(_unsqueeze),
+    "Expand": ShardRule(_expand),
+    "RotaryGrad": ShardRule(_rotary),
 }
 
 

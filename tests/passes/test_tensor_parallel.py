@@ -29,7 +29,8 @@ sys.path.insert(0, str(TRAINING))
 import tp_worker  # noqa: E402  (beside the other workers, started as a script there)
 from test_data_parallel import _start_workers, _wait_workers  # noqa: E402
 
-NAMES = ["gpt", "bert", "hf-gpt2"]  # hf-gpt2: the zoo's Hugging Face GPT-2 (Conv1D layers = Gemm)
+# hf-gpt2: the zoo's Hugging Face GPT-2 (Conv1D layers = Gemm); hf-llama: rotary, GQA, SwiGLU
+NAMES = ["gpt", "bert", "hf-gpt2", "hf-llama"]
 
 
 def _plan(name: str, rank: int = 0, mp: int = 2, program=None, **kw):

@@ -26,6 +26,12 @@ COLUMN = {
     "gpt": ["transformer.h.*.attn.c_attn", "transformer.h.*.mlp.c_fc"],
     # Hugging Face GPT-2 from the zoo: Conv1D layers (Gemm with an [in, out] weight between Reshapes)
     "hf-gpt2": ["m.transformer.h.*.attn.c_attn", "m.transformer.h.*.mlp.c_fc"],
+    # LLaMA: bias-free projections (fused into Linear), rotary q and k (Rotary), 2 KV heads
+    # repeated over 4 query heads (repeat_kv's Slice, Unsqueeze, Expand), SwiGLU
+    "hf-llama": [
+        f"m.model.layers.*.{n}" for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    ]
+    + ["m.model.layers.*.mlp.gate_proj", "m.model.layers.*.mlp.up_proj"],
     "bert": [
         "bert.encoder.layer.*.attention.self.query",
         "bert.encoder.layer.*.attention.self.key",
@@ -36,6 +42,7 @@ COLUMN = {
 ROW = {
     "gpt": ["transformer.h.*.attn.c_proj", "transformer.h.*.mlp.c_proj"],
     "hf-gpt2": ["m.transformer.h.*.attn.c_proj", "m.transformer.h.*.mlp.c_proj"],
+    "hf-llama": ["m.model.layers.*.self_attn.o_proj", "m.model.layers.*.mlp.down_proj"],
     "bert": ["bert.encoder.layer.*.attention.output.dense", "bert.encoder.layer.*.output.dense"],
 }
 
