@@ -6,6 +6,7 @@ across runs; every other var is freed right after its last use (see `plan`).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -94,7 +95,7 @@ class Executor:
                     for t in old.constants.values():
                         self._tracker.release(t)
         self._plans[key] = plan  # most recently used last
-        self._materialise(program, plan.persistables)
+        self._materialise(program, plan.persistables, plan.checked)
         carried = carried or {}
         feeds = self._feeds(program, feed, [x for x in plan.feeds if x not in carried])
         feeds.update(carried)
@@ -178,10 +179,20 @@ class Executor:
             runner = self._runners[key] = PipelineRunner(self, program)
         return runner
 
-    def _materialise(self, p: Program, names: Sequence[str]) -> None:
+    def _materialise(self, p: Program, names: Sequence[str], checked: dict | None = None) -> None:
+        """Put `names` in the scope from `p`'s values where missing; check those already there
+        against `p`'s vars. `checked`: the tensors found fitting on an earlier run of the same
+        plan, not checked again while the scope holds the very same tensor (an in-place update
+        keeps it; a user's or another program's new value is checked). Held by weak reference:
+        a replaced value is not kept alive by the check."""
         for name in names:
-            if name in self.scope:
-                _check_scope_entry(p, name, self.scope[name])
+            t = self.scope.get(name)
+            if t is not None:
+                seen = checked.get(name) if checked is not None else None
+                if seen is None or seen() is not t:
+                    _check_scope_entry(p, name, t)
+                    if checked is not None:
+                        checked[name] = weakref.ref(t)
                 continue
             value = p.values.get(name)
             if value is None:

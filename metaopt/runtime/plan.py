@@ -78,6 +78,9 @@ class Plan:
     # op index -> the input its output 0 is written over (ops/reuse.py): relu and residual adds
     # in place where their input dies, as eager code writes them by hand
     reused: dict[int, int] = field(default_factory=dict)
+    # scope name -> a weak reference to the tensor the executor last found fitting this program's
+    # var (checked once, not on every run: Executor._materialise)
+    checked: dict = field(default_factory=dict, repr=False)
 
     @property
     def source(self) -> str:

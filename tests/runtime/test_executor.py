@@ -289,6 +289,24 @@ def test_scope_entry_that_disagrees_with_a_program_is_an_error():
         exe.run(other, feed={"x": np.ones((2, 128), np.float32)}, fetch_list=["loss"])
 
 
+def test_scope_entries_are_checked_once_until_replaced(monkeypatch):
+    """The per-run check of the scope against the program (above) runs once per tensor: a run
+    finding the very tensors it checked before skips it (per-run host cost), a replaced one is
+    checked again."""
+    from metaopt.runtime import executor as executor_mod
+
+    calls = []
+    real = executor_mod._check_scope_entry
+    monkeypatch.setattr(executor_mod, "_check_scope_entry", lambda p, n, t: (calls.append(n), real(p, n, t)))
+    exe, p, feed = metaopt.Executor(), chain(), {"x": np.ones((2, 256), np.float32)}
+    for _ in range(3):
+        exe.run(p, feed=feed, fetch_list=["loss"])
+    assert calls.count("w") == 1  # materialised by run 1, checked by run 2, then not again
+    exe.scope["w"] = torch.zeros(128, 128)
+    with pytest.raises(ValueError, match=r"scope holds 'w' as torch.float32 \[128, 128\]"):
+        exe.run(p, feed=feed, fetch_list=["loss"])
+
+
 def test_in_place_write_through_an_alias_of_a_param_needs_its_update():
     p = Program("alias")
     p.add_var(Var("w", "float32", (3,), kind="param", trainable=True), torch.ones(3))
