@@ -211,7 +211,9 @@ def _param_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def worker(model_name: str, config: str, s: Shape, steps: int, warm: int, device: str) -> dict:
+def worker(
+    model_name: str, config: str, s: Shape, steps: int, warm: int, device: str, fused: bool = False
+) -> dict:
     """Run one configuration in this (fresh) process; its measurements as a dict."""
     dev = torch.device(device)
     model, feed, patterns, blocks = build(model_name, s)
@@ -219,13 +221,13 @@ def worker(model_name: str, config: str, s: Shape, steps: int, warm: int, device
     feed = {k: v.to(dev) for k, v in feed.items()}
     t0 = time.perf_counter()
     if config.startswith("metaopt"):
-        step, exe = _metaopt_step(model, feed, patterns, config == "metaopt_recompute", dev, out)
+        step, exe = _metaopt_step(model, feed, patterns, config == "metaopt_recompute", dev, out, fused)
         del model  # the program holds what training needs, as a user's script would after export
     else:
         if config == "torch_ckpt":
             _checkpoint_each(blocks)
         model.to(dev)
-        step, exe = _eager_step(model, feed), None
+        step, exe = _eager_step(model, feed, fused), None
     out["build_s"] = time.perf_counter() - t0
     gc.collect()
 
@@ -251,8 +253,8 @@ def worker(model_name: str, config: str, s: Shape, steps: int, warm: int, device
     return out
 
 
-def _eager_step(model: torch.nn.Module, feed: dict):
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+def _eager_step(model: torch.nn.Module, feed: dict, fused: bool = False):
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=fused or None)
 
     def step() -> float:
         opt.zero_grad(set_to_none=True)
@@ -264,7 +266,9 @@ def _eager_step(model: torch.nn.Module, feed: dict):
     return step
 
 
-def _metaopt_step(model, feed: dict, patterns: list[str], recompute: bool, dev, out: dict):
+def _metaopt_step(
+    model, feed: dict, patterns: list[str], recompute: bool, dev, out: dict, fused: bool = False
+):
     import metaopt
     from metaopt import fleet
 
@@ -277,7 +281,7 @@ def _metaopt_step(model, feed: dict, patterns: list[str], recompute: bool, dev, 
         strategy.recompute = True
         # torch.utils.checkpoint's placement: the head (stem, embeddings) held, each block re-run
         strategy.recompute_configs = {"checkpoints": patterns, "recompute_head": False}
-    opt = fleet.distributed_optimizer(metaopt.optimizer.Adam(learning_rate=1e-4), strategy)
+    opt = fleet.distributed_optimizer(metaopt.optimizer.Adam(learning_rate=1e-4, fused=fused), strategy)
     opt.minimize(main.loss)
     out["ops"] = len(main.ops)
     out["applied"] = list(opt.applied_meta_list)
@@ -310,6 +314,7 @@ def run_worker(script: str, labels: dict[str, str], args) -> dict:
     cmd = [sys.executable, script, "--worker", ":".join(labels.values()), "--steps", str(args.steps)]
     cmd += ["--warm", str(args.warm), "--device", args.device, "--threads", str(args.threads)]
     cmd += ["--quick"] if args.quick else []
+    cmd += ["--fused-adam"] if getattr(args, "fused_adam", False) else []
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.worker_timeout)
     except subprocess.TimeoutExpired:
@@ -410,6 +415,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in every worker")
     ap.add_argument("--worker-timeout", type=int, default=1800, help="seconds per worker process")
+    ap.add_argument("--fused-adam", action="store_true", help="Adam(fused=True) on both sides")
     ap.add_argument("--json", help="default benchmarks/results/hf_models_step[_quick][_cuda].json")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -420,7 +426,7 @@ def main() -> None:
     if args.worker:
         torch.set_num_threads(args.threads)
         model, config = args.worker.split(":")
-        print(json.dumps(worker(model, config, shape, args.steps, args.warm, args.device)))
+        print(json.dumps(worker(model, config, shape, args.steps, args.warm, args.device, args.fused_adam)))
         return
 
     models = _choose(args.models, MODELS, "--models")
@@ -451,6 +457,7 @@ def main() -> None:
     path = Path(args.json or HERE / "results" / f"hf_models_step{suffix}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {"shape": asdict(shape), "rounds": args.rounds, "steps": args.steps, "warm": args.warm,
+            "fused_adam": args.fused_adam,
             "threads": args.threads, "date": time.strftime("%Y-%m-%d %H:%M"),
             "machine": machine(torch.device(args.device)), "load_average": os.getloadavg()}  # fmt: skip
     path.write_text(json.dumps({"meta": meta, "summary": summary, "runs": results}, indent=1))

@@ -45,16 +45,16 @@ import hf_models_step as hf  # noqa: E402  (after the path set-up above)
 PAIRS = {"time": ("eager", "metaopt"), "recompute": ("torch_ckpt", "metaopt_recompute")}
 
 
-def _side(model_name: str, config: str, shape: hf.Shape, dev: torch.device):
+def _side(model_name: str, config: str, shape: hf.Shape, dev: torch.device, fused: bool = False):
     """One configuration's step function, built from a fresh copy of the model."""
     model, feed, patterns, blocks = hf.build(model_name, shape)
     feed = {k: v.to(dev) for k, v in feed.items()}
     if config.startswith("metaopt"):
-        step, _ = hf._metaopt_step(model, feed, patterns, config == "metaopt_recompute", dev, {})
+        step, _ = hf._metaopt_step(model, feed, patterns, config == "metaopt_recompute", dev, {}, fused)
         return step
     if config == "torch_ckpt":
         hf._checkpoint_each(blocks)
-    return hf._eager_step(model.to(dev), feed)
+    return hf._eager_step(model.to(dev), feed, fused)
 
 
 def _timed(step, dev: torch.device) -> tuple[float, float]:
@@ -66,11 +66,13 @@ def _timed(step, dev: torch.device) -> tuple[float, float]:
     return time.perf_counter() - t, time.process_time() - c
 
 
-def worker(model_name: str, pair: str, shape: hf.Shape, steps: int, warm: int, device: str) -> dict:
+def worker(
+    model_name: str, pair: str, shape: hf.Shape, steps: int, warm: int, device: str, fused: bool = False
+) -> dict:
     dev = torch.device(device)
     torch_config, ours_config = PAIRS[pair]
-    theirs = _side(model_name, torch_config, shape, dev)
-    ours = _side(model_name, ours_config, shape, dev)
+    theirs = _side(model_name, torch_config, shape, dev, fused)
+    ours = _side(model_name, ours_config, shape, dev, fused)
     gc.collect()
     for _ in range(warm):
         theirs()
@@ -150,6 +152,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in every worker")
     ap.add_argument("--worker-timeout", type=int, default=3600, help="seconds per worker process")
+    ap.add_argument("--fused-adam", action="store_true", help="Adam(fused=True) on both sides")
     ap.add_argument("--json", help="default benchmarks/results/paired_step[_quick][_cuda].json")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -160,7 +163,7 @@ def main() -> None:
     if args.worker:
         torch.set_num_threads(args.threads)
         model, pair = args.worker.split(":")
-        print(json.dumps(worker(model, pair, shape, args.steps, args.warm, args.device)))
+        print(json.dumps(worker(model, pair, shape, args.steps, args.warm, args.device, args.fused_adam)))
         return
 
     models = hf._choose(args.models, hf.MODELS, "--models")
@@ -188,6 +191,7 @@ def main() -> None:
     path = Path(args.json or HERE / "results" / f"paired_step{suffix}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {"shape": asdict(shape), "processes": args.processes, "steps": args.steps, "warm": args.warm,
+            "fused_adam": args.fused_adam,
             "threads": args.threads, "date": time.strftime("%Y-%m-%d %H:%M"),
             "machine": machine(torch.device(args.device)), "load_average": os.getloadavg()}  # fmt: skip
     path.write_text(json.dumps({"meta": meta, "summary": summary, "runs": runs}, indent=1))

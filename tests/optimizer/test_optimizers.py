@@ -147,6 +147,26 @@ def test_adamw_bitwise(kw):
     )
 
 
+@pytest.mark.parametrize("cls", ["Adam", "AdamW"])
+@pytest.mark.parametrize("kw", [{}, {"weight_decay": 0.1}, {"amsgrad": True, "weight_decay": 0.05}])
+def test_fused_adam_bitwise_with_torchs_fused(cls, kw):
+    """fused=True is torch.optim's fused kernel: bitwise equal to torch.optim.Adam(fused=True),
+    every state var included (and printed as an attr of the update ops)."""
+    ours = {"Adam": Adam, "AdamW": AdamW}[cls](learning_rate=0.01, fused=True, **kw)
+    theirs = getattr(torch.optim, cls)
+    q, _ = train_both(ours, lambda ps: theirs(ps, lr=0.01, fused=True, **kw))
+    assert all(op.attrs["fused"] == 1 for op in q.ops if op.role == "optimize")
+
+
+def test_fused_adam_is_not_the_default_kernel():
+    """The check above can tell the two kernels apart: fused and single-tensor Adam differ in the
+    last bit within a few steps (so the default stays the single-tensor form, torch's default)."""
+    with pytest.raises(AssertionError, match="step"):
+        train_both(
+            Adam(learning_rate=0.01, fused=True), lambda ps: torch.optim.Adam(ps, lr=0.01, foreach=False)
+        )
+
+
 def test_adamw_default_weight_decay_is_torchs():
     assert AdamW().weight_decay == 0.01 == torch.optim.AdamW([torch.zeros(1)]).defaults["weight_decay"]
     assert Adam().weight_decay == 0.0
