@@ -157,6 +157,11 @@ class OpDef:
     # Estimated forward work of one op, (program, op) -> float in byte-equivalents (`op_cost`
     # gives the default), what the pipeline balancer sums per stage; None: the default.
     cost: Callable[..., Any] | None = field(default=None, compare=False)
+    # The row's multi-tensor form (torch.optim's foreach): a run of consecutive ops of this type
+    # with equal attrs and the same inputs at `host_inputs` (the learning rate, the step,
+    # found_inf) is run as one call, ``multi(list of per-op input tuples, **attrs) -> list of
+    # per-op output tuples``, with the per-op kernel's results (runtime/plan.py groups them).
+    multi: Callable[..., list] | None = field(default=None, compare=False)
     domain: str = ""  # "" = the ONNX default domain; ours use "metaopt"
     notes: str = field(default="", compare=False)
 

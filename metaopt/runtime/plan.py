@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from metaopt.ir import Op, Program, did_you_mean, verify
+from metaopt.ir import Op, Program, did_you_mean, torch_dtype, verify
 from metaopt.ir.gc_pause import without_gc
 from metaopt.ir.liveness import liveness
 from metaopt.ir.printer import fmt_op
@@ -422,6 +422,7 @@ class _Layout:
     releases: list[int]  # fetched slots whose bytes stop counting before the return
     returns: list[tuple[str, object, bool]]  # ("slot" | "snap" | "scope", slot or name, copy it)
     reused: dict[int, int] = field(default_factory=dict)  # op -> the input its output is written over
+    grouped: dict[int, int] = field(default_factory=dict)  # first op of a multi-tensor call -> its op count
 
 
 @without_gc  # a bulk build: see metaopt.ir.gc_pause
@@ -502,6 +503,9 @@ def _plan_layout(
         kernels.append(_uploading(kernel, uploads[i], device) if i in uploads else kernel)
         to_host = track and row is not None and row.host_memory is not None and _to_host(op, row)
         steps.append(_op_step(i, op, slot, snapshots, track, to_host, update_at.get(i, ()), frees.get(i, ())))
+    grouped: dict[int, int] = {}
+    if not check:  # the alias check wraps each op's kernel: a debugging run keeps them apart
+        steps, kernels, grouped = _group_multi(p, rows, steps, kernels, set(uploads))
     releases, returns = _epilogue(fetches, slot, snapshots, pset, consts, aliases)
     n = len(slot)
     _read_host_copies(steps, host_reads, n)
@@ -510,9 +514,113 @@ def _plan_layout(
         env[slot[name]], env[n + slot[name]] = dev, host
     const_slots = [slot[c] for c in values]
     layout = _Layout(
-        p.name, track, n, env, const_slots, loads, feeds, steps, kernels, releases, returns, reused
+        p.name, track, n, env, const_slots, loads, feeds, steps, kernels, releases, returns, reused, grouped
     )
     return layout, {name: dev for name, (dev, _) in values.items()}, used_persist
+
+
+# The most param bytes one multi-tensor call updates: foreach Adam holds a temporary per param
+# of the call at once (its denominators), so a call over every param of a large model would add a
+# model-sized transient the per-op form never has; chunks of this size bound it.
+MULTI_MAX_BYTES = 64 << 20
+
+
+def _group_multi(
+    p: Program, rows: dict, steps: list, kernels: list, uploads: set[int]
+) -> tuple[list, list, dict]:
+    """Steps and kernels with each run of consecutive ops a row's `multi` form can run together
+    (same type and attrs, the same inputs at its `host_inputs`: the learning rate, the step,
+    found_inf) merged into one step calling it, chunked at `MULTI_MAX_BYTES` of params; and
+    first op index -> the number of ops of each merged step."""
+    runs: list[list[int]] = []
+    for i, op in enumerate(p.ops):
+        row = rows[op.type]
+        if row is None or row.multi is None or i in uploads or _bytes(p, op.inputs[0]) is None:
+            continue
+        if runs and runs[-1][-1] == i - 1 and _same_multi(p, row, p.ops[runs[-1][0]], op, runs[-1]):
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    runs = [r for r in runs if len(r) > 1]
+    if not runs:
+        return steps, kernels, {}
+    first = {r[0]: r for r in runs}
+    inside = {i for r in runs for i in r[1:]}
+    out_steps, out_kernels, grouped = [], [], {}
+    for step, kernel in zip(steps, kernels, strict=True):
+        i = step[0]
+        if i in inside:
+            continue
+        if i in first:
+            ops = [p.ops[j] for j in first[i]]
+            out_steps.append(_merged_step([steps[j] for j in first[i]], ops))
+            out_kernels.append(_multi_kernel(rows[ops[0].type], ops))
+            grouped[i] = len(ops)
+        else:
+            out_steps.append(step)
+            out_kernels.append(kernel)
+    return out_steps, out_kernels, grouped
+
+
+def _bytes(p: Program, name: str) -> int | None:
+    v = p.vars.get(name)
+    if v is None or v.shape is None or not all(isinstance(d, int) for d in v.shape):
+        return None
+    return math.prod(v.shape) * torch.empty((), dtype=torch_dtype(v.dtype)).element_size()
+
+
+def _same_multi(p: Program, row, a: Op, b: Op, run: list[int]) -> bool:
+    """May `b` join the run that `a` starts?"""
+    if a.type != b.type or a.attrs != b.attrs or len(a.inputs) != len(b.inputs):
+        return False
+    if any(a.inputs[j] != b.inputs[j] for j in row.host_inputs if j < len(a.inputs)):
+        return False
+    return sum(_bytes(p, p.ops[j].inputs[0]) for j in run) + _bytes(p, b.inputs[0]) <= MULTI_MAX_BYTES
+
+
+def _merged_step(parts: list[tuple], ops: list[Op]) -> tuple:
+    """One step running `parts` (steps of consecutive ops) as one call whose flat result holds
+    each op's outputs in turn."""
+    args, outs, snaps, counted, ups, frees, at = [], [], [], [], [], [], 0
+    for (_, a, out, o, sn, c, _to_host, u, f), op in zip(parts, ops, strict=True):
+        args += a
+        outs += [(at, out)] if o is None else [(at + j, s) for j, s in o]
+        at += len(op.outputs)
+        snaps += sn
+        counted += c
+        ups += u
+        frees += f
+    return (
+        parts[0][0],
+        tuple(args),
+        None,
+        tuple(outs),
+        tuple(snaps),
+        tuple(counted),
+        False,
+        tuple(ups),
+        tuple(frees),
+    )
+
+
+def _multi_kernel(row: registry.OpDef, ops: list[Op]):
+    """The kernel of a merged step: the flat args split per op, `row.multi` over them, the
+    per-op outputs flattened."""
+    sizes = [len(op.inputs) for op in ops]
+    nout = len(ops[0].outputs)
+    kw = dict(ops[0].attrs)
+    if row.needs_outputs:
+        kw["_nout"] = nout
+    multi = row.multi
+
+    def run(*flat):
+        groups, at = [], 0
+        for n in sizes:
+            groups.append(flat[at : at + n])
+            at += n
+        return tuple(x for r in multi(groups, **kw) for x in r)
+
+    return run
 
 
 def _constants(p: Program, names: list[str], host: set[str], device: torch.device, slot: _Slots) -> dict:
@@ -603,6 +711,9 @@ def _source(layout: _Layout, ops: list[Op]) -> tuple[str, dict[int, int]]:
         first = len(lines) + 1  # the 1-based line number of this op's first generated line
         into = layout.reused.get(step[0])
         what = ops[step[0]].type + ("" if into is None else f", written over input {into}")
+        k = layout.grouped.get(step[0])
+        if k:
+            what += f" x {k} (ops {step[0]}-{step[0] + k - 1}): one multi-tensor call"
         _step_lines(step, what, layout.n, track, lines)
         op_of_line.update(dict.fromkeys(range(first, len(lines) + 1), step[0]))
     if track:

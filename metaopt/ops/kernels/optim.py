@@ -222,6 +222,59 @@ def _fused_adam(
     return (param, exp_avg, exp_avg_sq) + (() if max_exp_avg_sq is None else (max_exp_avg_sq,))
 
 
+def _adam_multi(
+    groups: list[tuple], *, decoupled: bool, beta1: float = 0.9, beta2: float = 0.999, epsilon: float = 1e-8,
+    weight_decay: float = 0.0, amsgrad: int = 0, fused: int = 0, _nout: int = 3,
+) -> list[tuple]:  # fmt: skip
+    """Adam/AdamW over several params at once, as ``torch/optim/adam.py::_multi_tensor_adam``
+    (torch.optim's default on CUDA: a handful of kernel launches for all params, not ~7 per
+    param). On the CPU, foreach ops run per tensor the same ops as the single-tensor form:
+    bitwise equal to it. The group shares lr, step and found_inf (the rows' host inputs)."""
+    # each group: (param, grad, lr, step, exp_avg, exp_avg_sq[, max_exp_avg_sq][, found_inf])
+    params, grads, exp_avgs, exp_avg_sqs = ([g[k] for g in groups] for k in (0, 1, 4, 5))
+    max_sqs = [g[6] for g in groups] if amsgrad else None
+    first = groups[0]
+    _check_amsgrad(
+        "AdamWUpdate" if decoupled else "AdamUpdate", amsgrad, first[6] if len(first) > 6 else None, _nout
+    )
+    found_inf = first[7] if len(first) > 7 else None
+    outs = [
+        (p, m, v) + ((mx,) if amsgrad else ())
+        for p, m, v, mx in zip(params, exp_avgs, exp_avg_sqs, max_sqs or params)
+    ]
+    if _skip(found_inf):
+        return outs
+    lr_, step_ = first[2].item(), float(first[3].item())
+    if fused:
+        fn = torch._fused_adamw_ if decoupled else torch._fused_adam_
+        fn(
+            params, grads, exp_avgs, exp_avg_sqs, max_sqs or [],
+            [_step_tensor(step_, params[0].device)] * len(params),
+            lr=lr_, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=epsilon, amsgrad=bool(amsgrad),
+            maximize=False,
+        )  # fmt: skip
+        return outs
+    if weight_decay != 0:
+        if decoupled:
+            torch._foreach_mul_(params, 1 - lr_ * weight_decay)
+        else:
+            grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+    step_size = lr_ / (1 - beta1**step_)
+    bias_correction2_sqrt = (1 - beta2**step_) ** 0.5
+    if max_sqs is not None:
+        torch._foreach_maximum_(max_sqs, exp_avg_sqs)
+        denom = torch._foreach_sqrt(max_sqs)
+    else:
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, bias_correction2_sqrt)
+    torch._foreach_add_(denom, epsilon)
+    torch._foreach_addcdiv_(params, exp_avgs, denom, -step_size)
+    return outs
+
+
 _STEPS: dict[torch.device, tuple[float, torch.Tensor]] = {}
 
 
@@ -245,6 +298,7 @@ third moment input/output is there iff ``amsgrad=1``. `step` is the 1-based upda
 @register(
     "AdamUpdate",
     domain="metaopt",
+    multi=lambda groups, **attrs: _adam_multi(groups, decoupled=False, **attrs),
     host_inputs=(2, 3, 7),
     needs_outputs=True,
     recomputable=False,
@@ -280,6 +334,7 @@ def adam_update(
 @register(
     "AdamWUpdate",
     domain="metaopt",
+    multi=lambda groups, **attrs: _adam_multi(groups, decoupled=True, **attrs),
     host_inputs=(2, 3, 7),
     needs_outputs=True,
     recomputable=False,
