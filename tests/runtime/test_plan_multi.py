@@ -11,7 +11,7 @@ from torch import nn
 
 import metaopt
 from metaopt.ir import names
-from metaopt.optimizer import Adam, AdamW
+from metaopt.optimizer import SGD, Adam, AdamW, Momentum
 from metaopt.passes.optimize import apply_optimizer
 from metaopt.runtime import plan as plan_mod
 
@@ -49,13 +49,21 @@ def _train(q: metaopt.Program, params: list[str], steps: int = 4) -> dict[str, t
 
 @pytest.mark.parametrize(
     "optimizer",
-    [Adam(0.01), Adam(0.01, weight_decay=0.1, amsgrad=True), AdamW(0.01), Adam(0.01, fused=True)],
-    ids=["adam", "adam-wd-amsgrad", "adamw", "fused"],
+    [
+        Adam(0.01),
+        Adam(0.01, weight_decay=0.1, amsgrad=True),
+        AdamW(0.01),
+        Adam(0.01, fused=True),
+        SGD(0.1, weight_decay=0.05),
+        Momentum(0.05, nesterov=True, weight_decay=0.01),
+        Momentum(0.05),
+    ],
+    ids=["adam", "adam-wd-amsgrad", "adamw", "fused", "sgd", "nesterov", "momentum"],
 )
 def test_one_call_equals_the_per_op_kernels(monkeypatch, optimizer):
     q, params = _program(optimizer)
     src = metaopt.Executor("cpu").plan_source(q)
-    op_type = "AdamWUpdate" if isinstance(optimizer, AdamW) else "AdamUpdate"
+    op_type = next(op.type for op in q.ops if op.role == "optimize")
     assert f"{op_type} x {len(params)} (ops" in src and src.count("multi-tensor call") == 1
     grouped, exe = _train(q, params)
     monkeypatch.setattr(plan_mod, "MULTI_MAX_BYTES", 0)  # nothing fits: one call per op

@@ -105,9 +105,47 @@ def clip_by_global_norm(*grads: torch.Tensor, clip_norm: float = 1.0, _nout: int
 # --- updates --------------------------------------------------------------------------
 
 
+def _sgd_multi(groups: list[tuple], weight_decay: float = 0.0) -> list[tuple]:
+    """SGDUpdate over several params (torch's _multi_tensor_sgd, momentum 0; bitwise the
+    per-op kernel on the CPU). Each group: (param, grad, lr[, found_inf]), lr and found_inf shared."""
+    params, grads = [g[0] for g in groups], [g[1] for g in groups]
+    first = groups[0]
+    if _skip(first[3] if len(first) > 3 else None):
+        return [(p,) for p in params]
+    if weight_decay != 0:
+        grads = torch._foreach_add(grads, params, alpha=weight_decay)  # new tensors: grads unwritten
+    torch._foreach_add_(params, grads, alpha=-first[2].item())
+    return [(p,) for p in params]
+
+
+def _momentum_multi(
+    groups: list[tuple], momentum: float = 0.9, dampening: float = 0.0, nesterov: int = 0,
+    weight_decay: float = 0.0, _nout: int = 2,
+) -> list[tuple]:  # fmt: skip
+    """MomentumUpdate over several params (torch's _multi_tensor_sgd; bitwise the per-op kernel on
+    the CPU). Each group: (param, grad, lr, step, velocity[, found_inf]), lr, step, found_inf shared."""
+    params, grads, bufs = ([g[k] for g in groups] for k in (0, 1, 4))
+    first = groups[0]
+    outs = list(zip(params, bufs))
+    if _skip(first[5] if len(first) > 5 else None):
+        return outs
+    lr_ = first[2].item()
+    if weight_decay != 0:
+        grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    if int(first[3].item()) == 1:  # torch: buf = clone(grad), written into the state var
+        torch._foreach_copy_(bufs, grads)
+    else:
+        torch._foreach_mul_(bufs, momentum)
+        torch._foreach_add_(bufs, grads, alpha=1 - dampening)
+    steps = torch._foreach_add(grads, bufs, alpha=momentum) if nesterov else bufs
+    torch._foreach_add_(params, steps, alpha=-lr_)
+    return outs
+
+
 @register(
     "SGDUpdate",
     domain="metaopt",
+    multi=_sgd_multi,
     host_inputs=(2, 3),
     recomputable=False,
     inplace=((0, 0),),
@@ -133,6 +171,7 @@ def sgd_update(
 @register(
     "MomentumUpdate",
     domain="metaopt",
+    multi=_momentum_multi,
     host_inputs=(2, 3, 5),
     needs_outputs=True,
     recomputable=False,
