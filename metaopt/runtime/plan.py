@@ -505,7 +505,7 @@ def _plan_layout(
         steps.append(_op_step(i, op, slot, snapshots, track, to_host, update_at.get(i, ()), frees.get(i, ())))
     grouped: dict[int, int] = {}
     if not check:  # the alias check wraps each op's kernel: a debugging run keeps them apart
-        steps, kernels, grouped = _group_multi(p, rows, steps, kernels, set(uploads))
+        steps, kernels, grouped = _group_multi(p, rows, steps, kernels, set(uploads) | set(reused))
     releases, returns = _epilogue(fetches, slot, snapshots, pset, consts, aliases)
     n = len(slot)
     _read_host_copies(steps, host_reads, n)
@@ -526,16 +526,17 @@ MULTI_MAX_BYTES = 64 << 20
 
 
 def _group_multi(
-    p: Program, rows: dict, steps: list, kernels: list, uploads: set[int]
+    p: Program, rows: dict, steps: list, kernels: list, apart: set[int]
 ) -> tuple[list, list, dict]:
     """Steps and kernels with each run of consecutive ops a row's `multi` form can run together
     (same type and attrs, the same inputs at its `host_inputs`: the learning rate, the step,
     found_inf) merged into one step calling it, chunked at `MULTI_MAX_BYTES` of params; and
-    first op index -> the number of ops of each merged step."""
+    first op index -> the number of ops of each merged step. Ops in `apart` (reading uploaded host
+    values, or written over an input) keep their own kernels."""
     runs: list[list[int]] = []
     for i, op in enumerate(p.ops):
         row = rows[op.type]
-        if row is None or row.multi is None or i in uploads or _bytes(p, op.inputs[0]) is None:
+        if row is None or row.multi is None or i in apart or _bytes(p, op.inputs[0]) is None:
             continue
         if runs and runs[-1][-1] == i - 1 and _same_multi(p, row, p.ops[runs[-1][0]], op, runs[-1]):
             runs[-1].append(i)
