@@ -39,6 +39,8 @@ class Executor:
         self.scope = Scope()
         self.track_memory = track_memory
         self._tracker = TimelineTracker() if record_timeline else MemoryTracker()
+        # a timeline has one entry per op: updates then run op by op, not as multi-tensor calls
+        self._multi = not record_timeline
         self.runtime = Runtime(self.device)  # copy streams, pinned buffers, communicator
         self._plans: dict[tuple, Plan] = {}
         self._runners: dict[tuple, Any] = {}  # pipeline stage programs' runners
@@ -85,7 +87,9 @@ class Executor:
         key = (program.uid, program.version, tuple(fetches))
         plan = self._plans.pop(key, None)
         if plan is None:
-            plan = build_plan(program, fetches, self.device, self.track_memory, self.runtime)
+            plan = build_plan(
+                program, fetches, self.device, self.track_memory, self.runtime, multi=self._multi
+            )
             if self.track_memory:
                 for t in plan.constants.values():
                     self._tracker.acquire(t)
@@ -259,7 +263,9 @@ class Executor:
     def plan_source(self, program: Program, fetch_list: Iterable[str | Var] = ()) -> str:
         """The generated Python of `program` (for debugging what the executor does)."""
         fetches = [f.name if isinstance(f, Var) else f for f in fetch_list]
-        return build_plan(program, fetches, self.device, self.track_memory, self.runtime).source
+        return build_plan(
+            program, fetches, self.device, self.track_memory, self.runtime, multi=self._multi
+        ).source
 
 
 def _once_per_update(role: str) -> bool:

@@ -434,11 +434,14 @@ def build_plan(
     runtime=None,
     *,
     compile_now: bool | None = None,
+    multi: bool = True,
 ) -> Plan:
     """Plan `p`; `runtime` (a `runtime.context.Runtime`) is what `needs_runtime` rows get.
-    `compile_now`: compile now (True), interpret first (False), or by the op count (None)."""
+    `compile_now`: compile now (True), interpret first (False), or by the op count (None).
+    `multi`: run consecutive updates as one multi-tensor call (`_group_multi`); off, every op
+    is its own step (a memory timeline records one entry per op)."""
     verify(p)  # once per program version: a broken program fails here, naming its line
-    layout, consts, persist = _plan_layout(p, fetches, device, track, runtime)
+    layout, consts, persist = _plan_layout(p, fetches, device, track, runtime, multi)
     feeds = [name for name, _ in layout.feeds]
     plan = Plan(persist, consts, feeds, list(fetches), list(p.ops), layout, reused=layout.reused)
     if compile_now or (compile_now is None and len(p.ops) <= COMPILE_AT_ONCE_OPS):
@@ -466,7 +469,7 @@ class _Slots(dict):
 
 
 def _plan_layout(
-    p: Program, fetches: list[str], device: torch.device, track: bool, runtime
+    p: Program, fetches: list[str], device: torch.device, track: bool, runtime, multi: bool = True
 ) -> tuple[_Layout, dict[str, torch.Tensor], list[str]]:
     """(layout, the constants on the device, the persistables used)."""
     # Constants belong to their program, not to the shared scope (two programs may
@@ -504,7 +507,7 @@ def _plan_layout(
         to_host = track and row is not None and row.host_memory is not None and _to_host(op, row)
         steps.append(_op_step(i, op, slot, snapshots, track, to_host, update_at.get(i, ()), frees.get(i, ())))
     grouped: dict[int, int] = {}
-    if not check:  # the alias check wraps each op's kernel: a debugging run keeps them apart
+    if multi and not check:  # the alias check wraps each op's kernel: a debugging run keeps them apart
         steps, kernels, grouped = _group_multi(p, rows, steps, kernels, set(uploads) | set(reused))
     releases, returns = _epilogue(fetches, slot, snapshots, pset, consts, aliases)
     n = len(slot)

@@ -20,6 +20,7 @@ from metaopt.passes.memory_estimate import MemoryWhere, estimate_memory, human_b
 from metaopt.report import plot
 from metaopt.report.memory_picture import MemoryPicture, measure_timeline, memory_picture, random_feed
 from metaopt.runtime.memory import MemoryTracker
+from metaopt.runtime.plan import build_plan
 
 BATCH = {"mlp": 8, "bert": 4}
 CHECKPOINTS = {"mlp": ["fc1", "fc2"], "bert": ["bert.encoder.layer.*"]}
@@ -135,7 +136,11 @@ def test_timeline_recording_is_off_by_default_and_costs_no_generated_code():
     p = fleet_program("mlp", "none")
     plain, recording = metaopt.Executor("cpu"), metaopt.Executor("cpu", record_timeline=True)
     assert type(plain._tracker) is MemoryTracker  # the plain tracker: nothing recorded per op
-    assert plain.plan_source(p, [p.loss]) == recording.plan_source(p, [p.loss])
+    # The same generated code, except that a recording executor runs the updates op by op (one
+    # timeline entry per op), not as one multi-tensor call
+    per_op = build_plan(p, [p.loss.name], torch.device("cpu"), True, plain.runtime, multi=False).source
+    assert recording.plan_source(p, [p.loss]) == per_op
+    assert "multi-tensor call" in plain.plan_source(p, [p.loss]) and "multi-tensor call" not in per_op
     plain.run(p, feed=feed_of("mlp", 8), fetch_list=[p.loss])
     with pytest.raises(ValueError, match=r"record_timeline=True"):
         plain.memory_timeline()
