@@ -537,14 +537,25 @@ def _group_multi(
     first op index -> the number of ops of each merged step. Ops in `apart` (reading uploaded host
     values, or written over an input) keep their own kernels."""
     runs: list[list[int]] = []
+    held = 0  # param bytes of the last run
     for i, op in enumerate(p.ops):
         row = rows[op.type]
-        if row is None or row.multi is None or i in apart or _bytes(p, op.inputs[0]) is None:
+        size = (
+            _bytes(p, op.inputs[0]) if row is not None and row.multi is not None and i not in apart else None
+        )
+        if size is None:
             continue
-        if runs and runs[-1][-1] == i - 1 and _same_multi(p, row, p.ops[runs[-1][0]], op, runs[-1]):
+        if (
+            runs
+            and runs[-1][-1] == i - 1
+            and held + size <= MULTI_MAX_BYTES
+            and _joins(row, p.ops[runs[-1][0]], op)
+        ):
             runs[-1].append(i)
+            held += size
         else:
             runs.append([i])
+            held = size
     runs = [r for r in runs if len(r) > 1]
     if not runs:
         return steps, kernels, {}
@@ -567,19 +578,18 @@ def _group_multi(
 
 
 def _bytes(p: Program, name: str) -> int | None:
+    """A var's static size in bytes, None when a dim is symbolic or unknown."""
     v = p.vars.get(name)
     if v is None or v.shape is None or not all(isinstance(d, int) for d in v.shape):
         return None
-    return math.prod(v.shape) * torch.empty((), dtype=torch_dtype(v.dtype)).element_size()
+    return math.prod(v.shape) * torch_dtype(v.dtype).itemsize
 
 
-def _same_multi(p: Program, row, a: Op, b: Op, run: list[int]) -> bool:
-    """May `b` join the run that `a` starts?"""
+def _joins(row, a: Op, b: Op) -> bool:
+    """May `b` join the run that `a` starts (same type and attrs, the same host inputs)?"""
     if a.type != b.type or a.attrs != b.attrs or len(a.inputs) != len(b.inputs):
         return False
-    if any(a.inputs[j] != b.inputs[j] for j in row.host_inputs if j < len(a.inputs)):
-        return False
-    return sum(_bytes(p, p.ops[j].inputs[0]) for j in run) + _bytes(p, b.inputs[0]) <= MULTI_MAX_BYTES
+    return all(a.inputs[j] == b.inputs[j] for j in row.host_inputs if j < len(a.inputs))
 
 
 def _merged_step(parts: list[tuple], ops: list[Op]) -> tuple:
