@@ -67,7 +67,7 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """' (did you mean 'x'?)' or '' — appended to errors about unknown names."""
     # The word itself is never a suggestion: when it is among the choices, the caller refused
     # it for another reason and must say so (suggesting it back reads as nonsense).
-    choices = [c for c in choices if c != word]
+    choices = list(dict.fromkeys(c for c in choices if c != word))  # a var and a module may share a name
     close = [c for c in choices if c.lower() == word.lower()]
     close += [c for c in difflib.get_close_matches(word, choices, n=3, cutoff=0.6) if c not in close]
     if not close:

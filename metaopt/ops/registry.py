@@ -200,13 +200,12 @@ ALL = -1  # in `aliases`: every output
 SAME = ((0, 0),)  # output 0 may be input 0 or a view of it
 
 
-def ANY_INPUT(op: Any) -> list[tuple[int, int]]:  # noqa: N802 (a constant-like row value)
-    """Output 0 may be a view of any input (Einsum: "ij->ji" is a transpose view)."""
-    return [(0, j) for j in range(len(op.inputs))]
-
-
-def LONE_INPUT(op: Any) -> tuple[tuple[int, int], ...]:  # noqa: N802
-    """Variadic Sum/Max/Min/Mean: with one input, torch hands that input back."""
+def LONE_INPUT(op: Any) -> tuple[tuple[int, int], ...]:  # noqa: N802 (a constant-like row value)
+    """Variadic Sum/Max/Min/Mean: with one input, torch hands that input back. Einsum too: with
+    one operand it may return a view ("ij->ji"); with several it computes a product into a fresh
+    tensor. Declare no more than a kernel can do: alias analysis joins every input an output
+    may alias into one class, so "output 0 may alias input 0 or 1" would make the two inputs
+    (say two layers' params fed one shared tensor) one storage, and refuse updating either."""
     return ((0, 0),) if len(op.inputs) == 1 else ()
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from metaopt.ops.registry import ANY_INPUT, register
+from metaopt.ops.registry import LONE_INPUT, register
 
 _CONV = (None, F.conv1d, F.conv2d, F.conv3d)
 _CONV_T = (None, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)
@@ -95,7 +95,7 @@ def gemm(
 register("Det")(torch.linalg.det)
 
 
-@register("Einsum", expensive=True, aliases=ANY_INPUT, amp="white")
+@register("Einsum", expensive=True, aliases=LONE_INPUT, amp="white")
 def einsum(*inputs: torch.Tensor, equation: str) -> torch.Tensor:
     return torch.einsum(equation.replace(" ", ""), *inputs)
 
