@@ -21,9 +21,34 @@ from __future__ import annotations
 from metaopt.ir import Program, names
 
 
+def with_uncalled_parents(mods: list[str]) -> list[str]:
+    """An op's enclosing module paths (outermost first) with the ones the exporter skipped: a
+    module whose parent calls its ``forward`` directly (SqueezeBERT's encoder runs
+    ``layer.forward(...)``) records no scope of its own, though its children do. Between two
+    recorded paths, a dotted path in between that ends in an index is such a module
+    (``layers.0`` between ``encoder`` and ``encoder.layers.0.attention``): an element of a
+    ModuleList or Sequential, what ``"layers.*"`` names. Other paths in between are not added:
+    the container itself (``layers``, a ModuleList is never called) must not take its last
+    element's output name; a named child called by ``.forward`` stays unaddressable (its
+    children are)."""
+    out: list[str] = []
+    for m in mods:
+        prev = out[-1] if out else ""
+        if m.startswith(prev + ".") if prev else True:
+            rest = m[len(prev) + 1 :].split(".") if prev else m.split(".")
+            for k in range(1, len(rest)):
+                if rest[k - 1].isdigit():
+                    out.append(".".join(filter(None, [prev, *rest[:k]])))
+        out.append(m)
+    return out
+
+
 def module_outputs(p: Program, chains: dict[str, list[str]]) -> dict[str, list[str]]:
     """module path -> vars produced inside it and read outside it (or program outputs)."""
-    mods_of = {id(op): chains.get(op.outputs[0], [""])[:-1] if op.outputs else [] for op in p.ops}
+    mods_of = {
+        id(op): with_uncalled_parents(chains.get(op.outputs[0], [""])[:-1]) if op.outputs else []
+        for op in p.ops
+    }
     readers: dict[str, list[set[str]]] = {}
     for op in p.ops:
         for x in op.inputs:

@@ -154,6 +154,7 @@ def _add_unused_params(program: Program, module: torch.nn.Module) -> None:
                 Var(n, dtype_name(p.dtype), tuple(p.shape), kind="param", trainable=p.requires_grad),
                 p.detach().clone(),
             )
+    program.sort_vars()  # among the params, as a saved program loads back
 
 
 def _translation_table() -> dict:

@@ -7,6 +7,10 @@
   ``nn.Embedding``, ``F.embedding`` and weights tied to an output projection alike (only the
   lookup's contribution to the pad row is dropped: the projection's grad is another op's).
 
+* ``aten.softmax`` / ``aten.log_softmax`` with a ``dtype``: torch casts the input to ``dtype``
+  first and normalises in it; the stock translation normalises in the input's dtype and casts
+  after (HF Funnel's float64 scores came out float32-precise). Ours casts first, as torch does.
+
 The exporter needs an ONNX schema for any op a translation emits; ours are registered in the
 ``metaopt`` domain once per process.
 """
@@ -63,7 +67,24 @@ def _embedding(
     )
 
 
+def _softmax(self, dim: int, dtype: int = -1):
+    if dtype is not None and dtype != -1:
+        self = onnx_op.Cast(self, to=dtype)
+    return onnx_op.Softmax(self, axis=dim)
+
+
+def _log_softmax(self, dim: int, dtype: int = -1):
+    if dtype is not None and dtype != -1:
+        self = onnx_op.Cast(self, to=dtype)
+    return onnx_op.LogSoftmax(self, axis=dim)
+
+
 def translation_table() -> dict:
     """The `custom_translation_table` metaopt.export hands to torch.onnx.export."""
     _opset()
-    return {torch.ops.aten.embedding.default: _embedding}
+    aten = torch.ops.aten
+    return {
+        aten.embedding.default: _embedding,
+        aten.softmax.int: _softmax,
+        aten.log_softmax.int: _log_softmax,
+    }
