@@ -66,34 +66,44 @@ def _tokens(batch: int, seed: int, pad: int, *, seq: int = SEQ, vocab: int = VOC
     return ids
 
 
-def _mlm(pad: int):
-    def inputs(batch: int, seed: int):
-        ids = _tokens(batch, seed, pad)
-        g = torch.Generator().manual_seed(seed + 7)
-        labels = torch.randint(0, VOCAB, (batch, SEQ), generator=g)
-        labels[torch.rand(batch, SEQ, generator=g) < 0.5] = -100
-        labels[:, 0] = ids[:, 0]  # at least one target per row
-        return ids, labels
+SEQS = (16, 7)  # a multiple of 16 and an odd length beside the default 12
 
+
+def _shaped(inputs, again, seq: int):
+    """Let `Entry.at(seq)` rebuild `inputs` for another sequence length (`again(seq)`)."""
+    inputs.at = again
+    inputs.shapes = SEQS if seq == SEQ else ()
     return inputs
 
 
-def _clm(pad: int):
+def _mlm(pad: int, seq: int = SEQ):
     def inputs(batch: int, seed: int):
-        ids = _tokens(batch, seed, pad)
+        ids = _tokens(batch, seed, pad, seq=seq)
+        g = torch.Generator().manual_seed(seed + 7)
+        labels = torch.randint(0, VOCAB, (batch, seq), generator=g)
+        labels[torch.rand(batch, seq, generator=g) < 0.5] = -100
+        labels[:, 0] = ids[:, 0]  # at least one target per row
+        return ids, labels
+
+    return _shaped(inputs, lambda s: _mlm(pad, s), seq)
+
+
+def _clm(pad: int, seq: int = SEQ):
+    def inputs(batch: int, seed: int):
+        ids = _tokens(batch, seed, pad, seq=seq)
         labels = ids.clone()
         labels[ids == pad] = -100
         return ids, labels
 
-    return inputs
+    return _shaped(inputs, lambda s: _clm(pad, s), seq)
 
 
-def _classify(pad: int, labels: int = 3):
+def _classify(pad: int, labels: int = 3, seq: int = SEQ):
     def inputs(batch: int, seed: int):
-        ids = _tokens(batch, seed, pad)
+        ids = _tokens(batch, seed, pad, seq=seq)
         return ids, torch.randint(0, labels, (batch,), generator=torch.Generator().manual_seed(seed + 3))
 
-    return inputs
+    return _shaped(inputs, lambda s: _classify(pad, labels, s), seq)
 
 
 def _images(labels: int = 3, size: int = IMAGE, channels: int = 3):
@@ -189,6 +199,53 @@ def entries(Entry) -> list:  # noqa: N803 (the dataclass, passed in to avoid an 
             ("m.bert.encoder.layer.*",),
             fast=True,
             why="padding_idx, tied MLM head",
+        ),
+        e(
+            "hf-funnel",
+            "encoder",
+            _build(
+                "FunnelForMaskedLM",
+                "FunnelConfig",
+                vocab_size=VOCAB,
+                block_sizes=[1, 1],
+                num_decoder_layers=2,
+                d_model=32,
+                n_head=4,
+                d_head=8,
+                d_inner=64,
+                hidden_dropout=D,
+                attention_dropout=D,
+                activation_dropout=D,
+            ),
+            _mlm(0),
+            ("m.funnel.encoder.blocks.*.0",),
+            why="relative attention: one positional tensor into every layer's einsum with its param",
+        ),
+        e(
+            "hf-squeezebert",
+            "encoder",
+            _build(
+                "SqueezeBertForMaskedLM",
+                "SqueezeBertConfig",
+                vocab_size=VOCAB,
+                hidden_size=32,
+                embedding_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                intermediate_size=64,
+                q_groups=2,
+                k_groups=2,
+                v_groups=2,
+                post_attention_groups=2,
+                intermediate_groups=2,
+                output_groups=2,
+                hidden_dropout_prob=D,
+                attention_probs_dropout_prob=D,
+                pad_token_id=0,
+            ),
+            _mlm(0),
+            ("m.transformer.encoder.layers.*",),
+            why="layers called by .forward and returning dicts; grouped 1-D convolutions",
         ),
         e(
             "hf-roberta",

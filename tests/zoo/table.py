@@ -1,17 +1,22 @@
 """Run the whole zoo and print one table: `python tests/zoo/table.py [NAME ...] [--json FILE]`.
 
-Every entry is exported and checked (grads against float64 torch, SGD against torch.optim,
+Every entry is exported and checked at its default input shape (float64 grads against float64
+torch, float32 grads on 1 and 2 threads, SGD against torch.optim,
 the same SGD with the updates inside the backward (optimizer_in_backward), gradient merge
 against one torch step on the merged batches, recompute and offload bit-identity, a second
 batch size, the fused LM-head cross-entropy); a failing check prints its reason and the table
-says which check failed. Exit code 1 when any entry fails.
+says which check failed. Then each entry at its other input shapes (`Entry.shapes`: images of
+64 and 72, 16 and 7 tokens; a row `NAME@SHAPE`) runs the shape-dependent checks (`SHAPED`).
+`--no-shapes` skips them. Exit code 1 when any row fails.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -21,18 +26,21 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[2]))  # the repo (for `p
 
 from zoo import harness, models  # noqa: E402
 
-CHECKS = ("export", "grads", "sgd", "early", "merge", "recompute", "fused_ce")
+CHECKS = ("export", "f64", "grads", "sgd", "early", "merge", "recompute", "fused_ce")
+SHAPED = ("export", "f64", "grads", "sgd")  # what an entry at another input shape runs
 
 
 def run_entry(entry) -> dict:
     row: dict = {"name": entry.name, "family": entry.family, "why": entry.why}
     t0 = time.perf_counter()
-    for check in CHECKS:
+    for check in CHECKS if entry.shape is None else SHAPED:
         try:
             if check == "export":
                 _, program = harness.export(entry, 0.0)
                 row["ops"] = len(program.ops)
                 row["params"] = sum(1 for v in program.params())
+            elif check == "f64":
+                row["f64_rel"] = harness.check_grads_float64(entry)
             elif check == "grads":
                 verdicts = harness.check_grads(entry)
                 row["worst_ratio"] = max((v.ratio for v in verdicts), default=0.0)
@@ -57,12 +65,19 @@ def run_entry(entry) -> dict:
 
 
 def main() -> int:
+    import export_cache
+
+    # One export per model for the whole table (each check asks for it again).
+    os.environ.setdefault(export_cache.ENV, tempfile.mkdtemp(prefix="metaopt-zoo-exports-"))
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("names", nargs="*", help="entries to run (default: all)")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("-v", action="store_true", help="print tracebacks of failures")
+    ap.add_argument("--no-shapes", action="store_true", help="only each entry's default input shape")
     args = ap.parse_args()
     chosen = [e for e in models.entries() if not args.names or e.name in args.names]
+    if not args.no_shapes:
+        chosen = [v for e in chosen for v in e.variants()]
     rows = []
     print(f"{'model':20} {'family':16} " + " ".join(f"{c:9}" for c in CHECKS) + "  act ratio    s  error")
     for entry in chosen:

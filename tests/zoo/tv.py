@@ -61,9 +61,24 @@ class ClassifyLoss(nn.Module):
         return F.cross_entropy(self.m(images), labels)
 
 
-def _images(batch: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(batch, 3, IMAGE, IMAGE, generator=g), torch.randint(0, 3, (batch,), generator=g)
+SIZES = (64, 72)  # feature maps that end at 2x2; odd on the way (72: 9, 5, 3)
+
+
+def images_at(size: int, classes: int = 3, sizes: tuple = ()):
+    """(batch, seed) -> random images of `size` x `size` and labels; `at(size)` for another size."""
+
+    def inputs(batch: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        images = torch.randn(batch, 3, size, size, generator=g)
+        return images, torch.randint(0, classes, (batch,), generator=g)
+
+    inputs.at = lambda s: images_at(s, classes)
+    inputs.shapes = sizes
+    return inputs
+
+
+_images = images_at(IMAGE, sizes=SIZES)
+_fixed_images = images_at(IMAGE)  # models built for one image size (ViT's position embeddings)
 
 
 def _build(make):
@@ -138,7 +153,7 @@ def entries(Entry) -> list:  # noqa: N803
             "tv-vit",
             "vision",
             _build(_vit),
-            _images,
+            _fixed_images,
             ("m.encoder.layers.*",),
             fast=True,
             why="nn.MultiheadAttention, class token",
@@ -184,6 +199,14 @@ def entries(Entry) -> list:  # noqa: N803
             _images,
             ("m.stage2", "m.stage3", "m.stage4"),
             why="channel shuffle",
+        ),
+        e(
+            "tv-mnasnet",
+            "cnn",
+            _build(lambda m, p: m.mnasnet0_5(num_classes=3, dropout=p)),
+            _images,
+            ("m.layers.8", "m.layers.10", "m.layers.12"),
+            why="inverted residuals, BatchNorm momentum 3e-4",
         ),
         e(
             "tv-squeezenet",

@@ -1,0 +1,123 @@
+"""The reports of issue 29: torchvision's ShuffleNet and MnasNet "wrong" at some image size and
+thread count. Root cause: no kernel is wrong (neither torch's nor ours). The inputs put a ReLU's
+input within float32 rounding of zero; float32 then takes either side of the kink depending on
+summation order (layout, thread count), and the float64 reference sits on one side. A flipped
+ReLU ahead of a BatchNorm over few values moves whole grads (ShuffleNet at 64x64, 2 threads,
+channels-last: one ReLU of `m.conv5.2`, float64 input 1.6e-5 of its max, moves
+`m.conv5.0.weight` 36%; float64 torch moves as much for an image perturbed by 1e-5).
+
+So the checks here are the ones that hold at such points:
+* float64: the program's grads equal float64 torch's to 1e-7 (no ReLU flips at float64's
+  rounding), at each image size and thread count, channels-last on;
+* float32: our grads are as close to the float64 program's on float32's side of every ReLU
+  (`harness.branch_matched_float64`) as float32 torch is to float64 torch;
+* the diagnosis itself: at the reported input, float32 torch in one of its configurations is as
+  far from float64 as our program is, and float64 torch's own grad jumps under a 1e-5 input
+  perturbation, which no kernel defect could cause.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import metaopt
+from metaopt.passes.backward import append_backward
+from zoo import harness
+from zoo.harness import judge_grads, threads
+from zoo.tv import import_torchvision
+
+
+class _Loss(torch.nn.Module):
+    def __init__(self, m: torch.nn.Module) -> None:
+        super().__init__()
+        self.m = m
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.m(x), y)
+
+
+def _case(which: str, size: int):
+    """The issue's module and inputs, verbatim."""
+    tv = import_torchvision()
+    torch.manual_seed(0)
+    if which == "shufflenet":
+        module = _Loss(tv.models.shufflenet_v2_x0_5(num_classes=10)).train()
+        x, y = torch.randn(4, 3, size, size), torch.randint(0, 10, (4,))
+    else:
+        module = _Loss(tv.models.mnasnet0_5(num_classes=10, dropout=0.0)).train()
+        x = torch.randn(8, 3, size, size, generator=torch.Generator().manual_seed(2))
+        y = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(3))
+    return module, x, y
+
+
+def _run(program: metaopt.Program, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Every param's grad from `program` with its backward appended."""
+    q, pairs = append_backward(program, loss=program.loss_name)
+    got = metaopt.Executor("cpu").run(
+        q, feed={"x": x, "y": y}, fetch_list=[g for _, g in pairs], return_numpy=False
+    )
+    return dict(zip([p for p, _ in pairs], got, strict=True))
+
+
+CASES = [("shufflenet", 64), ("mnasnet", 64)]
+
+
+@pytest.mark.parametrize("which,size", CASES)
+def test_float64_program_grads_equal_float64_torch_at_both_thread_counts(which, size):
+    module, x, y = _case(which, size)
+    m64 = copy.deepcopy(module).double()
+    program = metaopt.export(copy.deepcopy(m64), (x.double(), y))
+    assert any(op.attrs.get("memory_format") == "channels_last" for op in program.ops)
+    ref = harness.torch_grads(m64, (x, y), double=True)
+    top = max(g.abs().max().item() for g in ref.values())
+    for n in harness.THREADS:
+        with threads(n):
+            ours = _run(program, x.double(), y)
+        for name, g in ref.items():
+            scale = max(g.abs().max().item(), 1e-6 * top)
+            rel = (ours[name] - g).abs().max().item() / scale
+            assert rel <= harness.FLOAT64_REL, (n, name, rel)
+
+
+@pytest.mark.parametrize("which,size", CASES)
+def test_float32_grads_are_float32_precise_on_their_side_of_each_relu(which, size):
+    """At both thread counts: judged against the float64 program on float32's side of every ReLU
+    (`branch_matched_float64`), over float32 torch's floor. The float64 test above holds that
+    program to torch."""
+    module, x, y = _case(which, size)
+    program = metaopt.export(copy.deepcopy(module), (x, y))
+    program64 = metaopt.export(copy.deepcopy(module).double(), (x.double(), y))
+    floor = harness.torch32_floor(module, (x, y))
+    for n in harness.THREADS:
+        with threads(n):
+            truth = harness.branch_matched_float64(program, program64, module, (x, y))
+            verdicts = judge_grads(_run(program, x, y), floor, truth)
+        assert not [v for v in verdicts if v.wrong], (n, max(verdicts, key=lambda v: v.ratio))
+
+
+def test_the_reported_shufflenet_point_is_a_kink_of_the_loss_not_a_kernel_defect():
+    """At 64x64 on 2 threads, channels-last float32 (ours and torch's alike) lands on the other
+    side of one ReLU than float64: float32 torch channels-last is as far from float64 as the
+    issue measured for us, and float64 torch moves as far when the image moves by 1e-5."""
+    module, x, y = _case("shufflenet", 64)
+    g64 = harness.torch_grads(module, (x, y), double=True)
+    nchw32 = harness.torch_grads(module, (x, y), double=False)
+    cl = copy.deepcopy(module).to(memory_format=torch.channels_last)  # eager torch, channels-last
+    with threads(2):
+        cl(x.contiguous(memory_format=torch.channels_last), y).backward()
+    cl32 = {n: p.grad for n, p in cl.named_parameters()}
+    (verdict,) = [v for v in judge_grads(cl32, nchw32, g64) if v.param == "m.conv5.0.weight"]
+    assert verdict.wrong and verdict.rel > 0.3, verdict  # the issue's 36% for us: torch's own
+    gen = torch.Generator().manual_seed(5)
+    nudged = x.double() * (1 + 1e-5 * torch.randn(x.shape, generator=gen, dtype=torch.float64))
+    g64b = harness.torch_grads(module, (nudged, y), double=True)
+    jump = max(
+        (g64b[n] - g).abs().max().item() / g.abs().max().item()
+        for n, g in g64.items()
+        if g.abs().max() > 1e-6
+    )
+    assert jump > 0.05, jump
