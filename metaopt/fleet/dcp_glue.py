@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import metadata as dcp_meta
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from metaopt.fleet.sharded_io import CheckpointError
@@ -120,13 +120,45 @@ _ALLOWED = {
 }
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+# The classes whose instances a metadata pickle may fill in (pickle's BUILD opcode). BUILD on
+# anything else is refused: on an allowed *class* object it would set class attributes (a
+# crafted `.metadata` replaced `pathlib.PosixPath.is_file`, which made every path look inside
+# the folder, for the rest of the process).
+_BUILDABLE = (
+    dcp_meta.Metadata,
+    dcp_meta.TensorStorageMetadata,
+    dcp_meta.BytesStorageMetadata,
+    dcp_meta.ChunkStorageMetadata,
+    dcp_meta.TensorProperties,
+    dcp_meta.StorageMeta,
+    dcp_meta.MetadataIndex,
+    _StorageInfo,
+)
+
+
+class _MetadataUnpickler(pickle._Unpickler):
+    """pickle's pure-Python unpickler (its opcodes can be overridden, the C one's cannot; a
+    `.metadata` is a few kB) with globals from `_ALLOWED` only and BUILD on `_BUILDABLE`
+    instances only. torch's weights_only unpickler would be the natural choice, but it reads
+    pickle protocol 2 and DCP writes protocol 5 (FRAME, SHORT_BINUNICODE)."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"refused global {module}.{name} in a checkpoint's metadata")
+
+    def load_build(self) -> None:
+        inst = self.stack[-2] if len(self.stack) >= 2 else None
+        if type(inst) not in _BUILDABLE:
+            what = f"class {inst.__name__}" if isinstance(inst, type) else type(inst).__name__
+            raise pickle.UnpicklingError(f"refused to set the state of {what} in a checkpoint's metadata")
+        super().load_build()
+
+    dispatch[pickle.BUILD[0]] = load_build
 
 
 class SafeReader(FileSystemReader):
@@ -151,10 +183,15 @@ class SafeReader(FileSystemReader):
         if not isinstance(md, dcp_meta.Metadata) or not isinstance(md.state_dict_metadata, dict):
             raise CheckpointError(f"{path} is not DCP metadata")
         for index, where in (md.storage_data or {}).items():
+            fqn = getattr(index, "fqn", index)
             rel = getattr(where, "relative_path", None)
-            if not isinstance(rel, str) or not self._inside(rel):
+            if type(rel) is not str or not self._inside(rel):
+                raise CheckpointError(f"{path}: {fqn!r} points outside the folder ({rel!r})")
+            if getattr(where, "transform_descriptors", None):
+                # DCP would decompress such a storage whole, unbounded (metaopt writes none).
                 raise CheckpointError(
-                    f"{path}: {getattr(index, 'fqn', index)!r} points outside the folder ({rel!r})"
+                    f"{path}: {fqn!r} is stored with transforms {where.transform_descriptors!r}: "
+                    "compressed or transformed storage is refused"
                 )
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = dcp_meta.StorageMeta()
@@ -162,5 +199,7 @@ class SafeReader(FileSystemReader):
         return md
 
     def _inside(self, rel: str) -> bool:
-        target = (self._folder / rel).resolve()
-        return target.parent == self._folder and target.is_file()
+        # Plain strings and os.path: nothing a pickle could have given methods to.
+        folder = os.path.realpath(os.fspath(self._folder))
+        target = os.path.realpath(os.path.join(folder, rel))
+        return os.path.dirname(target) == folder and os.path.isfile(target)

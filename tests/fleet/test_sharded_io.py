@@ -112,6 +112,36 @@ def test_hostile_metadata_never_runs_code(tmp_path, monkeypatch):
     assert not (tmp_path / "pwned.txt").exists()
 
 
+def test_metadata_cannot_change_a_class(tmp_path):
+    """BUILD on an allowed class object (not an instance) would set class attributes: a crafted
+    `.metadata` replaced PosixPath's methods so that every path looked inside the folder."""
+    import pathlib
+
+    _save(tmp_path, 1, 1.0)
+    folder = tmp_path / "ckpt" / "step-00000001"
+    # GLOBAL pathlib.PosixPath, state (None, {"is_file": 1}), BUILD: plain pickle setattr()s the
+    # slot state on the class itself.
+    (folder / ".metadata").write_bytes(b"cpathlib\nPosixPath\n(N(dVis_file\nI1\nstb.")
+    with pytest.raises(sharded_io.CheckpointError, match=r"refused to set the state of class PosixPath"):
+        fleet.load_persistables(metaopt.Executor("cpu"), tmp_path / "ckpt", _program())
+    assert callable(pathlib.PosixPath.is_file)
+    assert pathlib.PosixPath.is_file is pathlib.Path.is_file
+
+
+def test_transformed_storage_is_refused(tmp_path):
+    """A storage entry with transform descriptors (DCP's compressed storage) would be
+    decompressed whole; metaopt writes none and reads none."""
+    _save(tmp_path, 1, 1.0)
+    folder = tmp_path / "ckpt" / "step-00000001"
+    md = dcp_glue.SafeReader(folder).read_metadata()
+    for where in md.storage_data.values():
+        where.transform_descriptors = ["stream.zstd/1"]
+    md.storage_meta = None
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(sharded_io.CheckpointError, match=r"transforms \['stream.zstd/1'\].*refused"):
+        fleet.load_persistables(metaopt.Executor("cpu"), tmp_path / "ckpt", _program())
+
+
 def test_storage_paths_must_stay_in_the_folder(tmp_path):
     _save(tmp_path, 1, 1.0)
     folder = tmp_path / "ckpt" / "step-00000001"
