@@ -127,16 +127,26 @@ class PipelineRunner:
         self.program = program
         self.state = PipelineState(info, *_layout(info))
         self.parts = _cut(program)
-        self.actions = schedules.schedule(
-            info.schedule,
-            num_stages=info.num_stages,
-            stage=info.stage,
-            micro_batches=info.micro_batches,
-            chunks=info.chunks,
-        )
+        self._actions: list | None = None
         self.peers = _peers(program, self.state)
         self.profile: StepProfile | None = None  # the last step's (`last_step_profile`)
         self._started = False
+
+    @property
+    def actions(self) -> list:
+        """This worker's schedule, built at the first step, after the fed batch has been checked
+        against the micro-batch count: a schedule is a few actions per micro-batch, and an
+        `accumulate_steps` no batch can split (10**7) must be refused before it is built."""
+        if self._actions is None:
+            info = self.info
+            self._actions = schedules.schedule(
+                info.schedule,
+                num_stages=info.num_stages,
+                stage=info.stage,
+                micro_batches=info.micro_batches,
+                chunks=info.chunks,
+            )
+        return self._actions
 
     # --- one step --------------------------------------------------------------------
     def run(self, feed: Mapping[str, Any], fetches: list[str]) -> list[Any]:
@@ -421,20 +431,24 @@ def _copy(v: Var, kind: str | None = None) -> Var:
 
 def _split_feed(p: Program, feed: Mapping[str, Any], m: int, keep: set[str]) -> list[dict[str, Any]]:
     """The `keep` feeds cut into `m` equal micro-batches along dim 0 (every feed is checked:
-    the micro-batch size comes from the whole batch, whichever feeds this stage reads)."""
+    the micro-batch size comes from the whole batch, whichever feeds this stage reads). Every
+    feed is checked before anything is allocated per micro-batch."""
     batch = None
-    out: list[dict[str, Any]] = [{} for _ in range(m)]
+    tensors = {}
     for name, value in feed.items():
         t = torch.as_tensor(value)
         n = t.shape[0] if t.dim() else None
-        if n is None or n % m:
+        if n is None or n % m or n == 0:
             raise ValueError(
                 f"pipeline: feed {name!r} has batch {n} ({list(t.shape)}), which does not split into "
-                f"{m} equal micro-batches (pipeline_configs['accumulate_steps'])"
+                f"{m} equal non-empty micro-batches (pipeline_configs['accumulate_steps'])"
             )
         if batch is not None and n != batch:
             raise ValueError(f"pipeline: feed {name!r} has batch {n}, other feeds have {batch}")
         batch = n
+        tensors[name] = t
+    out: list[dict[str, Any]] = [{} for _ in range(m)]
+    for name, t in tensors.items():
         if name in keep:  # a stage holds only what it reads (labels: the last stage)
             for i, piece in enumerate(t.chunk(m)):
                 out[i][name] = piece
