@@ -109,6 +109,13 @@ def _add_memory_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers act
     mem.add_argument("--out", default="memory_picture", help="folder for the files (default memory_picture/)")
     mem.add_argument("--device", default="cpu", help="where to measure: cpu, cuda, cuda:1 (default cpu)")
     mem.add_argument("--no-measure", action="store_true", help="predicted only: do not run the program")
+    mem.add_argument(
+        "--max-bytes",
+        type=int,
+        default=None,
+        help="refuse to measure a step predicted to peak above this (default 4 GiB: "
+        "metaopt.limits.LoadLimits.max_run_bytes)",
+    )
     mem.add_argument("--top", type=int, default=15, help="storages listed at the peak (default 15)")
     mem.add_argument("--training", action="store_true", help="import an ONNX file with train-mode repairs")
 
@@ -123,7 +130,13 @@ def _memory(args: argparse.Namespace) -> int:
             raise SystemExit(f"error: --dim {item!r} is not NAME=N (N a whole number)")
         dims[name.strip()] = int(value)
     program = resolve_source(args.source, training=args.training)
-    pic = memory_picture(program, dims=dims, device=args.device, measure=not args.no_measure)
+    try:
+        pic = memory_picture(
+            program, dims=dims, device=args.device, measure=not args.no_measure, max_bytes=args.max_bytes
+        )
+    except MemoryError as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 2
     sys.stdout.write(pic.summary(n=args.top))
     try:
         files = pic.write(args.out)

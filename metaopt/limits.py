@@ -44,6 +44,11 @@ class LoadLimits:
     # cannot be known before propagation, shape inference runs without data propagation (the
     # load still succeeds; some dims stay symbolic).
     max_shape_data: int = 1 << 20
+    # The predicted peak of a step that a tool runs on a file's behalf (`python -m metaopt
+    # memory` measures by running it): a 195-byte file can describe a 7.6 GiB step (a Tile of a
+    # constant), which `load` accepts (nothing is allocated at load) and running would exhaust
+    # the machine. `--max-bytes` raises it on the command line.
+    max_run_bytes: int = 4 * GiB
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from metaopt import limits
 from metaopt.ir import Program, eval_dim, roles, torch_dtype
 from metaopt.ir.printer import fmt_op
 from metaopt.passes.memory_estimate import MemoryWhere, estimate_memory, human_bytes, where_alive
@@ -113,13 +114,16 @@ def memory_picture(
     device: str = "cpu",
     measure: bool = True,
     out: str | os.PathLike | None = None,
+    max_bytes: int | None = None,
 ) -> MemoryPicture:
     """The memory picture of one step of `program` (module doc); written under `out` if given.
 
     `feed`: the inputs to measure with (their shapes bind the symbolic dims); without one, a
     feed is made from the inputs' shapes with `dims` (and ``batch`` for the dim ``"batch"``)
     bound. `fetches`: kept alive to the end, as `exe.run`'s fetch_list (default: the loss, or
-    the program's outputs). `measure=False` skips the run (predicted only)."""
+    the program's outputs). `measure=False` skips the run (predicted only). A run whose predicted
+    peak exceeds `max_bytes` (default `metaopt.limits.LIMITS.max_run_bytes`) is refused before it
+    starts, with a `MemoryError` naming both figures."""
     bound = dict(dims or {})
     if batch is not None:
         bound["batch"] = batch
@@ -141,6 +145,7 @@ def memory_picture(
     if full.timeline != est.timeline:
         pic.with_workspace = list(full.timeline)
     if measure:
+        _check_run_bytes(program, max(full.timeline, default=0), max_bytes)
         _measure(pic, program, feed, bound, keep, device)
     else:
         pic.note = "measuring was turned off (measure=False, --no-measure)"
@@ -150,6 +155,17 @@ def memory_picture(
     if out is not None:
         pic.write(out)
     return pic
+
+
+def _check_run_bytes(program: Program, peak: int, max_bytes: int | None) -> None:
+    limit = limits.LIMITS.max_run_bytes if max_bytes is None else max_bytes
+    if peak > limit:
+        raise MemoryError(
+            f"{program.name!r}: one step is predicted to peak at {limits.fmt_bytes(peak)}, over the "
+            f"limit of {limits.fmt_bytes(limit)} for a measured run; measure=False draws the "
+            f"prediction alone; if the file is trusted, raise the limit: --max-bytes N (CLI), "
+            f"memory_picture(..., max_bytes=N) or metaopt.limits.LIMITS.max_run_bytes = N"
+        )
 
 
 def _measure(

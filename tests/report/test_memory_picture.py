@@ -4,6 +4,7 @@ files are written, the CLI draws a saved program, and it degrades to predicted o
 from __future__ import annotations
 
 import functools
+import re
 import sys
 import warnings
 
@@ -206,3 +207,41 @@ def test_every_role_has_a_colour():
     from metaopt.report.plot import GROUP_OF_ROLE
 
     assert set(ROLES) <= set(GROUP_OF_ROLE)
+
+
+def _tiny_file_with_a_huge_step(path) -> None:
+    """A few hundred bytes of ONNX whose one step peaks at 8 GiB: a Tile of an [8, 1024] input
+    (load allocates nothing for it, so `load` and `show` accept the file)."""
+    from onnx import TensorProto, helper
+
+    reps = helper.make_tensor("reps", TensorProto.INT64, [2], [1, 1 << 18])
+    graph = helper.make_graph(
+        [
+            helper.make_node("Tile", ["x", "reps"], ["t"]),
+            helper.make_node("ReduceSum", ["t"], ["loss"], keepdims=0),
+        ],
+        "bomb",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 1024])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        initializer=[reps],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 9
+    path.write_bytes(model.SerializeToString())
+
+
+def test_memory_refuses_to_run_a_step_predicted_over_the_limit(tmp_path, capsys):
+    src = tmp_path / "bomb.onnx"
+    _tiny_file_with_a_huge_step(src)
+    assert src.stat().st_size < 400
+    code = main(["memory", str(src), "--batch", "8", "--out", str(tmp_path / "pic")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert re.search(r"predicted to peak at 8\.0 GiB .* over the limit of 4\.0 GiB .*--max-bytes", err), err
+    assert not (tmp_path / "pic").exists()
+
+
+def test_memory_draws_the_prediction_of_such_a_step_without_running_it(tmp_path, capsys):
+    src = tmp_path / "bomb.onnx"
+    _tiny_file_with_a_huge_step(src)
+    assert main(["memory", str(src), "--batch", "8", "--no-measure", "--out", str(tmp_path / "pic")]) == 0
