@@ -35,6 +35,7 @@ class GradBuilder(Protocol):
     def contrib(self, x: str) -> str: ...
     def contribs(self, n: int | None = None) -> tuple[list[str], list[int]]: ...
     def const(self, value: Any, dtype: str) -> str: ...
+    def temp(self, like: str, shape: tuple | None = None, dtype: str | None = None) -> str: ...
     def emit(self, type: str, inputs: list[str], outputs: list[str], **attrs: Any) -> list[str]: ...
     def emit1(self, type: str, inputs: list[str], *, like: str, **attrs: Any) -> str: ...
     def unbroadcast(self, grad: str, x: str) -> str: ...
@@ -187,6 +188,94 @@ def _cast(g, op, dy):
     return [g.emit1("Cast", [dy[0]], like=x, to=g.onnx_dtype(x))]
 
 
+@grad_rule("CastLike")
+def _cast_like(g, op, dy):
+    x = op.inputs[0]
+    return [g.emit1("Cast", [dy[0]], like=x, to=g.onnx_dtype(x)), None]
+
+
+@grad_rule("Clip")
+def _clip(g, op, dy):
+    # torch.clamp's backward: the grad where min <= x <= max (both bounds inclusive), else 0.
+    x = op.inputs[0]
+    bounds = [(b, t) for b, t in zip(op.inputs[1:3], ("GreaterOrEqual", "LessOrEqual")) if b]
+    if not bounds:
+        return [dy[0]] + [None] * (len(op.inputs) - 1)
+    inside = ""
+    for bound, test in bounds:
+        mask = g.temp(x, dtype="bool")
+        g.emit(test, [x, bound], [mask])
+        if inside:
+            both = g.temp(x, dtype="bool")
+            g.emit("And", [inside, mask], [both])
+            mask = both
+        inside = mask
+    zero = g.const(0.0, g.dtype(x))
+    return [g.emit1("Where", [inside, dy[0], zero], like=x)] + [None] * (len(op.inputs) - 1)
+
+
+@grad_rule("ReduceL2")
+def _reduce_l2(g, op, dy):
+    # torch's norm backward for p=2: x * (grad / norm), 0 where the norm is 0 (F.normalize).
+    x, norm = op.inputs[0], op.outputs[0]
+    xs = g.var(x).shape
+    axes = _reduce_axes(g, op, None if xs is None else len(xs))
+    if xs is None or axes is None:
+        return g.vjp(op, dy)
+    grad = dy[0]
+    if not op.attrs.get("keepdims", 1):
+        kept = tuple(1 if i in axes else d for i, d in enumerate(xs))
+        grad, prev = g.temp(x, shape=kept), grad
+        g.emit("Unsqueeze", [prev, g.const(axes, "int64")], [grad])
+        norm, prev = g.temp(x, shape=kept), norm
+        g.emit("Unsqueeze", [prev, g.const(axes, "int64")], [norm])
+    kept = g.shape(grad)
+    scale = g.temp(x, shape=kept)
+    g.emit("Div", [grad, norm], [scale])
+    is_zero = g.temp(x, shape=kept, dtype="bool")
+    zero = g.const(0.0, g.dtype(x))
+    g.emit("Equal", [norm, zero], [is_zero])
+    safe = g.temp(x, shape=kept)
+    g.emit("Where", [is_zero, zero, scale], [safe])
+    return [g.emit1("Mul", [x, safe], like=x)] + [None] * (len(op.inputs) - 1)
+
+
+@grad_rule("Einsum")
+def _einsum(g, op, dy):
+    # The grad of each operand is another einsum: the output grad with the other operand, onto
+    # this operand's labels ("td,dnh->tnh": d(dnh) = "tnh,td->dnh"). Two operands, explicit
+    # output, no ellipsis, no label repeated within an operand, and every label of an operand
+    # in the output or the other operand (a label summed from one operand alone would need a
+    # broadcast back); anything else keeps the generic rule.
+    spec = _einsum_spec(op.attrs.get("equation", ""))
+    if spec is None or len(op.inputs) != 2:
+        return g.vjp(op, dy)
+    (a, b), out = spec
+    grads = []
+    for i, (mine, other, other_name) in enumerate(((a, b, op.inputs[1]), (b, a, op.inputs[0]))):
+        if not g.needs(i):
+            grads.append(None)
+            continue
+        grads.append(
+            g.emit1("Einsum", [dy[0], other_name], like=op.inputs[i], equation=f"{out},{other}->{mine}")
+        )
+    return grads
+
+
+def _einsum_spec(equation: str) -> tuple[tuple[str, str], str] | None:
+    eq = equation.replace(" ", "")
+    if "..." in eq or "->" not in eq:
+        return None
+    lhs, out = eq.split("->")
+    ops = lhs.split(",")
+    if len(ops) != 2 or any(len(set(t)) != len(t) for t in (*ops, out)):
+        return None
+    a, b = ops
+    if any(c not in out and c not in other for t, other in ((a, b), (b, a)) for c in t):
+        return None
+    return (a, b), out
+
+
 # --- shape ops ----------------------------------------------------------------
 
 
@@ -212,6 +301,52 @@ def _expand(g, op, dy):
     if xs is None or ys is None or len(ys) < len(xs):
         return g.vjp(op, dy)
     return [g.unbroadcast(dy[0], op.inputs[0]), None]
+
+
+@grad_rule("ReduceSum", "ReduceMean")
+def _reduce_sum_mean(g, op, dy):
+    # The grad broadcast back over the reduced axes (divided by their size for a mean), as
+    # torch's sum_backward / mean_backward: no re-run of the forward under autograd. Needs
+    # constant axes of static size (a symbolic batch dim may stay, unreduced: the broadcast
+    # keeps it from the grad).
+    x = op.inputs[0]
+    xs = g.var(x).shape
+    axes = _reduce_axes(g, op, None if xs is None else len(xs))
+    if xs is None or axes is None or any(not isinstance(xs[a], int) for a in axes):
+        return g.vjp(op, dy)
+    grad = dy[0]
+    if not op.attrs.get("keepdims", 1):
+        kept = tuple(1 if i in axes else d for i, d in enumerate(xs))
+        grad, prev = g.temp(x, shape=kept), grad
+        g.emit("Unsqueeze", [prev, g.const(axes, "int64")], [grad])
+    if op.type == "ReduceMean":
+        n = 1
+        for a in axes:
+            n *= xs[a]
+        kept = g.shape(grad)
+        grad, prev = g.temp(x, shape=kept), grad
+        g.emit("Div", [prev, g.const(float(n), g.dtype(x))], [grad])
+    target = [d if isinstance(d, int) else 1 for d in xs]
+    return [g.emit1("Expand", [grad, g.const(target, "int64")], like=x)] + [None] * (len(op.inputs) - 1)
+
+
+def _reduce_axes(g, op, rank: int | None) -> list[int] | None:
+    """The sorted non-negative axes a ReduceSum/ReduceMean reduces, or None when they are not
+    known before running (axes from a value) or the op reduces nothing (noop_with_empty_axes)."""
+    if rank is None:
+        return None
+    if len(op.inputs) > 1 and op.inputs[1]:
+        value = g.constant_value(op.inputs[1])
+        if value is None:
+            return None
+        axes = [int(value)] if isinstance(value, (int, float)) else [int(a) for a in value.tolist()]
+    else:
+        axes = list(op.attrs.get("axes") or [])
+    if not axes:
+        if op.attrs.get("noop_with_empty_axes", 0):
+            return None
+        axes = list(range(rank))
+    return sorted({a % rank for a in axes}) if rank else []
 
 
 @grad_rule("Slice")
@@ -355,7 +490,29 @@ def _gather(g, op, dy):
     data, idx = op.inputs
     if op.attrs.get("axis", 0) == 0 and len(g.shape(data)) == 2 and g.var(data).persistable:
         return _lookup_grad(g, op, dy)
-    return g.vjp(op, dy)
+    return _gather_one(g, op, dy) or g.vjp(op, dy)
+
+
+def _gather_one(g, op, dy) -> list | None:
+    """x[:, k] (ViT's class token, a last position): a Gather of one constant index along a
+    static axis. Its grad is the incoming grad put back at k along that axis, zeros elsewhere:
+    an Unsqueeze and a Pad, neither holding x nor re-running the forward."""
+    data, idx = op.inputs
+    k, shape = g.constant_value(idx), g.var(data).shape
+    if not isinstance(k, int) or g.var(idx).shape not in ((), None) or shape is None:
+        return None
+    if g.var(idx).shape is None:
+        return None
+    axis = op.attrs.get("axis", 0) % len(shape)
+    size = shape[axis]
+    if not isinstance(size, int) or not -size <= k < size:
+        return None
+    k %= size
+    kept = tuple(1 if i == axis else d for i, d in enumerate(shape))
+    grad = g.temp(data, shape=kept)
+    g.emit("Unsqueeze", [dy[0], g.const([axis], "int64")], [grad])
+    pads = g.const([k, size - 1 - k], "int64")
+    return [g.emit1("Pad", [grad, pads, "", g.const([axis], "int64")], like=data), None]
 
 
 def _lookup_grad(g, op, dy):

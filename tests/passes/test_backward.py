@@ -313,7 +313,7 @@ def test_dropout_reuses_the_forward_mask():
     [
         # (MaxPool has its own rule now: tests/ops/test_max_pool_grad.py)
         ("AveragePool", [r(2, 3, 6, 6)], {"kernel_shape": [2, 2], "strides": [2, 2]}),
-        ("ReduceMean", [r(3, 4, 5), torch.tensor([1])], {"keepdims": 0}),
+        ("ReduceProd", [r(3, 4, 5), torch.tensor([1])], {"keepdims": 0}),
         # Pow's tensor-exponent case (test_pow_tensor_exponent_keeps_the_general_rule) too.
         # a step other than 1: the Pad form (test_slice_pads_the_grad_back) does not apply
         ("Slice", [r(5, 6), torch.tensor([1]), torch.tensor([5]), torch.tensor([1]), torch.tensor([2])], {}),
@@ -485,3 +485,82 @@ def test_unknown_no_grad_set_entry_is_an_error():
     _, _, program = exported("mlp")
     with pytest.raises(BackwardError, match=r"no_grad_set entry 'fc1.wieght'.*did you mean 'fc1.weight'"):
         append_backward(program, loss="loss", no_grad_set={"fc1.wieght"})
+
+
+def _no_vjp(q, op_type):
+    assert not any(op.type == "Vjp" and op.attrs["op"] == op_type for op in q.ops), op_type
+
+
+@pytest.mark.parametrize("op_type", ["ReduceSum", "ReduceMean"])
+@pytest.mark.parametrize(
+    "axes,keepdims", [([1], 1), ([1], 0), ([0, -1], 0), (None, 0), ([2, 0], 1)], ids=str
+)
+def test_reduce_sum_and_mean_broadcast_the_grad_back(op_type, axes, keepdims):
+    extra = [torch.tensor(axes)] if axes is not None else []
+    q = _check_against_autograd(
+        op_type, [r(3, 4, 5), *extra], {"keepdims": keepdims}, params=[0], consts={1} if extra else None
+    )
+    _no_vjp(q, op_type)
+
+
+def test_reduce_l2_is_zero_where_the_norm_is_zero():
+    x = r(4, 5)
+    x[2] = 0.0  # a zero row: torch's norm backward gives it a zero grad, not nan
+    for keepdims in (0, 1):
+        attrs = {"keepdims": keepdims}
+        q = _check_against_autograd("ReduceL2", [x, torch.tensor([1])], attrs, params=[0], consts={1})
+        _no_vjp(q, "ReduceL2")
+
+
+@pytest.mark.parametrize("bounds", ["both", "min", "max"])
+def test_clip_passes_the_grad_inside_its_bounds(bounds):
+    x = r(4, 6)
+    x[0, 0], x[1, 1] = -0.5, 0.5  # exactly on a bound: inside (torch.clamp's backward)
+    lo, hi = torch.tensor(-0.5, dtype=torch.float64), torch.tensor(0.5, dtype=torch.float64)
+    if bounds == "max":  # clamp(max=): the min input omitted ("")
+        p, w = _single_op("Clip", [x, lo, hi], params=[0], consts={1, 2})
+        p.ops[0].inputs[1] = ""
+        q, pg = append_backward(p, loss="loss")
+        (got,) = metaopt.Executor().run(q, feed={}, fetch_list=[dict(pg)["in0"]], return_numpy=False)
+        xg = x.clone().requires_grad_(True)
+        (want,) = torch.autograd.grad((torch.clamp(xg, max=0.5) * w).sum(), [xg])
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    else:
+        ins = [x, lo, hi] if bounds == "both" else [x, lo]
+        q = _check_against_autograd("Clip", ins, params=[0], consts=set(range(1, len(ins))))
+    _no_vjp(q, "Clip")
+
+
+@pytest.mark.parametrize("index,axis", [(0, 1), (-1, 1), (2, 0), (3, -1)])
+def test_gather_of_one_constant_index_pads_the_grad_back(index, axis):
+    q = _check_against_autograd(
+        "Gather", [r(3, 4, 5), torch.tensor(index)], {"axis": axis}, params=[0], consts={1}
+    )
+    _no_vjp(q, "Gather")
+
+
+def test_cast_like_casts_the_grad_back():
+    x, like = r(3, 4, dtype=torch.float32), r(1, dtype=torch.float64)
+    q = _check_against_autograd("CastLike", [x, like], params=[0], consts={1}, tol=1e-6)
+    _no_vjp(q, "CastLike")
+
+
+@pytest.mark.parametrize(
+    "equation,shapes",
+    [
+        ("td,dnh->tnh", [(5, 4), (4, 2, 3)]),  # HF Funnel's relative positions
+        ("bij,bjk->bik", [(2, 3, 4), (2, 4, 5)]),
+        ("ij,j->i", [(3, 4), (4,)]),
+        ("i,j->ij", [(3,), (4,)]),
+        ("bhqd,bhkd->bhqk", [(2, 2, 3, 4), (2, 2, 5, 4)]),
+    ],
+)
+def test_einsum_grads_are_einsums(equation, shapes):
+    q = _check_against_autograd("Einsum", [r(*shapes[0]), r(*shapes[1], seed=1)], {"equation": equation})
+    _no_vjp(q, "Einsum")
+
+
+def test_einsum_summing_a_label_of_one_operand_keeps_the_generic_rule():
+    # i appears in the first operand only: its grad is a broadcast, not an einsum of the two
+    q = _check_against_autograd("Einsum", [r(3, 4), r(4, 5, seed=1)], {"equation": "ij,jk->k"})
+    assert any(op.type == "Vjp" and op.attrs["op"] == "Einsum" for op in q.ops)

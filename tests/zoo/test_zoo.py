@@ -12,6 +12,7 @@ import torch
 
 import metaopt
 from metaopt.frontend.capture import ExportError
+from metaopt.passes.backward import append_backward
 from metaopt.passes.recompute import recompute, resolve_checkpoints
 from zoo import harness, models
 
@@ -34,6 +35,20 @@ def test_float64_program_grads_equal_float64_torch(name):
     """To 1e-7, or 1e-5 where the model computes in float32 itself (LLaMA's RMSNorm upcasts to
     float32 and back: in a float64 model that rounds to float32): `harness.float64_worst`."""
     assert harness.check_grads_float64(models.get(name)) <= harness.FLOAT32_ISLAND_REL
+
+
+# Ops whose grad still takes the generic Vjp (autograd on the op's kernel in the backward, which
+# re-runs its forward): indexed writes (x[idx] = v, scatter) and InstanceNorm, in the zoo only
+# in edge-inplace and edge-norms. Every other op the zoo's programs hold has a rule.
+VJP_STILL = {"ScatterND", "ScatterElements", "InstanceNormalization"}
+
+
+@pytest.mark.parametrize("name", FAST)
+def test_no_common_op_takes_the_generic_vjp(name):
+    _, program = harness.export(models.get(name), 0.0)
+    q, _ = append_backward(program, loss=program.loss_name)
+    generic = {op.attrs["op"] for op in q.ops if op.type == "Vjp"}
+    assert generic <= VJP_STILL, generic - VJP_STILL
 
 
 @pytest.mark.parametrize("name", FAST)
