@@ -188,6 +188,36 @@ def _cast(g, op, dy):
     return [g.emit1("Cast", [dy[0]], like=x, to=g.onnx_dtype(x))]
 
 
+@grad_rule("HardSwish")
+def _hard_swish(g, op, dy):
+    return [g.emit1("HardSwishGrad", [dy[0], op.inputs[0]], like=op.inputs[0])]
+
+
+@grad_rule("HardSigmoid")
+def _hard_sigmoid(g, op, dy):
+    attrs = {k: op.attrs[k] for k in ("alpha", "beta") if k in op.attrs}
+    return [g.emit1("HardSigmoidGrad", [dy[0], op.inputs[0]], like=op.inputs[0], **attrs)]
+
+
+@grad_rule("Pad")
+def _pad(g, op, dy):
+    # A constant-mode pad's grad is the incoming grad with the pads taken off again: a Pad by
+    # the negated pads (torch's constant_pad_nd backward; a crop's grad is zeros put back).
+    # Reflect / edge / wrap modes fold several positions into one: the generic rule.
+    if op.attrs.get("mode", "constant") != "constant":
+        return g.vjp(op, dy)
+    if len(op.inputs) > 1 and op.inputs[1]:
+        value = g.constant_value(op.inputs[1])
+        pads = None if value is None else [int(value)] if isinstance(value, (int, float)) else value.tolist()
+    else:
+        pads = op.attrs.get("pads")
+    if pads is None:
+        return g.vjp(op, dy)
+    axes = op.inputs[3] if len(op.inputs) > 3 else ""
+    inputs = [dy[0], g.const([-int(v) for v in pads], "int64"), "", *([axes] if axes else [])]
+    return [g.emit1("Pad", inputs, like=op.inputs[0])] + [None] * (len(op.inputs) - 1)
+
+
 @grad_rule("CastLike")
 def _cast_like(g, op, dy):
     x = op.inputs[0]

@@ -564,3 +564,24 @@ def test_einsum_summing_a_label_of_one_operand_keeps_the_generic_rule():
     # i appears in the first operand only: its grad is a broadcast, not an einsum of the two
     q = _check_against_autograd("Einsum", [r(3, 4), r(4, 5, seed=1)], {"equation": "ij,jk->k"})
     assert any(op.type == "Vjp" and op.attrs["op"] == "Einsum" for op in q.ops)
+
+
+@pytest.mark.parametrize(
+    "op_type,attrs", [("HardSwish", {}), ("HardSigmoid", {}), ("HardSigmoid", {"alpha": 1 / 6})]
+)
+def test_hard_activations_have_their_own_grads(op_type, attrs):
+    x = r(5, 7) * 4
+    x[0, :3] = torch.tensor([-3.0, 3.0, 0.0], dtype=torch.float64)  # on the kinks
+    q = _check_against_autograd(op_type, [x], attrs)
+    _no_vjp(q, op_type)
+
+
+@pytest.mark.parametrize(
+    "pads,axes", [([1, 0, 2, 3], None), ([0, -1, 0, 2], None), ([2, 1], [1]), ([1, 1], [-2])], ids=str
+)
+def test_constant_pad_takes_its_pads_off_the_grad(pads, axes):
+    fill = torch.tensor(0.5, dtype=torch.float64)
+    extra = [torch.tensor(pads), fill] + ([torch.tensor(axes)] if axes else [])
+    consts = set(range(1, 1 + len(extra)))
+    q = _check_against_autograd("Pad", [r(4, 5), *extra], {}, params=[0], consts=consts)
+    _no_vjp(q, "Pad")

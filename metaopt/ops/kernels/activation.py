@@ -9,6 +9,7 @@ those nodes (Flatten -> op(axis=-1) -> Reshape) or refuse them.
 from __future__ import annotations
 
 import math
+import struct
 from typing import Any
 
 import torch
@@ -49,8 +50,19 @@ def selu(X: torch.Tensor, alpha: float = _SELU_ALPHA, gamma: float = _SELU_GAMMA
     return gamma * torch.where(X > 0, X, alpha * torch.expm1(X))
 
 
+def is_torch_hardsigmoid(alpha: float, beta: float) -> bool:
+    """Is this ONNX HardSigmoid torch's nn.Hardsigmoid (relu6(x + 3) / 6)? Its alpha arrives as
+    float32(1/6), 0.16666667: computed as written, a float64 model would be 3e-8 off torch."""
+    return beta == 0.5 and struct.unpack("f", struct.pack("f", alpha))[0] == _SIXTH32
+
+
+_SIXTH32 = struct.unpack("f", struct.pack("f", 1 / 6))[0]
+
+
 @register("HardSigmoid")
 def hard_sigmoid(X: torch.Tensor, alpha: float = 0.2, beta: float = 0.5) -> torch.Tensor:
+    if is_torch_hardsigmoid(alpha, beta):
+        return F.hardsigmoid(X)
     return torch.clamp(X * alpha + beta, 0.0, 1.0)
 
 

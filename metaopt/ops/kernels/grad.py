@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from metaopt.ops import registry
+from metaopt.ops.kernels.activation import is_torch_hardsigmoid
 from metaopt.ops.kernels.loss import _NO_IGNORE as NO_IGNORE  # the forward kernel's choice
 from metaopt.ops.kernels.nn import in_memory_format, is_channels_last
 from metaopt.ops.registry import SAME, register
@@ -189,6 +190,23 @@ def rms_norm_grad(
         c = (g * xhat).mean(-1, keepdim=True)
         dx = g.addcmul_(xhat, c, value=-1.0).mul_(rstd).to(dtype)
     return (dx, dscale)[:_nout]
+
+
+@register("HardSwishGrad", domain="metaopt", fresh_outputs=True)
+def hard_swish_grad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return aten.hardswish_backward(dy, x)
+
+
+@register("HardSigmoidGrad", domain="metaopt", fresh_outputs=True)
+def hard_sigmoid_grad(
+    dy: torch.Tensor, x: torch.Tensor, alpha: float = 0.2, beta: float = 0.5
+) -> torch.Tensor:
+    """The grad of the HardSigmoid row: torch's hardsigmoid_backward for torch's op, else the
+    clamp's autograd, op for op (the grad where 0 <= v <= 1, times alpha)."""
+    if is_torch_hardsigmoid(alpha, beta):
+        return aten.hardsigmoid_backward(dy, x)
+    v = x * alpha + beta
+    return torch.where((v >= 0) & (v <= 1), dy, 0.0) * alpha
 
 
 @register("SiluGrad", domain="metaopt", fresh_outputs=True)
