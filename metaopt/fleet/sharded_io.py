@@ -54,6 +54,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -290,13 +291,30 @@ def _step_dir(step: int) -> str:
     return f"step-{step:08d}"
 
 
+LATEST_MAX_BYTES = 64  # "step-NNNNNNNN" and a newline
+INFO_MAX_BYTES = 256 << 20  # metaopt.json: a few hundred bytes per var
+
+
+def _read_bounded(path: Path, limit: int) -> bytes:
+    """`path`'s bytes, refused past `limit` without reading further (a sparse file can claim
+    a terabyte while holding nothing): a CheckpointError that names the file, never its content."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError as e:
+        raise CheckpointError(f"{path} is not readable: {e.strerror or e}") from None
+    if len(data) > limit:
+        raise CheckpointError(f"{path} is larger than {limit} bytes: not a file metaopt wrote")
+    return data
+
+
 def _read_latest(root: Path) -> str | None:
     path = root / LATEST
     if not path.is_file():
         return None
-    text = path.read_text(encoding="utf-8", errors="replace").strip()
+    text = _read_bounded(path, LATEST_MAX_BYTES).decode("utf-8", errors="replace").strip()
     if not _STEP_DIR.match(text):
-        raise CheckpointError(f"{path} does not name a checkpoint folder (step-NNNNNNNN): {text[:80]!r}")
+        raise CheckpointError(f"{path} does not name a checkpoint folder (step-NNNNNNNN)")
     return text
 
 
@@ -358,9 +376,7 @@ def save_sharded(
     exe: Any, dirname: str | os.PathLike, program: Program, *, step: int | None = None, keep_last: int = 3
 ) -> str:
     """Every worker calls this with the same `dirname`; returns the complete checkpoint's folder."""
-    import torch.distributed.checkpoint as dcp  # imported here: it takes a second (dcp_glue.py)
 
-    from metaopt.fleet import dcp_glue
 
     if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
         raise ValueError(f"save_persistables: keep_last must be an int >= 1, got {keep_last!r}")
@@ -403,11 +419,40 @@ def save_sharded(
     if rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
-            _clean_leftovers(root)
-            partial.mkdir()
+            problem = _take_lock(root)
+            if problem is None:
+                _clean_leftovers(root)
+                partial.mkdir()
         except OSError as e:
             problem = f"cannot prepare {partial}: {e}"
     _agree_or_raise(problem, f"save_persistables into {root}")
+    try:
+        return _write_and_commit(
+            state, info, root, partial, name, program, group, steps[0], keep_last, rank, size
+        )
+    finally:
+        if rank == 0:
+            _release_lock(root)
+
+
+def _write_and_commit(  # noqa: PLR0913 - the save's state, handed on from save_sharded
+    state: dict[str, Any],
+    info: dict[str, dict[str, Any]],
+    root: Path,
+    partial: Path,
+    name: str,
+    program: Program,
+    group: Any,
+    step: int,
+    keep_last: int,
+    rank: int,
+    size: int,
+) -> str:
+    """Every worker writes its part into `partial`; worker 0 commits it as `root/name`."""
+    import torch.distributed.checkpoint as dcp
+
+    from metaopt.fleet import dcp_glue
+
     for key, t in rng_states().items():
         state[f"{_RNG}/{rank}/{key}"] = t
     with warnings.catch_warnings():  # one worker (tests, tools) saving this format is meant
@@ -423,11 +468,58 @@ def save_sharded(
     problem = None
     if rank == 0:
         try:
-            _commit(root, partial, name, _merge_info(all_info), _layout(program, group), steps[0], keep_last)
+            _commit(root, partial, name, _merge_info(all_info), _layout(program, group), step, keep_last)
         except (OSError, CheckpointError) as e:
             problem = f"cannot complete {root / name}: {e}"
     _agree_or_raise(problem, f"save_persistables into {root}")
     return str(root / name)
+
+
+LOCK = ".saving"  # "pid host": the job saving into the folder now
+
+
+def _take_lock(root: Path) -> str | None:
+    """Claim `root` for this job's save (worker 0 only), or say which job has it. A lock whose
+    owner is gone (same host, no such process) is taken over: a killed save leaves one."""
+    path = root / LOCK
+    mine = f"{os.getpid()} {socket.gethostname()}\n".encode()
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            owner = _read_bounded(path, 256).decode("utf-8", errors="replace").split()
+            pid, host = (int(owner[0]) if owner and owner[0].isdigit() else None), (owner[1:2] or ["?"])[0]
+            if pid is not None and host == socket.gethostname() and not _alive(pid):
+                path.unlink(missing_ok=True)  # its owner died mid-save
+                continue
+            return (
+                f"another job (pid {pid} on host {host}) is saving into {root} now ({path}); save "
+                f"into another folder, or remove {path} if that job is gone"
+            )
+        with os.fdopen(fd, "wb") as f:
+            f.write(mine)
+        return None
+    return f"cannot claim {root} for saving ({path} keeps coming back)"
+
+
+def _release_lock(root: Path) -> None:
+    path = root / LOCK
+    try:
+        owner = _read_bounded(path, 256).decode("utf-8", errors="replace").split()
+    except CheckpointError:
+        return
+    if owner[:1] == [str(os.getpid())]:
+        path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _entry(v: Var, t: torch.Tensor, place: MPPlace | None) -> tuple[Any, dict[str, Any]]:
@@ -555,6 +647,8 @@ def find_checkpoint(dirname: str | os.PathLike) -> Path | None:
     folder = root / latest
     if not folder.exists() and (root / f".{latest}.old" / INFO).is_file():
         folder = root / f".{latest}.old"  # a save of the same step killed between its renames
+    if folder.is_symlink():  # metaopt never makes one: it would load another folder's files
+        raise CheckpointError(f"{folder} is a symbolic link: a checkpoint's step folder must be a folder")
     if not (folder / INFO).is_file():
         raise CheckpointError(f"{root / LATEST} names {latest}, which is not a complete checkpoint in {root}")
     return folder
@@ -563,9 +657,12 @@ def find_checkpoint(dirname: str | os.PathLike) -> Path | None:
 def _read_info(folder: Path) -> dict[str, Any]:
     path = folder / INFO
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path} is not readable: {e}") from None
+        meta = json.loads(_read_bounded(path, INFO_MAX_BYTES).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        what = f"{type(e).__name__} at byte {_where(e)}"
+        raise CheckpointError(f"{path} is not readable JSON ({what})") from None
+    except RecursionError:
+        raise CheckpointError(f"{path} is nested too deeply to be a checkpoint description") from None
     ok = (
         isinstance(meta, dict)
         and meta.get("format") == FORMAT
@@ -580,6 +677,10 @@ def _read_info(folder: Path) -> dict[str, Any]:
             f"{path} has format version {meta.get('version')!r}; this metaopt reads <= {VERSION}"
         )
     return meta
+
+
+def _where(e: Exception) -> object:
+    return getattr(e, "pos", None) if isinstance(e, json.JSONDecodeError) else getattr(e, "start", None)
 
 
 def _shape_ok(got: list[int], want: tuple | None) -> bool:
@@ -607,6 +708,15 @@ def _check_vars(folder: Path, meta: dict, want: list[Var], md: Metadata) -> str 
         tm = md.state_dict_metadata[v.name]
         if not isinstance(tm, dcp_meta.TensorStorageMetadata) or list(tm.size) != list(s["shape"]):
             return f"var {v.name!r}: DCP's metadata in {folder} disagrees with {INFO}"
+        if getattr(tm.properties, "dtype", None) != _torch_dtype(v.dtype):
+            got = getattr(tm.properties, "dtype", None)
+            return f"var {v.name!r} is stored as {got} in {folder}'s DCP metadata, but {INFO} says {v.dtype}"
+        for chunk in tm.chunks:
+            ends = [o + n for o, n in zip(chunk.offsets, chunk.sizes, strict=False)]
+            if len(ends) != len(tm.size) or any(o < 0 for o in chunk.offsets) or any(
+                e > d for e, d in zip(ends, tm.size, strict=True)
+            ):
+                return f"var {v.name!r}: a stored piece in {folder} lies outside its shape {list(tm.size)}"
     return None
 
 

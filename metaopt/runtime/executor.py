@@ -224,6 +224,13 @@ class Executor:
                 raise TypeError(f"feed {name!r} has dtype {t.dtype}, the program expects {want}")
             _check_shape(name, tuple(t.shape), var.shape, bound)
             out[name] = t.to(self.device, non_blocking=True)
+        empty = [(dim, who) for dim, (n, who) in bound.items() if n == 0]
+        if empty and p.updates:  # a step that updates state from no samples (Adam would step)
+            dim, who = empty[0]
+            raise ValueError(
+                f"feed {who!r} binds {dim!r} to 0: program {p.name!r} updates its state every run, "
+                "and an empty batch has nothing to learn from (skip the step instead)"
+            )
         return out
 
     # --- inspection ------------------------------------------------------------

@@ -398,3 +398,79 @@ def test_the_layout_the_pass_records_reaches_the_optimizer_state_and_round_trips
     moments = [v for v in program.vars.values() if v.kind == "opt_state" and v.split is not None]
     assert len(moments) == 2 * len(split)  # MOMENT1 and MOMENT2 of each
     assert parse_program(str(program)).vars == program.vars
+
+
+def test_a_latest_pointing_at_another_file_never_echoes_it(tmp_path):
+    _save(tmp_path, 1, 1.0)
+    latest = tmp_path / "ckpt" / "latest"
+    latest.unlink()
+    secret = tmp_path / "secret"
+    secret.write_text("TOKEN=hunter2\n")
+    latest.symlink_to(secret)
+    with pytest.raises(sharded_io.CheckpointError, match=r"does not name a checkpoint folder") as e:
+        fleet.load_persistables(metaopt.Executor("cpu"), tmp_path / "ckpt", _program())
+    assert "hunter2" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["latest", "metaopt.json"])
+def test_a_huge_sparse_pointer_or_description_is_refused_unread(tmp_path, name):
+    _save(tmp_path, 1, 1.0)
+    path = tmp_path / "ckpt" / (name if name == "latest" else f"step-00000001/{name}")
+    with open(path, "r+b") as f:
+        f.truncate(1 << 30)  # 1 GiB that takes no disk
+    with pytest.raises(sharded_io.CheckpointError, match=r"is larger than \d+ bytes"):
+        fleet.load_persistables(metaopt.Executor("cpu"), tmp_path / "ckpt", _program())
+
+
+def test_a_deeply_nested_description_is_a_checkpoint_error(tmp_path):
+    _save(tmp_path, 1, 1.0)
+    (tmp_path / "ckpt" / "step-00000001" / "metaopt.json").write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(sharded_io.CheckpointError, match=r"nested too deeply"):
+        fleet.load_persistables(metaopt.Executor("cpu"), tmp_path / "ckpt", _program())
+
+
+def test_a_step_folder_that_is_a_symlink_out_of_the_checkpoint_is_refused(tmp_path):
+    _save(tmp_path, 1, 1.0)
+    ckpt = tmp_path / "ckpt"
+    elsewhere = tmp_path / "elsewhere"
+    (ckpt / "step-00000001").rename(elsewhere)
+    (ckpt / "step-00000001").symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(sharded_io.CheckpointError, match=r"is a symbolic link"):
+        fleet.load_persistables(metaopt.Executor("cpu"), ckpt, _program())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.int64])
+def test_a_stored_dtype_other_than_the_description_is_refused(tmp_path, dtype):
+    _save(tmp_path, 1, 1.0)
+    folder = tmp_path / "ckpt" / "step-00000001"
+    md = dcp_glue.SafeReader(folder).read_metadata()
+    md.state_dict_metadata["w"].properties.dtype = dtype
+    md.storage_meta = None
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(sharded_io.CheckpointError, match=rf"'w' is stored as {dtype}.*says float32"):
+        fleet.load_persistables(metaopt.Executor("cpu"), tmp_path / "ckpt", _program())
+
+
+def test_a_second_job_saving_into_the_same_folder_is_refused_by_name(tmp_path):
+    """The lock file names its owner (pid, host); a live owner refuses the second save before it
+    touches anything (before, it removed the first job's partial folder and died with a raw
+    FileNotFoundError), a dead one is taken over (a killed save left it)."""
+    import socket
+    import subprocess
+    import sys
+
+    _save(tmp_path, 1, 1.0)
+    ckpt = tmp_path / "ckpt"
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (ckpt / sharded_io.LOCK).write_text(f"{other.pid} {socket.gethostname()}\n")
+        (ckpt / ".step-00000002.partial").mkdir()  # the other job's save in progress
+        with pytest.raises(sharded_io.CheckpointError, match=rf"another job \(pid {other.pid} on host"):
+            _save(tmp_path, 2, 2.0)
+        assert (ckpt / ".step-00000002.partial").is_dir()  # untouched
+    finally:
+        other.kill()
+        other.wait()
+    (ckpt / ".step-00000002.partial").rmdir()
+    assert _save(tmp_path, 2, 2.0).endswith("step-00000002")  # its owner is gone: taken over
+    assert not (ckpt / sharded_io.LOCK).exists()

@@ -60,3 +60,22 @@ def test_a_batch_that_splits_still_trains():
     p = _piped(2)
     (loss,) = metaopt.Executor("cpu").run(p, feed=_feed(4), fetch_list=[p.loss])
     assert loss.shape == () and float(loss) > 0
+
+
+def test_an_empty_batch_is_refused_by_a_training_step_and_nothing_changes():
+    torch.manual_seed(0)
+    p = metaopt.export(_Net(), (torch.randn(4, 4), torch.randint(0, 3, (4,))))
+    metaopt.optimizer.Adam(learning_rate=0.1).minimize(p.loss)
+    exe = metaopt.Executor("cpu")
+    exe.run(p, feed=_feed(4), fetch_list=[p.loss])
+    before = {k: v.clone() for k, v in exe.scope.items()}
+    with pytest.raises(ValueError, match=r"feed 'x' binds 'batch' to 0: .* updates its state"):
+        exe.run(p, feed=_feed(0), fetch_list=[p.loss])
+    assert all(torch.equal(before[k], exe.scope[k]) for k in before)
+
+
+def test_an_empty_batch_still_runs_a_forward_only_program():
+    torch.manual_seed(0)
+    p = metaopt.export(_Net(), (torch.randn(4, 4), torch.randint(0, 3, (4,))))
+    (loss,) = metaopt.Executor("cpu").run(p, feed=_feed(0), fetch_list=[p.loss])
+    assert torch.isnan(torch.as_tensor(loss))  # the mean of nothing, as in torch
