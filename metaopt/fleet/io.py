@@ -43,6 +43,7 @@ import torch
 from metaopt.atomic import atomic_write
 from metaopt.fleet import sharded_io
 from metaopt.ir import Program, Var, did_you_mean, dtype_name, eval_dim
+from metaopt.ops import rng_streams
 
 logger = logging.getLogger("metaopt.fleet")
 
@@ -271,7 +272,7 @@ def _load_file(exe: Any, path: str, program: Program, *, strict: bool, rng: bool
 
     sharded_io.into_scope(exe, {v.name: _part(v, tensors[v.name], place) for v in want})
     if rng:
-        _restore_rng(path, obj["rng"])
+        _restore_rng(path, obj["rng"], program)
     return [v.name for v in want]
 
 
@@ -283,13 +284,14 @@ def _part(v: Var, t: torch.Tensor, place: sharded_io.MPPlace | None) -> torch.Te
     return sharded_io.local_part(t, v.split, place.index)
 
 
-def _restore_rng(path: str, rng: dict[str, Any]) -> None:
+def _restore_rng(path: str, rng: dict[str, Any], program: Program) -> None:
     torch.set_rng_state(rng["cpu"])
     streams = dict(rng.get("streams", {}))
+    used = {op.attrs.get(rng_streams.STREAM_ATTR) for op in program.ops}
     for name, (_, set_states) in sharded_io._RNG_STREAMS.items():
         if streams.get(name):
             set_states(dict(streams[name]))
-        else:
+        elif name in used:  # a stream the program draws from, which the save never had
             logger.warning("load_persistables: %s has no state of RNG stream %r: left as it is", path, name)
     cuda = [s for s in rng.get("cuda", []) if isinstance(s, torch.Tensor)]
     if cuda:

@@ -213,3 +213,26 @@ def test_cuda_round_trip(tmp_path):
     assert all(t.is_cuda for t in fresh.scope.values())
     assert _bits(fresh.scope["w"]) == _bits(exe.scope["w"])
     assert torch.equal(torch.rand(4, device="cuda"), want)
+
+
+def test_a_stream_the_program_never_draws_from_is_not_warned_about(tmp_path, caplog):
+    """A one-process save has no model-parallel RNG state (nothing drew from it); loading it
+    into the same program says nothing. A program that does draw from that stream is told."""
+    import logging
+
+    from metaopt.ops import rng_streams
+
+    p = _program()
+    exe = _trained_executor(p)
+    fleet.save_persistables(exe, str(tmp_path), p)
+    state = torch.load(tmp_path / "persistables.pt", weights_only=True)
+    state["rng"]["streams"].pop(rng_streams.MODEL_PARALLEL, None)  # as a save that never drew from it
+    torch.save(state, tmp_path / "persistables.pt")
+    with caplog.at_level(logging.WARNING, logger="metaopt.fleet"):
+        fleet.load_persistables(metaopt.Executor("cpu"), str(tmp_path), p)
+    assert "RNG stream" not in caplog.text
+    mp = _program()
+    mp.ops[1].attrs.update(rng_streams.model_parallel_attrs([0]))
+    with caplog.at_level(logging.WARNING, logger="metaopt.fleet"):
+        fleet.load_persistables(metaopt.Executor("cpu"), str(tmp_path), mp)
+    assert f"no state of RNG stream '{rng_streams.MODEL_PARALLEL}'" in caplog.text
