@@ -70,7 +70,10 @@ def summary(p: Program, batch: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line; a refusal or a bad file is one line on stderr (exit 2), its traceback
+    only with ``--debug``."""
     ap = argparse.ArgumentParser(prog="python -m metaopt")
+    ap.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = ap.add_subparsers(dest="cmd", required=True)
     show = sub.add_parser("show", help="print a program in the golden text format, with a summary")
     show.add_argument("source", help="model.onnx, or module:function[(literal args)]")
@@ -82,8 +85,17 @@ def main(argv: list[str] | None = None) -> int:
     show.add_argument("--summary-only", action="store_true", help="print only the summary")
     _add_memory_parser(sub)
     args = ap.parse_args(argv)
-    if args.cmd == "memory":
-        return _memory(args)
+    try:
+        return _memory(args) if args.cmd == "memory" else _show(args)
+    except Exception as e:  # noqa: BLE001 - the CLI's one line; --debug shows the rest
+        if args.debug:
+            raise
+        text = " ".join(str(e).split()) or type(e).__name__
+        sys.stderr.write(f"error: {type(e).__name__}: {text} (--debug for the traceback)\n")
+        return 2
+
+
+def _show(args: argparse.Namespace) -> int:
     program = resolve_source(args.source, training=args.training)
     if not args.summary_only:
         sys.stdout.write(str(program))

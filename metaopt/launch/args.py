@@ -129,6 +129,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
+MAX_NPROC_ENV = "METAOPT_MAX_NPROC_PER_NODE"
+
+
+def max_nproc_per_node(environ: Mapping[str, str]) -> int:
+    """The most workers one node starts: 4 per core (at least 8), or `MAX_NPROC_ENV`. A mistyped
+    10000 would otherwise start until the machine gives out (1000 workers: 7 GB in 15 s)."""
+    raw = environ.get(MAX_NPROC_ENV, "").strip()
+    if raw.isdigit() and int(raw) > 0:
+        return int(raw)
+    return max(8, 4 * (os.cpu_count() or 1))
+
+
 def _int_flag(flag: str, raw: str | None, lo: int, hi: int | None = None) -> int | None:
     if raw is None:
         return None
@@ -236,6 +248,12 @@ def plan_launch(
         raise LaunchError(f"--gpus={ns.gpus} and --devices={ns.devices} disagree (they are the same flag)")
     gpu_flag, gpu_raw = ("--gpus", ns.gpus) if ns.gpus is not None else ("--devices", ns.devices)
     nproc = _int_flag("--nproc_per_node", ns.nproc_per_node, 1)
+    limit = max_nproc_per_node(environ)
+    if nproc is not None and nproc > limit:
+        raise LaunchError(
+            f"--nproc_per_node={nproc} is more than {limit} workers on one node "
+            f"(4 per CPU core, at least 8); set {MAX_NPROC_ENV}=N to allow more"
+        )
     gpus: tuple[str, ...] | None
     if gpu_raw is not None:
         gpus = resolve_gpus(gpu_flag, gpu_raw, environ, device_count)
@@ -307,6 +325,11 @@ def plan_launch(
         raise LaunchError("--log_dir: must not be empty")
     if os.path.exists(ns.log_dir) and not os.path.isdir(ns.log_dir):
         raise LaunchError(f"--log_dir={ns.log_dir}: exists and is not a directory")
+    parent = os.path.dirname(os.path.abspath(ns.log_dir))
+    while parent and not os.path.exists(parent):  # the nearest existing ancestor must be a folder
+        parent = os.path.dirname(parent) if os.path.dirname(parent) != parent else ""
+    if parent and not os.path.isdir(parent):
+        raise LaunchError(f"--log_dir={ns.log_dir}: {parent} is not a directory")
 
     return LaunchPlan(
         script=ns.training_script,

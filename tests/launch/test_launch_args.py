@@ -236,3 +236,19 @@ def test_failure_summary_names_the_first_failure_and_shows_its_log(tmp_path):
     assert "rank 3 also failed with exit code 4" in text
     assert "ended the other workers (rank 0, 1)" in text
     assert "ValueError: bad lr" in text and "line 11" in text and "line 10\n" not in text  # last 20 lines
+
+
+def test_a_worker_count_past_the_node_limit_is_refused_naming_the_knob(script):
+    """--nproc_per_node=10000 died with a raw E2BIG; 1000 started 1000 workers (7 GB in 15 s)."""
+    too_many = r"--nproc_per_node=10000 is more than \d+ workers .*METAOPT_MAX_NPROC_PER_NODE"
+    with pytest.raises(LaunchError, match=too_many):
+        plan(["--nproc_per_node=10000", script])
+    assert plan(["--nproc_per_node=12", script], {"METAOPT_MAX_NPROC_PER_NODE": "16"}).nproc_per_node == 12
+    with pytest.raises(LaunchError, match="more than 4 workers"):
+        plan(["--nproc_per_node=5", script], {"METAOPT_MAX_NPROC_PER_NODE": "4"})
+
+
+def test_a_log_dir_under_a_file_is_refused(script, tmp_path):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(LaunchError, match=r"--log_dir=afile/logs/deeper: .*afile is not a directory"):
+        plan(["--log_dir=afile/logs/deeper", script])

@@ -245,3 +245,13 @@ def test_memory_draws_the_prediction_of_such_a_step_without_running_it(tmp_path,
     src = tmp_path / "bomb.onnx"
     _tiny_file_with_a_huge_step(src)
     assert main(["memory", str(src), "--batch", "8", "--no-measure", "--out", str(tmp_path / "pic")]) == 0
+
+
+def test_cli_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"garbage")
+    assert main(["show", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ModelLoadError: ") and "Traceback" not in err
+    with pytest.raises(Exception, match="not a valid ONNX model"):
+        main(["--debug", "show", str(bad)])
