@@ -545,6 +545,16 @@ def _validate_external(ref: _TensorRef, folder: str, real_folder: str, label: st
         raise _ref_error(label, ref, location, f"resolves outside the model's folder {folder!r}")
     _check_bounds(ref, location, offset, length, info.st_size, label)
     size = info.st_size - offset if length is None else length
+    allocated = getattr(info, "st_blocks", None)
+    if allocated is not None and size > SPARSE_SLACK and allocated * 512 + SPARSE_SLACK < size:
+        # A sparse file claims bytes it does not hold (reading them would allocate them all as
+        # zeros); onnx never writes one. st_blocks counts 512-byte units on every POSIX system.
+        raise _ref_error(
+            label,
+            ref,
+            location,
+            f"{path!r} is sparse: {size} bytes to read but {allocated * 512} allocated on disk",
+        )
     return _ExternalRead(ref, location, path, offset, size, (info.st_dev, info.st_ino))
 
 
@@ -565,6 +575,9 @@ def _check_bounds(
 
 
 # --------------------------------------------------------------------------- reading
+
+
+SPARSE_SLACK = 1 << 20  # holes a filesystem may leave in a real file (block rounding, tails)
 
 
 def _load_external(read: _ExternalRead, label: str) -> None:

@@ -445,3 +445,17 @@ def test_modules_metadata_must_be_a_mapping(tmp_path):
     _model_meta(model, onnx_save.MODULES_KEY, json.dumps(["a"]))
     with pytest.raises(ImportError_, match=r"saved\.onnx: model metadata 'metaopt\.modules' must map"):
         metaopt.load(_rewrite(model, path))
+
+
+def test_sparse_external_data_is_refused_unread(tmp_path):
+    """An 8 GiB external file that takes no disk (under the 16 GiB tensor limit) was read whole."""
+    with open(tmp_path / "w.bin", "wb") as f:
+        f.truncate(1 << 33)
+    t = _raw_tensor("w", [1 << 31])
+    t.data_location = TensorProto.EXTERNAL
+    t.external_data.add(key="location", value="w.bin")
+    path = tmp_path / "m.onnx"
+    path.write_bytes(_with_initializer(t).SerializeToString())
+    sparse = r"w\.bin. is sparse: 8589934592 bytes to read but \d+ allocated"
+    with pytest.raises(ModelLoadError, match=sparse):
+        metaopt.load(path)
