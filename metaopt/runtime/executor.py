@@ -6,6 +6,7 @@ across runs; every other var is freed right after its last use (see `plan`).
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -19,6 +20,8 @@ from metaopt.runtime.context import Runtime
 from metaopt.runtime.memory import MemoryTracker, TimelineTracker
 from metaopt.runtime.place import Place, resolve
 from metaopt.runtime.plan import Plan, build_plan
+
+logger = logging.getLogger("metaopt.runtime")
 
 MAX_PLANS = 32  # compiled plans kept per executor (each holds its program's constants)
 
@@ -68,8 +71,26 @@ class Executor:
             out = self._run_part(program, feed or {}, fetches)
         watch_loss_scale(self.runtime, program)  # AMP: warns on stalled steps; once per step, not per op
         if return_numpy:
-            return [_to_numpy(t) for t in out]
+            values = [_to_numpy(t) for t in out]
+            if program.loss_name in fetches:  # on the host already: checking it costs no sync
+                self._watch_loss(program, values[fetches.index(program.loss_name)])
+            return values
         return list(out)
+
+    def _watch_loss(self, program: Program, loss: Any) -> None:
+        """Warn when a fetched loss is NaN or inf: the update that followed it has likely made
+        params NaN, silently otherwise. Rate-limited: the 1st, 10th, 100th ... such run."""
+        if np.all(np.isfinite(loss)):
+            return
+        self._bad_losses = n = getattr(self, "_bad_losses", 0) + 1
+        if str(n).rstrip("0") == "1":  # 1, 10, 100, ...
+            logger.warning(
+                "program %r: the loss is %s (%d run(s) so far): the step's update may have made "
+                "params NaN; check the feed for NaN/inf and the learning rate",
+                program.name,
+                np.asarray(loss).ravel()[0] if np.asarray(loss).size else loss,
+                n,
+            )
 
     def _start_step(self) -> None:
         self._tracker.start_run()

@@ -79,3 +79,21 @@ def test_an_empty_batch_still_runs_a_forward_only_program():
     p = metaopt.export(_Net(), (torch.randn(4, 4), torch.randint(0, 3, (4,))))
     (loss,) = metaopt.Executor("cpu").run(p, feed=_feed(0), fetch_list=[p.loss])
     assert torch.isnan(torch.as_tensor(loss))  # the mean of nothing, as in torch
+
+
+def test_a_nan_loss_is_warned_about_at_the_1st_and_10th_run(caplog):
+    import logging
+
+    torch.manual_seed(0)
+    p = metaopt.export(_Net(), (torch.randn(4, 4), torch.randint(0, 3, (4,))))
+    metaopt.optimizer.SGD(learning_rate=0.1).minimize(p.loss)
+    exe = metaopt.Executor("cpu")
+    bad = _feed(4)
+    bad["x"][0, 0] = float("nan")
+    with caplog.at_level(logging.WARNING, logger="metaopt.runtime"):
+        exe.run(p, feed=_feed(4), fetch_list=[p.loss])
+        assert "the loss is" not in caplog.text
+        for _ in range(10):
+            exe.run(p, feed=bad, fetch_list=[p.loss])
+    warned = [r.getMessage() for r in caplog.records if "the loss is nan" in r.getMessage()]
+    assert len(warned) == 2 and "(1 run(s) so far)" in warned[0] and "(10 run(s)" in warned[1], warned
