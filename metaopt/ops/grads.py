@@ -252,13 +252,7 @@ def _reduce_l2(g, op, dy):
     axes = _reduce_axes(g, op, None if xs is None else len(xs))
     if xs is None or axes is None:
         return g.vjp(op, dy)
-    grad = dy[0]
-    if not op.attrs.get("keepdims", 1):
-        kept = tuple(1 if i in axes else d for i, d in enumerate(xs))
-        grad, prev = g.temp(x, shape=kept), grad
-        g.emit("Unsqueeze", [prev, g.const(axes, "int64")], [grad])
-        norm, prev = g.temp(x, shape=kept), norm
-        g.emit("Unsqueeze", [prev, g.const(axes, "int64")], [norm])
+    grad, norm = _with_kept_dims(g, op, dy[0], axes), _with_kept_dims(g, op, norm, axes)
     kept = g.shape(grad)
     scale = g.temp(x, shape=kept)
     g.emit("Div", [grad, norm], [scale])
@@ -344,11 +338,7 @@ def _reduce_sum_mean(g, op, dy):
     axes = _reduce_axes(g, op, None if xs is None else len(xs))
     if xs is None or axes is None or any(not isinstance(xs[a], int) for a in axes):
         return g.vjp(op, dy)
-    grad = dy[0]
-    if not op.attrs.get("keepdims", 1):
-        kept = tuple(1 if i in axes else d for i, d in enumerate(xs))
-        grad, prev = g.temp(x, shape=kept), grad
-        g.emit("Unsqueeze", [prev, g.const(axes, "int64")], [grad])
+    grad = _with_kept_dims(g, op, dy[0], axes)
     if op.type == "ReduceMean":
         n = 1
         for a in axes:
@@ -358,6 +348,18 @@ def _reduce_sum_mean(g, op, dy):
         g.emit("Div", [prev, g.const(float(n), g.dtype(x))], [grad])
     target = [d if isinstance(d, int) else 1 for d in xs]
     return [g.emit1("Expand", [grad, g.const(target, "int64")], like=x)] + [None] * (len(op.inputs) - 1)
+
+
+def _with_kept_dims(g, op, value: str, axes: list[int]) -> str:
+    """A reduce op's output-shaped `value` with the reduced axes back as 1s (itself when the op
+    kept them: keepdims=1)."""
+    if op.attrs.get("keepdims", 1):
+        return value
+    x = op.inputs[0]
+    kept = tuple(1 if i in axes else d for i, d in enumerate(g.var(x).shape))
+    out = g.temp(x, shape=kept)
+    g.emit("Unsqueeze", [value, g.const(axes, "int64")], [out])
+    return out
 
 
 def _reduce_axes(g, op, rank: int | None) -> list[int] | None:
@@ -386,7 +388,11 @@ def _slice(g, op, dy):
     # slice written), so the backward keeps neither the input nor a re-run of the forward.
     pads = _slice_pads(g, op)
     if pads is None:
-        return g.vjp(op, dy)
+        strided = _strided_slice(g, op)
+        if strided is None:
+            return g.vjp(op, dy)
+        grad = g.emit1("SliceGrad", [dy[0]], like=op.inputs[0], **strided)
+        return [grad] + [None] * (len(op.inputs) - 1)
     axes, before, after = pads
     if not any(before) and not any(after):  # x[:, ...]: the whole input, its grad as it came
         return [dy[0]] + [None] * (len(op.inputs) - 1)
@@ -425,6 +431,33 @@ def _slice_pads(g, op) -> tuple[list[int], list[int], list[int]] | None:
         before.append(lo)
         after.append(n - max(hi, lo))
     return out_axes, before, after
+
+
+def _strided_slice(g, op) -> dict | None:
+    """SliceGrad's attrs for a Slice with constant bounds and positive steps (x[:, ::2], Swin's
+    patch merging), or None (run-time bounds, a negative step, a sliced dim of unknown size)."""
+    xs = g.var(op.inputs[0]).shape
+    if xs is None or len(op.inputs) < 3:
+        return None
+    bounds = [g.constant_value(x) if x else None for x in op.inputs[1:5]]
+    bounds += [None] * (4 - len(bounds))
+    starts, ends, axes, steps = (_as_ints(b) for b in bounds)
+    if starts is None or ends is None or len(starts) != len(ends):
+        return None
+    axes = axes if axes is not None else list(range(len(starts)))
+    steps = steps if steps is not None else [1] * len(starts)
+    if len(axes) != len(starts) or len(steps) != len(starts) or any(s <= 0 for s in steps):
+        return None
+    rank = len(xs)
+    norm_axes, norm_starts = [], []
+    for ax, start, end, step in zip(axes, starts, ends, steps, strict=True):
+        n = xs[ax % rank]
+        if not isinstance(n, int):
+            return None
+        norm_axes.append(ax % rank)
+        norm_starts.append(slice(start, end, step).indices(n)[0])
+    sizes = [d if isinstance(d, int) else -1 for d in xs]
+    return {"sizes": sizes, "axes": norm_axes, "starts": norm_starts, "steps": list(steps)}
 
 
 _TO_THE_END = 2**31 - 1  # an end at least this large takes a dim to its end (exporters write INT64_MAX)

@@ -315,8 +315,8 @@ def test_dropout_reuses_the_forward_mask():
         ("AveragePool", [r(2, 3, 6, 6)], {"kernel_shape": [2, 2], "strides": [2, 2]}),
         ("ReduceProd", [r(3, 4, 5), torch.tensor([1])], {"keepdims": 0}),
         # Pow's tensor-exponent case (test_pow_tensor_exponent_keeps_the_general_rule) too.
-        # a step other than 1: the Pad form (test_slice_pads_the_grad_back) does not apply
-        ("Slice", [r(5, 6), torch.tensor([1]), torch.tensor([5]), torch.tensor([1]), torch.tensor([2])], {}),
+        # a negative step (a flip): neither the Pad form nor SliceGrad applies
+        ("Slice", [r(5, 6), torch.tensor([4]), torch.tensor([0]), torch.tensor([1]), torch.tensor([-2])], {}),
     ],
 )
 def test_generic_vjp_rule(op_type, inputs, attrs):
@@ -585,3 +585,20 @@ def test_constant_pad_takes_its_pads_off_the_grad(pads, axes):
     consts = set(range(1, 1 + len(extra)))
     q = _check_against_autograd("Pad", [r(4, 5), *extra], {}, params=[0], consts=consts)
     _no_vjp(q, "Pad")
+
+
+@pytest.mark.parametrize(
+    "bounds",
+    [
+        ([1], [5], [1], [2]),  # x[:, 1:5:2]
+        ([0, 1], [2**62, -1], [0, 1], [2, 3]),  # two axes, an end past the dim, a negative end
+        ([3], [4], [0], [5]),  # one row
+    ],
+    ids=str,
+)
+def test_a_strided_slice_writes_its_grad_back_at_the_strides(bounds):
+    starts, ends, axes, steps = (torch.tensor(b) for b in bounds)
+    inputs = [r(5, 6), starts, ends, axes, steps]
+    q = _check_against_autograd("Slice", inputs, {}, params=[0], consts={1, 2, 3, 4})
+    assert [op.type for op in q.ops if op.role == "backward"].count("SliceGrad") == 1
+    _no_vjp(q, "Slice")

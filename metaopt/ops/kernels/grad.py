@@ -192,6 +192,21 @@ def rms_norm_grad(
     return (dx, dscale)[:_nout]
 
 
+@register("SliceGrad", domain="metaopt", fresh_outputs=True)
+def slice_grad(
+    dy: torch.Tensor, sizes: list[int], axes: list[int], starts: list[int], steps: list[int]
+) -> torch.Tensor:
+    """The grad of a Slice with positive steps: zeros of the input's shape (`sizes`; -1: that
+    dim of `dy`, one the slice took whole) with `dy` written at the sliced positions, as torch's
+    slice_backward."""
+    out = dy.new_zeros([dy.shape[i] if n < 0 else n for i, n in enumerate(sizes)])
+    index: list[slice] = [slice(None)] * out.dim()
+    for ax, start, step in zip(axes, starts, steps, strict=True):
+        index[ax] = slice(start, start + step * dy.shape[ax], step)
+    out[tuple(index)] = dy
+    return out
+
+
 @register("HardSwishGrad", domain="metaopt", fresh_outputs=True)
 def hard_swish_grad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return aten.hardswish_backward(dy, x)
