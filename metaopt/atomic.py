@@ -20,6 +20,9 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[Any]], None], *, b
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
+        # mkstemp makes the file 0600; a saved file gets what a plain open() would give it
+        # (0666 less the umask), as torch.save's files do.
+        os.chmod(tmp, 0o666 & ~_umask())
         with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
             write(f)
             f.flush()
@@ -33,6 +36,21 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[Any]], None], *, b
         raise
     fsync_dir(folder)
     return path
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux says it (setting it to read
+    it, even for an instant, would race with threads creating files)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def fsync_dir(folder: str) -> None:
