@@ -56,6 +56,17 @@ def export(entry, dropout: float) -> tuple[torch.nn.Module, metaopt.Program]:
     return module, program
 
 
+def torch_refuses(entry, batch: int) -> str | None:
+    """Why float32 torch cannot train `entry` at `batch`, or None (BatchNorm over one value per
+    channel at batch 1: "Expected more than 1 value per channel when training")."""
+    module = entry.build(0.0)
+    try:
+        module(*entry.inputs(batch, 1)).backward()
+    except (ValueError, RuntimeError) as e:
+        return str(e).splitlines()[0][:120]
+    return None
+
+
 def check_batch(entry) -> int:
     return EXPORT_BATCH if entry.export_kwargs.get("dynamic_batch") is False else CHECK_BATCH
 
@@ -297,14 +308,14 @@ def check_grads_float64(entry) -> float:
     return float64_worst(entry, ours, ref, "grads", island=has_float32_island(program))
 
 
-def check_grads(entry, device: str = "cpu") -> list[GradVerdict]:
+def check_grads(entry, device: str = "cpu", batch: int | None = None) -> list[GradVerdict]:
     """float32, at each of `THREADS` on the CPU: every param's grad judged against float64
     (`judge_grads`) over float32 torch's floor (`torch32_floor`). On the CPU the float64 truth is
     the float64 program's on float32's side of every ReLU (`branch_matched_float64`;
-    `check_grads_float64` holds that program to torch); elsewhere float64 torch's. Returns the
-    verdicts of the last thread count."""
+    `check_grads_float64` holds that program to torch); elsewhere float64 torch's. `batch`:
+    another than `check_batch`'s (batch 1). Returns the verdicts of the last thread count."""
     module, program = export(entry, 0.0)
-    inputs = entry.inputs(check_batch(entry), 1)
+    inputs = entry.inputs(batch or check_batch(entry), 1)
     if device != "cpu":
         verdicts = program_verdicts(program, module, inputs, device)
         _fail_if_wrong(entry, verdicts, "wrong grads")

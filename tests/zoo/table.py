@@ -1,7 +1,8 @@
 """Run the whole zoo and print one table: `python tests/zoo/table.py [NAME ...] [--json FILE]`.
 
 Every entry is exported and checked at its default input shape (float64 grads against float64
-torch, float32 grads on 1 and 2 threads, SGD against torch.optim,
+torch, float32 grads on 1 and 2 threads at batch 3 and at batch 1 ("torch" where float32
+torch itself cannot train it at batch 1: BatchNorm over one value), SGD against torch.optim,
 the same SGD with the updates inside the backward (optimizer_in_backward), gradient merge
 against one torch step on the merged batches, recompute and offload bit-identity, a second
 batch size, the fused LM-head cross-entropy); a failing check prints its reason and the table
@@ -26,8 +27,8 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[2]))  # the repo (for `p
 
 from zoo import harness, models  # noqa: E402
 
-CHECKS = ("export", "f64", "grads", "sgd", "early", "merge", "recompute", "fused_ce")
-SHAPED = ("export", "f64", "grads", "sgd")  # what an entry at another input shape runs
+CHECKS = ("export", "f64", "grads", "batch1", "sgd", "early", "merge", "recompute", "fused_ce")
+SHAPED = ("export", "f64", "grads", "batch1", "sgd")  # what an entry at another input shape runs
 
 
 def run_entry(entry) -> dict:
@@ -44,6 +45,15 @@ def run_entry(entry) -> dict:
             elif check == "grads":
                 verdicts = harness.check_grads(entry)
                 row["worst_ratio"] = max((v.ratio for v in verdicts), default=0.0)
+            elif check == "batch1":  # a dynamic batch run at 1 (exported at 4)
+                if entry.export_kwargs.get("dynamic_batch") is False:
+                    row[check] = "fixed"
+                    continue
+                refused = harness.torch_refuses(entry, 1)
+                if refused:  # torch cannot train it at batch 1 either
+                    row[check], row["batch1_skipped"] = "torch", refused
+                    continue
+                harness.check_grads(entry, batch=1)
             elif check == "sgd":
                 row["sgd_rel"] = harness.check_sgd(entry)
             elif check == "early":  # SGD with optimizer_in_backward (updates inside the backward)
