@@ -51,6 +51,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -720,6 +721,23 @@ def _check_vars(folder: Path, meta: dict, want: list[Var], md: Metadata) -> str 
     return None
 
 
+RNG_MAX_BYTES = 1 << 20  # a generator's state is a few kB (CPU: 5056 bytes; CUDA: 16)
+
+
+def _check_rng_sizes(folder: Path, md: Metadata, rank: int) -> str | None:
+    """This worker's RNG entries must be small uint8 tensors before anything is allocated for
+    them: a crafted size was a raw RuntimeError (or an allocation of its size)."""
+    for k, tm in md.state_dict_metadata.items():
+        if not k.startswith(f"{_RNG}/{rank}/"):
+            continue
+        size = getattr(tm, "size", None)
+        dtype = getattr(getattr(tm, "properties", None), "dtype", None)
+        n = math.prod(size) if size is not None and all(isinstance(d, int) and d >= 0 for d in size) else -1
+        if dtype != torch.uint8 or not 0 <= n <= RNG_MAX_BYTES:
+            return f"RNG state {k!r} in {folder} is {dtype} {list(size or [])}: not a generator state"
+    return None
+
+
 def describe(v: Var) -> str:
     """``float32 [96, 32]``; a split var's full shape and the part this worker holds."""
     full = list(v.full_shape) if v.shape is not None else "?"
@@ -743,7 +761,7 @@ def load_sharded(exe: Any, folder: Path, program: Program, *, strict: bool = Tru
         place = mp_place(program, "load_persistables")
         meta = _read_info(folder)
         md = dcp_glue.SafeReader(folder).read_metadata()
-        problem = _check_vars(folder, meta, want, md)
+        problem = _check_vars(folder, meta, want, md) or _check_rng_sizes(folder, md, rank)
     except CheckpointError as e:
         problem = str(e)
     _agree_or_raise(problem, f"load_persistables from {folder}")

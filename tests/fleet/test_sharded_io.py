@@ -474,3 +474,15 @@ def test_a_second_job_saving_into_the_same_folder_is_refused_by_name(tmp_path):
     (ckpt / ".step-00000002.partial").rmdir()
     assert _save(tmp_path, 2, 2.0).endswith("step-00000002")  # its owner is gone: taken over
     assert not (ckpt / sharded_io.LOCK).exists()
+
+
+def test_a_huge_rng_state_is_refused_before_it_is_allocated(tmp_path):
+    _save(tmp_path, 1, 1.0)
+    folder = tmp_path / "ckpt" / "step-00000001"
+    md = dcp_glue.SafeReader(folder).read_metadata()
+    key = next(k for k in md.state_dict_metadata if k.startswith("__rng__/0/"))
+    md.state_dict_metadata[key].size = torch.Size([1 << 40])
+    md.storage_meta = None
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(sharded_io.CheckpointError, match=r"RNG state '__rng__/0/.*not a generator state"):
+        fleet.load_persistables(metaopt.Executor("cpu"), tmp_path / "ckpt", _program())
