@@ -510,6 +510,13 @@ def _matmul(g, op, dy):
     return [o or None for o in outs]
 
 
+@grad_rule("AveragePool")
+def _average_pool(g, op, dy):
+    # torch's avg_pool backward (AveragePoolGrad reads x for its shape): no re-run of the
+    # pooling under autograd, which the generic rule costs (DenseNet's transitions).
+    return [g.emit1("AveragePoolGrad", [dy[0], op.inputs[0]], like=op.inputs[0], **op.attrs)]
+
+
 @grad_rule("MaxPool")
 def _max_pool(g, op, dy):
     # The forward also gives the argmax indices (ONNX's optional output 1) and MaxPoolGrad

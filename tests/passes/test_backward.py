@@ -312,7 +312,7 @@ def test_dropout_reuses_the_forward_mask():
     "op_type,inputs,attrs",
     [
         # (MaxPool has its own rule now: tests/ops/test_max_pool_grad.py)
-        ("AveragePool", [r(2, 3, 6, 6)], {"kernel_shape": [2, 2], "strides": [2, 2]}),
+        ("LpPool", [r(2, 3, 6, 6)], {"kernel_shape": [2, 2], "strides": [2, 2], "p": 2}),
         ("ReduceProd", [r(3, 4, 5), torch.tensor([1])], {"keepdims": 0}),
         # Pow's tensor-exponent case (test_pow_tensor_exponent_keeps_the_general_rule) too.
         # a negative step (a flip): neither the Pad form nor SliceGrad applies
@@ -602,3 +602,20 @@ def test_a_strided_slice_writes_its_grad_back_at_the_strides(bounds):
     q = _check_against_autograd("Slice", inputs, {}, params=[0], consts={1, 2, 3, 4})
     assert [op.type for op in q.ops if op.role == "backward"].count("SliceGrad") == 1
     _no_vjp(q, "Slice")
+
+
+@pytest.mark.parametrize(
+    "attrs",
+    [
+        {"kernel_shape": [2, 2], "strides": [2, 2]},
+        {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1], "count_include_pad": 1},
+        {"kernel_shape": [3, 3], "strides": [2, 2], "ceil_mode": 1},  # torch's output may be narrowed
+        {"kernel_shape": [2, 2], "pads": [0, 0, 1, 1]},  # asymmetric: the autograd path
+        {"kernel_shape": [3], "strides": [2]},  # 1-D: the autograd path
+    ],
+    ids=str,
+)
+def test_average_pool_has_its_own_grad(attrs):
+    x = r(2, 3, 7, 7) if len(attrs["kernel_shape"]) == 2 else r(2, 3, 9)
+    q = _check_against_autograd("AveragePool", [x], attrs)
+    _no_vjp(q, "AveragePool")

@@ -418,6 +418,34 @@ def average_pool(
     return total / count
 
 
+@register("AveragePoolGrad", domain="metaopt", fresh_outputs=True)
+def average_pool_grad(dy: torch.Tensor, x: torch.Tensor, **attrs: Any) -> torch.Tensor:
+    """The AveragePool row's grad: torch's avg_pool{2,3}d_backward where the forward ran torch's
+    pooling (zeros for the positions it narrowed away, `_narrow_to`), else autograd on the
+    forward kernel (dilations, asymmetric pads, 1-D). `x` is read for its shape only."""
+    kernel_shape = attrs["kernel_shape"]
+    n = len(kernel_shape)
+    strides, dilations, begin, end, _ = _pool_geometry(
+        x, kernel_shape, attrs.get("auto_pad", "NOTSET"), attrs.get("pads"), attrs.get("strides"),
+        attrs.get("dilations"), attrs.get("ceil_mode", 0),
+    )
+    backward = _AVG_POOL_BACKWARD.get(n)
+    if backward is None or dilations != [1] * n or not _fits_torch(kernel_shape, dilations, begin, end):
+        with torch.enable_grad():
+            xg = x.detach().requires_grad_(True)
+            (dx,) = torch.autograd.grad(average_pool(xg, **attrs), xg, dy)
+        return dx
+    ceil, count_pad = bool(attrs.get("ceil_mode", 0)), bool(attrs.get("count_include_pad", 0))
+    full = _AVG_POOL[n](x.to("meta"), kernel_shape, strides, begin, ceil, count_pad).shape[2:]
+    missing = [f - d for f, d in zip(full, dy.shape[2:], strict=True)]
+    if any(missing):
+        dy = F.pad(dy, [p for m in reversed(missing) for p in (0, m)])
+    return backward(dy, x, kernel_shape, strides, begin, ceil, count_pad, None)
+
+
+_AVG_POOL_BACKWARD = {2: torch.ops.aten.avg_pool2d_backward, 3: torch.ops.aten.avg_pool3d_backward}
+
+
 @register("LpPool")
 def lp_pool(
     X: torch.Tensor,
