@@ -510,6 +510,17 @@ def _matmul(g, op, dy):
     return [o or None for o in outs]
 
 
+@grad_rule("GatherND")
+def _gather_nd(g, op, dy):
+    # Indexing by a tensor of indices (Swin's relative-position bias table): the grad is summed
+    # into zeros at the gathered places; the data itself is not read. Needs the data's shape.
+    shape = g.var(op.inputs[0]).shape
+    if shape is None or not all(isinstance(d, int) for d in shape):
+        return g.vjp(op, dy)
+    attrs = {"sizes": list(shape), "batch_dims": op.attrs.get("batch_dims", 0)}
+    return [g.emit1("GatherNDGrad", [dy[0], op.inputs[1]], like=op.inputs[0], **attrs), None]
+
+
 @grad_rule("AveragePool")
 def _average_pool(g, op, dy):
     # torch's avg_pool backward (AveragePoolGrad reads x for its shape): no re-run of the

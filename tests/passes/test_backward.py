@@ -619,3 +619,18 @@ def test_average_pool_has_its_own_grad(attrs):
     x = r(2, 3, 7, 7) if len(attrs["kernel_shape"]) == 2 else r(2, 3, 9)
     q = _check_against_autograd("AveragePool", [x], attrs)
     _no_vjp(q, "AveragePool")
+
+
+@pytest.mark.parametrize(
+    "shape,indices,batch_dims",
+    [
+        ((5, 4), [[0], [3], [0], [-1]], 0),  # rows, one repeated (summed), one negative
+        ((4, 3, 2), [[1, 2], [0, 0], [1, 2]], 0),
+        ((2, 3, 4), [[[1], [2]], [[0], [0]]], 1),
+    ],
+    ids=str,
+)
+def test_gather_nd_sums_its_grad_into_the_gathered_places(shape, indices, batch_dims):
+    inputs = [r(*shape), torch.tensor(indices)]
+    q = _check_against_autograd("GatherND", inputs, {"batch_dims": batch_dims}, params=[0], consts={1})
+    _no_vjp(q, "GatherND")

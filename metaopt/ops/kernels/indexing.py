@@ -76,6 +76,16 @@ def gather_nd(data: torch.Tensor, indices: torch.Tensor, batch_dims: int = 0) ->
     return data[_nd_index(data, indices, batch_dims)]
 
 
+@register("GatherNDGrad", domain="metaopt", fresh_outputs=True)
+def gather_nd_grad(
+    dy: torch.Tensor, indices: torch.Tensor, sizes: list[int], batch_dims: int = 0
+) -> torch.Tensor:
+    """GatherND's grad: `dy` summed into zeros of the data's shape (`sizes`) at the gathered
+    places, as torch's index backward (index_put with accumulate: repeated indices add)."""
+    out = dy.new_zeros(sizes)
+    return out.index_put_(_nd_index(out, indices, batch_dims), dy, accumulate=True)
+
+
 # ONNX scatter reduction names -> torch scatter_reduce names.
 _REDUCE = {"add": "sum", "mul": "prod", "max": "amax", "min": "amin"}
 
