@@ -402,10 +402,10 @@ def _slice(g, op, dy):
     return [grad] + [None] * (len(op.inputs) - 1)
 
 
-def _slice_pads(g, op) -> tuple[list[int], list[int], list[int]] | None:
-    """(axes, zeros before, zeros after) that pad a Slice's output back to its input, or None
-    where the rule does not apply (bounds computed at run time, a step other than 1, a sliced
-    dim of unknown size, the legacy attribute form)."""
+def _slice_bounds(g, op) -> tuple[tuple, list[int], list[int], list[int], list[int]] | None:
+    """(input shape, starts, ends, axes, steps) of a Slice whose bounds are constants (axes and
+    steps filled in where omitted), or None (run-time bounds, an unknown rank, the legacy
+    attribute form)."""
     xs = g.var(op.inputs[0]).shape
     if xs is None or len(op.inputs) < 3:
         return None
@@ -415,7 +415,21 @@ def _slice_pads(g, op) -> tuple[list[int], list[int], list[int]] | None:
     if starts is None or ends is None or len(starts) != len(ends):
         return None
     axes = axes if axes is not None else list(range(len(starts)))
-    if (steps is not None and any(s != 1 for s in steps)) or len(axes) != len(starts):
+    steps = steps if steps is not None else [1] * len(starts)
+    if len(axes) != len(starts) or len(steps) != len(starts):
+        return None
+    return xs, starts, ends, axes, steps
+
+
+def _slice_pads(g, op) -> tuple[list[int], list[int], list[int]] | None:
+    """(axes, zeros before, zeros after) that pad a Slice's output back to its input, or None
+    where the rule does not apply (bounds computed at run time, a step other than 1, a sliced
+    dim of unknown size, the legacy attribute form)."""
+    bounds = _slice_bounds(g, op)
+    if bounds is None:
+        return None
+    xs, starts, ends, axes, steps = bounds
+    if any(s != 1 for s in steps):
         return None
     rank = len(xs)
     out_axes, before, after = [], [], []
@@ -436,17 +450,11 @@ def _slice_pads(g, op) -> tuple[list[int], list[int], list[int]] | None:
 def _strided_slice(g, op) -> dict | None:
     """SliceGrad's attrs for a Slice with constant bounds and positive steps (x[:, ::2], Swin's
     patch merging), or None (run-time bounds, a negative step, a sliced dim of unknown size)."""
-    xs = g.var(op.inputs[0]).shape
-    if xs is None or len(op.inputs) < 3:
+    bounds = _slice_bounds(g, op)
+    if bounds is None:
         return None
-    bounds = [g.constant_value(x) if x else None for x in op.inputs[1:5]]
-    bounds += [None] * (4 - len(bounds))
-    starts, ends, axes, steps = (_as_ints(b) for b in bounds)
-    if starts is None or ends is None or len(starts) != len(ends):
-        return None
-    axes = axes if axes is not None else list(range(len(starts)))
-    steps = steps if steps is not None else [1] * len(starts)
-    if len(axes) != len(starts) or len(steps) != len(starts) or any(s <= 0 for s in steps):
+    xs, starts, ends, axes, steps = bounds
+    if any(s <= 0 for s in steps):
         return None
     rank = len(xs)
     norm_axes, norm_starts = [], []
