@@ -142,13 +142,9 @@ def _memory(args: argparse.Namespace) -> int:
             raise SystemExit(f"error: --dim {item!r} is not NAME=N (N a whole number)")
         dims[name.strip()] = int(value)
     program = resolve_source(args.source, training=args.training)
-    try:
-        pic = memory_picture(
-            program, dims=dims, device=args.device, measure=not args.no_measure, max_bytes=args.max_bytes
-        )
-    except MemoryError as e:
-        sys.stderr.write(f"error: {e}\n")
-        return 2
+    pic = memory_picture(
+        program, dims=dims, device=args.device, measure=not args.no_measure, max_bytes=args.max_bytes
+    )
     sys.stdout.write(pic.summary(n=args.top))
     try:
         files = pic.write(args.out)

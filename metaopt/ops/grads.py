@@ -13,6 +13,7 @@ ops have no fallback: re-running them would draw a new mask.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -207,8 +208,7 @@ def _pad(g, op, dy):
     if op.attrs.get("mode", "constant") != "constant":
         return g.vjp(op, dy)
     if len(op.inputs) > 1 and op.inputs[1]:
-        value = g.constant_value(op.inputs[1])
-        pads = None if value is None else [int(value)] if isinstance(value, (int, float)) else value.tolist()
+        pads = _as_ints(g.constant_value(op.inputs[1]))
     else:
         pads = op.attrs.get("pads")
     if pads is None:
@@ -340,11 +340,8 @@ def _reduce_sum_mean(g, op, dy):
         return g.vjp(op, dy)
     grad = _with_kept_dims(g, op, dy[0], axes)
     if op.type == "ReduceMean":
-        n = 1
-        for a in axes:
-            n *= xs[a]
-        kept = g.shape(grad)
-        grad, prev = g.temp(x, shape=kept), grad
+        n = math.prod(xs[a] for a in axes)
+        grad, prev = g.temp(x, shape=g.shape(grad)), grad
         g.emit("Div", [prev, g.const(float(n), g.dtype(x))], [grad])
     target = [d if isinstance(d, int) else 1 for d in xs]
     return [g.emit1("Expand", [grad, g.const(target, "int64")], like=x)] + [None] * (len(op.inputs) - 1)
@@ -368,10 +365,9 @@ def _reduce_axes(g, op, rank: int | None) -> list[int] | None:
     if rank is None:
         return None
     if len(op.inputs) > 1 and op.inputs[1]:
-        value = g.constant_value(op.inputs[1])
-        if value is None:
+        axes = _as_ints(g.constant_value(op.inputs[1]))
+        if axes is None:
             return None
-        axes = [int(value)] if isinstance(value, (int, float)) else [int(a) for a in value.tolist()]
     else:
         axes = list(op.attrs.get("axes") or [])
     if not axes:
@@ -588,9 +584,7 @@ def _gather_one(g, op, dy) -> list | None:
     an Unsqueeze and a Pad, neither holding x nor re-running the forward."""
     data, idx = op.inputs
     k, shape = g.constant_value(idx), g.var(data).shape
-    if not isinstance(k, int) or g.var(idx).shape not in ((), None) or shape is None:
-        return None
-    if g.var(idx).shape is None:
+    if not isinstance(k, int) or g.var(idx).shape != () or shape is None:
         return None
     axis = op.attrs.get("axis", 0) % len(shape)
     size = shape[axis]

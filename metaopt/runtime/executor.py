@@ -47,6 +47,7 @@ class Executor:
         self.runtime = Runtime(self.device)  # copy streams, pinned buffers, communicator
         self._plans: dict[tuple, Plan] = {}
         self._runners: dict[tuple, Any] = {}  # pipeline stage programs' runners
+        self._bad_losses = 0  # runs whose fetched loss was NaN or inf (`_watch_loss`)
 
     # --- running ---------------------------------------------------------------
     def run(
@@ -82,7 +83,8 @@ class Executor:
         params NaN, silently otherwise. Rate-limited: the 1st, 10th, 100th ... such run."""
         if np.all(np.isfinite(loss)):
             return
-        self._bad_losses = n = getattr(self, "_bad_losses", 0) + 1
+        self._bad_losses += 1
+        n = self._bad_losses
         if str(n).rstrip("0") == "1":  # 1, 10, 100, ...
             logger.warning(
                 "program %r: the loss is %s (%d run(s) so far): the step's update may have made "
