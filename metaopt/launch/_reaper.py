@@ -15,10 +15,17 @@ by three marks a process cannot shed by accident:
 * ancestry: the launcher is a child subreaper (PR_SET_CHILD_SUBREAPER), so the orphans of
   its workers are re-parented to it rather than to init and stay its descendants.
 
-The launcher ends processes by all three (``JobProcesses``). Its guardian, this file run as
-a script (``python -I -S _reaper.py JOB_ID GRACE_S LAUNCHER_PID``) in a session of its own,
-reads worker pids from a pipe the launcher holds; when the pipe closes, which is also what
-happens when the launcher is SIGKILLed, it ends what is left by environment and session.
+and, where the machine lets the launcher make one, a fourth that nothing but a privileged
+move can shed: a cgroup of the job's own (``JobCgroup``), which every worker joins before
+it runs the script, so whatever it starts, daemons with an emptied environment included,
+is born in it.
+
+The launcher ends processes by all four (``JobProcesses``). Its guardian, this file run as
+a script (``python -I -S _reaper.py JOB_ID GRACE_S LAUNCHER_PID [CGROUP]``) in a session of
+its own, reads worker pids from a pipe the launcher holds; when the pipe closes, which is
+also what happens when the launcher is SIGKILLed, it ends what is left by environment,
+session and cgroup, with at most ``ORPHAN_GRACE_S`` between SIGTERM and SIGKILL: the
+launcher is gone, nobody waits for a clean exit, and saves are atomic.
 Standard library only: the guardian starts in milliseconds and never imports torch.
 """
 
@@ -35,6 +42,8 @@ from collections.abc import Collection, Iterable
 from typing import NamedTuple
 
 JOB_ID_ENV = "METAOPT_JOB_ID"
+CGROUP_ENV = "METAOPT_CGROUP"  # the job cgroup's directory; _worker.py joins it first
+ORPHAN_GRACE_S = 3.0  # the guardian's SIGTERM -> SIGKILL wait once the launcher is gone
 POLL_S = 0.05
 KILL_ROUNDS = 40  # x POLL_S: how long SIGKILLed processes get to disappear (D state, teardown)
 _PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
@@ -94,23 +103,93 @@ def descendants(procs: list[Proc], root: int, spare: Collection[int] = ()) -> li
     return found
 
 
-class JobFinder:
-    """Which live processes belong to job `job_id`: by environment, worker session, and
-    (with `root`) descent from `root` outside the `spare` subtrees."""
+def _cgroup_candidates() -> list[str]:
+    """The directories of this process's own cgroups that could hold a job's cgroup: the
+    unified (v2) one first, then the v1 `pids` and `freezer` ones (they count every process
+    and cost nothing)."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            own = [line.rstrip("\n").split(":", 2) for line in f]
+        with open("/proc/self/mountinfo") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return []
+    found = []
+    for wanted in ("", "pids", "freezer"):
+        path = next((p for _, ctl, p in own if wanted in ctl.split(",")), None)
+        if path is None:
+            continue
+        for m in mounts:
+            fstype, options = m[m.index("-") + 1], m[-1].split(",")
+            ok = fstype == "cgroup2" if not wanted else fstype == "cgroup" and wanted in options
+            root = m[3].rstrip("/")  # the part of the hierarchy the mount shows (a container's)
+            if ok and (path + "/").startswith(root + "/"):
+                found.append(os.path.join(m[4], path[len(root) :].lstrip("/")))
+                break
+    return found
 
-    def __init__(self, job_id: str, root: int | None = None, spare: Iterable[int] = ()) -> None:
+
+class JobCgroup:
+    """A cgroup of the job's own: `path` (a directory), or None where none could be made
+    (no cgroup mount, not writable: an unprivileged user outside a delegated subtree)."""
+
+    def __init__(self, job_id: str) -> None:
+        self.path: str | None = None
+        for parent in _cgroup_candidates():
+            path = os.path.join(parent, f"metaopt-{job_id}")
+            try:
+                os.mkdir(path)
+            except OSError:
+                continue
+            if os.access(os.path.join(path, "cgroup.procs"), os.W_OK):
+                self.path = path
+                return
+            self.remove_dir(path)
+
+    @staticmethod
+    def pids(path: str | None) -> set[int]:
+        """The pids now in the cgroup at `path` (none when it is gone or None)."""
+        if path is None:
+            return set()
+        try:
+            with open(os.path.join(path, "cgroup.procs")) as f:
+                return {int(line) for line in f if line.strip()}
+        except OSError:
+            return set()
+
+    @staticmethod
+    def remove_dir(path: str | None) -> None:
+        """Remove the (empty) cgroup; one still holding a process (D state) is left."""
+        if path is not None:
+            try:
+                os.rmdir(path)
+            except OSError:
+                pass
+
+
+class JobFinder:
+    """Which live processes belong to job `job_id`: by environment, worker session, the
+    job's `cgroup` (a directory) and (with `root`) descent from `root` outside the `spare`
+    subtrees."""
+
+    def __init__(
+        self, job_id: str, root: int | None = None, spare: Iterable[int] = (), cgroup: str | None = None
+    ) -> None:
         self.entry = f"{JOB_ID_ENV}={job_id}".encode()
         self.sessions: set[int] = set()
         self.root = root
         self.spare = {*spare, os.getpid()}
+        self.cgroup = cgroup
 
     def find(self) -> dict[int, int]:
         """pid -> start time of each live (not yet exited) process of the job."""
         procs = all_processes()
+        contained = JobCgroup.pids(self.cgroup)
         found = [
             p
             for p in procs
-            if p.pid not in self.spare and (p.sid in self.sessions or _has_env(p.pid, self.entry))
+            if p.pid not in self.spare
+            and (p.sid in self.sessions or p.pid in contained or _has_env(p.pid, self.entry))
         ]
         if self.root is not None:
             found += descendants(procs, self.root, self.spare)
@@ -202,7 +281,8 @@ class JobProcesses:
     """The processes of one job on this node, from its first worker to its last grandchild.
 
     Use as a context manager around the agent's run: entering makes this process a
-    subreaper and starts the guardian; ``env`` goes into every worker's environment,
+    subreaper, makes the job's cgroup and starts the guardian; ``env`` goes into every
+    worker's environment,
     ``workers_started`` gets each worker group's pids, ``end`` ends the job's processes;
     leaving ends whatever is left and hands the rest to the guardian. Without /proc (not
     Linux) all of it does nothing, and torch's own ending of the worker groups is all there is.
@@ -215,14 +295,19 @@ class JobProcesses:
         self._finder: JobFinder | None = None
         self._guardian: subprocess.Popen | None = None
         self._subreaper = False
+        self.cgroup: str | None = None
 
     def __enter__(self) -> JobProcesses:
         if HAVE_PROC:
             me = os.getpid()
             self._subreaper = set_subreaper(True)
-            self._guardian = _start_guardian(self.job_id, self._grace_s)
+            self.cgroup = JobCgroup(self.job_id).path
+            if self.cgroup is not None:
+                self.env[CGROUP_ENV] = self.cgroup
+            self._guardian = _start_guardian(self.job_id, self._grace_s, self.cgroup)
             spare = _children(me)  # the caller's own children (guardian included) are not the job's
-            self._finder = JobFinder(self.job_id, root=me if self._subreaper else None, spare=spare)
+            root = me if self._subreaper else None
+            self._finder = JobFinder(self.job_id, root=root, spare=spare, cgroup=self.cgroup)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -230,6 +315,7 @@ class JobProcesses:
             self.end(signal.SIGTERM, self._grace_s)
         finally:
             self._stop_guardian()
+            JobCgroup.remove_dir(self.cgroup)
             if self._subreaper:
                 set_subreaper(False)
 
@@ -267,8 +353,9 @@ class JobProcesses:
             pass  # it ends itself by its own deadline
 
 
-def _start_guardian(job_id: str, grace_s: float) -> subprocess.Popen | None:
+def _start_guardian(job_id: str, grace_s: float, cgroup: str | None = None) -> subprocess.Popen | None:
     cmd = [sys.executable, "-I", "-S", os.path.abspath(__file__), job_id, str(grace_s), str(os.getpid())]
+    cmd += [cgroup] if cgroup else []
     try:
         # its own session: a Ctrl-C or a kill of the launcher's process group must not end it
         return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
@@ -298,10 +385,13 @@ def _read_sessions(finder: JobFinder, launcher: int) -> None:
 def guardian_main(argv: list[str]) -> int:
     """The guardian: wait for the launcher's pipe to close, then end what is left of the job."""
     job_id, grace_s, launcher = argv[0], float(argv[1]), int(argv[2])
+    cgroup = argv[3] if len(argv) > 3 else None
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the launcher's to handle
-    finder = JobFinder(job_id)
+    finder = JobFinder(job_id, cgroup=cgroup)
     _read_sessions(finder, launcher)
+    grace_s = min(grace_s, ORPHAN_GRACE_S)
     ended, left = end_processes(finder, signal.SIGTERM, time.monotonic() + grace_s)
+    JobCgroup.remove_dir(cgroup)
     if ended:
         msg = f"ended {ended} process(es) left by the job of launcher pid {launcher}"
         print(f"metaoptrun: {msg}", file=sys.stderr)

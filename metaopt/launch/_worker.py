@@ -5,7 +5,8 @@ does not import the metaopt package (and torch with it) before the user's script
 for it. Standard library only, for the same reason.
 
 It (1) sends stderr into stdout, which torch's agent has already pointed at
-``workerlog.N``, so the log holds both streams in the order written; (2) asks Linux to
+``workerlog.N``, so the log holds both streams in the order written; (1b) joins the job's
+cgroup where the launcher made one, so everything the script starts is born in it; (2) asks Linux to
 SIGTERM this worker if the launcher dies without ending it (SIGKILL, OOM killer; the
 worker's own children are then ended by the launcher's guardian, see ``_reaper.py``);
 (3) selects the worker's GPU when the launcher gave one; (4) runs the script as
@@ -25,6 +26,18 @@ import signal
 import sys
 
 LAUNCHER_PID_ENV = "METAOPT_LAUNCHER_PID"
+CGROUP_ENV = "METAOPT_CGROUP"  # = _reaper.CGROUP_ENV (this file imports nothing of metaopt)
+
+
+def _join_job_cgroup() -> None:
+    cgroup = os.environ.get(CGROUP_ENV)
+    if not cgroup:
+        return
+    try:
+        with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+    except OSError as e:  # the job still ends by environment, session and ancestry
+        print(f"metaoptrun worker: warning: not in the job's cgroup {cgroup} ({e})", flush=True)
 
 
 def _die_with_launcher() -> None:
@@ -60,6 +73,7 @@ def main(argv: list[str]) -> None:
     if not argv:
         sys.exit("usage: _worker.py [-m] SCRIPT [ARGS...]")
     os.dup2(sys.stdout.fileno(), sys.stderr.fileno())
+    _join_job_cgroup()
     _die_with_launcher()
     _select_gpu()
     try:

@@ -27,9 +27,10 @@ pytestmark = pytest.mark.skipif(not _reaper.HAVE_PROC, reason="needs Linux /proc
 GONE_WITHIN_S = 10
 START_TIMEOUT_S = 60
 
-# argv: MODE [hidden]. MODE "fail": rank 1 exits 1 once the file `go` exists; "exit": every
-# rank exits 0 at once; "sleep": every rank sleeps. "hidden" adds a child that both leaves
-# the session and drops the environment (found only through the launcher's ancestry).
+# argv: MODE [hidden] [deaf_worker]. MODE "fail": rank 1 exits 1 once the file `go` exists;
+# "exit": every rank exits 0 at once; "sleep": every rank sleeps. "hidden" adds a child that
+# both leaves the session and drops the environment (found through the launcher's ancestry,
+# and after its death through the job's cgroup). "deaf_worker": the worker ignores SIGTERM.
 FAMILY = textwrap.dedent("""
     import os, signal, subprocess, sys, time
     rank = os.environ["RANK"]
@@ -56,6 +57,8 @@ FAMILY = textwrap.dedent("""
         os.waitpid(pid, 0)
 
     record("worker", os.getpid())
+    if "deaf_worker" in sys.argv:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     spawn("plain")  # in the worker's process group
     spawn("deaf", preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN))  # only SIGKILL ends it
     spawn("own_group", preexec_fn=os.setpgrp)  # left the group, still in the session
@@ -76,10 +79,10 @@ FAMILY = textwrap.dedent("""
 """)
 
 
-def _start(tmp_path: Path, nproc: int, *script_args: str) -> subprocess.Popen:
+def _start(tmp_path: Path, nproc: int, *script_args: str, grace: int = 2) -> subprocess.Popen:
     (tmp_path / "family.py").write_text(FAMILY)
     return subprocess.Popen(
-        _cmd(f"--nproc_per_node={nproc}", "--shutdown_timeout=2", "family.py", *script_args),
+        _cmd(f"--nproc_per_node={nproc}", f"--shutdown_timeout={grace}", "family.py", *script_args),
         cwd=tmp_path,
         env=_env(),
         stdout=subprocess.PIPE,
@@ -235,10 +238,17 @@ def test_a_signal_to_the_launcher_ends_every_process_of_the_job(tmp_path, sig):
         _cleanup(proc, tmp_path)
 
 
+def _cgroup_possible() -> bool:
+    made = _reaper.JobCgroup("probe" + str(os.getpid()))
+    _reaper.JobCgroup.remove_dir(made.path)
+    return made.path is not None
+
+
 def test_sigkill_of_the_launcher_ends_every_process_of_the_job(tmp_path):
-    # no "hidden" child: once the launcher is dead, a process that left the worker's session
-    # *and* dropped METAOPT_JOB_ID from its environment cannot be told apart (README)
-    proc = _start(tmp_path, 2, "sleep")
+    # "hidden" (left the worker's session *and* dropped METAOPT_JOB_ID) is found after the
+    # launcher's death only through the job's cgroup; without one it survives (README)
+    args = ("sleep", "hidden") if _cgroup_possible() else ("sleep",)
+    proc = _start(tmp_path, 2, *args)
     try:
         _wait_ready(tmp_path, proc, 2)
         pids = _job_pids(tmp_path, proc.pid)  # the guardian among them: it must end too
@@ -248,6 +258,40 @@ def test_sigkill_of_the_launcher_ends_every_process_of_the_job(tmp_path):
         proc.wait(timeout=30)
         # the guardian SIGTERMs, waits --shutdown_timeout=2 for the deaf child, then SIGKILLs
         assert _assert_gone(pids, since) < 2 + 5
+    finally:
+        _cleanup(proc, tmp_path)
+
+
+@pytest.mark.skipif(not _cgroup_possible(), reason="no cgroup can be made here (README: the limit)")
+def test_a_job_cgroup_holds_every_process_and_goes_with_the_job(tmp_path):
+    proc = _start(tmp_path, 1, "sleep", "hidden")
+    try:
+        _wait_ready(tmp_path, proc, 1)
+        pids = _job_pids(tmp_path)
+        groups = {Path(f"/proc/{pid}/cgroup").read_text() for pid in pids}
+        assert len(groups) == 1 and "metaopt-" in groups.pop()  # the daemon and "hidden" too
+        worker = int((tmp_path / "pids" / "0.worker").read_text())
+        env = Path(f"/proc/{worker}/environ").read_bytes().split(b"\0")
+        path = next(e for e in env if e.startswith(_reaper.CGROUP_ENV.encode())).split(b"=", 1)[1].decode()
+        assert os.path.isdir(path)
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=START_TIMEOUT_S)
+        assert not os.path.exists(path)  # removed once empty
+    finally:
+        _cleanup(proc, tmp_path)
+
+
+def test_a_sigterm_ignoring_worker_ends_soon_after_a_sigkilled_launcher(tmp_path):
+    # --shutdown_timeout=30: the guardian still SIGKILLs after ORPHAN_GRACE_S, not 30 s
+    proc = _start(tmp_path, 1, "sleep", "deaf_worker", grace=30)
+    try:
+        _wait_ready(tmp_path, proc, 1)
+        pids = _job_pids(tmp_path, proc.pid)
+        proc.kill()
+        since = time.monotonic()
+        proc.wait(timeout=30)
+        took = _assert_gone(pids, since)
+        assert _reaper.ORPHAN_GRACE_S - 0.5 < took < _reaper.ORPHAN_GRACE_S + 5, took
     finally:
         _cleanup(proc, tmp_path)
 
@@ -294,6 +338,37 @@ def test_send_spares_a_reused_pid():
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+@pytest.mark.skipif(not _cgroup_possible(), reason="no cgroup can be made here")
+def test_the_finder_finds_by_cgroup_what_has_no_other_mark():
+    cgroup = _reaper.JobCgroup("findercase").path
+    bare = subprocess.Popen(
+        ["sh", "-c", f"echo $$ > {cgroup}/cgroup.procs && exec sleep 1000"],
+        env={"PATH": os.environ["PATH"]},
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while bare.pid not in _reaper.JobCgroup.pids(cgroup) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _reaper.JobFinder("findercase").find() == {}  # no env, no known session
+        finder = _reaper.JobFinder("findercase", cgroup=cgroup)
+        assert set(finder.find()) == {bare.pid}
+        assert _reaper.end_processes(finder, signal.SIGTERM, time.monotonic() + 2) == (1, [])
+        assert bare.wait(timeout=5) == -signal.SIGTERM
+    finally:
+        if bare.poll() is None:
+            bare.kill()
+            bare.wait()
+        _reaper.JobCgroup.remove_dir(cgroup)
+    assert not os.path.exists(cgroup)
+
+
+def test_the_worker_reads_the_cgroup_variable_the_launcher_sets():
+    from metaopt.launch import _worker
+
+    assert _worker.CGROUP_ENV == _reaper.CGROUP_ENV
 
 
 def test_the_guardian_ends_the_job_when_its_pipe_closes():
