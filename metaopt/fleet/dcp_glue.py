@@ -5,6 +5,7 @@ multi-worker save or load runs, not in every worker that never checkpoints."""
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 from pathlib import Path
@@ -13,8 +14,16 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import metadata as dcp_meta
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _create_file_view, _StorageInfo
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    ReadItem,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.futures import Future
 
 from metaopt.fleet.sharded_io import CheckpointError
 from metaopt.ir import Split
@@ -197,6 +206,69 @@ class SafeReader(FileSystemReader):
             md.storage_meta = dcp_meta.StorageMeta()
         md.storage_meta.load_id = self.load_id
         return md
+
+    def set_up_storage_reader(self, metadata: dcp_meta.Metadata, is_coordinator: bool, *args: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args)
+        self._md = metadata
+
+    def read_data(self, plan: LoadPlan, planner: DefaultLoadPlanner) -> Future[None]:
+        """DCP's read loop, with every stored tensor checked against what the metadata declares
+        before it is copied: DCP's own ``copy_`` casts another dtype silently and narrows a
+        larger tensor to the requested piece (a float64, bf16 or int64 shard, or a [128] one
+        for a [4, 32] chunk, loaded without a word). Reads stay inside the declared slice."""
+        per_file: dict[str, list[ReadItem]] = {}
+        for req in plan.items:
+            per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+        for rel, reqs in per_file.items():
+            path = self._folder / rel
+            size = os.stat(path).st_size
+            with open(path, "rb") as stream:
+                for req in reqs:
+                    where = self.storage_data[req.storage_index]
+                    if where.offset < 0 or where.length < 0 or where.offset + where.length > size:
+                        raise CheckpointError(
+                            f"{path}: {req.storage_index.fqn!r} is declared at bytes {where.offset}.."
+                            f"{where.offset + where.length} of a {size}-byte file"
+                        )
+                    view = _create_file_view(stream, where.offset, where.length)
+                    if req.type == LoadItemType.BYTE_IO:
+                        planner.load_bytes(req, io.BytesIO(view.read(where.length)))
+                        continue
+                    self._load_tensor(req, view, planner, path)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _load_tensor(self, req: ReadItem, view: Any, planner: DefaultLoadPlanner, path: Path) -> None:
+        fqn = req.storage_index.fqn
+        tmd = self._md.state_dict_metadata[fqn]
+        offset = tuple(req.storage_index.offset)
+        chunk = next((c for c in tmd.chunks if tuple(c.offsets) == offset), None)
+        if chunk is None:
+            raise CheckpointError(f"{path}: {fqn!r} has no chunk at {list(offset)} in the metadata")
+        try:
+            stored = torch.load(view, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise CheckpointError(f"{path}: {fqn!r} is not a readable tensor ({type(e).__name__})") from None
+        if not isinstance(stored, torch.Tensor):
+            raise CheckpointError(f"{path}: {fqn!r} holds a {type(stored).__name__}, not a tensor")
+        declared = (tmd.properties.dtype, list(chunk.sizes))
+        if (stored.dtype, list(stored.shape)) != declared:
+            raise CheckpointError(
+                f"{path}: {fqn!r} at {list(offset)} holds {stored.dtype} {list(stored.shape)} where the "
+                f"metadata declares {declared[0]} {declared[1]}"
+            )
+        piece = stored
+        for axis, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
+            piece = piece.narrow(axis, start, length)
+        target = planner.resolve_tensor(req).detach()
+        if target.shape != piece.shape or target.dtype != piece.dtype:
+            raise CheckpointError(
+                f"{path}: {fqn!r}'s piece is {piece.dtype} {list(piece.shape)}, the var's is "
+                f"{target.dtype} {list(target.shape)}"
+            )
+        target.copy_(piece)
+        planner.commit_tensor(req, target)
 
     def _inside(self, rel: str) -> bool:
         # Plain strings and os.path: nothing a pickle could have given methods to.

@@ -544,6 +544,18 @@ def _validate_external(ref: _TensorRef, folder: str, real_folder: str, label: st
     if os.path.commonpath([real_path, real_folder]) != real_folder:
         raise _ref_error(label, ref, location, f"resolves outside the model's folder {folder!r}")
     _check_bounds(ref, location, offset, length, info.st_size, label)
+    folder_owner = os.stat(real_folder).st_uid
+    if info.st_nlink > 1 and info.st_uid != folder_owner:
+        # A hard link has no target to resolve: it *is* the other file. One owned by someone
+        # other than the folder's owner is a file the folder's maker linked, not wrote (where
+        # fs.protected_hardlinks is off, even one they cannot read).
+        raise _ref_error(
+            label,
+            ref,
+            location,
+            f"{path!r} is a hard link ({info.st_nlink} names) to a file of uid {info.st_uid}, "
+            f"not of the folder's owner (uid {folder_owner})",
+        )
     size = info.st_size - offset if length is None else length
     allocated = getattr(info, "st_blocks", None)
     if allocated is not None and size > SPARSE_SLACK and allocated * 512 + SPARSE_SLACK < size:

@@ -30,6 +30,11 @@ class Scope(dict):
     """name -> tensor of every persistable the executor has materialised."""
 
 
+# A gradient-merge window this long without an update is worth a word (then 10x, 100x ...):
+# k_steps beyond it is far past any accumulation in practice and looks like a slip.
+MERGE_WARN_RUNS = 1000
+
+
 class Executor:
     def __init__(
         self, place: Place = "cpu", *, track_memory: bool = True, record_timeline: bool = False
@@ -178,6 +183,15 @@ class Executor:
                     )
         out = self._run_part(part, feed, fetches)
         self.scope[gm.step].fill_((step + 1) % gm.k_steps)
+        if step + 1 >= MERGE_WARN_RUNS and str(step + 1).rstrip("0") == "1":  # 1000, 10000, ...
+            logger.warning(
+                "program %r: %d runs under gradient merge without an update (k_steps=%d: params "
+                "change once every %d runs); is k_steps the number of runs per update you meant?",
+                program.name,
+                step + 1,
+                gm.k_steps,
+                gm.k_steps,
+            )
         return out
 
     def _accumulate_part(self, program: Program) -> Program:

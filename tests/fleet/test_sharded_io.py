@@ -486,3 +486,52 @@ def test_a_huge_rng_state_is_refused_before_it_is_allocated(tmp_path):
     (folder / ".metadata").write_bytes(pickle.dumps(md))
     with pytest.raises(sharded_io.CheckpointError, match=r"RNG state '__rng__/0/.*not a generator state"):
         fleet.load_persistables(metaopt.Executor("cpu"), tmp_path / "ckpt", _program())
+
+
+def _replace_stored(folder, fqn: str, stored) -> None:
+    """Point `fqn`'s storage at a file holding `stored` (what a crafted shard would hold), the
+    metadata otherwise untouched."""
+    md = dcp_glue.SafeReader(folder).read_metadata()
+    blob = folder / "crafted.distcp"
+    torch.save(stored, blob)
+    for index in [i for i in md.storage_data if i.fqn == fqn]:
+        md.storage_data[index] = dcp_glue._StorageInfo("crafted.distcp", 0, blob.stat().st_size)
+    md.storage_meta = None
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
+
+
+@pytest.mark.parametrize(
+    "stored",
+    [
+        torch.zeros(6, 3, dtype=torch.float64),
+        torch.zeros(6, 3, dtype=torch.bfloat16),
+        torch.zeros(6, 3, dtype=torch.int64),
+        torch.zeros(18),  # before: narrowed to the piece DCP asked for, silently
+        torch.zeros(8, 3),
+    ],
+    ids=["float64", "bf16", "int64", "flat", "larger"],
+)
+def test_a_shard_holding_another_dtype_or_size_than_declared_is_refused(tmp_path, stored):
+    """DCP's own read loop copies what the shard holds into the var with ``copy_``, which
+    casts and (after narrowing) accepts a larger tensor. Before: every case here loaded."""
+    _save(tmp_path, 1, 1.0)
+    _replace_stored(tmp_path / "ckpt" / "step-00000001", "w", stored)
+    p, exe = _program(), metaopt.Executor("cpu")
+    exe.scope["w"] = torch.full((6, 3), -1.0)
+    with pytest.raises(sharded_io.CheckpointError, match=r"'w' at \[0, 0\] holds .* the metadata declares"):
+        fleet.load_persistables(exe, tmp_path / "ckpt", p)
+    assert torch.equal(exe.scope["w"], torch.full((6, 3), -1.0))
+
+
+def test_a_shard_declared_beyond_its_file_is_refused(tmp_path):
+    _save(tmp_path, 1, 1.0)
+    folder = tmp_path / "ckpt" / "step-00000001"
+    md = dcp_glue.SafeReader(folder).read_metadata()
+    index = next(i for i in md.storage_data if i.fqn == "w")
+    where = md.storage_data[index]
+    md.storage_data[index] = dcp_glue._StorageInfo(where.relative_path, where.offset, 1 << 40)
+    md.storage_meta = None
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
+    beyond = r"'w' is declared at bytes \d+\.\.\d+ of a \d+-byte"
+    with pytest.raises(sharded_io.CheckpointError, match=beyond):
+        fleet.load_persistables(metaopt.Executor("cpu"), tmp_path / "ckpt", _program())

@@ -8,6 +8,7 @@ regression fails the test instead of taking the machine down)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -459,3 +460,32 @@ def test_sparse_external_data_is_refused_unread(tmp_path):
     sparse = r"w\.bin. is sparse: 8589934592 bytes to read but \d+ allocated"
     with pytest.raises(ModelLoadError, match=sparse):
         metaopt.load(path)
+
+
+def _model_with_external_link(tmp_path, data_owner: int, folder_owner: int) -> Path:
+    folder = tmp_path / "model"
+    folder.mkdir(parents=True)
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(np.arange(4, dtype=np.float32).tobytes())
+    os.chown(secret, data_owner, data_owner)
+    os.link(secret, folder / "w.bin")  # the folder's maker links a file rather than writing one
+    os.chown(folder, folder_owner, folder_owner)
+    t = _raw_tensor("w", [4])
+    t.data_location = TensorProto.EXTERNAL
+    t.external_data.add(key="location", value="w.bin")
+    path = folder / "m.onnx"
+    path.write_bytes(_with_initializer(t).SerializeToString())
+    return path
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to chown")
+def test_hard_linked_external_data_of_another_owner_is_refused(tmp_path):
+    """A hard link has no target to resolve, so containment checks pass it: before, a folder's
+    maker could hand over any file they could link. Linked data of the folder's own owner
+    (a deduplicated copy) still loads."""
+    path = _model_with_external_link(tmp_path, data_owner=0, folder_owner=4321)
+    linked = r"w\.bin. is a hard link \(2 names\) to a file of uid 0, not of the folder's owner"
+    with pytest.raises(ModelLoadError, match=linked):
+        metaopt.load(path)
+    same_owner = _model_with_external_link(tmp_path / "ok", data_owner=4321, folder_owner=4321)
+    assert metaopt.load(same_owner) is not None

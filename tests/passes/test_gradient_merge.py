@@ -119,6 +119,30 @@ def test_fetching_an_update_output_mid_window_is_refused_by_name():
     assert int(step) == 1
 
 
+def test_a_window_of_a_thousand_runs_without_an_update_is_named(caplog):
+    """k_steps=10**9 was accepted and params never changed, silently. The run count of the
+    window is warned at 1000, 10000, ... (it is the scope's counter: set here, not run 999x)."""
+    import logging
+
+    from metaopt.runtime.executor import MERGE_WARN_RUNS
+
+    main, _ = _trained("mlp", _strategy(k=10**9))
+    exe = metaopt.Executor("cpu")
+    feed = _feed("mlp", _batch("mlp", 2, seed=0))
+    exe.run(main, feed=feed, fetch_list=[])
+    before = _params(exe, main)
+    with caplog.at_level(logging.WARNING, logger="metaopt"):
+        exe.run(main, feed=feed, fetch_list=[])  # run 2: quiet
+        assert not caplog.records
+        exe.scope["gradient_merge_step"].fill_(MERGE_WARN_RUNS - 1)
+        exe.run(main, feed=feed, fetch_list=[])  # run 1000 of the window
+        exe.run(main, feed=feed, fetch_list=[])  # 1001: quiet again
+    [record] = caplog.records
+    assert "1000 runs under gradient merge without an update (k_steps=1000000000" in record.getMessage()
+    after = _params(exe, main)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 def test_recompute_under_gradient_merge_is_bit_identical():
     base, _ = _trained("bert", _strategy(k=2), optimizer=metaopt.optimizer.Adam(1e-3), dropout=0.1)
     rc_strategy = _strategy(k=2, recompute=True)
