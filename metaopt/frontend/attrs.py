@@ -48,13 +48,13 @@ def attr_value(a: onnx.AttributeProto) -> Any:
     if a.type == A.FLOAT:
         return float32_literal(a.f)
     if a.type == A.STRING:
-        return a.s.decode("utf-8")
+        return _text(a, a.s)
     if a.type == A.INTS:
         return [int(x) for x in a.ints]
     if a.type == A.FLOATS:
         return [float32_literal(x) for x in a.floats]
     if a.type == A.STRINGS:
-        return [s.decode("utf-8") for s in a.strings]
+        return [_text(a, s) for s in a.strings]
     if a.type == A.TENSOR:
         return tensor_value(a.t)
     if a.type == A.TENSORS:
@@ -62,3 +62,10 @@ def attr_value(a: onnx.AttributeProto) -> Any:
     if a.type in (A.GRAPH, A.GRAPHS):
         raise NotImplementedError(f"attribute {a.name!r} holds a subgraph (control flow is not supported)")
     raise NotImplementedError(f"attribute {a.name!r} of ONNX attribute type {a.type} is not supported")
+
+
+def _text(a: onnx.AttributeProto, raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"attribute {a.name!r} is not UTF-8 text: {raw[:20]!r}") from None

@@ -10,7 +10,7 @@ from metaopt.dump import dump
 from metaopt.frontend.naming import readable_names
 from metaopt.frontend.onnx_import import ImportError_, ImportOptions, to_program
 from metaopt.frontend.repair import repair_training
-from metaopt.frontend.safe_load import ModelLoadError, load_model_proto
+from metaopt.frontend.safe_load import ModelLoadError, ModelNotSupported, load_model_proto
 from metaopt.ir import Program, verify
 from metaopt.ir.gc_pause import without_gc
 from metaopt.limits import LoadLimits, using
@@ -87,6 +87,14 @@ def load(
             # Errors about the file's contents name the file too (a user loading several
             # files, or a file from a pipeline stage, needs to know which one).
             raise ImportError_(f"{label}: {e}") from None
+        except ModelLoadError:
+            raise
+        except NotImplementedError as e:  # a feature of the file we do not support (a dtype ...)
+            raise ModelNotSupported(f"{label}: {e}") from e
+        except Exception as e:  # noqa: BLE001 - the file is untrusted: whatever it breaks names it
+            # Every check we know of raises one of the above; this is the net under them (a
+            # fuzzed file found a VerifyError and a TypeError here), the cause kept for a report.
+            raise ModelLoadError(f"{label}: {type(e).__name__}: {e}") from e
 
 
 def _drop(p: Program) -> None:

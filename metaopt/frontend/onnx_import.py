@@ -57,8 +57,16 @@ class ImportOptions:
     symbolic_dims: dict[str, str] = field(default_factory=dict)  # exporter dim name -> ours
 
 
-def _meta(proto: onnx.NodeProto | onnx.ValueInfoProto) -> dict[str, str]:
-    return {p.key: p.value for p in proto.metadata_props}
+def _meta(proto: onnx.NodeProto | onnx.ValueInfoProto | onnx.ModelProto) -> dict[str, str]:
+    m = {p.key: p.value for p in proto.metadata_props}
+    if not all(type(k) is str and type(v) is str for k, v in m.items()):  # invalid UTF-8 comes as bytes
+        bad = next(k for k, v in m.items() if type(k) is not str or type(v) is not str)
+        if isinstance(proto, onnx.NodeProto):
+            what = f"op {proto.op_type} (node {proto.name!r})"
+        else:
+            what = f"value {proto.name!r}" if isinstance(proto, onnx.ValueInfoProto) else "the model"
+        raise ImportError_(f"{what}: metadata key {bad!r} or its value is not UTF-8 text")
+    return m
 
 
 def node_scope(node: onnx.NodeProto) -> tuple[str, list[str]]:
@@ -333,7 +341,10 @@ def to_program(
             value = _constant_value(node)
             p.add_var(Var(outputs[0], dtype_name(value.dtype), tuple(value.shape), kind="constant"), value)
             continue
-        attrs = {a.name: attr_value(a) for a in node.attribute} if node.attribute else {}
+        try:
+            attrs = {a.name: attr_value(a) for a in node.attribute} if node.attribute else {}
+        except (ValueError, NotImplementedError) as e:
+            raise ImportError_(f"{_describe(node)}: {e}") from None
         if has_meta:
             outputs = _drop_discarded(node, outputs)
         for o in outputs:
@@ -352,16 +363,16 @@ def to_program(
             chains[outputs[0]] = chain
         p.ops.append(op)
 
-    for prop in model.metadata_props:  # a file metaopt saved: its state updates
-        if prop.key.startswith(onnx_save.UPDATE_PREFIX):
-            p.updates[prop.key[len(onnx_save.UPDATE_PREFIX) :]] = prop.value
-        elif prop.key == onnx_save.MODULES_KEY:
-            p.modules = _modules(prop.value)
-        elif prop.key == onnx_save.PIPELINE_KEY:
-            p.pipeline = _model_meta(prop.key, prop.value, PipelineInfo.parse, _check_pipeline)
-        elif prop.key == onnx_save.GRADIENT_MERGE_KEY:
+    for key, value in _meta(model).items():  # a file metaopt saved: its state updates
+        if key.startswith(onnx_save.UPDATE_PREFIX):
+            p.updates[key[len(onnx_save.UPDATE_PREFIX) :]] = value
+        elif key == onnx_save.MODULES_KEY:
+            p.modules = _modules(value)
+        elif key == onnx_save.PIPELINE_KEY:
+            p.pipeline = _model_meta(key, value, PipelineInfo.parse, _check_pipeline)
+        elif key == onnx_save.GRADIENT_MERGE_KEY:
             p.gradient_merge = _model_meta(
-                prop.key, prop.value, GradientMergeInfo.parse, _check_gradient_merge
+                key, value, GradientMergeInfo.parse, _check_gradient_merge
             )
     _check_saved_program(p)
     update_outputs = set(p.updates.values())

@@ -72,6 +72,11 @@ class ModelLoadError(ValueError):
     """An ONNX model (or its external data) is missing, malformed or unsafe to load."""
 
 
+class ModelNotSupported(ModelLoadError, NotImplementedError):
+    """A well-formed model using what metaopt does not support yet (an element type, control
+    flow): both a load error naming the file and a NotImplementedError naming the feature."""
+
+
 @dataclass(frozen=True)
 class _TensorRef:
     """A tensor inside the model plus a human-readable description of where it sits."""
