@@ -9,6 +9,7 @@ from metaopt.ir import Op, Program, Var, verify
 from metaopt.ops import rng_streams
 from metaopt.report import memory_picture
 from metaopt.runtime import CPUPlace, CUDAPlace, Executor
+from metaopt.runtime.hostsync import HostSyncError
 
 __version__ = "0.1.0"
 
@@ -30,6 +31,7 @@ __all__ = [
     "CPUPlace",
     "CUDAPlace",
     "Executor",
+    "HostSyncError",
     "Op",
     "Program",
     "Var",

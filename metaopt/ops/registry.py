@@ -54,7 +54,9 @@ class OpDef:
     # Inputs read as host values (shapes, axes, ratios: `.tolist()` / `float()`), and
     # whether the outputs are host values (Shape, Size). On CUDA the executor keeps
     # such values on the CPU so reading them never synchronises the device.
-    host_inputs: tuple[int, ...] = ()
+    # A callable (op, program) -> positions says it per op (a scalar index read as a Python int,
+    # a replayed random op's own host inputs): see `host_inputs`.
+    host_inputs: tuple[int, ...] | Callable[[Any, Any], tuple[int, ...]] = ()
     host_outputs: bool = False
     # (output index, input index) pairs: the kernel writes that output into that
     # input's storage and returns it (optimizer updates, like torch.optim's in-place
@@ -220,6 +222,15 @@ def alias_pairs(op: Any) -> list[tuple[int, int]] | None:
     for k, j in pairs:
         out += [(kk, j) for kk in range(len(op.outputs))] if k == ALL else [(k, j)]
     return out
+
+
+def host_inputs(op: Any, program: Any) -> tuple[int, ...]:
+    """The positions where `op` reads its inputs as host values (its row's `host_inputs`,
+    resolved for this op of `program`); () when the op type has no row."""
+    row = get(op.type)
+    if row is None:
+        return ()
+    return tuple(row.host_inputs(op, program)) if callable(row.host_inputs) else row.host_inputs
 
 
 def skip_input(op_type: str) -> int | None:

@@ -214,11 +214,11 @@ def _check_dtype(dtype: str) -> None:
         raise AmpError(f"amp dtype must be one of {LOW_DTYPES}, got {dtype!r}{hint}")
 
 
-def _skipped_inputs(op: Op) -> set[int]:
+def _skipped_inputs(op: Op, program: Program) -> set[int]:
     row = registry.get(op.type)
     if row is None:
         return set()
-    return set(row.meta_inputs) | set(row.host_inputs)
+    return set(row.meta_inputs) | set(registry.host_inputs(op, program))
 
 
 def plan_amp(
@@ -278,7 +278,7 @@ class _Rules:
 
     def decide(self, p: Program, op: Op, vote: dict[str, str]) -> tuple[str, str]:
         keep_out = _float32_slots(op)[1]
-        skipped = _skipped_inputs(op)
+        skipped = _skipped_inputs(op, p)
         f_in = [x for j, x in enumerate(op.inputs) if x and j not in skipped and _is_float(p, x)]
         f_out = [o for o in op.outputs if o and _is_float(p, o)]
         cls = _amp_class(op.type, self.custom)
@@ -372,7 +372,7 @@ def amp(
     for i, op in enumerate(q.ops[:end]):
         precision = plan.precision_of(i)
         keep_in, keep_out = _float32_slots(op)
-        skipped = _skipped_inputs(op)
+        skipped = _skipped_inputs(op, q)
         after: list[Op] = []
         if precision == LOW:
             for j, x in enumerate(op.inputs):

@@ -62,8 +62,10 @@ class Executor:
         fetch_list: Iterable[str | Var] | None = None,
         return_numpy: bool = True,
     ) -> list[Any]:
-        """Run `program` once; returns the fetched values in `fetch_list` order."""
+        """Run `program` once; returns the fetched values in `fetch_list` order (on the meta
+        device: meta tensors, whatever `return_numpy` says; there are no values to copy)."""
         fetches = [f.name if isinstance(f, Var) else f for f in (fetch_list or [])]
+        return_numpy = return_numpy and self.device.type != "meta"
         if program.pipeline is not None:
             self._start_step()  # one step of counters for all the micro-batches' parts
             out = self._pipeline_runner(program).run(feed or {}, fetches)
@@ -168,7 +170,9 @@ class Executor:
         step_t = self.scope.get(gm.step)
         if step_t is None or step_t.device.type != "cpu":
             self._materialise(program, [gm.step])
-            self.scope[gm.step] = self.scope[gm.step].cpu()
+            step_t = self.scope[gm.step]
+            # once (a fresh scope, a loaded checkpoint); on meta the window starts at 0
+            self.scope[gm.step] = torch.zeros_like(step_t, device="cpu") if step_t.is_meta else step_t.cpu()
         step = int(self.scope[gm.step])
         if not 0 <= step < gm.k_steps:
             raise ValueError(f"scope holds {gm.step}={step}, outside 0..{gm.k_steps - 1} (k_steps)")

@@ -1,4 +1,5 @@
-"""Where an executor runs: "cpu", "cuda", "cuda:N", CPUPlace(), CUDAPlace(n)."""
+"""Where an executor runs: "cpu", "cuda", "cuda:N", CPUPlace(), CUDAPlace(n); and "meta" (shapes
+and dtypes only: the proof that a step reads no device value on the host, runtime/hostsync.py)."""
 
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ def resolve(place: Place) -> torch.device:
             raise ValueError(
                 f"unknown place {place!r}: use 'cpu', 'cuda', 'cuda:N', CPUPlace() or CUDAPlace(n)"
             ) from e
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"place {place!r}: only cpu and cuda are supported")
+    if dev.type not in ("cpu", "cuda", "meta"):
+        raise ValueError(f"place {place!r}: only cpu, cuda and meta are supported")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError(f"place {place!r}: CUDA is not available on this machine")

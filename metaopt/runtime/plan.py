@@ -38,6 +38,7 @@ from metaopt.ir.liveness import liveness
 from metaopt.ir.printer import fmt_op
 from metaopt.ops import registry
 from metaopt.ops.reuse import plan_reuse
+from metaopt.runtime.hostsync import guarded
 
 # Programs with more ops than this start interpreted (see `Plan`). Python compiles the generated
 # source at ~30-50 µs per op: 3-5 s for 100k ops, more than such a program's first runs take.
@@ -218,7 +219,7 @@ def host_placement(p: Program) -> tuple[set[str], set[tuple[int, int]], dict[int
         )
         if on_host:
             host.update(o for o in op.outputs if o)
-        host_at = row.host_inputs if row is not None else ()
+        host_at = registry.host_inputs(op, p)
         for j, x in enumerate(op.inputs):
             if x in consts and (on_host or j in host_at):
                 reads.add((i, j))
@@ -509,6 +510,9 @@ def _plan_layout(
     grouped: dict[int, int] = {}
     if multi and not check:  # the alias check wraps each op's kernel: a debugging run keeps them apart
         steps, kernels, grouped = _group_multi(p, rows, steps, kernels, set(uploads) | set(reused))
+    if device.type == "meta":  # every kernel, multi-tensor groups too, under the host-read guard
+        group = [p.ops[st[0] : st[0] + grouped.get(st[0], 1)] for st in steps]
+        kernels = [guarded(k, ops) for k, ops in zip(kernels, group, strict=True)]
     releases, returns = _epilogue(fetches, slot, snapshots, pset, consts, aliases)
     n = len(slot)
     _read_host_copies(steps, host_reads, n)
@@ -589,7 +593,9 @@ def _joins(row, a: Op, b: Op) -> bool:
     """May `b` join the run that `a` starts (same type and attrs, the same host inputs)?"""
     if a.type != b.type or a.attrs != b.attrs or len(a.inputs) != len(b.inputs):
         return False
-    return all(a.inputs[j] == b.inputs[j] for j in row.host_inputs if j < len(a.inputs))
+    # a row deciding per op: every input must agree
+    host = row.host_inputs if not callable(row.host_inputs) else range(len(a.inputs))
+    return all(a.inputs[j] == b.inputs[j] for j in host if j < len(a.inputs))
 
 
 def _merged_step(parts: list[tuple], ops: list[Op]) -> tuple:

@@ -20,13 +20,15 @@ Watching the scale (`LossScaleWatch`). A model whose grads overflow whatever the
 (an inf/nan in the batch or the forward), or a scale that cannot get small enough, skips
 every step without an error. Both kernels hand what they computed to their executor's watch
 (``needs_runtime``: they get the executor's runtime) by reference, and the executor calls
-`watch_loss_scale` once after each run: one host read of ``found_inf`` per step (the update
-ops read it on the host anyway), nothing per op. After a skipped step only, it reads the
-grads' peaks and names the non-finite grad the backward made first. It warns on the
-``metaopt.amp`` logger when `SKIPS_IN_A_ROW_WARN` steps in a row were skipped (again at
-twice, four times ... that many) and on the first skip at a scale <= 1 (Fleet's rule never
-shrinks it below 1, so a smaller scale cannot help; again only after the scale has grown
-above 1).
+`watch_loss_scale` once after each run: on the CPU one read of ``found_inf`` per step, nothing
+per op; on CUDA the flag, the scales and the grads' peaks go to pinned host memory by one
+non-blocking copy and are read at a later step, once its event says the copy landed (the step
+never waits for the device: capture-safe); on the meta device there is nothing to read.
+After a skipped step only, it reads the grads' peaks and names the non-finite grad the
+backward made first. It warns on the ``metaopt.amp`` logger when `SKIPS_IN_A_ROW_WARN`
+steps in a row were skipped (again at twice, four times ... that many) and on the first skip
+at a scale <= 1 (Fleet's rule never shrinks it below 1, so a smaller scale cannot help; again
+only after the scale has grown above 1).
 """
 
 from __future__ import annotations
@@ -125,6 +127,9 @@ logger = logging.getLogger("metaopt.amp")
 # in 10 skips; Fleet's defaults (x0.8 every 2nd skip) only 10737, so a model needing a much
 # smaller scale is reported during its start-up search too: a warning, logged log2(n) times.
 SKIPS_IN_A_ROW_WARN = 10
+# Steps whose flags a CUDA watch holds before it has read them (they are read a step or more late,
+# once their copy to the host has landed: never by waiting for the device).
+MAX_PENDING = 64
 
 
 @dataclass
@@ -146,12 +151,41 @@ class LossScaleWatch:
         self.first_scale = 0.0  # the scale of the first of them
         self.next_warning = SKIPS_IN_A_ROW_WARN
         self.warned_floor = False  # warned of a skip at a scale <= 1 that has not grown since
+        self.pending: list[tuple] = []  # CUDA: (copy done, host values, check key), oldest first
 
     def after_step(self, program: Program) -> None:
         checked, updated = self.checked, self.updated
         self.checked = self.updated = None
         found, new_scale = updated if updated is not None else (checked.found_inf, checked.scale)
-        if not found.item():  # the one host read of a normal step
+        if found.device.type == "cpu":  # reading a CPU tensor costs nothing: at once
+            self._observe(program, checked, bool(found.item()), new_scale)
+            return
+        self._drain(program)
+        if found.device.type == "cuda":  # read a later step, once the copy has landed: no sync
+            self._stage(checked, found, new_scale)
+        # meta: no values to watch (the step is proven free of host reads, this included)
+
+    def _stage(self, checked: _Checked, found: torch.Tensor, new_scale: torch.Tensor) -> None:
+        flags = torch.stack([found.float(), new_scale.float(), checked.scale.float()])
+        flat = torch.cat([flags, checked.peaks])
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self.pending.append((done, host, checked.key))
+        if len(self.pending) > MAX_PENDING:  # the host ran far ahead: forget the oldest, never wait
+            self.pending.pop(0)
+
+    def _drain(self, program: Program) -> None:
+        while self.pending and self.pending[0][0].query():
+            _, host, key = self.pending.pop(0)
+            found, new_scale, scale = host[0], host[1], host[2]
+            checked = _Checked(key, found, host[3:], scale)
+            self._observe(program, checked, bool(found), new_scale)
+
+    def _observe(self, program: Program, checked: _Checked, found: bool, new_scale: torch.Tensor) -> None:
+        """One step's outcome, its values on the host."""
+        if not found:  # the one host read of a normal step
             self.in_a_row, self.next_warning = 0, SKIPS_IN_A_ROW_WARN
             if self.warned_floor:  # warn of the floor again once the scale has left it
                 self.warned_floor = float(new_scale) <= 1.0

@@ -29,8 +29,22 @@ def _scalar_index(op, shapes: list) -> bool:  # noqa: ANN001
     return len(shapes) > 1 and shapes[1] is not None and len(shapes[1]) == 0
 
 
+def _scalar_index_on_host(op, program) -> tuple[int, ...]:  # noqa: ANN001
+    """A 0-d index is read as a Python int (a view, below): from the host, where a constant has
+    its mirror and shape arithmetic computes, so no device value is read; any other index stays
+    on the device (a constant one is not uploaded again every step)."""
+    v = program.vars.get(op.inputs[1]) if len(op.inputs) > 1 else None
+    return (1,) if v is not None and v.shape == () else ()
+
+
 # a scalar index on the CPU: a view (`view_if`: memory estimates count no new storage)
-@register("Gather", aliases=SAME, shape_value=_shape_value_of_gather, view_if=_scalar_index)
+@register(
+    "Gather",
+    aliases=SAME,
+    shape_value=_shape_value_of_gather,
+    view_if=_scalar_index,
+    host_inputs=_scalar_index_on_host,
+)
 def gather(data: torch.Tensor, indices: torch.Tensor, axis: int = 0) -> torch.Tensor:
     if indices.dim() == 0 and indices.device.type == "cpu":
         return data.select(axis, int(indices))  # a view; python-int indexing handles negatives

@@ -26,6 +26,15 @@ optional trailing ``found_inf`` input (a scalar, nonzero = skip; at the index th
 ``torch.amp.GradScaler.step`` skips ``optimizer.step()``: the param, every state var
 and the step counter keep their values (the update kernels return their inputs
 untouched). It is read on the host (``.item()``), like the learning rate.
+
+Off the CPU (CUDA, and the meta device that proves it: runtime/hostsync.py) a host read waits
+for the device and breaks CUDA-graph capture, so there every kernel takes its device form,
+which reads nothing on the host: the updates are torch's fused kernels with a tensor learning
+rate, the step as a device tensor and ``found_inf`` handed to the kernel, which skips the
+update itself (what ``torch.optim.Adam(fused=True)`` / ``SGD(fused=True)`` run, and bitwise
+equal to them: tests/ops/test_optim_device_forms.py); the schedules are the same float64
+arithmetic as tensor ops. On the CPU reading a CPU tensor costs nothing, and the host forms
+stay bitwise equal to torch.optim's defaults.
 """
 
 from __future__ import annotations
@@ -39,6 +48,16 @@ from metaopt.ops.registry import register
 
 def _skip(found_inf: torch.Tensor | None) -> bool:
     return found_inf is not None and bool(found_inf.item())  # host read, as torch's GradScaler.step
+
+
+def _on_host(t: torch.Tensor) -> bool:
+    """Whether `t`'s value can be read on the host for free (the CPU); else the device forms."""
+    return t.device.type == "cpu"
+
+
+def _flag(found_inf: torch.Tensor | None) -> torch.Tensor | None:
+    """found_inf as the fused kernels read it: they skip on exactly 1.0, ours may be a sum."""
+    return None if found_inf is None else (found_inf != 0).to(torch.float32)
 
 
 @register("StepCounter", domain="metaopt", recomputable=False, skip_input=1)
@@ -77,9 +96,22 @@ def linear_warmup_decay_lr(
 
     ``peak_lr * factor(step)``, the product torch's LambdaLR forms (``base_lr * lmbda(epoch)``).
     """
+    end_ratio = end_lr / peak_lr if peak_lr else 0.0
+    if not _on_host(step):
+        return peak_lr * _device_factor(step, warmup_steps, total_steps, end_ratio)
     s = int(step.item())  # host read: the schedule is Python-float arithmetic, as in LambdaLR
-    factor = linear_warmup_decay_factor(s, warmup_steps, total_steps, end_lr / peak_lr if peak_lr else 0.0)
+    factor = linear_warmup_decay_factor(s, warmup_steps, total_steps, end_ratio)
     return torch.tensor(peak_lr * factor, dtype=torch.float64, device=step.device)
+
+
+def _device_factor(step: torch.Tensor, warmup_steps: int, total_steps: int, end_ratio: float) -> torch.Tensor:
+    """`linear_warmup_decay_factor` as float64 tensor ops on the step's device: the same IEEE
+    double operations in the same order, so the same bits, with no host read."""
+    s = step.to(torch.float64)
+    warm = s / float(max(1, warmup_steps))
+    frac = torch.clamp((float(total_steps) - s) / float(max(1, total_steps - warmup_steps)), min=0.0)
+    decay = frac if end_ratio == 0.0 else end_ratio + (1.0 - end_ratio) * frac
+    return torch.where(s < warmup_steps, warm, decay)
 
 
 # --- clipping -------------------------------------------------------------------------
@@ -110,6 +142,9 @@ def _sgd_multi(groups: list[tuple], weight_decay: float = 0.0) -> list[tuple]:
     per-op kernel on the CPU). Each group: (param, grad, lr[, found_inf]), lr and found_inf shared."""
     params, grads = [g[0] for g in groups], [g[1] for g in groups]
     first = groups[0]
+    if not _on_host(first[2]):
+        _device_sgd(params, grads, [], first[2], first[3] if len(first) > 3 else None, weight_decay)
+        return [(p,) for p in params]
     if _skip(first[3] if len(first) > 3 else None):
         return [(p,) for p in params]
     if weight_decay != 0:
@@ -127,6 +162,10 @@ def _momentum_multi(
     params, grads, bufs = ([g[k] for g in groups] for k in (0, 1, 4))
     first = groups[0]
     outs = list(zip(params, bufs))
+    if not _on_host(first[2]):
+        found = first[5] if len(first) > 5 else None
+        _device_sgd(params, grads, bufs, first[2], found, weight_decay, momentum, dampening, nesterov)
+        return outs
     if _skip(first[5] if len(first) > 5 else None):
         return outs
     lr_ = first[2].item()
@@ -160,6 +199,9 @@ def sgd_update(
     weight_decay: float = 0.0,
 ) -> torch.Tensor:
     """torch.optim.SGD (momentum 0): ``param -= lr * (grad + wd * param)``, in place."""
+    if not _on_host(lr):
+        _device_sgd([param], [grad], [], lr, found_inf, weight_decay)
+        return param
     if _skip(found_inf):
         return param
     lr_ = lr.item()  # host read: torch's lr is a Python float
@@ -197,6 +239,9 @@ def momentum_update(
     On the first update (``step == 1``) torch sets the buffer to a copy of the grad
     (no dampening); afterwards ``buf = momentum * buf + (1 - dampening) * grad``.
     """
+    if not _on_host(lr):
+        _device_sgd([param], [grad], [velocity], lr, found_inf, weight_decay, momentum, dampening, nesterov)
+        return param, velocity
     if _skip(found_inf):
         return param, velocity
     lr_ = lr.item()  # host reads: torch's lr is a Python float, and the first step is a branch
@@ -281,6 +326,12 @@ def _adam_multi(
         (p, m, v) + ((mx,) if amsgrad else ())
         for p, m, v, mx in zip(params, exp_avgs, exp_avg_sqs, max_sqs or params)
     ]
+    if not _on_host(first[2]):
+        _device_adam(
+            params, grads, exp_avgs, exp_avg_sqs, max_sqs or [], first[2], first[3], found_inf,
+            beta1, beta2, epsilon, weight_decay, decoupled,
+        )  # fmt: skip
+        return outs
     if _skip(found_inf):
         return outs
     lr_, step_ = first[2].item(), float(first[3].item())
@@ -312,6 +363,41 @@ def _adam_multi(
     torch._foreach_add_(denom, epsilon)
     torch._foreach_addcdiv_(params, exp_avgs, denom, -step_size)
     return outs
+
+
+def _device_adam(
+    params, grads, exp_avgs, exp_avg_sqs, max_sqs, lr, step, found_inf, beta1, beta2, eps, wd, decoupled
+) -> None:  # fmt: skip
+    """The device form of Adam/AdamW (module doc): torch's fused kernel, lr and step as device
+    tensors, the skip inside the kernel. torch.optim keeps a float32 step per param; the
+    kernel only reads it, so one tensor serves every param of the call."""
+    fn = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    steps = [step.to(torch.float32)] * len(params)
+    fn(
+        params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, lr=lr, beta1=beta1, beta2=beta2,
+        weight_decay=wd, eps=eps, amsgrad=bool(max_sqs), maximize=False, found_inf=_flag(found_inf),
+    )  # fmt: skip
+
+
+def _device_sgd(
+    params, grads, bufs, lr, found_inf, weight_decay, momentum=0.0, dampening=0.0, nesterov=0
+) -> None:  # fmt: skip
+    """The device form of SGD / SGD with momentum (module doc): torch's fused kernel.
+
+    torch's first momentum step sets the buffer to the grad; the fused kernel's later-step rule
+    on the zero buffer the optimizer starts from gives exactly that when dampening is 0
+    (``momentum * 0 + 1 * grad``). With dampening it would not, and telling the first step
+    apart needs the step's value on the host."""
+    if bufs and dampening != 0:
+        raise NotImplementedError(
+            f"SGD with momentum and dampening={dampening} off the CPU: its first step (buffer = grad, "
+            "undamped) needs the step count on the host; use dampening=0 or the CPU"
+        )
+    torch._fused_sgd_(
+        params, grads, bufs, weight_decay=weight_decay, momentum=momentum if bufs else 0.0, lr=lr,
+        dampening=dampening, nesterov=bool(nesterov), maximize=False, is_first_step=False,
+        found_inf=_flag(found_inf),
+    )  # fmt: skip
 
 
 _STEPS: dict[torch.device, tuple[float, torch.Tensor]] = {}
@@ -351,6 +437,14 @@ def adam_update(
     amsgrad: int = 0, fused: int = 0, _nout: int = 3,
 ):  # fmt: skip
     _check_amsgrad("AdamUpdate", amsgrad, max_exp_avg_sq, _nout)
+    if not _on_host(lr):
+        mx = [] if max_exp_avg_sq is None else [max_exp_avg_sq]
+        decoupled = False
+        _device_adam(
+            [param], [grad], [exp_avg], [exp_avg_sq], mx, lr, step, found_inf,
+            beta1, beta2, epsilon, weight_decay, decoupled,
+        )  # fmt: skip
+        return _unchanged(param, exp_avg, exp_avg_sq, max_exp_avg_sq)
     if _skip(found_inf):
         return _unchanged(param, exp_avg, exp_avg_sq, max_exp_avg_sq)
     return _adam(
@@ -387,6 +481,14 @@ def adamw_update(
     amsgrad: int = 0, fused: int = 0, _nout: int = 3,
 ):  # fmt: skip
     _check_amsgrad("AdamWUpdate", amsgrad, max_exp_avg_sq, _nout)
+    if not _on_host(lr):
+        mx = [] if max_exp_avg_sq is None else [max_exp_avg_sq]
+        decoupled = True
+        _device_adam(
+            [param], [grad], [exp_avg], [exp_avg_sq], mx, lr, step, found_inf,
+            beta1, beta2, epsilon, weight_decay, decoupled,
+        )  # fmt: skip
+        return _unchanged(param, exp_avg, exp_avg_sq, max_exp_avg_sq)
     if _skip(found_inf):
         return _unchanged(param, exp_avg, exp_avg_sq, max_exp_avg_sq)
     return _adam(

@@ -44,12 +44,20 @@ def _replay_aliases(op) -> list[tuple[int, int]]:
     return [(k, j + 1) for k, j in pairs]
 
 
+def _replay_host_inputs(op, program) -> tuple[int, ...]:  # noqa: ANN001
+    """The state (a host value), and the replayed op's own host inputs (Dropout's ratio and
+    training mode), shifted past the state."""
+    inner = registry.get(op.attrs["op"])
+    shifted = registry.host_inputs(SimpleNamespace(type=op.attrs["op"], inputs=op.inputs[1:]), program)
+    return (0, *(j + 1 for j in shifted)) if inner is not None else (0,)
+
+
 @register(
     "RngReplay",
     domain="metaopt",
     needs_outputs=True,
     needs_device=True,
-    host_inputs=(0,),
+    host_inputs=_replay_host_inputs,
     aliases=_replay_aliases,
 )
 def rng_replay(
