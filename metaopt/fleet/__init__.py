@@ -8,8 +8,9 @@
     optimize_ops, params_grads = opt.minimize(loss)      # rewrites loss.program in place
 
 State (this worker's rank, the job's size, its hybrid-parallel groups) lives in
-``metaopt.fleet.env``, the rank layout in ``metaopt.fleet.topology``; the meta
-training rewrite's steps, in their literal order, in ``metaopt.fleet.steps.STEPS``.
+``metaopt.fleet.env``, the rank layout in ``metaopt.layout`` (read from the strategy by
+``metaopt.fleet.topology``); the meta training rewrite's steps, in their literal order, in
+``metaopt.fleet.steps.STEPS``.
 """
 
 from metaopt.fleet.distributed_optimizer import DistributedOptimizer, TrainPlan, distributed_optimizer

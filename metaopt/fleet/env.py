@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from metaopt.fleet.topology import AXES, HybridCommunicateGroup, Topology
+from metaopt.layout.topology import AXES, HybridCommunicateGroup, Topology
 
 logger = logging.getLogger("metaopt.fleet")
 
@@ -179,7 +179,7 @@ def init(is_collective: bool = True, strategy=None) -> None:
         _check_same_layout(topo)  # every worker, hybrid_configs or not: one named error, no hang
     hcg = None if topo is None else _hybrid_group(topo, env)
     if hcg is None:
-        from metaopt.runtime.comm import forget_topology
+        from metaopt.layout.groups import forget_topology
 
         forget_topology()  # a hybrid layout of an earlier init no longer places anything
     _STATE.env = env
@@ -234,7 +234,7 @@ def _join_process_group(env: WorkerEnv) -> bool:
 def _destroy_at_exit() -> None:
     import torch.distributed as dist
 
-    from metaopt.runtime.comm import forget_groups
+    from metaopt.layout.groups import forget_groups
 
     forget_groups()
     if dist.is_initialized():
@@ -266,7 +266,7 @@ def _hybrid_group(topo: Topology, env: WorkerEnv) -> HybridCommunicateGroup:
         return old
     if env.world_size == 1:
         return HybridCommunicateGroup(topo, env.rank)  # no process group, so no groups
-    from metaopt.runtime.comm import make_topology_groups
+    from metaopt.layout.groups import make_topology_groups
 
     # the collectives of tensor parallel, of data parallel beside it and of a pipeline look their
     # groups up there (by axis, by ranks): only these exist on every worker
@@ -403,7 +403,7 @@ def check_workers_agree(lines: Sequence[tuple[str, str]], what: str, hint: str =
 
     Cheap when they agree: one exchange of a digest. Only on a mismatch do the workers exchange
     a short hash per line, then the texts at the first differing lines. Every exchange waits at
-    most ``METAOPT_COMM_TIMEOUT`` (`runtime.comm.all_gather_bytes`). A no-op with one worker."""
+    most ``METAOPT_COMM_TIMEOUT`` (`layout.groups.all_gather_bytes`). A no-op with one worker."""
     if _env().world_size == 1:
         return
     texts = [text for _, text in lines]
@@ -425,7 +425,7 @@ def _gather(obj, what: str) -> list:
     """`obj` (JSON-able) of every worker, by rank."""
     import json
 
-    from metaopt.runtime.comm import all_gather_bytes
+    from metaopt.layout.groups import all_gather_bytes
 
     return [json.loads(b) for b in all_gather_bytes(json.dumps(obj).encode(), what)]
 

@@ -169,7 +169,7 @@ def _tensor_parallel(p: Program, plan: Any, ctx: Context) -> Program:
     q = tensor_parallel(p, plan=plan)
     # The workers' programs are compared line by line at minimize, and the MP groups of two
     # replicas differ ([0, 1] and [2, 3]): name the group by its axis; the kernels look this
-    # worker's up in the groups fleet.init made on every worker (runtime/comm.py).
+    # worker's up in the groups fleet.init made on every worker (layout/groups.py).
     ranks = list(plan.group)
     for op in q.ops:
         if op.attrs.get("group") == ranks:  # the collectives the pass added (fields, not types)

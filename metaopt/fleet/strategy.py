@@ -32,7 +32,7 @@ Differences from Fleet, on purpose:
 - ``save_to_json`` / ``load_from_json`` replace Fleet's prototxt files.
 - ``hybrid_configs`` has Fleet 2.x's keys (dp_degree, mp_degree, pp_degree, sharding_degree,
   with its defaults); later Fleet keys (sep_degree, order, mp_configs, pp_configs) are unknown
-  keys here, refused with the known ones listed. Its layout: ``metaopt/fleet/topology.py``.
+  keys here, refused with the known ones listed. Its layout: ``metaopt/layout/topology.py``.
 """
 
 from __future__ import annotations
@@ -254,7 +254,7 @@ GRADIENT_MERGE_CONFIGS: dict[str, Key] = {
 
 # Fleet's hybrid_configs (its HybridConfig proto): how the workers are laid out, read by
 # fleet.init (the process groups, fleet.get_hybrid_communicate_group()) and minimize (the
-# pipeline's stages and replicas). metaopt/fleet/topology.py has the rank layout.
+# pipeline's stages and replicas). metaopt/layout/topology.py has the rank layout.
 _DP_DEGREE: tuple[Check, ...] = (
     (
         lambda v: v == -1 or v >= 1,

@@ -53,13 +53,17 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-DEFAULT_TIMEOUT_S = 300.0
-_GROUPS: dict[tuple[int, ...], object] = {}  # sub-groups by their ranks (made once per process)
+from metaopt.layout.groups import (  # noqa: F401 - CommError and DEFAULT_TIMEOUT_S: this module's API too
+    DEFAULT_TIMEOUT_S,
+    CommError,
+    failure_message,
+    group_of,
+    host_group,
+    initialized_dist,
+    timeout,
+)
+
 _REDUCTIONS = ("avg", "sum")
-
-
-class CommError(RuntimeError):
-    pass
 
 
 class PipelineCommError(CommError):
@@ -158,144 +162,11 @@ def _fmt(expected: tuple[int | None, ...]) -> str:
     return "[" + ", ".join("?" if e is None else str(e) for e in expected) + "]"
 
 
-def timeout() -> datetime.timedelta:
-    raw = os.environ.get("METAOPT_COMM_TIMEOUT", "").strip()
-    return datetime.timedelta(seconds=float(raw) if raw else DEFAULT_TIMEOUT_S)
-
-
-def forget_groups() -> None:
-    """Drop the sub-groups made so far (their default group is being destroyed)."""
-    _GROUPS.clear()
-    _CPU_GROUP.clear()
-    forget_topology()
-
-
-# --- groups of the hybrid topology (fleet.init) -------------------------------------------------
-# fleet.init makes every group of every hybrid axis on every worker, in one order (torch's rule
-# for new_group); a group only some workers would ask for (a model-parallel group [0, 1] of 4)
-# must come from there, never be made lazily by its members alone, which would hang.
-# `make_topology_groups` is the one place that makes them: fleet.init calls it for hybrid_configs,
-# the pipeline runtime for a pipeline laid out by pipeline_configs alone (the same layout,
-# dp x pp), so no group of an axis is ever made twice.
-_TOPOLOGY_GROUPS: dict[tuple[int, ...], object] = {}  # this worker's groups, by their ranks
-_AXIS_RANKS: dict[str, tuple[int, ...]] = {}  # axis ("data", "model", ...) -> this worker's group
-_TOPOLOGY: list = []  # [the topology whose groups these are] (a fleet.topology.Topology)
-
-
-def register_topology_group(axis: str, ranks: Sequence[int], group: object) -> None:
-    """Record `group` (made on every worker) as this worker's group on `axis`."""
-    key = tuple(sorted(ranks))
-    _TOPOLOGY_GROUPS[key] = group
-    _AXIS_RANKS[axis] = key
-
-
-def make_topology_groups(topo, rank: int, axes: Sequence[str]) -> dict[str, object]:
-    """Make one process group per group of every axis of `topo` (a ``fleet.topology.Topology``),
-    on every worker alike: axis by axis in `axes` order, groups in ``topo.get_comm_list`` order,
-    as torch requires of ``new_group``. Registers this worker's (`axis_ranks`, `Communicator.group`)
-    and `topo` itself (`topology`); returns this worker's group per axis. Every worker must call
-    it at the same point with the same `topo`."""
-    dist = _dist()
-    forget_topology()
-    mine: dict[str, object] = {}
-    for axis in axes:
-        for ranks in topo.get_comm_list(axis):
-            group = dist.new_group(ranks, timeout=timeout())
-            if rank in ranks:
-                mine[axis] = group
-                register_topology_group(axis, ranks, group)
-    _TOPOLOGY[:] = [topo]
-    return mine
-
-
-def forget_topology() -> None:
-    """Forget the topology and its registered groups (the process groups themselves stay)."""
-    _TOPOLOGY_GROUPS.clear()
-    _AXIS_RANKS.clear()
-    _TOPOLOGY.clear()
-
-
-def topology():
-    """The topology whose groups `make_topology_groups` made (None before): every worker's
-    coordinate, for the pipeline runtime's placement of stages and replicas."""
-    return _TOPOLOGY[0] if _TOPOLOGY else None
-
-
-def axis_ranks(axis: str) -> list[int] | None:
-    """This worker's group on hybrid `axis` (global ranks, ascending); None if fleet.init made none."""
-    ranks = _AXIS_RANKS.get(axis)
-    return None if ranks is None else list(ranks)
-
-
-_CPU_GROUP: dict[str, object] = {}  # "gloo": a gloo group of every worker, for a NCCL job's host data
-
-
-def all_gather_bytes(data: bytes, what: str) -> list[bytes]:
-    """Every worker's `data`, by rank (this worker's included), over gloo on the host.
-
-    For small host-side agreements between workers before any program runs (fleet's
-    ``minimize`` compares the workers' programs): plain bytes, so nothing is unpickled. Each
-    wait is bounded by ``METAOPT_COMM_TIMEOUT``: a peer that died, or never calls this, is a
-    `CommError` naming `what` and this rank, never a hang. Every worker must call it at the
-    same point (a NCCL job's gloo group is made by the first call, on every worker)."""
-    dist = _dist()
-    group = _cpu_group(dist)
-    world = dist.get_world_size()
-    mine = torch.tensor([len(data)], dtype=torch.int64)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    _wait_work(dist.all_gather(sizes, mine, group=group, async_op=True), f"{what} (sizes)")
-    width = max(int(n) for n in sizes)
-    buf = torch.zeros(width, dtype=torch.uint8)
-    if data:
-        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    outs = [torch.empty(width, dtype=torch.uint8) for _ in range(world)]
-    _wait_work(dist.all_gather(outs, buf, group=group, async_op=True), what)
-    return [bytes(o[: int(n)].numpy()) for o, n in zip(outs, sizes, strict=True)]
-
-
-def _cpu_group(dist):
-    """The default group if it is gloo, else (NCCL: device tensors only) a gloo group of all."""
-    if dist.get_backend() == "gloo":
-        return None
-    if "gloo" not in _CPU_GROUP:
-        _CPU_GROUP["gloo"] = dist.new_group(backend="gloo", timeout=timeout())
-    return _CPU_GROUP["gloo"]
-
-
-def _wait_work(work, what: str) -> None:
-    """Wait for a gloo `work` at most ``METAOPT_COMM_TIMEOUT``; its failure as a CommError."""
-    dist, limit, t0 = _dist(), timeout(), time.perf_counter()
-    try:
-        work.wait(limit)
-    except Exception as e:  # gloo raises RuntimeError subclasses with their own text
-        raise CommError(_failure(what, dist.get_rank(), dist.get_world_size(), t0, limit, e)) from e
-
-
-def _failure(what: str, rank: int, world: int, t0: float, limit: datetime.timedelta, e: Exception) -> str:
-    cause = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return (
-        f"{what} failed on rank {rank} of {world} after {time.perf_counter() - t0:.1f}s (timeout "
-        f"{limit.total_seconds():g}s, METAOPT_COMM_TIMEOUT): a peer died or did not reach this "
-        f"collective. Cause: {type(e).__name__}: {cause}"
-    )
-
-
-def _dist():
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized():
-        raise CommError(
-            "a collective op needs torch.distributed: call fleet.init(is_collective=True) in a job "
-            "started by metaoptrun (or torchrun)"
-        )
-    return dist
-
-
 class Communicator:
     """The default process group, seen by the executor's comm ops."""
 
     def __init__(self, device: torch.device) -> None:
-        dist = _dist()
+        dist = initialized_dist()
         self.device = device
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -370,8 +241,8 @@ class Communicator:
         self._signature = _signature(self._check_all, dims)
         self._dim_names = sorted(dims)
         self._agreed.clear()
-        dist = _dist()
-        group = _cpu_group(dist)  # host ints: gloo even in a NCCL job
+        dist = initialized_dist()
+        group = host_group(dist)  # host ints: gloo even in a NCCL job
         for peer in peers:
             mine = torch.tensor(self._signature, dtype=torch.int64)
             theirs = torch.empty(_SIG_LEN, dtype=torch.int64)
@@ -416,7 +287,7 @@ class Communicator:
         work, out = self._posted_recv(peer, var, tag)
         if work is None:
             out = self._recv_buffer(peer, var, shape, dtype)
-            work = _dist().irecv(out, src=peer, tag=tag)
+            work = initialized_dist().irecv(out, src=peer, tag=tag)
         self._wait(work, what, out)
         self._post_next(peer, var, expected, dtype, tag)
         return out if out.device == self.device else out.to(self.device)
@@ -446,7 +317,7 @@ class Communicator:
         if self.backend == "nccl":  # NCCL pairs messages by order, not tag: no receive out of turn
             return
         buf = self._recv_buffer(peer, var, expected, dtype)  # type: ignore[arg-type]  # verified: no None
-        self._posted[key] = (_dist().irecv(buf, src=peer, tag=tag), buf, tag)
+        self._posted[key] = (initialized_dist().irecv(buf, src=peer, tag=tag), buf, tag)
 
     def _needs_header(
         self, peer: int, var: str, direction: str, expected: tuple[int | None, ...], where: str
@@ -563,7 +434,8 @@ class Communicator:
             device=self._p2p_device(),
         )
         try:
-            _dist().isend(header, dst=peer, tag=_HEADER_TAG).wait(datetime.timedelta(seconds=_REJECT_WAIT_S))
+            sent = initialized_dist().isend(header, dst=peer, tag=_HEADER_TAG)
+            sent.wait(datetime.timedelta(seconds=_REJECT_WAIT_S))
         except Exception:  # noqa: BLE001 - best effort: this worker is failing anyway
             pass
 
@@ -578,7 +450,7 @@ class Communicator:
             self._wait(work, what, t)
 
     def _isend(self, t: torch.Tensor, peer: int, what: str, tag: int) -> None:
-        dist = _dist()
+        dist = initialized_dist()
         self._pending.append((dist.isend(t, dst=peer, tag=tag), what, t))  # t held until the send is done
 
     def _p2p_device(self) -> torch.device:
@@ -591,12 +463,7 @@ class Communicator:
         (`PipelineInfo.groups`)."""
         if ranks is None or len(ranks) == self.world_size:
             return None
-        key = tuple(sorted(ranks))
-        if key in _TOPOLOGY_GROUPS:  # made by fleet.init on every worker (hybrid axes)
-            return _TOPOLOGY_GROUPS[key]
-        if key not in _GROUPS:
-            _GROUPS[key] = _dist().new_group(list(key), timeout=self.timeout)
-        return _GROUPS[key]
+        return group_of(ranks, self.timeout)
 
     def broadcast(self, t: torch.Tensor, src: int, what: str, ranks: Sequence[int] | None = None) -> None:
         """Overwrite `t` with worker `src`'s `t` (in place), among `ranks` (None: all)."""
@@ -625,7 +492,7 @@ class Communicator:
         return outs if outs[0].device == self.device else [o.to(self.device) for o in outs]
 
     def _run(self, start, what: str, t: torch.Tensor) -> None:
-        self._wait(start(_dist()), what, t)
+        self._wait(start(initialized_dist()), what, t)
 
     def _wait(self, work, what: str, t: torch.Tensor) -> None:
         t0 = time.perf_counter()
@@ -638,6 +505,6 @@ class Communicator:
             else:
                 work.wait(self.timeout)
         except Exception as e:  # gloo/NCCL raise RuntimeError subclasses with their own text
-            raise CommError(_failure(what, self.rank, self.world_size, t0, self.timeout, e)) from e
+            raise CommError(failure_message(what, self.rank, self.world_size, t0, self.timeout, e)) from e
         self.seconds += time.perf_counter() - t0
         self.bytes += t.numel() * t.element_size()

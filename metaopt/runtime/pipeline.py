@@ -30,16 +30,16 @@ from typing import Any
 
 import torch
 
-from metaopt.fleet.topology import AXES, Topology
 from metaopt.ir import Op, PipelineInfo, Program, Var, did_you_mean, names, roles
+from metaopt.layout import groups as comm_groups
+from metaopt.layout.topology import AXES, Topology
 from metaopt.ops import registry
-from metaopt.runtime import comm as comm_groups
 from metaopt.runtime import schedules
 
 
 class PipelineState:
     """What the Send/Recv kernels see of the step in progress (``Runtime.pipeline``), and where
-    this worker's peers are: `topology` (``fleet.topology.Topology``) places every worker, and this
+    this worker's peers are: `topology` (``layout.topology.Topology``) places every worker, and this
     worker is `rank` in it. Its neighbours are the ranks of its pipe group (the same data and
     model coordinate: each model-parallel rank of stage s talks to the same model-parallel rank of
     stage s+1), its replicas the ranks of its data group (the same pipe and model coordinate)."""
@@ -309,7 +309,7 @@ def _layout(info: PipelineInfo) -> tuple[Topology | None, int | None]:
     The layout is the one whose groups fleet.init made for hybrid_configs (dp x pp x mp), else,
     for a pipeline laid out by pipeline_configs alone, dp_degree x num_stages, whose groups are
     made here, by every worker at its first run (the same function fleet.init uses:
-    ``runtime.comm.make_topology_groups``), so no group is made twice, nor placed by a second
+    ``layout.groups.make_topology_groups``), so no group is made twice, nor placed by a second
     formula."""
     import torch.distributed as dist
 

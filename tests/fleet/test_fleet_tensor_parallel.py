@@ -14,7 +14,7 @@ import torch
 import metaopt
 from metaopt import fleet
 from metaopt.fleet import env
-from metaopt.fleet.topology import HybridCommunicateGroup, Topology
+from metaopt.layout.topology import HybridCommunicateGroup, Topology
 from metaopt.passes.tensor_parallel import plan_tensor_parallel, unshard
 
 TRAINING = Path(__file__).resolve().parent.parent / "training"

@@ -1,4 +1,4 @@
-"""Hybrid parallel's rank layout (metaopt/fleet/topology.py) and how fleet uses it (issue 16,
+"""Hybrid parallel's rank layout (metaopt/layout/topology.py) and how fleet uses it (issue 16,
 item 1): pure layout tables, fleet.init's refusals, minimize's glue with the pipeline."""
 
 from __future__ import annotations
@@ -11,16 +11,10 @@ import torch
 import metaopt
 from metaopt import fleet
 from metaopt.fleet import env
-from metaopt.fleet.topology import (
-    AXES,
-    HybridCommunicateGroup,
-    ParallelMode,
-    Topology,
-    from_hybrid_configs,
-    job_topology,
-)
+from metaopt.fleet.topology import from_hybrid_configs, job_topology
 from metaopt.ir import Op, Program, Var
 from metaopt.ir.program import PipelineInfo
+from metaopt.layout.topology import AXES, HybridCommunicateGroup, ParallelMode, Topology
 from metaopt.runtime.pipeline import PipelineState
 
 pytestmark = pytest.mark.usefixtures("clean_env")  # tests/conftest.py

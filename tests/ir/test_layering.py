@@ -1,6 +1,8 @@
-"""DESIGN.md, Layout: ir/ imports nothing else of metaopt; ops/ and passes/ never import the
-frontend; ops/ never imports passes/; passes never import the runtime. Checked on every import
-statement of the source (function-level and TYPE_CHECKING ones included)."""
+"""DESIGN.md, Layout: imports go one way, ir <- ops <- passes <- fleet, with layout/ below passes,
+fleet and runtime: ir/ imports nothing else of metaopt; ops/ never imports the frontend, passes,
+fleet or runtime; passes never import the frontend, runtime or fleet; the runtime never imports
+fleet or passes; fleet never imports the runtime; layout/ imports only ir. Checked on every
+import statement of the source (function-level and TYPE_CHECKING ones included)."""
 
 from __future__ import annotations
 
@@ -27,8 +29,11 @@ def _imports(path: Path) -> list[tuple[int, str]]:
 
 FORBIDDEN = {
     "ir": ("metaopt.",),  # but metaopt.ir itself
-    "ops": ("metaopt.frontend", "metaopt.passes", "metaopt.fleet", "metaopt.runtime.executor"),
+    "ops": ("metaopt.frontend", "metaopt.passes", "metaopt.fleet", "metaopt.runtime"),
     "passes": ("metaopt.frontend", "metaopt.runtime", "metaopt.fleet"),
+    "runtime": ("metaopt.fleet", "metaopt.passes"),
+    "fleet": ("metaopt.runtime",),
+    "layout": ("metaopt.ops", "metaopt.passes", "metaopt.fleet", "metaopt.runtime", "metaopt.frontend"),
 }
 
 

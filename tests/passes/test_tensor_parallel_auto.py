@@ -16,7 +16,7 @@ from torch import nn
 import metaopt
 from metaopt import fleet
 from metaopt.fleet import env, steps
-from metaopt.fleet.topology import HybridCommunicateGroup, Topology
+from metaopt.layout.topology import HybridCommunicateGroup, Topology
 from metaopt.passes.driver import Context
 from metaopt.passes.recompute import resolve_checkpoints
 from metaopt.passes.tensor_parallel_auto import auto_layers

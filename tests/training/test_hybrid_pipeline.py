@@ -18,8 +18,8 @@ from test_data_parallel import _start_workers, _wait_workers
 import metaopt
 from metaopt import fleet
 from metaopt.fleet import env
-from metaopt.fleet.topology import HybridCommunicateGroup, Topology
 from metaopt.frontend.onnx_save import save
+from metaopt.layout.topology import HybridCommunicateGroup, Topology
 from metaopt.passes.tensor_parallel import plan_tensor_parallel, unshard
 
 HERE = Path(__file__).parent

@@ -19,9 +19,9 @@ import metaopt
 import programs
 from metaopt import fleet
 from metaopt.fleet import env
-from metaopt.fleet.topology import HybridCommunicateGroup, Topology
 from metaopt.frontend.onnx_save import save
 from metaopt.ir import verify
+from metaopt.layout.topology import HybridCommunicateGroup, Topology
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from test_data_parallel import _start_workers
 
-from metaopt.fleet.topology import AXES, Topology
+from metaopt.layout.topology import AXES, Topology
 
 HERE = Path(__file__).parent
 WORLD = 4

@@ -44,7 +44,7 @@ def all_reduce(
 def hybrid_ranks(axis: str, op: str) -> list[int]:
     """This worker's group on hybrid `axis` as fleet.init laid the workers out (its groups are
     the only ones every worker made); refused, naming `op`, when fleet.init made none."""
-    from metaopt.runtime.comm import axis_ranks
+    from metaopt.layout.groups import axis_ranks
 
     ranks = axis_ranks(axis)
     if ranks is None:

@@ -1,0 +1,171 @@
+"""torch.distributed process groups of a job and the host-side agreement between its workers,
+shared by fleet (``fleet.init`` makes the hybrid axes' groups, ``minimize`` compares programs)
+and the runtime (the comm ops find their groups here). Below both: it imports neither.
+
+Every wait is bounded by ``METAOPT_COMM_TIMEOUT`` seconds (default 300, the same that
+``fleet.init`` gives the process group): a peer that died or never reached the same call is a
+`CommError` naming what and this rank, never a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from collections.abc import Sequence
+
+import torch
+
+DEFAULT_TIMEOUT_S = 300.0
+_GROUPS: dict[tuple[int, ...], object] = {}  # sub-groups by their ranks (made once per process)
+
+
+class CommError(RuntimeError):
+    pass
+
+
+def timeout() -> datetime.timedelta:
+    raw = os.environ.get("METAOPT_COMM_TIMEOUT", "").strip()
+    return datetime.timedelta(seconds=float(raw) if raw else DEFAULT_TIMEOUT_S)
+
+
+def forget_groups() -> None:
+    """Drop the sub-groups made so far (their default group is being destroyed)."""
+    _GROUPS.clear()
+    _CPU_GROUP.clear()
+    forget_topology()
+
+
+# --- groups of the hybrid topology (fleet.init) -------------------------------------------------
+# fleet.init makes every group of every hybrid axis on every worker, in one order (torch's rule
+# for new_group); a group only some workers would ask for (a model-parallel group [0, 1] of 4)
+# must come from there, never be made lazily by its members alone, which would hang.
+# `make_topology_groups` is the one place that makes them: fleet.init calls it for hybrid_configs,
+# the pipeline runtime for a pipeline laid out by pipeline_configs alone (the same layout,
+# dp x pp), so no group of an axis is ever made twice.
+_TOPOLOGY_GROUPS: dict[tuple[int, ...], object] = {}  # this worker's groups, by their ranks
+_AXIS_RANKS: dict[str, tuple[int, ...]] = {}  # axis ("data", "model", ...) -> this worker's group
+_TOPOLOGY: list = []  # [the topology whose groups these are] (a layout.topology.Topology)
+
+
+def register_topology_group(axis: str, ranks: Sequence[int], group: object) -> None:
+    """Record `group` (made on every worker) as this worker's group on `axis`."""
+    key = tuple(sorted(ranks))
+    _TOPOLOGY_GROUPS[key] = group
+    _AXIS_RANKS[axis] = key
+
+
+def make_topology_groups(topo, rank: int, axes: Sequence[str]) -> dict[str, object]:
+    """Make one process group per group of every axis of `topo` (a ``layout.topology.Topology``),
+    on every worker alike: axis by axis in `axes` order, groups in ``topo.get_comm_list`` order,
+    as torch requires of ``new_group``. Registers this worker's (`axis_ranks`, `Communicator.group`)
+    and `topo` itself (`topology`); returns this worker's group per axis. Every worker must call
+    it at the same point with the same `topo`."""
+    dist = initialized_dist()
+    forget_topology()
+    mine: dict[str, object] = {}
+    for axis in axes:
+        for ranks in topo.get_comm_list(axis):
+            group = dist.new_group(ranks, timeout=timeout())
+            if rank in ranks:
+                mine[axis] = group
+                register_topology_group(axis, ranks, group)
+    _TOPOLOGY[:] = [topo]
+    return mine
+
+
+def forget_topology() -> None:
+    """Forget the topology and its registered groups (the process groups themselves stay)."""
+    _TOPOLOGY_GROUPS.clear()
+    _AXIS_RANKS.clear()
+    _TOPOLOGY.clear()
+
+
+def topology():
+    """The topology whose groups `make_topology_groups` made (None before): every worker's
+    coordinate, for the pipeline runtime's placement of stages and replicas."""
+    return _TOPOLOGY[0] if _TOPOLOGY else None
+
+
+def axis_ranks(axis: str) -> list[int] | None:
+    """This worker's group on hybrid `axis` (global ranks, ascending); None if fleet.init made none."""
+    ranks = _AXIS_RANKS.get(axis)
+    return None if ranks is None else list(ranks)
+
+
+_CPU_GROUP: dict[str, object] = {}  # "gloo": a gloo group of every worker, for a NCCL job's host data
+
+
+def all_gather_bytes(data: bytes, what: str) -> list[bytes]:
+    """Every worker's `data`, by rank (this worker's included), over gloo on the host.
+
+    For small host-side agreements between workers before any program runs (fleet's
+    ``minimize`` compares the workers' programs): plain bytes, so nothing is unpickled. Each
+    wait is bounded by ``METAOPT_COMM_TIMEOUT``: a peer that died, or never calls this, is a
+    `CommError` naming `what` and this rank, never a hang. Every worker must call it at the
+    same point (a NCCL job's gloo group is made by the first call, on every worker)."""
+    dist = initialized_dist()
+    group = host_group(dist)
+    world = dist.get_world_size()
+    mine = torch.tensor([len(data)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    _wait_work(dist.all_gather(sizes, mine, group=group, async_op=True), f"{what} (sizes)")
+    width = max(int(n) for n in sizes)
+    buf = torch.zeros(width, dtype=torch.uint8)
+    if data:
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    outs = [torch.empty(width, dtype=torch.uint8) for _ in range(world)]
+    _wait_work(dist.all_gather(outs, buf, group=group, async_op=True), what)
+    return [bytes(o[: int(n)].numpy()) for o, n in zip(outs, sizes, strict=True)]
+
+
+def host_group(dist):
+    """The default group if it is gloo, else (NCCL: device tensors only) a gloo group of all."""
+    if dist.get_backend() == "gloo":
+        return None
+    if "gloo" not in _CPU_GROUP:
+        _CPU_GROUP["gloo"] = dist.new_group(backend="gloo", timeout=timeout())
+    return _CPU_GROUP["gloo"]
+
+
+def _wait_work(work, what: str) -> None:
+    """Wait for a gloo `work` at most ``METAOPT_COMM_TIMEOUT``; its failure as a CommError."""
+    dist, limit, t0 = initialized_dist(), timeout(), time.perf_counter()
+    try:
+        work.wait(limit)
+    except Exception as e:  # gloo raises RuntimeError subclasses with their own text
+        raise CommError(failure_message(what, dist.get_rank(), dist.get_world_size(), t0, limit, e)) from e
+
+
+def failure_message(
+    what: str, rank: int, world: int, t0: float, limit: datetime.timedelta, e: Exception
+) -> str:
+    cause = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return (
+        f"{what} failed on rank {rank} of {world} after {time.perf_counter() - t0:.1f}s (timeout "
+        f"{limit.total_seconds():g}s, METAOPT_COMM_TIMEOUT): a peer died or did not reach this "
+        f"collective. Cause: {type(e).__name__}: {cause}"
+    )
+
+
+def initialized_dist():
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise CommError(
+            "a collective op needs torch.distributed: call fleet.init(is_collective=True) in a job "
+            "started by metaoptrun (or torchrun)"
+        )
+    return dist
+
+
+def group_of(ranks: Sequence[int], limit: datetime.timedelta) -> object:
+    """The process group of `ranks` (sorted or not): the one fleet.init made for a hybrid axis
+    (`register_topology_group`), else one made on first use, which torch requires of every
+    worker in the same order (pipelines create theirs together at their first run)."""
+    key = tuple(sorted(ranks))
+    if key in _TOPOLOGY_GROUPS:  # made by fleet.init on every worker (hybrid axes)
+        return _TOPOLOGY_GROUPS[key]
+    if key not in _GROUPS:
+        _GROUPS[key] = initialized_dist().new_group(list(key), timeout=limit)
+    return _GROUPS[key]
