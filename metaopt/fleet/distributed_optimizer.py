@@ -23,7 +23,6 @@ from metaopt.fleet import env
 from metaopt.fleet.steps import (
     CONFLICTS,
     FLEET_META_OPTIMIZERS,
-    META_OF_STEP,
     STEPS,
     hybrid_errors,
     requirement_errors,
@@ -52,7 +51,7 @@ class TrainPlan:
     @property
     def applied(self) -> list[str]:
         """Fleet's names of the meta optimizers that run (``applied_meta_list``)."""
-        used = {META_OF_STEP[s] for s in self.steps if s in META_OF_STEP}
+        used = {r.meta for r in self.rows if r.runs and r.meta}
         return [m for m in FLEET_META_OPTIMIZERS if m in used]
 
     def check(self) -> None:

@@ -3,25 +3,9 @@
 ``fleet.distributed_optimizer(opt, strategy).minimize(loss)`` runs `STEPS` with
 `metaopt.passes.driver.run_steps`; each step that the strategy (and the worker count)
 enables plans once, rewrites with a pure pass from ``metaopt/passes`` given that plan, and
-is verified, dumped (``METAOPT_DUMP``) and logged before the next one runs::
-
-    fuse_linear_ce   LM head + softmax cross-entropy as one chunked op   (fuse_linear_cross_entropy)
-    tensor_parallel  column/row layers split over the model-parallel group  (tensor_parallel, mp > 1)
-    amp_casts        casts around white-listed ops, black-listed ops in float32   (amp)
-    scale_loss       loss@SCALED = loss x loss_scaling; the backward starts there   (amp, float16)
-    tie_params       params named in pipeline_configs['shared'] read as one          (pipeline)
-    append_backward  grad ops by reverse walk; (param, grad) pairs                   (always)
-    apply_optimizer  step counter, learning rate, clipping, one update op per param (always)
-    gradient_merge   grads summed into @MERGED over k runs, updates every k-th run  (gradient_merge)
-    data_parallel    fused AllReduce of the grads the updates read (per dp group)   (dp_degree > 1)
-    broadcast_init   startup op: rank 0's initial params, buffers, on the 1st run  (worker_num() > 1)
-    recompute        segments re-emitted before their grad ops                      (recompute)
-    partition        replicated checkpoints held as 1/mp slices, gathered back   (enable_partition, mp > 1)
-    offload          checkpoints to pinned host after the forward, prefetched back   (enable_offload)
-    pipeline_split   one program per stage; Send/Recv; micro-batch accumulation     (pipeline)
-    unscale_grads    inf/nan check + unscale before the updates; skip on overflow   (amp, float16)
-    master_weights   float32 master copies updated, cast back into the params       (use_pure_fp16)
-    early_updates    each update right after its grad's last use: grads freed early (optimizer_in_backward)
+is verified, dumped (``METAOPT_DUMP``) and logged before the next one runs. The order is
+written once, in `STEPS` below; ``print(opt.plan())`` shows every row with why it runs or not
+(the README's drawing is checked against it: tests/fleet/test_steps_order.py).
 
 Why this order: the LM-head fusion first, on the exported forward (it replaces ops amp would
 cast, and the backward emits the fused op's chunked grad); tensor parallel next, also on the
@@ -91,9 +75,9 @@ def _lce_plan(p: Program, ctx: Context) -> Any:
 
 
 def _fuse_linear_ce(p: Program, plan: Any, ctx: Context) -> Program:
-    from metaopt.passes.fuse_linear_cross_entropy import fuse_linear_cross_entropy
+    from metaopt.passes.fuse_linear_cross_entropy import apply_fuse_linear_cross_entropy
 
-    return fuse_linear_cross_entropy(p, plan=plan)  # the loss keeps its name: ctx.loss holds
+    return apply_fuse_linear_cross_entropy(p, plan)  # the loss keeps its name: ctx.loss holds
 
 
 # --- tensor parallel ------------------------------------------------------------------------
@@ -298,9 +282,9 @@ def _amp_plan(p: Program, ctx: Context) -> Any:
 
 
 def _amp_casts(p: Program, plan: Any, ctx: Context) -> Program:
-    from metaopt.passes.amp import amp
+    from metaopt.passes.amp import apply_amp
 
-    return amp(p, **_amp_how(ctx), plan=plan)
+    return apply_amp(p, plan)
 
 
 def _loss_scaling(ctx: Context) -> tuple[bool, str]:
@@ -442,9 +426,9 @@ def _dp_plan(p: Program, ctx: Context) -> Any:
 
 
 def _data_parallel(p: Program, plan: Any, ctx: Context) -> Program:
-    from metaopt.passes.data_parallel import data_parallel
+    from metaopt.passes.data_parallel import apply_data_parallel
 
-    return data_parallel(p, **_dp_how(p, ctx), plan=plan)
+    return apply_data_parallel(p, plan)
 
 
 def _broadcast_init(p: Program, plan: Any, ctx: Context) -> Program:
@@ -488,15 +472,16 @@ def _rc_check(ctx: Context) -> None:
 def _rc_plan(p: Program, ctx: Context) -> Any:
     from metaopt.passes.recompute import plan_recompute
 
-    return plan_recompute(p, **_rc_how(ctx))
+    seed = bool(ctx.strategy.recompute_configs["seed_random_ops"])
+    return plan_recompute(p, **_rc_how(ctx), seed_random_ops=seed)
 
 
 def _recompute(p: Program, plan: Any, ctx: Context) -> Program:
-    from metaopt.passes.recompute import recompute
+    from metaopt.passes.recompute import apply_recompute
 
     ctx.checkpoints = list(plan.checkpoints)
     ctx.extra["before_recompute"] = p
-    q = recompute(p, plan=plan, seed_random_ops=bool(ctx.strategy.recompute_configs["seed_random_ops"]))
+    q = apply_recompute(p, plan)
     _report(p, q, ctx)
     return q
 
@@ -564,11 +549,11 @@ def _offload_on(ctx: Context) -> tuple[bool, str]:
     return on, f"recompute_configs['enable_offload']={bool(ctx.strategy.recompute_configs['enable_offload'])}"
 
 
-def _offload(p: Program, plan: Any, ctx: Context) -> Program:
-    from metaopt.passes.offload import offload
+def _offload_plan(p: Program, ctx: Context) -> Any:
+    from metaopt.passes.offload import plan_offload
 
     cfg = ctx.strategy.recompute_configs
-    q = offload(
+    return plan_offload(
         p,
         checkpoints=ctx.checkpoints,
         offload_checkpoints=cfg["offload_checkpoints"],
@@ -576,6 +561,12 @@ def _offload(p: Program, plan: Any, ctx: Context) -> Program:
         # a partitioned checkpoint waits as its slice: only the slice goes to host and back
         moved=ctx.plans["partition"].slices if "partition" in ctx.plans else None,
     )
+
+
+def _offload(p: Program, plan: Any, ctx: Context) -> Program:
+    from metaopt.passes.offload import apply_offload
+
+    q = apply_offload(p, plan)
     _report(ctx.extra["before_recompute"], q, ctx)
     return q
 
@@ -689,7 +680,9 @@ def _tie_params(p: Program, plan: Any, ctx: Context) -> Program:
 def _pp_plan(p: Program, ctx: Context) -> Any:
     from metaopt.passes.pipeline import check_replicated_cuts, plan_pipeline
 
-    plan = plan_pipeline(p, **_pp_how(ctx), grads=ctx.grads)
+    topo = _layout(ctx)
+    how = {**_pp_how(ctx), "grads": ctx.grads, "loss_grad": ctx.loss_grad, "dp_degree": topo.dp_degree}
+    plan = plan_pipeline(p, **how)
     for group in _shared(ctx):
         if group[0] not in plan.shared:
             stages = plan.holders.get(group[0], ())
@@ -703,10 +696,10 @@ def _pp_plan(p: Program, ctx: Context) -> Any:
 
 
 def _pipeline_split(p: Program, plan: Any, ctx: Context) -> list[Program]:
-    from metaopt.passes.pipeline import pipeline
+    from metaopt.passes.pipeline import apply_pipeline
 
     topo = _layout(ctx)
-    parts = pipeline(p, plan=plan, dp_degree=topo.dp_degree, loss_grad=ctx.loss_grad)
+    parts = apply_pipeline(p, plan)
     # the topology's pipe coordinate; with mp_degree 1 it is the runtime's placement,
     # rank = replica * num_stages + stage (runtime/pipeline.py)
     ctx.part = topo.get_coord(ctx.rank).pipe
@@ -716,58 +709,122 @@ def _pipeline_split(p: Program, plan: Any, ctx: Context) -> list[Program]:
 # --- THE list ---------------------------------------------------------------------------------------
 
 STEPS: tuple[Step, ...] = (
-    Step("fuse_linear_ce", _lce_on, _fuse_linear_ce, _lce_plan, doc="LM head + cross-entropy, chunked"),
+    Step(
+        "fuse_linear_ce",
+        _lce_on,
+        _fuse_linear_ce,
+        plan=_lce_plan,
+        doc="LM head + cross-entropy, chunked",
+    ),
     Step(
         "tensor_parallel",
         _tp_on,
         _tensor_parallel,
-        _tp_plan,
-        _tp_check,
-        "column/row layers split over the model-parallel group",
+        plan=_tp_plan,
+        check=_tp_check,
+        doc="column/row layers split over the model-parallel group",
+        meta="tensor_parallel",
     ),
-    Step("amp_casts", _amp_on, _amp_casts, _amp_plan, _amp_check, "casts around white-listed ops"),
-    Step("scale_loss", _loss_scaling, _scale_loss, doc="loss@SCALED = loss x loss_scaling"),
-    Step("tie_params", _tie_on, _tie_params, doc="params tied across pipeline stages read as one"),
+    Step(
+        "amp_casts",
+        _amp_on,
+        _amp_casts,
+        plan=_amp_plan,
+        check=_amp_check,
+        doc="casts around white-listed ops",
+        meta="amp",
+    ),
+    Step("scale_loss", _loss_scaling, _scale_loss, doc="loss@SCALED = loss x loss_scaling", meta="amp"),
+    Step(
+        "tie_params",
+        _tie_on,
+        _tie_params,
+        doc="params tied across pipeline stages read as one",
+        meta="pipeline",
+    ),
     Step("append_backward", _always, _append_backward, doc="grad ops, (param, grad) pairs"),
     Step("apply_optimizer", _always, _apply_optimizer, doc="step counter, lr, clipping, update ops"),
-    Step("gradient_merge", _gm_on, _gradient_merge, doc="grads merged over k runs, updates every k-th"),
-    Step("data_parallel", _dp_on, _data_parallel, _dp_plan, _dp_check, "AllReduce of the grads, in buckets"),
     Step(
-        "broadcast_init", _init_on, _broadcast_init, check=_dp_check, doc="rank 0's initial params, buffers"
+        "gradient_merge",
+        _gm_on,
+        _gradient_merge,
+        doc="grads merged over k runs, updates every k-th",
+        meta="gradient_merge",
     ),
-    Step("recompute", _rc_on, _recompute, _rc_plan, _rc_check, "segments re-emitted before their grads"),
-    Step("partition", _part_on, _partition, _part_plan, doc="checkpoints held as 1/mp slices"),
-    Step("offload", _offload_on, _offload, doc="checkpoints to host and back"),
-    Step("pipeline_split", _pp_on, _pipeline_split, _pp_plan, _pp_check, "one program per stage"),
-    Step("unscale_grads", _loss_scaling, _unscale_grads, doc="check inf/nan, unscale, skip overflowed steps"),
-    Step("master_weights", _pure_fp16, _master_weights, doc="float32 master copies of low-precision params"),
+    Step(
+        "data_parallel",
+        _dp_on,
+        _data_parallel,
+        plan=_dp_plan,
+        check=_dp_check,
+        doc="AllReduce of the grads, in buckets",
+        meta="data_parallel",
+    ),
+    Step(
+        "broadcast_init",
+        _init_on,
+        _broadcast_init,
+        check=_dp_check,
+        doc="rank 0's initial params, buffers",
+        meta="data_parallel",
+    ),
+    Step(
+        "recompute",
+        _rc_on,
+        _recompute,
+        plan=_rc_plan,
+        check=_rc_check,
+        doc="segments re-emitted before their grads",
+        meta="recompute",
+    ),
+    Step(
+        "partition",
+        _part_on,
+        _partition,
+        plan=_part_plan,
+        doc="checkpoints held as 1/mp slices",
+        meta="recompute",
+    ),
+    Step(
+        "offload",
+        _offload_on,
+        _offload,
+        plan=_offload_plan,
+        doc="checkpoints to host and back",
+        meta="recompute",
+    ),
+    Step(
+        "pipeline_split",
+        _pp_on,
+        _pipeline_split,
+        plan=_pp_plan,
+        check=_pp_check,
+        doc="one program per stage",
+        meta="pipeline",
+    ),
+    Step(
+        "unscale_grads",
+        _loss_scaling,
+        _unscale_grads,
+        doc="check inf/nan, unscale, skip overflowed steps",
+        meta="amp",
+    ),
+    Step(
+        "master_weights",
+        _pure_fp16,
+        _master_weights,
+        doc="float32 master copies of low-precision params",
+        meta="amp",
+    ),
     Step(
         "early_updates",
         _uib_on,
         _update_in_backward,
-        _uib_plan,
-        _uib_check,
-        "each update right after its grad's last use",
+        plan=_uib_plan,
+        check=_uib_check,
+        doc="each update right after its grad's last use",
     ),
 )
-
-# Fleet's names of the meta optimizers each step belongs to (``opt.applied_meta_list``), in
-# Fleet's reporting order; the steps above are the order things happen.
-META_OF_STEP = {
-    "amp_casts": "amp",
-    "scale_loss": "amp",
-    "unscale_grads": "amp",
-    "master_weights": "amp",
-    "tie_params": "pipeline",
-    "pipeline_split": "pipeline",
-    "recompute": "recompute",
-    "partition": "recompute",
-    "offload": "recompute",
-    "gradient_merge": "gradient_merge",
-    "data_parallel": "data_parallel",
-    "broadcast_init": "data_parallel",
-    "tensor_parallel": "tensor_parallel",
-}
 FLEET_META_OPTIMIZERS = ("amp", "pipeline", "tensor_parallel", "recompute", "gradient_merge", "data_parallel")
 
 

@@ -324,22 +324,26 @@ def amp(
     custom_black_list: Sequence[str] = (),
     custom_black_varnames: Sequence[str] = (),
     use_pure_fp16: bool = False,
-    plan: AmpPlan | None = None,
 ) -> Program:
-    """A copy of `program` whose forward runs in mixed precision (module doc); `plan`: the
-    one `plan_amp` made for these arguments (else it is made here)."""
-    if plan is None:
-        plan = plan_amp(
-            program,
-            dtype=dtype,
-            custom_white_list=custom_white_list,
-            custom_black_list=custom_black_list,
-            custom_black_varnames=custom_black_varnames,
-            use_pure_fp16=use_pure_fp16,
-        )
+    """A copy of `program` whose forward runs in mixed precision (module doc): `apply_amp` of
+    the `plan_amp` these arguments make."""
+    plan = plan_amp(
+        program,
+        dtype=dtype,
+        custom_white_list=custom_white_list,
+        custom_black_list=custom_black_list,
+        custom_black_varnames=custom_black_varnames,
+        use_pure_fp16=use_pure_fp16,
+    )
+    return apply_amp(program, plan)
+
+
+def apply_amp(program: Program, plan: AmpPlan) -> Program:
+    """A copy of `program` rewritten as `plan` (made by `plan_amp` for it) says."""
+    use_pure_fp16 = plan.pure
     q = program.clone()
     end = _forward_end(q)
-    low = dtype
+    low = plan.dtype
     orig = {n: v.dtype for n, v in q.vars.items()}
     casts: dict[tuple[str, str], str] = {}  # (var, dtype) -> the var holding it in that dtype
     out_ops: list[Op] = []

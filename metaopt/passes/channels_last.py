@@ -62,10 +62,14 @@ def plan_channels_last(p: Program) -> ChannelsLastPlan:
     return ChannelsLastPlan(tuple(convs), tuple(skipped))
 
 
-def channels_last(p: Program, *, plan: ChannelsLastPlan | None = None) -> Program:
+def channels_last(p: Program) -> Program:
+    """`apply_channels_last` of the `plan_channels_last` of `p`."""
+    return apply_channels_last(p, plan_channels_last(p))
+
+
+def apply_channels_last(p: Program, plan: ChannelsLastPlan) -> Program:
     """`p` with the plan's convolutions marked ``memory_format="channels_last"`` (pure: `p` is
     left as it was; returned itself when there is nothing to mark)."""
-    plan = plan_channels_last(p) if plan is None else plan
     if not plan.convs:
         return p
     chosen = set(plan.convs)

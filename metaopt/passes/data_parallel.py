@@ -133,14 +133,17 @@ def data_parallel(
     bucket_bytes: int,
     at_update: bool = False,
     group: str | None = None,
-    plan: DataParallelPlan | None = None,
 ) -> Program:
-    """A clone of `p` whose grads are averaged over `world_size` workers (see the module doc);
-    `plan`: the one `plan_data_parallel` made for these arguments (else it is made here)."""
-    if plan is None:
-        plan = plan_data_parallel(
-            p, grads=grads, world_size=world_size, bucket_bytes=bucket_bytes, at_update=at_update, group=group
-        )
+    """A clone of `p` whose grads are averaged over `world_size` workers (see the module doc):
+    `apply_data_parallel` of the `plan_data_parallel` these arguments make."""
+    plan = plan_data_parallel(
+        p, grads=grads, world_size=world_size, bucket_bytes=bucket_bytes, at_update=at_update, group=group
+    )
+    return apply_data_parallel(p, plan)
+
+
+def apply_data_parallel(p: Program, plan: DataParallelPlan) -> Program:
+    """A clone of `p` with the AllReduce of each of `plan`'s buckets after its last grad."""
     q = p.clone()
     after: dict[int, list[Bucket]] = {}
     for b in plan.buckets:

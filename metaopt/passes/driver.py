@@ -1,6 +1,6 @@
 """One driver for a rewrite made of steps: plan, rewrite, verify, dump, log, in list order.
 
-A `Step` is ``(name, enabled, plan, rewrite)``:
+A `Step` is ``Step(name, enabled, rewrite, plan=, check=, doc=)``:
 
 * ``enabled(ctx) -> (bool, reason)``: whether it runs for this strategy and worker, and why
   (the reason is printed for skipped steps too);
@@ -10,6 +10,11 @@ A `Step` is ``(name, enabled, plan, rewrite)``:
 * ``rewrite(program, plan, ctx) -> Program | list[Program]``: a pure pass given that plan;
   a list is a split (the pipeline's stage programs): the steps after it rewrite every
   part, and ``ctx.part`` says which one is this worker's.
+
+A pass with a plan reads nothing but the plan: ``apply_<pass>(program, plan)`` (or
+``<pass>(program, plan=plan)`` where the pass has no one-call form). Its config goes into
+``plan_<pass>(program, **config)``; the one-call form ``<pass>(program, **config)`` is
+exactly ``apply_<pass>(program, plan_<pass>(program, **config))``. No pass takes both.
 
 `run_steps` verifies the program after every step, so a step that breaks an invariant is
 named where it did (`StepError`, with the verifier's error as its cause), writes it under
@@ -83,6 +88,7 @@ class Step:
     plan: Callable[[Program, Context], Any] = _no_plan
     check: Callable[[Context], None] = _no_check
     doc: str = ""  # one line: what the step does (printed in the plan)
+    meta: str = ""  # Fleet's name of the meta optimizer it belongs to (``applied_meta_list``)
 
 
 @dataclass
@@ -91,6 +97,7 @@ class StepRow:
     runs: bool
     reason: str
     doc: str
+    meta: str = ""
 
 
 def plan_rows(steps: Sequence[Step], ctx: Context) -> list[StepRow]:
@@ -98,7 +105,7 @@ def plan_rows(steps: Sequence[Step], ctx: Context) -> list[StepRow]:
     rows = []
     for s in steps:
         runs, reason = s.enabled(ctx)
-        rows.append(StepRow(s.name, runs, reason, s.doc))
+        rows.append(StepRow(s.name, runs, reason, s.doc, s.meta))
     return rows
 
 

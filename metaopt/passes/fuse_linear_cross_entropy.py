@@ -150,14 +150,18 @@ def fuse_linear_cross_entropy(
     chunk_size: int | None = None,
     chunk_bytes: int = CHUNK_BYTES,
     fetches: Sequence[str] = (),
-    plan: FuseLinearCrossEntropyPlan | None = None,
 ) -> Program:
-    """A copy of `p` with every head + loss the plan fuses rewritten into one `LinearCrossEntropy`
-    (module doc); `plan`: the one `plan_fuse_linear_cross_entropy` made for these arguments."""
-    if plan is None:
-        plan = plan_fuse_linear_cross_entropy(
-            p, min_classes=min_classes, chunk_size=chunk_size, chunk_bytes=chunk_bytes, fetches=fetches
-        )
+    """`apply_fuse_linear_cross_entropy` of the `plan_fuse_linear_cross_entropy` these
+    arguments make."""
+    plan = plan_fuse_linear_cross_entropy(
+        p, min_classes=min_classes, chunk_size=chunk_size, chunk_bytes=chunk_bytes, fetches=fetches
+    )
+    return apply_fuse_linear_cross_entropy(p, plan)
+
+
+def apply_fuse_linear_cross_entropy(p: Program, plan: FuseLinearCrossEntropyPlan) -> Program:
+    """A copy of `p` with every head + loss `plan` fuses rewritten into one `LinearCrossEntropy`
+    (module doc)."""
     q = p.clone()
     if not plan.fused:
         return q

@@ -24,6 +24,8 @@ The pass is pure.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from metaopt.ir import Op, Program, Var, did_you_mean, eval_dim, names, roles
 
 
@@ -49,6 +51,25 @@ def check_checkpoint_shape(p: Program, checkpoints: list[str], checkpoint_shape:
             )
 
 
+@dataclass
+class OffloadPlan:
+    """Which checkpoints wait in host memory, and where each copy goes (`plan_offload`)."""
+
+    offloaded: list[str]  # the vars copied out and back (a checkpoint, or its slice), forward order
+    first_use: dict[str, int]  # var -> index of its first backward-phase reader
+    fetch_at: dict[str, int]  # var -> index of the op its prefetch goes before (one segment ahead)
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (checkpoint, why it stays)
+
+    def __str__(self) -> str:
+        lines = [f"offload plan: {len(self.offloaded)} checkpoints to host memory and back"]
+        lines += [
+            f"  {c}: prefetched before op {self.fetch_at[c]}, first read by op {self.first_use[c]}"
+            for c in self.offloaded
+        ]
+        lines += [f"  skipped {c}: {why}" for c, why in self.skipped]
+        return "\n".join(lines)
+
+
 def offload(
     p: Program,
     *,
@@ -57,8 +78,28 @@ def offload(
     checkpoint_shape: list[int] | None = None,
     moved: dict[str, str] | None = None,
 ) -> Program:
-    """Rewrite a recomputed training program so its checkpoints wait in host memory (`moved`:
-    checkpoint -> the var holding it after the forward, where that is another: module doc)."""
+    """Rewrite a recomputed training program so its checkpoints wait in host memory: `apply_offload`
+    of the `plan_offload` these arguments make."""
+    plan = plan_offload(
+        p,
+        checkpoints=checkpoints,
+        offload_checkpoints=offload_checkpoints,
+        checkpoint_shape=checkpoint_shape,
+        moved=moved,
+    )
+    return apply_offload(p, plan)
+
+
+def plan_offload(
+    p: Program,
+    *,
+    checkpoints: list[str],
+    offload_checkpoints: list[str] | None = None,
+    checkpoint_shape: list[int] | None = None,
+    moved: dict[str, str] | None = None,
+) -> OffloadPlan:
+    """Which checkpoints go to host memory and where their copies go (`moved`: checkpoint -> the
+    var holding it after the forward, where that is another: module doc); nothing is rewritten."""
     if not checkpoints:
         raise OffloadError(
             f"offload needs recompute checkpoints; program {p.name!r} has none (enable recompute)"
@@ -71,23 +112,30 @@ def offload(
     for c, held in moved.items():
         if c not in checkpoints or held not in p.vars:
             raise OffloadError(f"moved: {c!r} -> {held!r} is not a checkpoint and a var of {p.name!r}")
-    q = p.clone()
-    first_after = next((i for i, op in enumerate(q.ops) if roles.after_forward(op.role)), None)
+    first_after = next((i for i, op in enumerate(p.ops) if roles.after_forward(op.role)), None)
     if first_after is None:
         raise OffloadError(f"program {p.name!r} has no backward: offload rewrites a training program")
-    prod = {o: i for i, op in enumerate(q.ops[:first_after]) for o in op.outputs if o}
-    chosen = [moved.get(c, c) for c in _chosen(q, checkpoints, offload_checkpoints, prod, first_after, moved)]
-    if not chosen:
-        return q
-
+    prod = {o: i for i, op in enumerate(p.ops[:first_after]) for o in op.outputs if o}
+    picked, skipped = _chosen(p, checkpoints, offload_checkpoints, prod, first_after, moved)
+    chosen = [moved.get(c, c) for c in picked]
     # First backward-phase reader of each offloaded checkpoint, in program order.
-    first_use = {c: next(i for i in range(first_after, len(q.ops)) if c in q.ops[i].inputs) for c in chosen}
+    first_use = {c: next(i for i in range(first_after, len(p.ops)) if c in p.ops[i].inputs) for c in chosen}
     order = sorted(chosen, key=lambda c: first_use[c])
     # Prefetch one segment ahead: where the previous checkpoint in backward order is first used.
     fetch_at = {c: (first_use[order[k - 1]] if k else first_after) for k, c in enumerate(order)}
+    return OffloadPlan(chosen, first_use, fetch_at, skipped)
 
-    pinned = {c: _new_var(q, names.pinned(c), c) for c in chosen}
-    fetched = {c: _new_var(q, names.fetch(c), c) for c in chosen}
+
+def apply_offload(p: Program, plan: OffloadPlan) -> Program:
+    """A copy of `p` with `plan`'s copies to host memory and back (module doc)."""
+    q = p.clone()
+    if not plan.offloaded:
+        return q
+    first_use, fetch_at = plan.first_use, plan.fetch_at
+    order = sorted(plan.offloaded, key=lambda c: first_use[c])  # backward order
+    first_after = min(fetch_at.values())
+    pinned = {c: _new_var(q, names.pinned(c), c) for c in plan.offloaded}
+    fetched = {c: _new_var(q, names.fetch(c), c) for c in plan.offloaded}
     ops: list[Op] = []
     for i, op in enumerate(q.ops):
         # Copies start before waits at the same point, so the next copy overlaps the wait.
@@ -126,25 +174,35 @@ def _chosen(
     prod: dict,
     first_after: int,
     moved: dict[str, str],
-) -> list:
-    """The checkpoints to offload (by their own names; `moved`: the var each is held in)."""
+) -> tuple[list[str], list[tuple[str, str]]]:
+    """The checkpoints to offload (by their own names; `moved`: the var each is held in), and
+    those left with why."""
 
     def held(c: str) -> str:
         return moved.get(c, c)
 
-    usable = [
-        c for c in checkpoints if held(c) in prod and any(held(c) in op.inputs for op in q.ops[first_after:])
-    ]
+    skipped = []
+    usable = []
+    for c in checkpoints:
+        if held(c) not in prod:
+            skipped.append((c, "not made in the forward"))
+        elif not any(held(c) in op.inputs for op in q.ops[first_after:]):
+            skipped.append((c, "the backward does not read it"))
+        else:
+            usable.append(c)
     # The checkpoint the backward reaches first is needed at once: copying it out and back gains nothing.
     last = max(usable, key=lambda c: prod[held(c)], default=None)
+    if last is not None:
+        skipped.append((last, "the last checkpoint: the backward needs it at once"))
     chosen = [c for c in usable if c != last]
     if restrict is not None:
         for c in restrict:
             if c not in checkpoints:
                 hint = did_you_mean(c, checkpoints)
                 raise OffloadError(f"offload_checkpoints entry {c!r} is not a recompute checkpoint{hint}")
+        skipped += [(c, "not in offload_checkpoints") for c in chosen if c not in restrict]
         chosen = [c for c in chosen if c in restrict]
-    return chosen
+    return chosen, skipped
 
 
 def _new_var(q: Program, name: str, like: str) -> str:

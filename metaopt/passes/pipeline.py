@@ -1,7 +1,7 @@
 """Pipeline parallel: split one training program into a stage program per worker.
 
-    plan = plan_pipeline(program, num_stages=2, cuts=["fc2"], micro_batches=4, grads=grads)
-    programs = pipeline(program, plan=plan, loss_grad=seed)   # one per worker
+    plan = plan_pipeline(program, num_stages=2, cuts=["fc2"], micro_batches=4, grads=grads, loss_grad=seed)
+    programs = apply_pipeline(program, plan)   # one per worker
 
 (`grads`, `seed`: what append_backward made: each param's grad, the loss grad's seed; the
 training driver hands them on through its context.)
@@ -83,6 +83,8 @@ class PipelinePlan:
     recvs: dict[tuple[int, str], list[str]] = field(default_factory=dict)  # (stage, phase) -> vars
     # recompute partition: checkpoint -> the virtual stages that slice and gather it
     partitioned: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    loss_grad: str | None = None  # the backward's seed: the split scales it by 1/M
+    dp_degree: int = 1  # replicas of the whole pipeline: each update reads its grad averaged over them
 
     @property
     def virtual_stages(self) -> int:
@@ -134,10 +136,15 @@ def plan_pipeline(
     schedule: str = "1F1B",
     chunks: int = 1,
     grads: Mapping[str, str],
+    loss_grad: str | None = None,
+    dp_degree: int = 1,
 ) -> PipelinePlan:
     """Assign every op of `p` to its virtual stage(s) and list the transfers (see module doc).
 
-    `grads`: each param's grad as the backward made it (append_backward's pairs)."""
+    `grads`: each param's grad as the backward made it (append_backward's pairs); `loss_grad`:
+    the backward's seed; `dp_degree`: replicas of the whole pipeline (data parallel)."""
+    if dp_degree < 1:
+        raise PipelineError(f"pipeline: dp_degree must be >= 1, got {dp_degree}")
     if num_stages < 1 or chunks < 1 or micro_batches < 1:
         raise PipelineError(
             f"pipeline: num_stages={num_stages}, chunks={chunks}, micro_batches={micro_batches} must be >= 1"
@@ -216,6 +223,7 @@ def plan_pipeline(
         num_stages, chunks, micro_batches, schedule, resolved, op_stages, costs, holders, dict(grads)
     )
     plan.partitioned = placed_partition
+    plan.loss_grad, plan.dp_degree = loss_grad, dp_degree
     plan.substitute = _cross_stage_recomputes(p, op_stages, skip=in_partition)
     _plan_transfers(p, plan)
     return plan
@@ -509,33 +517,32 @@ def pipeline(
     schedule: str = "1F1B",
     chunks: int = 1,
     dp_degree: int = 1,
-    grads: Mapping[str, str] | None = None,
+    grads: Mapping[str, str],
     loss_grad: str | None,
-    plan: PipelinePlan | None = None,
 ) -> list[Program]:
-    """One stage program per pipeline worker (see the module doc); ``Program.pipeline`` set
-    on each. With `dp_degree` > 1 every replica of the pipeline runs the same stage
-    programs, and each update reads its grad averaged over the stage's replicas.
+    """One stage program per pipeline worker (see the module doc): `apply_pipeline` of the
+    `plan_pipeline` these arguments make. `loss_grad` is the backward's seed and `grads` maps
+    each param to the grad the backward made for it, as append_backward made them."""
+    plan = plan_pipeline(
+        p,
+        num_stages=num_stages,
+        cuts=cuts,
+        micro_batches=micro_batches,
+        schedule=schedule,
+        chunks=chunks,
+        grads=grads,
+        loss_grad=loss_grad,
+        dp_degree=dp_degree,
+    )
+    return apply_pipeline(p, plan)
 
-    `loss_grad` is the backward's seed (the split scales it by 1/M) and `grads` maps each param
-    to the grad the backward made for it (accumulated over micro-batches), as append_backward
-    made them. `plan`: the one `plan_pipeline` made for these arguments (it holds `grads`);
-    else it is made here."""
-    if dp_degree < 1:
-        raise PipelineError(f"pipeline: dp_degree must be >= 1, got {dp_degree}")
-    if plan is None:
-        if grads is None:
-            raise PipelineError("pipeline: give the backward's grads (or a plan made with them)")
-        plan = plan_pipeline(
-            p,
-            num_stages=num_stages,
-            cuts=cuts,
-            micro_batches=micro_batches,
-            schedule=schedule,
-            chunks=chunks,
-            grads=grads,
-        )
-    return _Splitter(p, plan, dp_degree, loss_grad).programs()
+
+def apply_pipeline(p: Program, plan: PipelinePlan) -> list[Program]:
+    """One stage program per pipeline worker, as `plan` places the ops; ``Program.pipeline``
+    set on each. With ``plan.dp_degree`` > 1 every replica of the pipeline runs the same stage
+    programs, and each update reads its grad averaged over the stage's replicas (accumulated
+    over micro-batches)."""
+    return _Splitter(p, plan, plan.dp_degree, plan.loss_grad).programs()
 
 
 @dataclass

@@ -72,6 +72,8 @@ class RecomputePlan:
     kept_by_policy: list[str] = field(default_factory=list)  # selective: matmul-class outputs kept
     head_held: bool = False  # recompute_head=False: the ops before the first checkpoint are not re-run
     stats: list[str] = field(default_factory=list)  # per-channel statistics held (rows' recompute_holds)
+    # random ops re-emitted with their forward's generator state (RngState/RngReplay): bit-identical
+    seed_random_ops: bool = True
 
     def not_recomputed(self) -> set[str]:
         """Every value the backward reads from the forward rather than from a recompute."""
@@ -219,6 +221,7 @@ def plan_recompute(
     memory_budget: int | None = None,
     batch: int = 8,
     recompute_head: bool = True,
+    seed_random_ops: bool = True,
 ) -> RecomputePlan:
     """Which forward ops each segment re-emits, and what is held; nothing is rewritten.
 
@@ -251,7 +254,7 @@ def plan_recompute(
             ckpts.append(n)
     ckpts.sort(key=lambda n: prod[n])
     if not ckpts:
-        return RecomputePlan([], [], [], skipped)
+        return RecomputePlan([], [], [], skipped, seed_random_ops=seed_random_ops)
     bounds = [prod[c] for c in ckpts]
     first = 0 if recompute_head else 1  # the first segment recomputed
 
@@ -317,7 +320,9 @@ def plan_recompute(
         Segment(ckpts[j - 1] if j else None, ckpts[j], sorted(needed.get(j, ())))
         for j in range(first, len(ckpts))
     ]
-    return RecomputePlan(ckpts, segments, held, skipped, by_policy, head_held=not recompute_head, stats=stats)
+    return RecomputePlan(
+        ckpts, segments, held, skipped, by_policy, not recompute_head, stats, seed_random_ops=seed_random_ops
+    )
 
 
 def _loss_depends_on(p: Program, fwd: list[Op], prod: dict[str, int]) -> set[str]:
@@ -338,31 +343,31 @@ def _loss_depends_on(p: Program, fwd: list[Op], prod: dict[str, int]) -> set[str
 def recompute(
     p: Program,
     *,
-    checkpoints: list | None = None,
+    checkpoints: list,
     policy: str = "full",
     keep_op_types: tuple[str, ...] = (),
     seed_random_ops: bool = True,
     memory_budget: int | None = None,
     batch: int = 8,
     recompute_head: bool = True,
-    plan: RecomputePlan | None = None,
 ) -> Program:
-    """Rewrite `p` (a training program) so each segment is recomputed before its backward.
+    """Rewrite `p` (a training program) so each segment is recomputed before its backward:
+    `apply_recompute` of the `plan_recompute` these arguments make."""
+    plan = plan_recompute(
+        p,
+        checkpoints=checkpoints,
+        policy=policy,
+        keep_op_types=keep_op_types,
+        memory_budget=memory_budget,
+        batch=batch,
+        recompute_head=recompute_head,
+        seed_random_ops=seed_random_ops,
+    )
+    return apply_recompute(p, plan)
 
-    `plan`: the one `plan_recompute` made for `p` (the other arguments then only say how to
-    re-emit: `seed_random_ops`); else it is made here from `checkpoints` and the rest."""
-    if plan is None:
-        if checkpoints is None:
-            raise RecomputeError("recompute needs checkpoints (or a plan made from them)")
-        plan = plan_recompute(
-            p,
-            checkpoints=checkpoints,
-            policy=policy,
-            keep_op_types=keep_op_types,
-            memory_budget=memory_budget,
-            batch=batch,
-            recompute_head=recompute_head,
-        )
+
+def apply_recompute(p: Program, plan: RecomputePlan) -> Program:
+    """A copy of `p` in which each of `plan`'s segments is re-emitted before its backward."""
     q = p.clone()
     if not plan.checkpoints:
         return q
@@ -379,7 +384,7 @@ def recompute(
     rng_state: dict[int, str] = {}  # forward op index -> var holding the RNG state before it
 
     fwd: list[Op] = []
-    replay = {i for s in plan.segments for i in s.ops if _random(q.ops[i])} if seed_random_ops else set()
+    replay = {i for s in plan.segments for i in s.ops if _random(q.ops[i])} if plan.seed_random_ops else set()
     for i, op in enumerate(q.ops[:first_bw]):
         if i in replay:
             state = names.fresh(names.saved(op.outputs[0], "RNG_STATE"), q.vars)

@@ -17,7 +17,7 @@ from metaopt.frontend import onnx_save
 from metaopt.ir import parse_program
 from metaopt.ops import registry
 from metaopt.passes.backward import append_backward
-from metaopt.passes.channels_last import channels_last, plan_channels_last
+from metaopt.passes.channels_last import apply_channels_last, channels_last, plan_channels_last
 
 
 class SmallCNN(nn.Module):
@@ -76,7 +76,7 @@ def test_plan_on_an_unmarked_program_and_the_pass_is_pure():
     assert plan.convs == ("conv1", "conv2")
     assert "channels_last: 2 convolution(s) channels-last" in str(plan)
     assert "skipped conv1d: a 1-D convolution" in str(plan)
-    q = channels_last(p, plan=plan)
+    q = apply_channels_last(p, plan)
     assert str(p) == before and _marked(q) == ["conv1", "conv2"]
     assert channels_last(q) is q  # nothing left to mark
 

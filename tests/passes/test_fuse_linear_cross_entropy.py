@@ -22,7 +22,7 @@ from metaopt.passes.amp import amp
 from metaopt.passes.backward import append_backward
 from metaopt.passes.fuse_linear_cross_entropy import (
     FuseLinearCrossEntropyError,
-    fuse_linear_cross_entropy,
+    apply_fuse_linear_cross_entropy,
     plan_fuse_linear_cross_entropy,
 )
 from metaopt.passes.memory_estimate import estimate_memory
@@ -34,7 +34,7 @@ CHUNK = 7  # divides neither GPT's 4 x 15 shifted tokens nor BERT's 4 x 16 token
 
 def _fused(p, **kw):
     plan = plan_fuse_linear_cross_entropy(p, min_classes=0, chunk_size=kw.pop("chunk_size", CHUNK), **kw)
-    return fuse_linear_cross_entropy(p, plan=plan), plan
+    return apply_fuse_linear_cross_entropy(p, plan), plan
 
 
 def _grads(program, feed) -> dict[str, torch.Tensor]:
@@ -200,7 +200,7 @@ def test_fetched_logits_are_not_fused_and_the_plan_says_why():
     assert not plan.fused
     (s,) = plan.skipped
     assert "'lm_head' is a program output or fetched" in s.reason and "lm_head" in str(plan)
-    assert str(fuse_linear_cross_entropy(p, plan=plan)) == str(p)
+    assert str(apply_fuse_linear_cross_entropy(p, plan)) == str(p)
     # a logits var with a second reader is kept too
     q = p.clone()
     q.outputs.append("lm_head")

@@ -19,7 +19,7 @@ from metaopt.ops import registry
 from metaopt.ops.kernels.partition import join_slices, slice_length, take_slice
 from metaopt.passes.memory_estimate import estimate_memory, where_alive
 from metaopt.passes.offload import offload, offloaded_bytes
-from metaopt.passes.recompute import plan_recompute, recompute
+from metaopt.passes.recompute import apply_recompute, plan_recompute
 from metaopt.passes.recompute_partition import (
     RecomputePartitionError,
     _slice_dim,
@@ -49,7 +49,7 @@ def _training() -> tuple[metaopt.Program, object]:
 def _recomputed(checkpoints: list[str]) -> tuple[metaopt.Program, list[str], object]:
     q, tp = _training()
     plan = plan_recompute(q, checkpoints=checkpoints)
-    return recompute(q, plan=plan), plan.checkpoints, tp
+    return apply_recompute(q, plan), plan.checkpoints, tp
 
 
 def _partitioned(checkpoints: list[str] = worker.CHECKPOINTS):

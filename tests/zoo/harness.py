@@ -530,13 +530,13 @@ def check_fused_cross_entropy(entry) -> dict:
     size): grads against float64 torch, and recompute bit-identical (dropout on). Entries without
     such a loss report 0 fused and pass."""
     from metaopt.passes.fuse_linear_cross_entropy import (
-        fuse_linear_cross_entropy,
+        apply_fuse_linear_cross_entropy,
         plan_fuse_linear_cross_entropy,
     )
 
     def fused(program):
         plan = plan_fuse_linear_cross_entropy(program, min_classes=0, chunk_size=FUSED_CHUNK)
-        return fuse_linear_cross_entropy(program, plan=plan), plan
+        return apply_fuse_linear_cross_entropy(program, plan), plan
 
     module, program = export(entry, 0.0)
     q, plan = fused(program)

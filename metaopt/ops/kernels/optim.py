@@ -420,10 +420,37 @@ third moment input/output is there iff ``amsgrad=1``. `step` is the 1-based upda
 """
 
 
-@register(
-    "AdamUpdate",
+def _adam_kernel(op: str, decoupled: bool, default_weight_decay: float):
+    """The kernel of `op`: AdamUpdate (L2 decay) or AdamWUpdate (decoupled), one body."""
+
+    def kernel(
+        param, grad, lr, step, exp_avg, exp_avg_sq, max_exp_avg_sq=None, found_inf=None,
+        beta1: float = 0.9, beta2: float = 0.999, epsilon: float = 1e-8,
+        weight_decay: float = default_weight_decay, amsgrad: int = 0, fused: int = 0, _nout: int = 3,
+    ):  # fmt: skip
+        _check_amsgrad(op, amsgrad, max_exp_avg_sq, _nout)
+        if not _on_host(lr):
+            mx = [] if max_exp_avg_sq is None else [max_exp_avg_sq]
+            _device_adam(
+                [param], [grad], [exp_avg], [exp_avg_sq], mx, lr, step, found_inf,
+                beta1, beta2, epsilon, weight_decay, decoupled,
+            )  # fmt: skip
+            return _unchanged(param, exp_avg, exp_avg_sq, max_exp_avg_sq)
+        if _skip(found_inf):
+            return _unchanged(param, exp_avg, exp_avg_sq, max_exp_avg_sq)
+        return _adam(
+            param, grad, lr, step, exp_avg, exp_avg_sq, max_exp_avg_sq,
+            beta1, beta2, epsilon, weight_decay, decoupled, fused,
+        )  # fmt: skip
+
+    kernel.__name__ = kernel.__qualname__ = f"{op[:-6].lower()}_update"
+    return kernel
+
+
+# Inputs (param, grad, lr, step, exp_avg, exp_avg_sq[, max_exp_avg_sq][, found_inf]); outputs
+# (param, exp_avg, exp_avg_sq[, max_exp_avg_sq]), each written over its input.
+_ADAM_ROW = dict(
     domain="metaopt",
-    multi=lambda groups, **attrs: _adam_multi(groups, decoupled=False, **attrs),
     host_inputs=(2, 3, 7),
     needs_outputs=True,
     recomputable=False,
@@ -431,83 +458,12 @@ third moment input/output is there iff ``amsgrad=1``. `step` is the 1-based upda
     update=True,
     skip_input=7,
 )
-def adam_update(
-    param, grad, lr, step, exp_avg, exp_avg_sq, max_exp_avg_sq=None, found_inf=None,
-    beta1: float = 0.9, beta2: float = 0.999, epsilon: float = 1e-8, weight_decay: float = 0.0,
-    amsgrad: int = 0, fused: int = 0, _nout: int = 3,
-):  # fmt: skip
-    _check_amsgrad("AdamUpdate", amsgrad, max_exp_avg_sq, _nout)
-    if not _on_host(lr):
-        mx = [] if max_exp_avg_sq is None else [max_exp_avg_sq]
-        decoupled = False
-        _device_adam(
-            [param], [grad], [exp_avg], [exp_avg_sq], mx, lr, step, found_inf,
-            beta1, beta2, epsilon, weight_decay, decoupled,
-        )  # fmt: skip
-        return _unchanged(param, exp_avg, exp_avg_sq, max_exp_avg_sq)
-    if _skip(found_inf):
-        return _unchanged(param, exp_avg, exp_avg_sq, max_exp_avg_sq)
-    return _adam(
-        param,
-        grad,
-        lr,
-        step,
-        exp_avg,
-        exp_avg_sq,
-        max_exp_avg_sq,
-        beta1,
-        beta2,
-        epsilon,
-        weight_decay,
-        False,
-        fused,
-    )
-
-
-@register(
-    "AdamWUpdate",
-    domain="metaopt",
-    multi=lambda groups, **attrs: _adam_multi(groups, decoupled=True, **attrs),
-    host_inputs=(2, 3, 7),
-    needs_outputs=True,
-    recomputable=False,
-    inplace=((0, 0), (1, 4), (2, 5), (3, 6)),
-    update=True,
-    skip_input=7,
-)
-def adamw_update(
-    param, grad, lr, step, exp_avg, exp_avg_sq, max_exp_avg_sq=None, found_inf=None,
-    beta1: float = 0.9, beta2: float = 0.999, epsilon: float = 1e-8, weight_decay: float = 0.01,
-    amsgrad: int = 0, fused: int = 0, _nout: int = 3,
-):  # fmt: skip
-    _check_amsgrad("AdamWUpdate", amsgrad, max_exp_avg_sq, _nout)
-    if not _on_host(lr):
-        mx = [] if max_exp_avg_sq is None else [max_exp_avg_sq]
-        decoupled = True
-        _device_adam(
-            [param], [grad], [exp_avg], [exp_avg_sq], mx, lr, step, found_inf,
-            beta1, beta2, epsilon, weight_decay, decoupled,
-        )  # fmt: skip
-        return _unchanged(param, exp_avg, exp_avg_sq, max_exp_avg_sq)
-    if _skip(found_inf):
-        return _unchanged(param, exp_avg, exp_avg_sq, max_exp_avg_sq)
-    return _adam(
-        param,
-        grad,
-        lr,
-        step,
-        exp_avg,
-        exp_avg_sq,
-        max_exp_avg_sq,
-        beta1,
-        beta2,
-        epsilon,
-        weight_decay,
-        True,
-        fused,
-    )
-
-
+adam_update = register(
+    "AdamUpdate", multi=lambda groups, **attrs: _adam_multi(groups, decoupled=False, **attrs), **_ADAM_ROW
+)(_adam_kernel("AdamUpdate", False, 0.0))
+adamw_update = register(
+    "AdamWUpdate", multi=lambda groups, **attrs: _adam_multi(groups, decoupled=True, **attrs), **_ADAM_ROW
+)(_adam_kernel("AdamWUpdate", True, 0.01))
 adam_update.__doc__ = _ADAM_DOC.format(cls="Adam") + "L2 weight decay: ``grad + wd * param``.\n"
 adamw_update.__doc__ = _ADAM_DOC.format(cls="AdamW") + "Decoupled decay: ``param * (1 - lr * wd)`` first.\n"
 
