@@ -247,17 +247,14 @@ def _describe(node: onnx.NodeProto) -> str:
     return f"op {node.op_type} (node {node.name or '?'}, outputs {list(node.output)}){where}"
 
 
-# Ops whose semantics changed at an opset our kernels do not implement the old side of.
-_MIN_OPSET = {"Softmax": 13, "LogSoftmax": 13, "Hardmax": 13}
-
-
 def check_supported(graph: onnx.GraphProto, opset: int = 20) -> None:
     """Refuse control flow, op types without a kernel and old-opset semantics, naming op and scope."""
     for node in graph.node:
-        if node.op_type in _MIN_OPSET and opset < _MIN_OPSET[node.op_type]:
+        row = registry.get(node.op_type)
+        if row is not None and opset < row.min_opset:
             raise ImportError_(
                 f"{_describe(node)}: opset {opset} semantics (flatten at axis) are not supported; "
-                f"convert the model to opset {_MIN_OPSET[node.op_type]} or later"
+                f"convert the model to opset {row.min_opset} or later"
             )
         if node.op_type in CONTROL_FLOW:
             raise ImportError_(f"{_describe(node)}: control flow is not supported (one block only)")

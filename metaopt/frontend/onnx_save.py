@@ -123,10 +123,9 @@ def to_model_proto(p: Program, values: Mapping[str, torch.Tensor] | None = None)
         node.attribute.extend(_attr(k, a) for k, a in op.attrs.items() if k not in extra)
         for k in sorted(extra):
             node.metadata_props.add(key=EXTRA_ATTR_PREFIX + k, value=json.dumps(op.attrs[k]))
-        if domain == DOMAIN:
-            from metaopt.frontend import onnx_functions
-
-            node.overload = onnx_functions.overload_of(op.type, list(op.inputs))
+        overload = registry.get(op.type).onnx_overload if domain == DOMAIN else None
+        if overload is not None:
+            node.overload = overload(list(op.inputs))
         for k, a in op.attrs.items():
             # ONNX float attributes are float32; keep the exact value for our own import where
             # what an import reads back from the float32 (attrs.float32_literal) differs.
@@ -164,11 +163,7 @@ def to_model_proto(p: Program, values: Mapping[str, torch.Tensor] | None = None)
     functions = []
     if DOMAIN in used_domains:
         opsets.append(helper.make_opsetid(DOMAIN, 1))
-        from metaopt.frontend import onnx_functions
-
-        functions = onnx_functions.for_ops(
-            {op.type for op in p.ops if registry.get(op.type).domain == DOMAIN}
-        )
+        functions = _functions({op.type for op in p.ops if registry.get(op.type).domain == DOMAIN})
     _one_default_opset(opsets, functions)
     model = helper.make_model(graph, opset_imports=opsets, functions=functions, producer_name="metaopt")
     model.ir_version = IR_VERSION
@@ -191,6 +186,18 @@ def _one_default_opset(opsets: list, functions: list) -> None:
     for o in [*opsets, *(o for f in functions for o in f.opset_import)]:
         if o.domain == "":
             o.version = need
+
+
+def _functions(op_types: set[str]) -> list[onnx.FunctionProto]:
+    """The model-local functions of our op types whose rows have a standard-ops body; an op
+    without one cannot be saved runnable elsewhere."""
+    out: list[onnx.FunctionProto] = []
+    for t in sorted(op_types):
+        build = registry.get(t).onnx_function
+        if build is not None:
+            made = build()
+            out += made if isinstance(made, list) else [made]
+    return out
 
 
 def save(p: Program, path: str | os.PathLike, values: Mapping[str, torch.Tensor] | None = None) -> None:

@@ -12,7 +12,6 @@ ops have no fallback: re-running them would draw a new mask.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -51,10 +50,9 @@ Rule = Callable[[GradBuilder, "Op", list], list]
 def grad_rule(*op_types: str) -> Callable[[Rule], Rule]:
     def deco(fn: Rule) -> Rule:
         for t in op_types:
-            row = registry.get(t)
-            if row is None:
+            if registry.get(t) is None:
                 raise ValueError(f"grad rule for unknown op type {t!r}")
-            registry._TABLE[t] = dataclasses.replace(row, grad=fn)
+            registry.extend(t, grad=fn)
         return fn
 
     return deco

@@ -29,6 +29,7 @@ CPU while data is on the device; kernels that read such a tensor call
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -58,6 +59,13 @@ class OpDef:
     # a replayed random op's own host inputs): see `host_inputs`.
     host_inputs: tuple[int, ...] | Callable[[Any, Any], tuple[int, ...]] = ()
     host_outputs: bool = False
+    # Our own ops saved to ONNX: the model-local function with their standard-ops body (a builder
+    # returning one FunctionProto, or overloads), and which overload a node's inputs call
+    # (ops/onnx_bodies.py); None: saved without one, runnable on our executor only.
+    onnx_function: Callable[[], Any] | None = None
+    onnx_overload: Callable[[list[str]], str] | None = None
+    # ONNX ops whose semantics changed at an opset our kernel implements only the later side of
+    min_opset: int = 0
     # (output index, input index) pairs: the kernel writes that output into that
     # input's storage and returns it (optimizer updates, like torch.optim's in-place
     # steps: a fresh copy of a large param costs page faults every step). The plan
@@ -278,6 +286,21 @@ def register(type: str, **row: Any) -> Callable[[Kernel], Kernel]:
         return fn
 
     return deco
+
+
+def extend(type: str, **fields: Any) -> OpDef:
+    """Set `fields` of `type`'s existing row: knowledge written beside its own family rather than
+    beside the kernel (ops/grads.py's gradient rules). A field the row already holds a value for
+    is refused: two places must never both decide it."""
+    row = _TABLE.get(type)
+    if row is None:
+        raise ValueError(f"no row for op type {type!r} to extend with {sorted(fields)}")
+    default = OpDef(type=type, kernel=row.kernel)
+    taken = [k for k in fields if getattr(row, k) != getattr(default, k)]
+    if taken:
+        raise ValueError(f"op type {type!r}: its row already sets {taken}")
+    _TABLE[type] = dataclasses.replace(row, **fields)
+    return _TABLE[type]
 
 
 def get(type: str) -> OpDef | None:

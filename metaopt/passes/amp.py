@@ -76,6 +76,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -316,26 +317,10 @@ class _Rules:
         return KEEP, "no low-precision input"
 
 
-def amp(
-    program: Program,
-    *,
-    dtype: str = "float16",
-    custom_white_list: Sequence[str] = (),
-    custom_black_list: Sequence[str] = (),
-    custom_black_varnames: Sequence[str] = (),
-    use_pure_fp16: bool = False,
-) -> Program:
-    """A copy of `program` whose forward runs in mixed precision (module doc): `apply_amp` of
-    the `plan_amp` these arguments make."""
-    plan = plan_amp(
-        program,
-        dtype=dtype,
-        custom_white_list=custom_white_list,
-        custom_black_list=custom_black_list,
-        custom_black_varnames=custom_black_varnames,
-        use_pure_fp16=use_pure_fp16,
-    )
-    return apply_amp(program, plan)
+def amp(p: Program, **config: Any) -> Program:
+    """The one-call form: ``apply_amp(p, plan_amp(p, **config))``, the config being
+    `plan_amp`'s keywords."""
+    return apply_amp(p, plan_amp(p, **config))
 
 
 def apply_amp(program: Program, plan: AmpPlan) -> Program:

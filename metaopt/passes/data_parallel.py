@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from metaopt.ir import Op, Program, Var, did_you_mean, names, roles
 
@@ -125,21 +126,10 @@ def plan_data_parallel(
     return plan
 
 
-def data_parallel(
-    p: Program,
-    *,
-    grads: list[str],
-    world_size: int,
-    bucket_bytes: int,
-    at_update: bool = False,
-    group: str | None = None,
-) -> Program:
-    """A clone of `p` whose grads are averaged over `world_size` workers (see the module doc):
-    `apply_data_parallel` of the `plan_data_parallel` these arguments make."""
-    plan = plan_data_parallel(
-        p, grads=grads, world_size=world_size, bucket_bytes=bucket_bytes, at_update=at_update, group=group
-    )
-    return apply_data_parallel(p, plan)
+def data_parallel(p: Program, **config: Any) -> Program:
+    """The one-call form: ``apply_data_parallel(p, plan_data_parallel(p, **config))``, the config being
+    `plan_data_parallel`'s keywords."""
+    return apply_data_parallel(p, plan_data_parallel(p, **config))
 
 
 def apply_data_parallel(p: Program, plan: DataParallelPlan) -> Program:

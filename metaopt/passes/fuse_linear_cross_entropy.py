@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from metaopt.ir import Op, Program, roles
 from metaopt.ops import lm_head
@@ -143,20 +144,10 @@ def plan_fuse_linear_cross_entropy(
     return plan
 
 
-def fuse_linear_cross_entropy(
-    p: Program,
-    *,
-    min_classes: int = MIN_CLASSES,
-    chunk_size: int | None = None,
-    chunk_bytes: int = CHUNK_BYTES,
-    fetches: Sequence[str] = (),
-) -> Program:
-    """`apply_fuse_linear_cross_entropy` of the `plan_fuse_linear_cross_entropy` these
-    arguments make."""
-    plan = plan_fuse_linear_cross_entropy(
-        p, min_classes=min_classes, chunk_size=chunk_size, chunk_bytes=chunk_bytes, fetches=fetches
-    )
-    return apply_fuse_linear_cross_entropy(p, plan)
+def fuse_linear_cross_entropy(p: Program, **config: Any) -> Program:
+    """The one-call form: ``apply_fuse_linear_cross_entropy(p, plan_fuse_linear_cross_entropy(p,
+    **config))``, the config being `plan_fuse_linear_cross_entropy`'s keywords."""
+    return apply_fuse_linear_cross_entropy(p, plan_fuse_linear_cross_entropy(p, **config))
 
 
 def apply_fuse_linear_cross_entropy(p: Program, plan: FuseLinearCrossEntropyPlan) -> Program:

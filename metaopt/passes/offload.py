@@ -25,6 +25,7 @@ The pass is pure.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from metaopt.ir import Op, Program, Var, did_you_mean, eval_dim, names, roles
 
@@ -70,24 +71,10 @@ class OffloadPlan:
         return "\n".join(lines)
 
 
-def offload(
-    p: Program,
-    *,
-    checkpoints: list[str],
-    offload_checkpoints: list[str] | None = None,
-    checkpoint_shape: list[int] | None = None,
-    moved: dict[str, str] | None = None,
-) -> Program:
-    """Rewrite a recomputed training program so its checkpoints wait in host memory: `apply_offload`
-    of the `plan_offload` these arguments make."""
-    plan = plan_offload(
-        p,
-        checkpoints=checkpoints,
-        offload_checkpoints=offload_checkpoints,
-        checkpoint_shape=checkpoint_shape,
-        moved=moved,
-    )
-    return apply_offload(p, plan)
+def offload(p: Program, **config: Any) -> Program:
+    """The one-call form: ``apply_offload(p, plan_offload(p, **config))``, the config being
+    `plan_offload`'s keywords."""
+    return apply_offload(p, plan_offload(p, **config))
 
 
 def plan_offload(

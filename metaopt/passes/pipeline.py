@@ -42,6 +42,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -508,33 +509,10 @@ def _holders(p: Program, op_stages: list[tuple[int, ...]]) -> dict[str, tuple[in
 # --- rewriting -----------------------------------------------------------------------------
 
 
-def pipeline(
-    p: Program,
-    *,
-    num_stages: int = 0,
-    cuts: list[str] | str = "auto",
-    micro_batches: int = 1,
-    schedule: str = "1F1B",
-    chunks: int = 1,
-    dp_degree: int = 1,
-    grads: Mapping[str, str],
-    loss_grad: str | None,
-) -> list[Program]:
-    """One stage program per pipeline worker (see the module doc): `apply_pipeline` of the
-    `plan_pipeline` these arguments make. `loss_grad` is the backward's seed and `grads` maps
-    each param to the grad the backward made for it, as append_backward made them."""
-    plan = plan_pipeline(
-        p,
-        num_stages=num_stages,
-        cuts=cuts,
-        micro_batches=micro_batches,
-        schedule=schedule,
-        chunks=chunks,
-        grads=grads,
-        loss_grad=loss_grad,
-        dp_degree=dp_degree,
-    )
-    return apply_pipeline(p, plan)
+def pipeline(p: Program, **config: Any) -> list[Program]:
+    """The one-call form: ``apply_pipeline(p, plan_pipeline(p, **config))``, the config being
+    `plan_pipeline`'s keywords."""
+    return apply_pipeline(p, plan_pipeline(p, **config))
 
 
 def apply_pipeline(p: Program, plan: PipelinePlan) -> list[Program]:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import fnmatch
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -340,30 +341,10 @@ def _loss_depends_on(p: Program, fwd: list[Op], prod: dict[str, int]) -> set[str
     return seen
 
 
-def recompute(
-    p: Program,
-    *,
-    checkpoints: list,
-    policy: str = "full",
-    keep_op_types: tuple[str, ...] = (),
-    seed_random_ops: bool = True,
-    memory_budget: int | None = None,
-    batch: int = 8,
-    recompute_head: bool = True,
-) -> Program:
-    """Rewrite `p` (a training program) so each segment is recomputed before its backward:
-    `apply_recompute` of the `plan_recompute` these arguments make."""
-    plan = plan_recompute(
-        p,
-        checkpoints=checkpoints,
-        policy=policy,
-        keep_op_types=keep_op_types,
-        memory_budget=memory_budget,
-        batch=batch,
-        recompute_head=recompute_head,
-        seed_random_ops=seed_random_ops,
-    )
-    return apply_recompute(p, plan)
+def recompute(p: Program, **config: Any) -> Program:
+    """The one-call form: ``apply_recompute(p, plan_recompute(p, **config))``, the config being
+    `plan_recompute`'s keywords."""
+    return apply_recompute(p, plan_recompute(p, **config))
 
 
 def apply_recompute(p: Program, plan: RecomputePlan) -> Program:

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import functools
-import os
 import random
 import re
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from conftest import exported
+from workers import start_workers, wait_workers
 
 import metaopt
 import programs
@@ -24,7 +21,6 @@ from metaopt.ops import registry
 from metaopt.passes.amp import AmpError, amp, scale_loss, unscale_grads
 
 HERE = Path(__file__).parent
-ROOT = HERE.parent.parent
 
 
 def _strategy(amp_configs: dict | None = None, recompute: list[str] | None = None, offload=False):
@@ -438,38 +434,9 @@ def test_amp_optimizer_takes_loss_scaling_for_bf16():
 # --- data parallel: every rank skips the same step --------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _two_workers(script: str, out: Path) -> list:
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
-            "OMP_NUM_THREADS": "1",
-        }
-        cmd = [sys.executable, str(HERE / script), str(out)]
-        procs.append(
-            subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        )
-    for r, p in enumerate(procs):
-        try:
-            log = p.communicate(timeout=180)[0]
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"{script}: workers did not finish in 180 s")
-        assert p.returncode == 0, f"{script}: worker {r} exited {p.returncode}:\n{log[-3000:]}"
+    procs = start_workers(2, [str(HERE / script), str(out)])
+    wait_workers(procs, script, 180)
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 

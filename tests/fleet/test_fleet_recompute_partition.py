@@ -19,8 +19,8 @@ TRAINING = Path(__file__).resolve().parent.parent / "training"
 sys.path.insert(0, str(TRAINING))
 import fleet_tp_recompute_worker as worker  # noqa: E402  (beside the other workers, started as a script)
 import tp_worker  # noqa: E402
-from test_data_parallel import _start_workers, _wait_workers  # noqa: E402
 from test_fleet_tensor_parallel import _fake_job, _refused, _tp_strategy  # noqa: E402
+from workers import start_workers, wait_workers  # noqa: E402
 
 NAME = worker.NAME
 CASES = list(worker.CASES)
@@ -36,8 +36,8 @@ def _run_workers(out: Path, dropout: float, cases: list[str]) -> dict[str, list[
     """Every case on the same 2 workers (one export each), loaded per case and rank; bounded: a
     hang is a failure, never a stuck suite."""
     args = [str(TRAINING / "fleet_tp_recompute_worker.py"), str(out), str(dropout), *cases]
-    procs = _start_workers(MP, args, {"METAOPT_COMM_TIMEOUT": "60"})
-    _wait_workers(procs, "tensor-parallel recompute", 400)
+    procs = start_workers(MP, args, {"METAOPT_COMM_TIMEOUT": "60"})
+    wait_workers(procs, "tensor-parallel recompute", 400)
     return {c: [torch.load(out / f"{c}.rank{r}.pt", weights_only=False) for r in range(MP)] for c in cases}
 
 

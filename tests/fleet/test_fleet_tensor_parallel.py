@@ -21,7 +21,7 @@ TRAINING = Path(__file__).resolve().parent.parent / "training"
 sys.path.insert(0, str(TRAINING))
 import fleet_tp_worker  # noqa: E402  (beside the other workers, started as a script there)
 import tp_worker  # noqa: E402
-from test_data_parallel import _start_workers, _wait_workers  # noqa: E402
+from workers import start_workers, wait_workers  # noqa: E402
 
 NAME = fleet_tp_worker.NAME
 # The all-reduces sum partial products in another order than one matmul: a few ulps per step.
@@ -38,8 +38,8 @@ def _run_workers(out: Path, dp: int, mp: int) -> list[dict]:
     """Start dp x mp workers, wait (bounded: a hang is a failure, never a stuck suite), load results."""
     world = dp * mp
     args = [str(TRAINING / "fleet_tp_worker.py"), str(out), str(dp), str(mp)]
-    procs = _start_workers(world, args, {"METAOPT_COMM_TIMEOUT": "60"})
-    _wait_workers(procs, "tensor-parallel", 240)
+    procs = start_workers(world, args, {"METAOPT_COMM_TIMEOUT": "60"})
+    wait_workers(procs, "tensor-parallel", 240)
     return [torch.load(out / f"{NAME}.rank{r}.pt", weights_only=False) for r in range(world)]
 
 

@@ -46,6 +46,18 @@ def test_control_flow_from_torch_is_refused_naming_op_and_module():
         metaopt.export(Branchy(), (torch.randn(3, 4),))
 
 
+@pytest.mark.parametrize("op", ["Softmax", "LogSoftmax", "Hardmax"])
+def test_an_opset_whose_semantics_our_kernel_lacks_is_refused_by_name(op):
+    """Before opset 13 the softmax family flattened its input at `axis`; the rows say which
+    opset their kernels implement (`min_opset`)."""
+    node = helper.make_node(op, ["x"], ["y"], name="s1", axis=1)
+    g = helper.make_graph([node], "g", [_vi("x", [2, 3, 4])], [_vi("y", [2, 3, 4])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 11)])
+    m.ir_version = 7
+    with pytest.raises(ImportError_, match=rf"op {op} .*opset 11 .*convert the model to opset 13 or later"):
+        metaopt.load(m)
+
+
 def test_loop_in_onnx_file_is_refused():
     body = helper.make_graph(
         [helper.make_node("Identity", ["c"], ["c_out"]), helper.make_node("Identity", ["v"], ["v_out"])],

@@ -27,7 +27,7 @@ from metaopt.passes.tensor_parallel import (
 TRAINING = Path(__file__).resolve().parent.parent / "training"
 sys.path.insert(0, str(TRAINING))
 import tp_worker  # noqa: E402  (beside the other workers, started as a script there)
-from test_data_parallel import _start_workers, _wait_workers  # noqa: E402
+from workers import start_workers, wait_workers  # noqa: E402
 
 # hf-gpt2: the zoo's Hugging Face GPT-2 (Conv1D layers = Gemm); hf-llama: rotary, GQA, SwiGLU
 NAMES = ["gpt", "bert", "hf-gpt2", "hf-llama"]
@@ -127,8 +127,8 @@ def test_mp_degree_one_trains_as_the_unsplit_program():
 @pytest.fixture(scope="module")
 def two_workers(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp")
-    procs = _start_workers(2, [str(TRAINING / "tp_worker.py"), str(out), *NAMES])
-    _wait_workers(procs, "tensor-parallel", 240)
+    procs = start_workers(2, [str(TRAINING / "tp_worker.py"), str(out), *NAMES])
+    wait_workers(procs, "tensor-parallel", 240)
     return out
 
 

@@ -33,7 +33,7 @@ TRAINING = Path(__file__).resolve().parent.parent / "training"
 sys.path.insert(0, str(TRAINING))
 import tp_vocab_worker  # noqa: E402  (beside the other workers, started as a script there)
 import tp_worker  # noqa: E402
-from test_data_parallel import _start_workers, _wait_workers  # noqa: E402
+from workers import start_workers, wait_workers  # noqa: E402
 
 VOCAB = tp_vocab_worker.VOCAB
 
@@ -301,8 +301,8 @@ def test_the_config_key_is_validated_with_a_suggestion():
 @pytest.fixture(scope="module")
 def two_workers(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp_vocab")
-    procs = _start_workers(2, [str(TRAINING / "tp_vocab_worker.py"), str(out)])
-    _wait_workers(procs, "vocab-parallel", 300)
+    procs = start_workers(2, [str(TRAINING / "tp_vocab_worker.py"), str(out)])
+    wait_workers(procs, "vocab-parallel", 300)
     return out
 
 

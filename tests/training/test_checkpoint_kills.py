@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_data_parallel import _start_workers
+from workers import start_workers
 
 import metaopt
 from metaopt import fleet
@@ -64,7 +64,7 @@ def _leftovers(ckpt: Path) -> list[str]:
 def _job(tmp: Path, ckpt: Path, world: int, saves: str):
     args = [str(HERE / "ckpt_worker.py"), str(tmp), str(ckpt), saves, "loop"]
     if world > 1:
-        return _start_workers(world, args, {"METAOPT_COMM_TIMEOUT": "30"})
+        return start_workers(world, args, {"METAOPT_COMM_TIMEOUT": "30"})
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parents[1]), str(HERE.parent), env.get("PYTHONPATH", "")])
     return [

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_data_parallel import _start_workers
+from workers import start_workers
 
 import metaopt
 from metaopt import fleet
@@ -27,7 +27,7 @@ TP_TOL = {"rtol": 1e-5, "atol": 4e-5}
 
 
 def _job(tmp: Path, world: int, layout: str, phase: str, ckpt: Path) -> list[dict]:
-    procs = _start_workers(
+    procs = start_workers(
         world,
         [str(HERE / "ckpt_worker.py"), str(tmp), str(ckpt), layout, phase],
         {"METAOPT_COMM_TIMEOUT": "60"},

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import functools
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from workers import start_workers, wait_workers
 
 import metaopt
 import programs
@@ -19,7 +17,6 @@ from metaopt.fleet import env
 from metaopt.passes.data_parallel import data_parallel, plan_data_parallel
 
 HERE = Path(__file__).parent
-ROOT = HERE.parent.parent
 CASES = [
     "mlp:plain",
     "mlp:recompute",
@@ -30,55 +27,6 @@ CASES = [
     "bert:merge",
     "bert:early",
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_workers(world: int, args: list[str], extra_env: dict[str, str] | None = None):
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
-            "OMP_NUM_THREADS": "1",
-            **(extra_env or {}),
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            )
-        )
-    return procs
-
-
-def _wait_workers(procs, what: str, timeout: float) -> list[str]:
-    """Wait for every worker (bounded: a hang is a failure, never a stuck suite; all are killed),
-    then fail unless each exited 0, the first failure (the cause: the others see a closed
-    connection) shown first. Returns their logs, in rank order."""
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=timeout)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"{len(procs)} {what} workers did not finish in {timeout} s")
-    failed = [
-        (r, p.returncode, log) for r, (p, log) in enumerate(zip(procs, logs, strict=True)) if p.returncode
-    ]
-    failed.sort(key=lambda f: "Connection closed by peer" in f[2] or "Connection reset" in f[2])
-    assert not failed, "\n".join(f"worker {r} exited {rc}:\n{log[-4000:]}" for r, rc, log in failed)
-    return logs
 
 
 @functools.cache
@@ -111,8 +59,8 @@ def _single_process(name: str) -> dict:
 @pytest.fixture(scope="module")
 def two_workers(tmp_path_factory):
     out = tmp_path_factory.mktemp("dp")
-    procs = _start_workers(2, [str(HERE / "dp_worker.py"), str(out), *CASES])
-    _wait_workers(procs, "data-parallel", 300)
+    procs = start_workers(2, [str(HERE / "dp_worker.py"), str(out), *CASES])
+    wait_workers(procs, "data-parallel", 300)
     return out
 
 
@@ -200,7 +148,7 @@ def test_a_lost_peer_fails_the_all_reduce_within_the_timeout(mode):
     """Rank 1 exits (or stalls) before step 1; rank 0's AllReduce must raise the
     communicator's error (naming the op, the rank and the timeout) within the 5 s
     METAOPT_COMM_TIMEOUT plus start-up, never hang."""
-    procs = _start_workers(2, [str(HERE / "dp_fault_worker.py"), mode], {"METAOPT_COMM_TIMEOUT": "5"})
+    procs = start_workers(2, [str(HERE / "dp_fault_worker.py"), mode], {"METAOPT_COMM_TIMEOUT": "5"})
     try:
         out0, _ = procs[0].communicate(timeout=90)
     finally:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_data_parallel import _start_workers, _wait_workers
+from workers import start_workers, wait_workers
 
 import metaopt
 from metaopt import fleet
@@ -44,8 +44,8 @@ def _run_workers(out: Path, dp: int, mp: int, pp: int, opts: list[str]) -> dict[
     program = out / f"{NAME}.onnx"
     save(_exported(), program)  # the workers load it: an export per worker would take long
     args = [str(HERE / "hybrid_pp_worker.py"), str(out), str(program), str(dp), str(mp), str(pp), *opts]
-    procs = _start_workers(world, args, {"METAOPT_COMM_TIMEOUT": "120"})
-    _wait_workers(procs, "hybrid pipeline", WORKER_TIMEOUT_S)
+    procs = start_workers(world, args, {"METAOPT_COMM_TIMEOUT": "120"})
+    wait_workers(procs, "hybrid pipeline", WORKER_TIMEOUT_S)
     return {
         opt: [torch.load(out / f"{opt}.rank{r}.pt", weights_only=False) for r in range(world)] for opt in opts
     }
@@ -171,7 +171,7 @@ def test_hybrid_configs_on_some_workers_only_fail_fleet_init_by_name():
     """Rank 0's fleet.init has hybrid_configs, rank 1's none: both fail at fleet.init's exchange of
     the layouts, naming both, well before METAOPT_COMM_TIMEOUT (120 s: a timeout would show as a
     CommError, and the communicate bound below is shorter)."""
-    procs = _start_workers(
+    procs = start_workers(
         2, [str(HERE / "hybrid_pp_worker.py"), "mismatch"], {"METAOPT_COMM_TIMEOUT": "120"}
     )
     outs = []

@@ -27,8 +27,8 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import hybrid_pp_recompute_worker as worker  # noqa: E402
 import tp_worker  # noqa: E402
-from test_data_parallel import _start_workers, _wait_workers  # noqa: E402
 from test_hybrid_pipeline import _exported, _reference  # noqa: E402
+from workers import start_workers, wait_workers  # noqa: E402
 
 NAME = worker.NAME
 WORLD = 4  # MP=2 x PP=2
@@ -62,8 +62,8 @@ def runs(tmp_path_factory) -> dict[str, dict[str, list[dict]]]:
         path = out / f"{tag}.onnx"
         save(_exported() if dropout == 0 else _export(dropout), path)  # the workers load it
         specs.append(f"{tag}:{path}:{','.join(RUNS[tag])}")
-    procs = _start_workers(WORLD, [str(HERE / "hybrid_pp_recompute_worker.py"), str(out), *specs])
-    _wait_workers(procs, "hybrid pipeline partition", WORKER_TIMEOUT_S)
+    procs = start_workers(WORLD, [str(HERE / "hybrid_pp_recompute_worker.py"), str(out), *specs])
+    wait_workers(procs, "hybrid pipeline partition", WORKER_TIMEOUT_S)
     return {
         tag: {
             c: [torch.load(out / f"{tag}.{c}.rank{r}.pt", weights_only=False) for r in range(WORLD)]

@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_data_parallel import _start_workers
+from workers import start_workers
 
 from metaopt.layout.topology import AXES, Topology
 
@@ -21,7 +21,7 @@ LAYOUTS = ["2,1,2", "2,2,1"]
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("hybrid")
-    procs = _start_workers(
+    procs = start_workers(
         WORLD, [str(HERE / "hybrid_worker.py"), str(out), *LAYOUTS], {"METAOPT_COMM_TIMEOUT": "60"}
     )
     logs = []

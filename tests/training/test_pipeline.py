@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import backward_links
-from test_data_parallel import _start_workers
+from workers import start_workers
 
 import metaopt
 import programs
@@ -44,7 +44,7 @@ def reference(name: str, tied: bool = False, mode: str = "plain") -> dict:
 
 
 def run_workers(tmp: Path, world: int, cases: list[str]) -> None:
-    procs = _start_workers(
+    procs = start_workers(
         world, [str(HERE / "pp_worker.py"), str(tmp), *cases], {"METAOPT_COMM_TIMEOUT": "60"}
     )
     logs = []
@@ -186,7 +186,7 @@ def test_a_micro_batch_shape_mismatch_fails_both_workers_naming_the_var(when):
     naming the var and both shapes: on the first step by the edges' first headers; on a
     later one (steady state, data alone) because the step signatures differ, which puts
     the header back on every message of that step."""
-    procs = _start_workers(2, [str(HERE / "pp_fault_worker.py"), when], {"METAOPT_COMM_TIMEOUT": "25"})
+    procs = start_workers(2, [str(HERE / "pp_fault_worker.py"), when], {"METAOPT_COMM_TIMEOUT": "25"})
     outs = []
     try:
         for p in procs:

@@ -34,7 +34,7 @@ ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 import tp_rng_worker  # noqa: E402  (beside the other workers, started as a script there)
 import tp_worker  # noqa: E402
-from test_data_parallel import _start_workers, _wait_workers  # noqa: E402
+from workers import start_workers, wait_workers  # noqa: E402
 
 CPU = torch.device("cpu")
 MP = rng_streams.MODEL_PARALLEL
@@ -58,8 +58,8 @@ def restore_rng():
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("tp_rng")
-    procs = _start_workers(2, [str(HERE / "tp_rng_worker.py"), str(out)], {"METAOPT_COMM_TIMEOUT": "60"})
-    logs = _wait_workers(procs, "tensor-parallel RNG", 400)
+    procs = start_workers(2, [str(HERE / "tp_rng_worker.py"), str(out)], {"METAOPT_COMM_TIMEOUT": "60"})
+    logs = wait_workers(procs, "tensor-parallel RNG", 400)
     # the first run, before any seed, logged the fallback seeding on each worker
     assert all("no seed was set; seeding as metaopt.seed(0)" in log for log in logs)
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
-from test_data_parallel import _start_workers
+from workers import start_workers
 
 from metaopt.fleet import env
 
@@ -18,7 +18,7 @@ ERROR = "WorkersDisagreeError: fleet minimize: the workers' training programs di
 
 
 def _run(mode: str, timeout_s: str) -> list[str]:
-    procs = _start_workers(2, [str(HERE / "agree_worker.py"), mode], {"METAOPT_COMM_TIMEOUT": timeout_s})
+    procs = start_workers(2, [str(HERE / "agree_worker.py"), mode], {"METAOPT_COMM_TIMEOUT": timeout_s})
     outs = []
     try:
         for p in procs:
@@ -62,7 +62,7 @@ def test_workers_with_different_programs_fail_at_minimize_naming_what_differs(mo
 
 
 def test_a_peer_that_never_reaches_minimize_fails_the_others_within_the_timeout():
-    procs = _start_workers(2, [str(HERE / "agree_worker.py"), "hang"], {"METAOPT_COMM_TIMEOUT": "5"})
+    procs = start_workers(2, [str(HERE / "agree_worker.py"), "hang"], {"METAOPT_COMM_TIMEOUT": "5"})
     try:
         out0, _ = procs[0].communicate(timeout=90)
     finally:

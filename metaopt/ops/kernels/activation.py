@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from metaopt.ops import patterns
+from metaopt.ops import onnx_bodies, patterns
 from metaopt.ops.kernels.attention import fuse_attention
 from metaopt.ops.registry import register
 
@@ -170,17 +170,17 @@ def swish(X: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
 
 
 # fuse: the exporter's decomposed attention around it -> ScaledDotProductAttention (attention.py)
-@register("Softmax", amp="black", fuse=fuse_attention)
+@register("Softmax", amp="black", fuse=fuse_attention, min_opset=13)
 def softmax(input: torch.Tensor, axis: int = -1) -> torch.Tensor:
     return torch.softmax(input, axis)
 
 
-@register("LogSoftmax", amp="black")
+@register("LogSoftmax", amp="black", min_opset=13)
 def log_softmax(input: torch.Tensor, axis: int = -1) -> torch.Tensor:
     return torch.log_softmax(input, axis)
 
 
-@register("Hardmax")
+@register("Hardmax", min_opset=13)
 def hardmax(input: torch.Tensor, axis: int = -1) -> torch.Tensor:
     # argmax picks the first maximum, as ONNX requires on ties.
     idx = torch.argmax(input, axis, keepdim=True)
@@ -193,14 +193,14 @@ def swiglu(A: torch.Tensor, B: torch.Tensor, alpha: float = 1.0) -> torch.Tensor
     return gate * B
 
 
-@register("Silu", domain="metaopt")
+@register("Silu", domain="metaopt", onnx_function=onnx_bodies.silu)
 def silu(X: torch.Tensor) -> torch.Tensor:
     """``X * sigmoid(X)`` (nn.SiLU, which torch exports as Sigmoid and Mul): one kernel, and a
     grad (SiluGrad) that reads X alone where the pair's reads X and sigmoid(X)."""
     return F.silu(X)
 
 
-@register("QuickGelu", domain="metaopt")
+@register("QuickGelu", domain="metaopt", onnx_function=onnx_bodies.quick_gelu)
 def quick_gelu(X: torch.Tensor, alpha: float = 1.702) -> torch.Tensor:
     """``X * sigmoid(alpha * X)``: CLIP's QuickGELU (alpha 1.702; ONNX Runtime's contrib op of
     the same name and attribute, ONNX's Swish). Its grad (QuickGeluGrad) reads X alone; the
@@ -208,7 +208,7 @@ def quick_gelu(X: torch.Tensor, alpha: float = 1.702) -> torch.Tensor:
     return X * torch.sigmoid(X * alpha)
 
 
-@register("SiluMul", domain="metaopt")
+@register("SiluMul", domain="metaopt", onnx_function=onnx_bodies.silu_mul)
 def silu_mul(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     """``silu(A) * B``: the SiLU-gated MLP's gate (LLaMA's, Mistral's, Qwen's SwiGLU:
     ``down(silu(gate(x)) * up(x))``); ONNX's SwiGLU with alpha 1. Its grad reads A and B only:

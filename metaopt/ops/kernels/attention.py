@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from metaopt.ir.dtypes import torch_dtype_from_onnx
-from metaopt.ops import patterns, rng_streams
+from metaopt.ops import onnx_bodies, patterns, rng_streams
 from metaopt.ops.registry import register
 
 _MODE_WITH_BIAS = 2
@@ -312,6 +312,8 @@ def _sdpa_grad_rule(g, op, dy):
     amp="white",  # matmul-class, as torch autocast lists SDPA (the flash kernels accumulate in float32)
     fresh_outputs=True,
     grad=_sdpa_grad_rule,
+    onnx_function=onnx_bodies.scaled_dot_product_attention,
+    onnx_overload=onnx_bodies.attention_overload,
 )
 @rng_streams.drawn  # tensor parallel: draws from the stream its `rng` attr names (ops/rng_streams.py)
 def scaled_dot_product_attention(

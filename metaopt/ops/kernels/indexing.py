@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from metaopt.ops import onnx_bodies
 from metaopt.ops.registry import SAME, ShapeArgs, register
 
 
@@ -56,7 +57,7 @@ def gather(data: torch.Tensor, indices: torch.Tensor, axis: int = 0) -> torch.Te
     return data[(slice(None),) * (axis % data.dim()) + (indices,)]
 
 
-@register("Embedding", domain="metaopt")
+@register("Embedding", domain="metaopt", onnx_function=onnx_bodies.embedding)
 def embedding(
     weight: torch.Tensor, indices: torch.Tensor, padding_idx: int = -1, scale_grad_by_freq: int = 0
 ):

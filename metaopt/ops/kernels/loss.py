@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from metaopt.ops import onnx_bodies
 from metaopt.ops.registry import register
 
 # torch's "no ignore index"; ONNX labels are class ids >= 0, so it can never match one.
@@ -127,6 +128,7 @@ def _torch_dtype(name: str) -> torch.dtype:
     amp_float32_outputs=(0,),
     workspace=_lce_workspace,
     needs_outputs=True,
+    onnx_function=onnx_bodies.linear_cross_entropy,
 )
 def linear_cross_entropy(
     x: torch.Tensor,

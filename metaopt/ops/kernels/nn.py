@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from metaopt.ops import onnx_bodies
 from metaopt.ops.registry import LONE_INPUT, register
 
 _CONV = (None, F.conv1d, F.conv2d, F.conv3d)
@@ -483,7 +484,14 @@ def global_lp_pool(X: torch.Tensor, p: int = 2) -> torch.Tensor:
     return torch.linalg.vector_norm(X, p, dim=_spatial(X), keepdim=True)
 
 
-@register("Linear", domain="metaopt", expensive=True, amp="white")
+@register(
+    "Linear",
+    domain="metaopt",
+    expensive=True,
+    amp="white",
+    onnx_function=onnx_bodies.linear,
+    onnx_overload=onnx_bodies.linear_overload,
+)
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """torch.nn.Linear: x @ weight.T (+ bias) over the last dim (one BLAS call, the bias fused).
 

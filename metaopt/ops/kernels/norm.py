@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from metaopt.ops import patterns
+from metaopt.ops import onnx_bodies, patterns
 from metaopt.ops.registry import register
 
 
@@ -52,6 +52,7 @@ def batch_normalization(
     amp_float32_inputs=(1, 2, 3, 4),  # scale, bias, running mean and var
     amp_float32_outputs=(1, 2, 3, 4),  # new running stats, saved mean and inverse std
     recompute_holds=(3, 4),  # saved mean and inverse std: C floats each
+    onnx_function=onnx_bodies.batch_norm_training,
 )
 def batch_norm_training(
     X: torch.Tensor,
@@ -169,7 +170,7 @@ def lrn(
     return F.local_response_norm(X, size, alpha, beta, bias)
 
 
-@register("RMSNorm", domain="metaopt", amp="black")
+@register("RMSNorm", domain="metaopt", amp="black", onnx_function=onnx_bodies.rms_norm)
 def rms_norm(X: torch.Tensor, scale: torch.Tensor, epsilon: float = 1e-6) -> torch.Tensor:
     """``scale * X / sqrt(mean(X**2, -1) + epsilon)`` over the last dim: HF's LlamaRMSNorm /
     T5LayerNorm, which torch exports as seven ops (ReduceMean's `fuse` folds them into this).

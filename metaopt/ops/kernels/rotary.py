@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from metaopt.ops import patterns
+from metaopt.ops import onnx_bodies, patterns
 from metaopt.ops.registry import register
 
 
-@register("Rotary", domain="metaopt")
+@register("Rotary", domain="metaopt", onnx_function=onnx_bodies.rotary)
 def rotary(X: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``X * cos + rotate_half(X) * sin`` over X's last dim (cos and sin broadcast to X)."""
     return X * cos + rotate_half(X) * sin

@@ -1,7 +1,9 @@
 """Standard-ops definitions of our own op types, saved as ONNX model-local functions.
 
 They let ONNX Runtime (and any ONNX consumer) run a saved training program that
-uses metaopt ops. Only ops with an exact standard-ops equivalent appear here.
+uses metaopt ops. Only ops with an exact standard-ops equivalent appear here; each op's row
+names its body (``onnx_function``) and, where a node's inputs choose among several, which one
+it calls (``onnx_overload``): frontend/onnx_save.py asks the rows.
 """
 
 from __future__ import annotations
@@ -250,34 +252,11 @@ def scaled_dot_product_attention() -> list[onnx.FunctionProto]:
     return [_attention(["q", "k", "v"], []), _attention(["q", "k", "v", "attn_mask"], expand, "masked")]
 
 
-def overload_of(op_type: str, inputs: list[str]) -> str:
-    """The function overload a saved node of `op_type` with these inputs calls ("" = the plain one)."""
-    if op_type == "ScaledDotProductAttention" and len(inputs) > 3 and inputs[3]:
-        return "masked"
-    if op_type == "Linear" and (len(inputs) < 3 or not inputs[2]):
-        return "no_bias"
-    return ""
+def attention_overload(inputs: list[str]) -> str:
+    """The function a saved ScaledDotProductAttention node calls: with a mask or without."""
+    return "masked" if len(inputs) > 3 and inputs[3] else ""
 
 
-_FUNCTIONS = {
-    "BatchNormTraining": batch_norm_training,
-    "Embedding": embedding,
-    "Linear": linear,
-    "LinearCrossEntropy": linear_cross_entropy,
-    "QuickGelu": quick_gelu,
-    "RMSNorm": rms_norm,
-    "Rotary": rotary,
-    "ScaledDotProductAttention": scaled_dot_product_attention,
-    "Silu": silu,
-    "SiluMul": silu_mul,
-}
-
-
-def for_ops(op_types: set[str]) -> list[onnx.FunctionProto]:
-    """Functions for the given metaopt op types; an op without one cannot be saved runnable."""
-    out: list[onnx.FunctionProto] = []
-    for t in sorted(op_types):
-        if t in _FUNCTIONS:
-            made = _FUNCTIONS[t]()
-            out += made if isinstance(made, list) else [made]
-    return out
+def linear_overload(inputs: list[str]) -> str:
+    """The function a saved Linear node calls: with a bias or without."""
+    return "no_bias" if len(inputs) < 3 or not inputs[2] else ""
