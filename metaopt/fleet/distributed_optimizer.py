@@ -203,7 +203,7 @@ class DistributedOptimizer:
         self.tensor_parallel_plan = ctx.plans.get("tensor_parallel")
         self.partition_plan = ctx.plans.get("partition")  # recompute partition: what is sliced, why not
         self.pipeline_plan = ctx.plans.get("pipeline_split")
-        self.memory_report = ctx.extra.get("memory_report")
+        self.memory_report = ctx.memory_report
         self.stage_programs = list(ctx.parts) if self.pipeline_plan is not None else []
 
 

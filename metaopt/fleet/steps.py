@@ -43,7 +43,7 @@ import torch
 from metaopt.fleet import env
 from metaopt.fleet.topology import Topology, hybrid_is_set, job_topology
 from metaopt.ir import Program
-from metaopt.passes.driver import Context, Step
+from metaopt.passes.driver import Context, Step, check_declarations
 
 logger = logging.getLogger("metaopt.fleet")
 
@@ -151,6 +151,7 @@ def _tensor_parallel(p: Program, plan: Any, ctx: Context) -> Program:
     from metaopt.passes.tensor_parallel import tensor_parallel
 
     q = tensor_parallel(p, plan=plan)
+    ctx.tp_plan = plan
     # The workers' programs are compared line by line at minimize, and the MP groups of two
     # replicas differ ([0, 1] and [2, 3]): name the group by its axis; the kernels look this
     # worker's up in the groups fleet.init made on every worker (layout/groups.py).
@@ -163,7 +164,7 @@ def _tensor_parallel(p: Program, plan: Any, ctx: Context) -> Program:
 
 def split_params(ctx: Context) -> list[str]:
     """The params tensor parallel sliced: each model-parallel rank holds its own part."""
-    plan = ctx.plans.get("tensor_parallel")
+    plan = ctx.tp_plan
     return [] if plan is None else [sp.name for sp in plan.params]
 
 
@@ -477,34 +478,34 @@ def _rc_plan(p: Program, ctx: Context) -> Any:
 
 
 def _recompute(p: Program, plan: Any, ctx: Context) -> Program:
-    from metaopt.passes.recompute import apply_recompute
+    from metaopt.passes.recompute import apply_recompute, memory_report
 
     ctx.checkpoints = list(plan.checkpoints)
-    ctx.extra["before_recompute"] = p
     q = apply_recompute(p, plan)
-    _report(p, q, ctx)
+    batch = ctx.strategy.recompute_configs["budget_batch_size"]
+    ctx.memory_report = memory_report(p, plan, q, batch=batch)
+    logger.info("%s", ctx.memory_report)
     return q
 
 
-def _report(before: Program, after: Program, ctx: Context) -> None:
-    """The predicted effect of recompute (and offload) on the activation peak (warned when nil)."""
-    from metaopt.passes.recompute import memory_report
+def _refresh_report(after: Program, ctx: Context) -> None:
+    """Recompute's predicted effect with partition and offload on top: the activation peak of
+    `after`, a partitioned checkpoint held as its slice (1/mp of the bytes)."""
+    from metaopt.passes.memory_estimate import estimate_memory
 
-    batch = ctx.strategy.recompute_configs["budget_batch_size"]
-    report = memory_report(before, ctx.plans["recompute"], after, batch=batch)
-    part = ctx.plans.get("partition")
-    if part is not None:  # a partitioned checkpoint is held as its slice: 1/mp of the bytes
-        dims = {"batch": batch}
-        held = {c: after.vars[s].nbytes(dims) or 0 for c, s in part.slices.items()}
-        report = dataclasses.replace(
-            report, checkpoint_bytes={c: held.get(c, b) for c, b in report.checkpoint_bytes.items()}
-        )
-    ctx.extra["memory_report"] = report
-    logger.info("%s", report)
+    report = ctx.memory_report
+    dims = {"batch": report.batch}
+    held = {c: after.vars[s].nbytes(dims) or 0 for c, s in ctx.partition_slices.items()}
+    ctx.memory_report = dataclasses.replace(
+        report,
+        peak_after=estimate_memory(after, dims=dims).activation_peak_bytes,
+        checkpoint_bytes={c: held.get(c, b) for c, b in report.checkpoint_bytes.items()},
+    )
+    logger.info("%s", ctx.memory_report)
 
 
 def warn_if_nothing_saved(ctx: Context) -> None:
-    report = ctx.extra.get("memory_report")
+    report = ctx.memory_report
     if report is not None and not report.saves_memory:
         warnings.warn(
             f"recompute with checkpoints {list(ctx.strategy.recompute_configs['checkpoints'])} does not "
@@ -529,7 +530,7 @@ def _part_plan(p: Program, ctx: Context) -> Any:
     by the stage that receives it, so the cuts (named or "auto") need not be known here."""
     from metaopt.passes.recompute_partition import plan_recompute_partition
 
-    tp = ctx.plans["tensor_parallel"]
+    tp = ctx.tp_plan
     # the group by its axis, as the tensor_parallel step names TP's (workers' programs agree)
     return plan_recompute_partition(
         p, checkpoints=ctx.checkpoints, mp_degree=tp.mp_degree, group="model_parallel", split=tp.sharded
@@ -540,7 +541,8 @@ def _partition(p: Program, plan: Any, ctx: Context) -> Program:
     from metaopt.passes.recompute_partition import recompute_partition
 
     q = recompute_partition(p, plan=plan)
-    _report(ctx.extra["before_recompute"], q, ctx)
+    ctx.partition_slices = dict(plan.slices)
+    _refresh_report(q, ctx)
     return q
 
 
@@ -559,7 +561,7 @@ def _offload_plan(p: Program, ctx: Context) -> Any:
         offload_checkpoints=cfg["offload_checkpoints"],
         checkpoint_shape=list(cfg["checkpoint_shape"]),
         # a partitioned checkpoint waits as its slice: only the slice goes to host and back
-        moved=ctx.plans["partition"].slices if "partition" in ctx.plans else None,
+        moved=ctx.partition_slices or None,
     )
 
 
@@ -567,7 +569,7 @@ def _offload(p: Program, plan: Any, ctx: Context) -> Program:
     from metaopt.passes.offload import apply_offload
 
     q = apply_offload(p, plan)
-    _report(ctx.extra["before_recompute"], q, ctx)
+    _refresh_report(q, ctx)
     return q
 
 
@@ -715,6 +717,7 @@ STEPS: tuple[Step, ...] = (
         _fuse_linear_ce,
         plan=_lce_plan,
         doc="LM head + cross-entropy, chunked",
+        reads=("optimizer", "strategy", "world_size"),
     ),
     Step(
         "tensor_parallel",
@@ -724,6 +727,8 @@ STEPS: tuple[Step, ...] = (
         check=_tp_check,
         doc="column/row layers split over the model-parallel group",
         meta="tensor_parallel",
+        reads=("optimizer", "rank", "strategy", "world_size"),
+        writes=("tp_plan",),
     ),
     Step(
         "amp_casts",
@@ -733,23 +738,48 @@ STEPS: tuple[Step, ...] = (
         check=_amp_check,
         doc="casts around white-listed ops",
         meta="amp",
+        reads=("strategy",),
     ),
-    Step("scale_loss", _loss_scaling, _scale_loss, doc="loss@SCALED = loss x loss_scaling", meta="amp"),
+    Step(
+        "scale_loss",
+        _loss_scaling,
+        _scale_loss,
+        doc="loss@SCALED = loss x loss_scaling",
+        meta="amp",
+        reads=("loss_scaling", "strategy"),
+        writes=("loss",),
+    ),
     Step(
         "tie_params",
         _tie_on,
         _tie_params,
         doc="params tied across pipeline stages read as one",
         meta="pipeline",
+        reads=("strategy", "tied", "tp_plan"),
+        writes=("tied",),
     ),
-    Step("append_backward", _always, _append_backward, doc="grad ops, (param, grad) pairs"),
-    Step("apply_optimizer", _always, _apply_optimizer, doc="step counter, lr, clipping, update ops"),
+    Step(
+        "append_backward",
+        _always,
+        _append_backward,
+        doc="grad ops, (param, grad) pairs",
+        reads=("loss", "no_grad_set", "parameter_list"),
+        writes=("loss_grad", "params_grads"),
+    ),
+    Step(
+        "apply_optimizer",
+        _always,
+        _apply_optimizer,
+        doc="step counter, lr, clipping, update ops",
+        reads=("optimizer", "params_grads"),
+    ),
     Step(
         "gradient_merge",
         _gm_on,
         _gradient_merge,
         doc="grads merged over k runs, updates every k-th",
         meta="gradient_merge",
+        reads=("loss_grad", "strategy"),
     ),
     Step(
         "data_parallel",
@@ -759,6 +789,7 @@ STEPS: tuple[Step, ...] = (
         check=_dp_check,
         doc="AllReduce of the grads, in buckets",
         meta="data_parallel",
+        reads=("strategy", "world_size"),
     ),
     Step(
         "broadcast_init",
@@ -767,6 +798,7 @@ STEPS: tuple[Step, ...] = (
         check=_dp_check,
         doc="rank 0's initial params, buffers",
         meta="data_parallel",
+        reads=("strategy", "tp_plan", "world_size"),
     ),
     Step(
         "recompute",
@@ -776,6 +808,8 @@ STEPS: tuple[Step, ...] = (
         check=_rc_check,
         doc="segments re-emitted before their grads",
         meta="recompute",
+        reads=("memory_report", "strategy"),
+        writes=("checkpoints", "memory_report"),
     ),
     Step(
         "partition",
@@ -784,6 +818,8 @@ STEPS: tuple[Step, ...] = (
         plan=_part_plan,
         doc="checkpoints held as 1/mp slices",
         meta="recompute",
+        reads=("checkpoints", "memory_report", "partition_slices", "strategy", "tp_plan", "world_size"),
+        writes=("memory_report", "partition_slices"),
     ),
     Step(
         "offload",
@@ -792,6 +828,8 @@ STEPS: tuple[Step, ...] = (
         plan=_offload_plan,
         doc="checkpoints to host and back",
         meta="recompute",
+        reads=("checkpoints", "memory_report", "partition_slices", "strategy"),
+        writes=("memory_report",),
     ),
     Step(
         "pipeline_split",
@@ -801,6 +839,8 @@ STEPS: tuple[Step, ...] = (
         check=_pp_check,
         doc="one program per stage",
         meta="pipeline",
+        reads=("loss_grad", "params_grads", "rank", "strategy", "tp_plan", "world_size"),
+        writes=("part",),
     ),
     Step(
         "unscale_grads",
@@ -808,6 +848,7 @@ STEPS: tuple[Step, ...] = (
         _unscale_grads,
         doc="check inf/nan, unscale, skip overflowed steps",
         meta="amp",
+        reads=("loss_scaling", "strategy"),
     ),
     Step(
         "master_weights",
@@ -815,6 +856,7 @@ STEPS: tuple[Step, ...] = (
         _master_weights,
         doc="float32 master copies of low-precision params",
         meta="amp",
+        reads=("strategy",),
     ),
     Step(
         "early_updates",
@@ -823,8 +865,10 @@ STEPS: tuple[Step, ...] = (
         plan=_uib_plan,
         check=_uib_check,
         doc="each update right after its grad's last use",
+        reads=("loss_scaling", "optimizer", "strategy"),
     ),
 )
+check_declarations(STEPS)  # a step reading what no earlier step writes fails at import
 FLEET_META_OPTIMIZERS = ("amp", "pipeline", "tensor_parallel", "recompute", "gradient_merge", "data_parallel")
 
 

@@ -24,6 +24,7 @@ the context (`Context`): no step finds another's vars by rebuilding their names.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,7 +44,9 @@ class StepError(RuntimeError):
 class Context:
     """What the steps of a training rewrite hand each other.
 
-    The driver owns `plans`, `parts` and `part`; the steps fill the rest as they make it.
+    The caller fills `INPUTS`; the driver owns `plans`, `parts` and `part`; each step writes
+    the fields its row declares (`Step.writes`) and reads only what its row declares
+    (`Step.reads`), which `check_declarations` holds to the order of the steps.
     """
 
     strategy: Any  # fleet.DistributedStrategy (or any object the steps read)
@@ -58,10 +61,12 @@ class Context:
     loss_grad: str | None = None  # the backward's seed: d(loss)/d(loss)
     tied: dict[str, str] = field(default_factory=dict)  # param dropped -> the param it reads instead
     checkpoints: list[str] = field(default_factory=list)  # recompute's, after resolution
-    plans: dict[str, Any] = field(default_factory=dict)  # step name -> its plan
+    tp_plan: Any = None  # tensor parallel's plan: split params, sharded values, the mp degree
+    partition_slices: dict[str, str] = field(default_factory=dict)  # checkpoint -> its 1/mp slice var
+    memory_report: Any = None  # recompute's predicted effect (recompute.MemoryReport), kept current
+    plans: dict[str, Any] = field(default_factory=dict)  # step name -> its plan (for the caller)
     parts: list[Program] = field(default_factory=list)  # after a split: every part
     part: int = 0  # after a split: this worker's part
-    extra: dict[str, Any] = field(default_factory=dict)  # reports a step wants to hand the caller
 
     @property
     def grads(self) -> dict[str, str]:
@@ -89,6 +94,8 @@ class Step:
     check: Callable[[Context], None] = _no_check
     doc: str = ""  # one line: what the step does (printed in the plan)
     meta: str = ""  # Fleet's name of the meta optimizer it belongs to (``applied_meta_list``)
+    reads: tuple[str, ...] = ()  # Context fields it reads (beside the caller's `INPUTS`)
+    writes: tuple[str, ...] = ()  # Context fields it writes for the steps after it
 
 
 @dataclass
@@ -98,6 +105,33 @@ class StepRow:
     reason: str
     doc: str
     meta: str = ""
+
+
+# Context fields the caller fills before the first step; `plans`, `parts` and `part` are the
+# driver's (a split step sets `part`).
+INPUTS = frozenset(
+    {"strategy", "optimizer", "world_size", "rank", "parameter_list", "no_grad_set", "loss", "loss_scaling"}
+)
+_DRIVER = frozenset({"plans", "parts"})
+
+
+def check_declarations(steps: Sequence[Step]) -> None:
+    """Each step reads only Context fields the caller gives or an earlier step writes, and
+    declares only fields the Context has: raises StepError naming the step and the field. The
+    step list is checked where it is defined (at import), whatever a strategy enables."""
+    fields = {f.name for f in dataclasses.fields(Context)}
+    written = set(INPUTS)
+    for s in steps:
+        unknown = sorted((set(s.reads) | set(s.writes)) - fields)
+        if unknown:
+            raise StepError(f"step {s.name!r} declares {unknown}, which the Context does not have")
+        owned = sorted(set(s.writes) & _DRIVER)
+        if owned:
+            raise StepError(f"step {s.name!r} writes {owned}, which the driver owns")
+        missing = sorted(set(s.reads) - written - set(s.writes))  # its own: read back or grown
+        if missing:
+            raise StepError(f"step {s.name!r} reads {missing}, which no earlier step writes")
+        written |= set(s.writes)
 
 
 def plan_rows(steps: Sequence[Step], ctx: Context) -> list[StepRow]:
