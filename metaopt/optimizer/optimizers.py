@@ -117,6 +117,7 @@ class Optimizer:
             raise TypeError(f"startup_program must be a Program or None, got {startup_program!r}")
         from metaopt.dump import dump
         from metaopt.passes.backward import append_backward  # written beside this; imported late
+        from metaopt.passes.driver import verified
         from metaopt.passes.optimize import apply_optimizer
 
         with_grads, params_grads = append_backward(
@@ -125,8 +126,10 @@ class Optimizer:
             parameter_list=_names(parameter_list),
             no_grad_set=_names(no_grad_set),
         )
+        verified(with_grads, "append_backward")
         dump(with_grads, "append_backward")
         new, ops = apply_optimizer(with_grads, optimizer=self, params_grads=params_grads)
+        verified(new, "apply_optimizer")
         dump(new, "apply_optimizer")
         optimize_ops = _rewrite_in_place(program, new, ops)
         return optimize_ops, [

@@ -150,6 +150,16 @@ def check_steps(steps: Sequence[Step], ctx: Context) -> None:
             s.check(ctx)
 
 
+def verified(program: Program, step: str, where: str = "") -> Program:
+    """`program`, verified: an invariant it breaks is a StepError naming `step` (the pass that
+    made it) and `where` (a part of a split), the verifier's error as its cause."""
+    try:
+        verify(program)
+    except ValueError as e:
+        raise StepError(f"step {step!r} broke an invariant of {program.name!r}{where}: {e}") from e
+    return program
+
+
 def run_steps(program: Program, steps: Sequence[Step], ctx: Context) -> Program:
     """Run the enabled `steps` on a copy of `program`; returns this worker's result.
 
@@ -178,11 +188,7 @@ def run_steps(program: Program, steps: Sequence[Step], ctx: Context) -> Program:
                     raise StepError(f"step {s.name!r} splits a program that is already split (part {k})")
                 parts.append(out)
         for k, q in enumerate(parts):
-            try:
-                verify(q)
-            except ValueError as e:
-                where = f" (part {k})" if len(parts) > 1 else ""
-                raise StepError(f"step {s.name!r} broke an invariant of {q.name!r}{where}: {e}") from e
+            verified(q, s.name, f" (part {k})" if len(parts) > 1 else "")
         ctx.parts = parts
         dump(ctx.parts[ctx.part], s.name)
     return ctx.parts[ctx.part]

@@ -498,3 +498,31 @@ def test_minimize_with_append_backward_trains_like_torch():
         topt.step()
     for n, t in wrapped.named_parameters():
         torch.testing.assert_close(exe.scope[n], t.detach(), rtol=1e-5, atol=4e-5)
+
+
+def test_minimize_verifies_each_pass_and_names_the_one_that_broke_an_invariant(monkeypatch):
+    """Optimizer.minimize runs two passes; a program either leaves invalid is a StepError naming
+    that pass, and the user's program is left as it was."""
+    from metaopt.passes import optimize
+    from metaopt.passes.driver import StepError
+
+    p = Program("tiny")
+    p.add_var(Var("x", "float32", ("batch", 3), kind="input"))
+    p.add_var(Var("w", "float32", (3,), kind="param", trainable=True), torch.ones(3))
+    p.add_var(Var("h", "float32", ("batch", 3)))
+    p.add_var(Var("loss", "float32", ()))
+    p.ops += [Op("Mul", ["x", "w"], ["h"]), Op("ReduceSum", ["h"], ["loss"], {"keepdims": 0}, role="loss")]
+    p.inputs, p.outputs, p.loss_name = ["x"], ["loss"], "loss"
+    before = str(p)
+    real = optimize.apply_optimizer
+
+    def broken(program, **kw):
+        q, ops = real(program, **kw)
+        q.ops.append(Op("Relu", ["nowhere"], ["h2"]))  # reads a var nothing defines
+        q.add_var(Var("h2", "float32", ("batch", 3)))
+        return q, ops
+
+    monkeypatch.setattr(optimize, "apply_optimizer", broken)
+    with pytest.raises(StepError, match=r"step 'apply_optimizer' broke an invariant of 'tiny'.*nowhere"):
+        metaopt.optimizer.SGD(0.1).minimize(p.loss)
+    assert str(p) == before
