@@ -30,7 +30,7 @@ from metaopt.fleet.steps import (
 )
 from metaopt.fleet.strategy import CONFIGS, UNSUPPORTED_FEATURES, DistributedStrategy
 from metaopt.ir import Program, Var, print_program
-from metaopt.passes.driver import Context, StepRow, check_steps, plan_rows, run_steps
+from metaopt.passes.driver import Context, StepRow, plan_rows, refusals, run_steps
 
 logger = logging.getLogger("metaopt.fleet")
 
@@ -145,7 +145,12 @@ class DistributedOptimizer:
         for w in warnings:
             logger.warning(w)
         name = type(self.user_defined_optimizer).__name__
-        return TrainPlan(plan_rows(STEPS, self._context()), name, _refusals(s), warnings)
+        ctx = self._context()
+        rows = plan_rows(STEPS, ctx)
+        # one list, one place: the strategy's own refusals, then each enabled step's check
+        errors = _refusals(s) or refusals(STEPS, ctx)  # the steps' only for a strategy fleet accepts
+        unique = list({str(e): e for e in errors}.values())  # two steps may share one check
+        return TrainPlan(rows, name, unique, warnings)
 
     def minimize(
         self,
@@ -165,13 +170,12 @@ class DistributedOptimizer:
         if loss.program is None:
             raise ValueError(f"minimize: loss {loss.name!r} belongs to no program (use program.loss)")
         plan = self.plan(loss)
-        plan.check()
+        plan.check()  # every refusal, the steps' checks included, before anything is touched
         ctx = self._context()
         ctx.loss = loss.name
         ctx.parameter_list = _names(parameter_list)
         ctx.no_grad_set = set(_names(no_grad_set) or ()) or None
         opt = self.user_defined_optimizer
-        check_steps(STEPS, ctx)  # refusals of the enabled steps come before anything else
         if not _is_metaopt_optimizer(opt):
             rewriting = [s for s in plan.steps if s not in ("append_backward", "apply_optimizer")]
             if rewriting:
