@@ -393,6 +393,14 @@ FIELDS: dict[str, Key] = {
         "bool",
         "run the rewritten program as is (Fleet 2.x default); metaopt: True (UNIMPLEMENTED)",
     ),
+    "cuda_graph": Key(
+        False,
+        "bool",
+        "capture the whole training step in a CUDA graph per feed shape and replay it (Paddle's "
+        "BuildStrategy.allow_cuda_graph_capture); metaopt: False (UNIMPLEMENTED: steps are proven "
+        "free of host reads on the meta device, the capture itself waits for a GPU to test it on)",
+        extra=True,
+    ),
     **{
         name: Key(False, "bool", f"Fleet's {name}: not implemented in metaopt (refused at minimize)")
         for name in UNSUPPORTED_FEATURES
@@ -406,6 +414,7 @@ UNIMPLEMENTED: dict[str, str] = {
     "nccl_comm_num": "all-reduces run on one communicator",
     "sync_nccl_allreduce": "each all-reduce is waited for before the ops after it run",
     "without_graph_optimization": "the rewritten program runs as is, with no graph optimization passes",
+    "cuda_graph": "each step runs op by op; CUDA-graph capture is not written yet",
     "pipeline_configs.micro_batch_size": (
         "the micro-batch size is the fed batch divided by pipeline_configs['accumulate_steps']"
     ),

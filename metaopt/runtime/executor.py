@@ -37,10 +37,21 @@ MERGE_WARN_RUNS = 1000
 
 class Executor:
     def __init__(
-        self, place: Place = "cpu", *, track_memory: bool = True, record_timeline: bool = False
+        self,
+        place: Place = "cpu",
+        *,
+        track_memory: bool = True,
+        record_timeline: bool = False,
+        cuda_graph: bool = False,
     ) -> None:
         """`record_timeline`: also keep the live bytes after each op of the last run
-        (`memory_timeline`); off, the executor pays nothing for it (runtime/memory.py)."""
+        (`memory_timeline`); off, the executor pays nothing for it (runtime/memory.py).
+        `cuda_graph=True` (whole-step CUDA graphs) is not implemented yet: refused by name."""
+        if cuda_graph:
+            raise NotImplementedError(
+                "Executor(cuda_graph=True): whole-step CUDA-graph capture is not implemented yet; steps "
+                "are capture-safe (Executor('meta') proves it) and run op by op"
+            )
         if record_timeline and not track_memory:
             raise ValueError("Executor(record_timeline=True) needs track_memory=True (it records that count)")
         self.device = resolve(place)

@@ -37,6 +37,7 @@ FLEET_DEFAULTS = {
     "fuse_linear_cross_entropy": True,  # ours
     "optimizer_in_backward": False,  # ours
     "without_graph_optimization": True,
+    "cuda_graph": False,  # ours (refused when True: not implemented yet)
     "sharding": False,
     "lamb": False,
     "lars": False,
@@ -122,7 +123,7 @@ def test_extras_are_marked_as_ours():
     for flag, table in ALL_CONFIGS.items():
         assert {k for k, key in table.items() if key.extra} == OURS.get(f"{flag}_configs", set())
     ours = {name for name, key in FIELDS.items() if key.extra}
-    assert ours == {"fuse_linear_cross_entropy", "optimizer_in_backward"}
+    assert ours == {"fuse_linear_cross_entropy", "optimizer_in_backward", "cuda_graph"}
     assert all(key.doc for key in FIELDS.values())
 
 
@@ -457,6 +458,17 @@ def test_unsupported_features_are_fields():
 
 
 # --- fields metaopt has no code for (issue 13): refused at minimize, never silently ignored -----
+
+
+def test_cuda_graphs_are_refused_by_name_until_they_are_written():
+    """Issue 30's whole-step CUDA graphs need a GPU to be written against: until then the
+    strategy field and the executor's keyword are refused, never silently ignored."""
+    s = fleet.DistributedStrategy()
+    s.cuda_graph = True
+    (e,) = unimplemented(s)
+    assert str(e).startswith("strategy.cuda_graph=True: not implemented in metaopt (each step runs op by op")
+    with pytest.raises(NotImplementedError, match=r"Executor\(cuda_graph=True\): whole-step CUDA-graph"):
+        metaopt.Executor("cpu", cuda_graph=True)
 
 
 def test_unimplemented_top_level_field_is_refused_naming_it():
