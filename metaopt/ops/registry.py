@@ -66,6 +66,9 @@ class OpDef:
     onnx_overload: Callable[[list[str]], str] | None = None
     # ONNX ops whose semantics changed at an opset our kernel implements only the later side of
     min_opset: int = 0
+    # Tensor parallel: how a value split along an axis passes through the op (an
+    # ops/sharding.ShardRule, set beside its family's rules there); None: a split value cannot
+    shard: Any = None
     # (output index, input index) pairs: the kernel writes that output into that
     # input's storage and returns it (optimizer updates, like torch.optim's in-place
     # steps: a fresh copy of a large param costs page faults every step). The plan
@@ -292,6 +295,7 @@ def extend(type: str, **fields: Any) -> OpDef:
     """Set `fields` of `type`'s existing row: knowledge written beside its own family rather than
     beside the kernel (ops/grads.py's gradient rules). A field the row already holds a value for
     is refused: two places must never both decide it."""
+    _ensure_loaded()  # the kernels' rows first, whichever module is imported first
     row = _TABLE.get(type)
     if row is None:
         raise ValueError(f"no row for op type {type!r} to extend with {sorted(fields)}")
@@ -326,3 +330,4 @@ def _ensure_loaded() -> None:
         # kernels first: grads attaches its rules to the rows the kernels made.
         importlib.import_module("metaopt.ops.kernels")
         importlib.import_module("metaopt.ops.grads")
+        importlib.import_module("metaopt.ops.sharding")

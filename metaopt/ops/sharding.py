@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from metaopt.ops import registry
+
 
 class ShardRefused(ValueError):
     """The split cannot propagate through this op (the message says why)."""
@@ -317,7 +319,7 @@ _UNARY = (
 _SAME = ShardRule(_same)
 _ELEMENTWISE = ShardRule(_elementwise)
 
-RULES: dict[str, ShardRule] = {
+_RULES: dict[str, ShardRule] = {
     **{t: _SAME for t in _UNARY},
     **{t: _ELEMENTWISE for t in ("Add", "Sub", "Mul", "Div", "SiluMul")},
     "Dropout": ShardRule(_dropout),
@@ -333,9 +335,15 @@ RULES: dict[str, ShardRule] = {
 }
 
 
+for _type, _rule in _RULES.items():  # each rule goes into its op's row (`OpDef.shard`)
+    registry.extend(_type, shard=_rule)
+del _type, _rule
+
+
 def rule(op_type: str) -> ShardRule | None:
-    """The split rule of `op_type`; None: a split value cannot pass through it."""
-    return RULES.get(op_type)
+    """The split rule of `op_type` (its row's `shard`); None: a split value cannot pass through it."""
+    row = registry.get(op_type)
+    return None if row is None else row.shard
 
 
 def linear_parts(op: Any) -> tuple[str, str, str] | None:
