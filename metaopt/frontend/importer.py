@@ -11,11 +11,12 @@ from metaopt.frontend.naming import readable_names
 from metaopt.frontend.onnx_import import ImportError_, ImportOptions, to_program
 from metaopt.frontend.repair import repair_training
 from metaopt.frontend.safe_load import ModelLoadError, ModelNotSupported, load_model_proto
-from metaopt.ir import Program, verify
+from metaopt.ir import Program
 from metaopt.ir.gc_pause import without_gc
 from metaopt.limits import LoadLimits, using
 from metaopt.passes.channels_last import channels_last as channels_last_convs
 from metaopt.passes.dead_code import dead_code
+from metaopt.passes.driver import verified
 from metaopt.passes.fold_constants import ConstantTooLarge, fold_constants
 from metaopt.passes.fuse import fuse
 
@@ -31,28 +32,42 @@ def import_model(
     channels_last: bool = True,
 ) -> Program:
     """raw import -> training repairs -> fold constants -> dead code -> fuse -> channels-last
-    convolutions (unless `channels_last=False`) -> names -> verify.
+    convolutions (unless `channels_last=False`) -> names, each step verified (a StepError
+    names the one that broke an invariant; programs over `VERIFY_EACH_STEP_OPS` ops once, at
+    the end) and dumped under ``METAOPT_DUMP``.
 
     Names are rewritten only for torch exports (recognised by their module-scope
     metadata); any other file keeps the names its author chose.
     """
     p, chains = to_program(model, options, name=name)
-    dump(p, "import")
+    each = len(p.ops) <= VERIFY_EACH_STEP_OPS
+    _after(p, "import", each)
     if training:
         repair_training(p, bn_momentum=bn_momentum or {})
-        dump(p, "repair_training")
+        _after(p, "repair_training", each)
     for step in (fold_constants, dead_code, fuse, *([channels_last_convs] if channels_last else [])):
         q = step(p)
         if q is not p:
             _drop(p)
         p = q
-        dump(p, step.__name__)
+        _after(p, step.__name__, each)
     if any(chains.values()):  # a torch export: its FX names mean nothing to users
         readable_names(p, chains)
     p.sort_vars()
-    dump(p, "readable_names")
-    verify(p)
+    _after(p, "readable_names", True)
     return p
+
+
+# Up to this many ops every import step is verified, so an invariant broken is named by the step
+# that broke it; a larger program is verified once, at the end (a verify costs 0.12 s at 100k
+# ops here: six of them would add a quarter to benchmarks/load_100k.py's 2.4 s load).
+VERIFY_EACH_STEP_OPS = 20_000
+
+
+def _after(p: Program, step: str, check: bool) -> None:
+    if check:
+        verified(p, step)
+    dump(p, step)
 
 
 @without_gc
