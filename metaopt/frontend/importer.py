@@ -11,7 +11,7 @@ from metaopt.frontend.naming import readable_names
 from metaopt.frontend.onnx_import import ImportError_, ImportOptions, to_program
 from metaopt.frontend.repair import repair_training
 from metaopt.frontend.safe_load import ModelLoadError, ModelNotSupported, load_model_proto
-from metaopt.ir import Program
+from metaopt.ir import Program, verify
 from metaopt.ir.gc_pause import without_gc
 from metaopt.limits import LoadLimits, using
 from metaopt.passes.channels_last import channels_last as channels_last_convs
@@ -41,7 +41,12 @@ def import_model(
     """
     p, chains = to_program(model, options, name=name)
     each = len(p.ops) <= VERIFY_EACH_STEP_OPS
-    _after(p, "import", each)
+    if each:  # what the file itself holds: an invariant broken here is the file's, not a step's
+        try:
+            verify(p)
+        except ValueError as e:
+            raise ImportError_(f"the file's graph is not a valid program: {e}") from None
+    dump(p, "import")
     if training:
         repair_training(p, bn_momentum=bn_momentum or {})
         _after(p, "repair_training", each)
