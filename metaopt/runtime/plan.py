@@ -424,6 +424,10 @@ class _Layout:
     returns: list[tuple[str, object, bool]]  # ("slot" | "snap" | "scope", slot or name, copy it)
     reused: dict[int, int] = field(default_factory=dict)  # op -> the input its output is written over
     grouped: dict[int, int] = field(default_factory=dict)  # first op of a multi-tensor call -> its op count
+    # Off the CPU: an update made into a new tensor (a step counter, a loss scale, new running
+    # stats) is copied into the scope's tensor, which stays put: every persistable keeps its
+    # storage from the first run on, as a CUDA graph's replay needs (`static_scope_updates`).
+    static: bool = False
 
 
 @without_gc  # a bulk build: see metaopt.ir.gc_pause
@@ -521,9 +525,17 @@ def _plan_layout(
         env[slot[name]], env[n + slot[name]] = dev, host
     const_slots = [slot[c] for c in values]
     layout = _Layout(
-        p.name, track, n, env, const_slots, loads, feeds, steps, kernels, releases, returns, reused, grouped
+        p.name, track, n, env, const_slots, loads, feeds, steps, kernels, releases, returns, reused, grouped,
+        static=static_scope_updates(device),
     )
     return layout, {name: dev for name, (dev, _) in values.items()}, used_persist
+
+
+def static_scope_updates(device: torch.device) -> bool:
+    """Whether state updates on `device` are copied into the scope's tensors (`_Layout.static`):
+    off the CPU, where a captured CUDA graph replays into fixed addresses; on the CPU a new value
+    simply replaces the old one (no copy)."""
+    return device.type != "cpu"
 
 
 # The most param bytes one multi-tensor call updates: foreach Adam holds a temporary per param
@@ -734,7 +746,7 @@ def _source(layout: _Layout, ops: list[Op]) -> tuple[str, dict[int, int]]:
         k = layout.grouped.get(step[0])
         if k:
             what += f" x {k} (ops {step[0]}-{step[0] + k - 1}): one multi-tensor call"
-        _step_lines(step, what, layout.n, track, lines)
+        _step_lines(step, what, layout.n, track, lines, layout.static)
         op_of_line.update(dict.fromkeys(range(first, len(lines) + 1), step[0]))
     if track:
         lines += [f"    T.release(v{s})" for s in layout.releases]
@@ -743,7 +755,9 @@ def _source(layout: _Layout, ops: list[Op]) -> tuple[str, dict[int, int]]:
     return "\n".join(lines) + "\n", op_of_line
 
 
-def _step_lines(step: tuple, op_type: str, n: int, track: bool, lines: list[str]) -> None:
+def _step_lines(
+    step: tuple, op_type: str, n: int, track: bool, lines: list[str], static: bool = False
+) -> None:
     i, args, out, outs, snaps, counted, to_host, updates, frees = step
     call = f"k{i}(" + ", ".join("None" if a < 0 else f"h_v{a - n}" if a >= n else f"v{a}" for a in args) + ")"
     if outs is None:
@@ -759,6 +773,14 @@ def _step_lines(step: tuple, op_type: str, n: int, track: bool, lines: list[str]
         lines += [f"    T.acquire(v{s}{', True' if to_host else ''})" for s in counted]
         lines.append("    T.mark()")
     for target, new, old in updates:
+        if static:  # the scope's tensor stays put; a new value is copied into it (`_Layout.static`)
+            # the count moves from the temporary to the scope's tensor, which `new`'s slot now
+            # holds: the free at `new`'s last use balances it, as in the rebinding form
+            count = f"; T.release(v{new}); T.acquire(v{old})" if track else ""
+            lines.append(f"    if v{new} is not v{old}: v{old}.copy_(v{new}){count}")
+            lines.append(f"    v{new} = v{old}")
+            lines.append(f"    del v{old}")
+            continue
         lines.append(f"    S[{target!r}] = v{new}")
         if track:
             lines.append(f"    T.acquire(v{new}); T.release(v{old})")
@@ -818,10 +840,18 @@ def _interpret(t: _Layout, S, F, T) -> tuple:
                 T.acquire(R[s], to_host)
             T.mark()
         for target, new, old in updates:
-            S[target] = R[new]
-            if track:
-                T.acquire(R[new])
-                T.release(R[old])
+            if t.static:  # the scope's tensor stays put (`_Layout.static`; counts as compiled)
+                if R[new] is not R[old]:
+                    R[old].copy_(R[new])
+                    if track:
+                        T.release(R[new])
+                        T.acquire(R[old])
+                R[new] = R[old]
+            else:
+                S[target] = R[new]
+                if track:
+                    T.acquire(R[new])
+                    T.release(R[old])
             R[old] = None
         for s in frees:
             if track:

@@ -3,7 +3,7 @@
 On the meta device tensors have shapes and dtypes but no values: a kernel that reads a value
 on the host (what would wait for a GPU and break CUDA-graph capture) raises HostSyncError
 naming the op, its printed line and the var. The reference programs and the zoo's CI subset
-run 3 steps on meta with every feature that used to read the host at once: AMP float16 with
+run 4 steps on meta with every feature that used to read the host at once: AMP float16 with
 dynamic loss scaling, recompute + offload, dropout, gradient merge, global-norm clipping,
 AdamW and a warm-up schedule.
 """
@@ -24,7 +24,7 @@ from metaopt.ops import registry
 from metaopt.optimizer import AdamW, ClipGradByGlobalNorm
 from metaopt.optimizer.lr import LinearWarmupDecay
 
-STEPS = 3
+STEPS = 4  # gradient merge k=2: accumulate, update, accumulate, update
 
 
 def _strategy(checkpoints: list[str]) -> fleet.DistributedStrategy:
@@ -51,9 +51,16 @@ def _minimized(program: Program, checkpoints: list[str]) -> Program:
 
 def _run_on_meta(program: Program, feed: dict) -> metaopt.Executor:
     exe = metaopt.Executor("meta")
-    for _ in range(STEPS):  # gradient merge: accumulate, update, accumulate
+    held = None
+    for _ in range(STEPS):
         (loss,) = exe.run(program, feed=feed, fetch_list=[program.loss])
         assert loss.is_meta and loss.shape == ()
+        # after the first run every persistable keeps its tensor (what a CUDA graph replays into):
+        # updates made into new tensors (step counter, lr, loss scale) are copied into it
+        if held is not None:
+            moved = [k for k, t in exe.scope.items() if k in held and held[k] is not t]
+            assert not moved, f"persistables given new tensors by a step: {moved}"
+        held = dict(exe.scope)
     for v in program.params():
         t = exe.scope[v.name]
         assert t.is_meta, v.name
@@ -176,3 +183,36 @@ def test_cuda_steps_after_warm_up_never_sync_the_host(name):
             exe.run(main, feed=feed, fetch_list=[])
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_state_updates_copied_into_the_scope_train_as_updates_rebound(monkeypatch):
+    """The static form of state updates (off the CPU) against the CPU's rebinding form, both run
+    here on the CPU: the same params bit for bit and the same memory accounting, every
+    persistable keeping its tensor in the static form."""
+    from metaopt.runtime import plan as plan_module
+
+    mod = programs.get("bert")
+    feed = dict(zip(mod.INPUT_NAMES, mod.example_inputs("tiny", 4, seed=1), strict=True))
+
+    def train(static: bool):
+        monkeypatch.setattr(plan_module, "static_scope_updates", lambda device: static)
+        main = programs.export("bert", dropout=0.0)
+        s = fleet.DistributedStrategy()
+        s.amp = True
+        s.amp_configs = {"dtype": "bfloat16"}
+        fleet.init(is_collective=True)
+        fleet.distributed_optimizer(_optimizer(), s).minimize(main.loss)
+        exe = metaopt.Executor("cpu")
+        exe.run(main, feed=feed, fetch_list=[])
+        first = dict(exe.scope)
+        for _ in range(3):
+            exe.run(main, feed=feed, fetch_list=[])
+        kept = all(first[k] is t for k, t in exe.scope.items())
+        return {k: t.clone() for k, t in exe.scope.items()}, exe.memory_stats()["peak_bytes"], kept
+
+    rebound, peak_rebound, kept_rebound = train(False)
+    static, peak_static, kept_static = train(True)
+    assert rebound.keys() == static.keys()
+    assert all(torch.equal(rebound[k], static[k]) for k in rebound)
+    assert peak_static == peak_rebound
+    assert kept_static and not kept_rebound  # the step counter and lr are new tensors when rebound
