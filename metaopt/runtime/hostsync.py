@@ -10,9 +10,9 @@ Host values proper (shape arithmetic the plan computes on the CPU, constants' ho
 runtime/plan.py's ``host_placement``) are real CPU tensors on meta too, and reading them is
 free on any device, so only reads of meta tensors are refused.
 
-Some of torch's in-place multi-tensor kernels (fused optimizers, AMP's unscale and scale
-update) have no meta implementation; they only write their inputs in place, which on meta
-changes nothing, so the guard checks their tensors are meta and returns.
+Some of torch's in-place multi-tensor kernels (the fused optimizers, the foreach unscale of AMP)
+have no meta implementation; they only write their inputs in place, which on meta changes
+nothing, so the guard checks their tensors are meta and returns.
 """
 
 from __future__ import annotations

@@ -774,11 +774,9 @@ def _step_lines(
         lines.append("    T.mark()")
     for target, new, old in updates:
         if static:  # the scope's tensor stays put; a new value is copied into it (`_Layout.static`)
-            # the count moves from the temporary to the scope's tensor, which `new`'s slot now
-            # holds: the free at `new`'s last use balances it, as in the rebinding form
-            count = f"; T.release(v{new}); T.acquire(v{old})" if track else ""
-            lines.append(f"    if v{new} is not v{old}: v{old}.copy_(v{new}){count}")
-            lines.append(f"    v{new} = v{old}")
+            # `new` stays its own tensor (a fetch of it must not change with the next run), freed
+            # and uncounted at its last use like any value; the scope's tensor stays counted
+            lines.append(f"    if v{new} is not v{old}: v{old}.copy_(v{new})")
             lines.append(f"    del v{old}")
             continue
         lines.append(f"    S[{target!r}] = v{new}")
@@ -840,13 +838,9 @@ def _interpret(t: _Layout, S, F, T) -> tuple:
                 T.acquire(R[s], to_host)
             T.mark()
         for target, new, old in updates:
-            if t.static:  # the scope's tensor stays put (`_Layout.static`; counts as compiled)
+            if t.static:  # the scope's tensor stays put (`_Layout.static`; as compiled)
                 if R[new] is not R[old]:
                     R[old].copy_(R[new])
-                    if track:
-                        T.release(R[new])
-                        T.acquire(R[old])
-                R[new] = R[old]
             else:
                 S[target] = R[new]
                 if track:

@@ -205,8 +205,11 @@ def test_state_updates_copied_into_the_scope_train_as_updates_rebound(monkeypatc
         exe = metaopt.Executor("cpu")
         exe.run(main, feed=feed, fetch_list=[])
         first = dict(exe.scope)
-        for _ in range(3):
+        counter = next(op.outputs[0] for op in main.ops if op.type == "StepCounter")
+        (fetched,) = exe.run(main, feed=feed, fetch_list=[counter], return_numpy=False)
+        for _ in range(2):
             exe.run(main, feed=feed, fetch_list=[])
+        assert int(fetched) == 2  # a fetched new value is the user's: later runs leave it alone
         kept = all(first[k] is t for k, t in exe.scope.items())
         return {k: t.clone() for k, t in exe.scope.items()}, exe.memory_stats()["peak_bytes"], kept
 

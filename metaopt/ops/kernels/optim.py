@@ -51,8 +51,15 @@ def _skip(found_inf: torch.Tensor | None) -> bool:
 
 
 def _on_host(t: torch.Tensor) -> bool:
-    """Whether `t`'s value can be read on the host for free (the CPU); else the device forms."""
+    """Whether `t` (the param an update writes, the step a schedule reads) lives on the CPU,
+    where reading a value costs nothing: the host forms; else the device forms."""
     return t.device.type == "cpu"
+
+
+def _lr_arg(lr: torch.Tensor, param: torch.Tensor) -> torch.Tensor | float:
+    """The learning rate as a fused kernel takes it: the device tensor itself, or, where the
+    plan hands over a host copy (a constant read at a host input), its value (free to read)."""
+    return float(lr) if lr.device != param.device and lr.device.type == "cpu" else lr
 
 
 def _flag(found_inf: torch.Tensor | None) -> torch.Tensor | None:
@@ -142,7 +149,7 @@ def _sgd_multi(groups: list[tuple], weight_decay: float = 0.0) -> list[tuple]:
     per-op kernel on the CPU). Each group: (param, grad, lr[, found_inf]), lr and found_inf shared."""
     params, grads = [g[0] for g in groups], [g[1] for g in groups]
     first = groups[0]
-    if not _on_host(first[2]):
+    if not _on_host(first[0]):
         _device_sgd(params, grads, [], first[2], first[3] if len(first) > 3 else None, weight_decay)
         return [(p,) for p in params]
     if _skip(first[3] if len(first) > 3 else None):
@@ -162,7 +169,7 @@ def _momentum_multi(
     params, grads, bufs = ([g[k] for g in groups] for k in (0, 1, 4))
     first = groups[0]
     outs = list(zip(params, bufs))
-    if not _on_host(first[2]):
+    if not _on_host(first[0]):
         found = first[5] if len(first) > 5 else None
         _device_sgd(params, grads, bufs, first[2], found, weight_decay, momentum, dampening, nesterov)
         return outs
@@ -199,7 +206,7 @@ def sgd_update(
     weight_decay: float = 0.0,
 ) -> torch.Tensor:
     """torch.optim.SGD (momentum 0): ``param -= lr * (grad + wd * param)``, in place."""
-    if not _on_host(lr):
+    if not _on_host(param):
         _device_sgd([param], [grad], [], lr, found_inf, weight_decay)
         return param
     if _skip(found_inf):
@@ -239,7 +246,7 @@ def momentum_update(
     On the first update (``step == 1``) torch sets the buffer to a copy of the grad
     (no dampening); afterwards ``buf = momentum * buf + (1 - dampening) * grad``.
     """
-    if not _on_host(lr):
+    if not _on_host(param):
         _device_sgd([param], [grad], [velocity], lr, found_inf, weight_decay, momentum, dampening, nesterov)
         return param, velocity
     if _skip(found_inf):
@@ -326,7 +333,7 @@ def _adam_multi(
         (p, m, v) + ((mx,) if amsgrad else ())
         for p, m, v, mx in zip(params, exp_avgs, exp_avg_sqs, max_sqs or params)
     ]
-    if not _on_host(first[2]):
+    if not _on_host(first[0]):
         _device_adam(
             params, grads, exp_avgs, exp_avg_sqs, max_sqs or [], first[2], first[3], found_inf,
             beta1, beta2, epsilon, weight_decay, decoupled,
@@ -372,9 +379,10 @@ def _device_adam(
     tensors, the skip inside the kernel. torch.optim keeps a float32 step per param; the
     kernel only reads it, so one tensor serves every param of the call."""
     fn = torch._fused_adamw_ if decoupled else torch._fused_adam_
-    steps = [step.to(torch.float32)] * len(params)
+    steps = [step.to(params[0].device, torch.float32)] * len(params)
     fn(
-        params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, lr=lr, beta1=beta1, beta2=beta2,
+        params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, lr=_lr_arg(lr, params[0]),
+        beta1=beta1, beta2=beta2,
         weight_decay=wd, eps=eps, amsgrad=bool(max_sqs), maximize=False, found_inf=_flag(found_inf),
     )  # fmt: skip
 
@@ -394,7 +402,8 @@ def _device_sgd(
             "undamped) needs the step count on the host; use dampening=0 or the CPU"
         )
     torch._fused_sgd_(
-        params, grads, bufs, weight_decay=weight_decay, momentum=momentum if bufs else 0.0, lr=lr,
+        params, grads, bufs, weight_decay=weight_decay, momentum=momentum if bufs else 0.0,
+        lr=_lr_arg(lr, params[0]),
         dampening=dampening, nesterov=bool(nesterov), maximize=False, is_first_step=False,
         found_inf=_flag(found_inf),
     )  # fmt: skip
@@ -429,7 +438,7 @@ def _adam_kernel(op: str, decoupled: bool, default_weight_decay: float):
         weight_decay: float = default_weight_decay, amsgrad: int = 0, fused: int = 0, _nout: int = 3,
     ):  # fmt: skip
         _check_amsgrad(op, amsgrad, max_exp_avg_sq, _nout)
-        if not _on_host(lr):
+        if not _on_host(param):
             mx = [] if max_exp_avg_sq is None else [max_exp_avg_sq]
             _device_adam(
                 [param], [grad], [exp_avg], [exp_avg_sq], mx, lr, step, found_inf,
