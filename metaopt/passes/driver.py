@@ -1,6 +1,6 @@
 """One driver for a rewrite made of steps: plan, rewrite, verify, dump, log, in list order.
 
-A `Step` is ``Step(name, enabled, rewrite, plan=, check=, doc=)``:
+A `Step` is ``Step(name, enabled, rewrite, plan=, check=, doc=, meta=, reads=, writes=)``:
 
 * ``enabled(ctx) -> (bool, reason)``: whether it runs for this strategy and worker, and why
   (the reason is printed for skipped steps too);
