@@ -221,7 +221,10 @@ class SafeReader(FileSystemReader):
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
         for rel, reqs in per_file.items():
             path = self._folder / rel
-            size = os.stat(path).st_size
+            try:
+                size = os.stat(path).st_size
+            except OSError as e:  # checked at the metadata read: gone since
+                raise CheckpointError(f"{path}: cannot read it ({e.strerror})") from None
             with open(path, "rb") as stream:
                 for req in reqs:
                     where = self.storage_data[req.storage_index]
