@@ -20,7 +20,6 @@ does; ``get_hybrid_communicate_group()`` returns this worker's view of them.
 from __future__ import annotations
 
 import atexit
-import datetime
 import hashlib
 import logging
 import os
@@ -29,12 +28,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from metaopt.layout.groups import timeout as comm_timeout  # fleet.init's group waits as every collective
 from metaopt.layout.topology import AXES, HybridCommunicateGroup, Topology
 
 logger = logging.getLogger("metaopt.fleet")
 
 DEFAULT_ENDPOINT = "127.0.0.1:6170"  # Fleet's endpoint of a non-distributed job
-DEFAULT_COMM_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -124,21 +123,6 @@ def read_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
             except ValueError:
                 raise ValueError(f"PADDLE_TRAINER_ENDPOINTS: {endpoints[0]!r} is not host:port") from None
     return WorkerEnv(rank, world, local_rank, endpoints, current, addr, port)
-
-
-def comm_timeout(environ: Mapping[str, str] | None = None) -> datetime.timedelta:
-    """The collectives' timeout: ``METAOPT_COMM_TIMEOUT`` seconds, default 300."""
-    environ = os.environ if environ is None else environ
-    raw = environ.get("METAOPT_COMM_TIMEOUT")
-    if raw is None or raw.strip() == "":
-        return datetime.timedelta(seconds=DEFAULT_COMM_TIMEOUT_S)
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0:
-        raise ValueError(f"METAOPT_COMM_TIMEOUT={raw!r}: expected a number of seconds > 0")
-    return datetime.timedelta(seconds=seconds)
 
 
 def init(is_collective: bool = True, strategy=None) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -24,9 +24,20 @@ class CommError(RuntimeError):
     pass
 
 
-def timeout() -> datetime.timedelta:
-    raw = os.environ.get("METAOPT_COMM_TIMEOUT", "").strip()
-    return datetime.timedelta(seconds=float(raw) if raw else DEFAULT_TIMEOUT_S)
+def timeout(environ: Mapping[str, str] | None = None) -> datetime.timedelta:
+    """Every collective's and group's timeout: ``METAOPT_COMM_TIMEOUT`` seconds, default 300; a
+    value that is not a number of seconds > 0 is a ValueError naming it."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get("METAOPT_COMM_TIMEOUT")
+    if raw is None or raw.strip() == "":
+        return datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"METAOPT_COMM_TIMEOUT={raw!r}: expected a number of seconds > 0")
+    return datetime.timedelta(seconds=seconds)
 
 
 def forget_groups() -> None:
