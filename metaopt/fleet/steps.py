@@ -456,6 +456,7 @@ def _rc_how(ctx: Context) -> dict:
         "memory_budget": cfg["memory_budget"],
         "batch": cfg["budget_batch_size"],
         "recompute_head": cfg["recompute_head"],
+        "seed_random_ops": bool(cfg["seed_random_ops"]),
     }
 
 
@@ -473,8 +474,7 @@ def _rc_check(ctx: Context) -> None:
 def _rc_plan(p: Program, ctx: Context) -> Any:
     from metaopt.passes.recompute import plan_recompute
 
-    seed = bool(ctx.strategy.recompute_configs["seed_random_ops"])
-    return plan_recompute(p, **_rc_how(ctx), seed_random_ops=seed)
+    return plan_recompute(p, **_rc_how(ctx))
 
 
 def _recompute(p: Program, plan: Any, ctx: Context) -> Program:

@@ -145,8 +145,8 @@ def plan_rows(steps: Sequence[Step], ctx: Context) -> list[StepRow]:
 
 def refusals(steps: Sequence[Step], ctx: Context) -> list[Exception]:
     """What the enabled steps refuse, in list order: each ``check``'s error (it raises the one
-    thing it refuses). The caller raises the first before any step runs (`check_steps`, or
-    fleet's TrainPlan, which lists them with the strategy's own)."""
+    thing it refuses). The caller raises the first before any step runs (fleet's TrainPlan
+    lists them with the strategy's own)."""
     out: list[Exception] = []
     for s in steps:
         if s.enabled(ctx)[0]:
@@ -155,13 +155,6 @@ def refusals(steps: Sequence[Step], ctx: Context) -> list[Exception]:
             except Exception as e:  # noqa: BLE001 - a refusal, of whatever type the check chose
                 out.append(e)
     return out
-
-
-def check_steps(steps: Sequence[Step], ctx: Context) -> None:
-    """Raise the first refusal of the enabled steps (`refusals`)."""
-    errors = refusals(steps, ctx)
-    if errors:
-        raise errors[0]
 
 
 def verified(program: Program, step: str, where: str = "") -> Program:
@@ -178,7 +171,7 @@ def run_steps(program: Program, steps: Sequence[Step], ctx: Context) -> Program:
     """Run the enabled `steps` on a copy of `program`; returns this worker's result.
 
     `program` itself is never changed (the caller replaces it once, at the end). The caller
-    has checked the steps first (`check_steps` / `refusals`: once), so a refused configuration
+    has checked the steps first (`refusals`: once), so a refused configuration
     changes nothing.
     """
     enabled = [s for s in steps if s.enabled(ctx)[0]]
