@@ -33,7 +33,7 @@ class HostSyncError(RuntimeError):
 _aten = torch.ops.aten
 # Reads that hand a tensor's value to Python.
 _SCALAR_READS = {_aten._local_scalar_dense.default, _aten.is_nonzero.default, _aten.equal.default}
-_COPIES = {_aten._to_copy.default, _aten.copy_.default, _aten.to.dtype_layout, _aten.to.device}
+_COPIES = {_aten._to_copy.default, _aten.copy_.default}  # `.to`, `.cpu()` and `.tolist()` arrive as these
 # In-place kernels without a meta implementation: on meta they have nothing to write.
 _IN_PLACE_ONLY = {
     name

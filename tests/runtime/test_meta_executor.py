@@ -219,3 +219,23 @@ def test_state_updates_copied_into_the_scope_train_as_updates_rebound(monkeypatc
     assert all(torch.equal(rebound[k], static[k]) for k in rebound)
     assert peak_static == peak_rebound
     assert kept_static and not kept_rebound  # the step counter and lr are new tensors when rebound
+
+
+@pytest.mark.parametrize("read", ["item", "bool", "tolist", "cpu"])
+def test_every_kind_of_host_read_is_refused_and_host_values_are_not(read):
+    from metaopt.runtime.hostsync import HostReadGuard
+
+    op = Op("Relu", ["x"], ["y"])
+    x = torch.empty(2, 3, device="meta")
+    reads = {
+        "item": lambda t: t[0, 0].item(),
+        "bool": lambda t: bool(t[0, 0]),
+        "tolist": lambda t: t.tolist(),
+        "cpu": lambda t: t.cpu(),
+    }
+    with pytest.raises(metaopt.HostSyncError, match=r"Relu reads var 'x' on the host"):
+        with HostReadGuard([op], {id(x): "x"}):
+            reads[read](x)
+    with HostReadGuard([op], {}):  # a host value (a CPU tensor) is free to read, and a meta copy is no read
+        assert reads[read](torch.ones(2, 3)) is not None
+        assert x.to("meta").is_meta
