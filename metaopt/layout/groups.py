@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import time
 from collections.abc import Mapping, Sequence
 
@@ -120,13 +121,15 @@ def all_gather_bytes(data: bytes, what: str) -> list[bytes]:
     world = dist.get_world_size()
     mine = torch.tensor([len(data)], dtype=torch.int64)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    _wait_work(dist.all_gather(sizes, mine, group=group, async_op=True), f"{what} (sizes)")
+    run_gloo(
+        lambda: dist.all_gather(sizes, mine, group=group, async_op=True), [mine, *sizes], f"{what} (sizes)"
+    )
     width = max(int(n) for n in sizes)
     buf = torch.zeros(width, dtype=torch.uint8)
     if data:
         buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     outs = [torch.empty(width, dtype=torch.uint8) for _ in range(world)]
-    _wait_work(dist.all_gather(outs, buf, group=group, async_op=True), what)
+    run_gloo(lambda: dist.all_gather(outs, buf, group=group, async_op=True), [buf, *outs], what)
     return [bytes(o[: int(n)].numpy()) for o, n in zip(outs, sizes, strict=True)]
 
 
@@ -139,13 +142,45 @@ def host_group(dist):
     return _CPU_GROUP["gloo"]
 
 
-def _wait_work(work, what: str) -> None:
-    """Wait for a gloo `work` at most ``METAOPT_COMM_TIMEOUT``; its failure as a CommError."""
+def run_gloo(start, tensors: Sequence[torch.Tensor], what: str) -> None:
+    """Start a gloo collective (`start()` returns its work) on `tensors` (every tensor it reads
+    or writes), wait for it at most ``METAOPT_COMM_TIMEOUT`` (its failure a CommError naming
+    `what`), then wait until gloo's thread has let go of the tensors (`await_release`)."""
     dist, limit, t0 = initialized_dist(), timeout(), time.perf_counter()
+    before = references(tensors)
     try:
-        work.wait(limit)
+        start().wait(limit)
     except Exception as e:  # gloo raises RuntimeError subclasses with their own text
         raise CommError(failure_message(what, dist.get_rank(), dist.get_world_size(), t0, limit, e)) from e
+    await_release(tensors, before)
+
+
+# A gloo collective runs on the group's own thread, which lets go of its tensors just after the
+# waiting thread wakes, and letting go needs the GIL (torch hands each tensor's Python object back).
+# If the process exits in between, that thread takes the GIL during interpreter finalization and
+# the process aborts ("terminate called without an active exception", SIGABRT) instead of exiting
+# with the script's status: seen when a worker raised right after a collective. destroy_process_group
+# cannot prevent it: a torch module imported after init (torch.export imports torch.distributed.nn)
+# keeps the group alive in its functions' default arguments, so its threads outlive the destroy.
+# While the thread holds a tensor, the tensor's Python refcount carries one reference for it.
+RELEASE_WAIT_S = 5.0  # gloo's thread lets go within microseconds of the wake, when it is scheduled
+
+
+def references(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """Each tensor's Python reference count (compared by `await_release`)."""
+    return [sys.getrefcount(t) for t in tensors]
+
+
+def await_release(tensors: Sequence[torch.Tensor], before: list[int]) -> None:
+    """Return once no tensor of `tensors` holds more references than `before` (taken, by
+    `references`, before the collective started), i.e. gloo's thread has let go of them;
+    sleeping gives it the GIL. Gives up after RELEASE_WAIT_S (a thread starved that long)."""
+    delay, deadline = 0.0, time.monotonic() + RELEASE_WAIT_S
+    while any(n > b for n, b in zip(references(tensors), before, strict=True)):
+        if time.monotonic() > deadline:
+            return
+        time.sleep(delay)
+        delay = min(2 * delay or 1e-5, 1e-3)
 
 
 def failure_message(

@@ -56,10 +56,12 @@ import torch
 from metaopt.layout.groups import (  # noqa: F401 - CommError and DEFAULT_TIMEOUT_S: this module's API too
     DEFAULT_TIMEOUT_S,
     CommError,
+    await_release,
     failure_message,
     group_of,
     host_group,
     initialized_dist,
+    references,
     timeout,
 )
 
@@ -213,7 +215,7 @@ class Communicator:
         flat = torch.cat([x.reshape(-1) for x in xs]) if len(xs) > 1 else xs[0].reshape(-1).clone()
         group = self.group(ranks)
         self._run(
-            lambda dist: dist.all_reduce(flat, group=group, async_op=True), f"AllReduce of {what}", flat
+            lambda dist: dist.all_reduce(flat, group=group, async_op=True), f"AllReduce of {what}", [flat]
         )
         if reduce == "avg":
             flat.div_(self.world_size if ranks is None else len(ranks))
@@ -372,7 +374,7 @@ class Communicator:
     ) -> tuple[int, ...]:
         """Read and check `peer`'s header for `var`; the shape it announces."""
         header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self._p2p_device())
-        self._run(lambda dist: dist.irecv(header, src=peer, tag=_HEADER_TAG), what, header)
+        self._wait(initialized_dist().irecv(header, src=peer, tag=_HEADER_TAG), what, header)
         name_hash, code, ndim, *dims = header.tolist()
         shape = tuple(dims[:ndim])
         if code == _REJECTED:
@@ -470,7 +472,9 @@ class Communicator:
         buf = t if self.backend != "nccl" else t.to(self.device)
         group = self.group(ranks)
         self._run(
-            lambda dist: dist.broadcast(buf, src=src, group=group, async_op=True), f"broadcast of {what}", buf
+            lambda dist: dist.broadcast(buf, src=src, group=group, async_op=True),
+            f"broadcast of {what}",
+            [buf],
         )
         if buf is not t:
             t.copy_(buf)
@@ -487,12 +491,20 @@ class Communicator:
         outs = [torch.empty_like(buf) for _ in range(n)]
         group = self.group(ranks)
         self._run(
-            lambda dist: dist.all_gather(outs, buf, group=group, async_op=True), f"all-gather of {what}", buf
+            lambda dist: dist.all_gather(outs, buf, group=group, async_op=True),
+            f"all-gather of {what}",
+            [buf, *outs],
         )
         return outs if outs[0].device == self.device else [o.to(self.device) for o in outs]
 
-    def _run(self, start, what: str, t: torch.Tensor) -> None:
-        self._wait(start(initialized_dist()), what, t)
+    def _run(self, start, what: str, tensors: list[torch.Tensor]) -> None:
+        """A collective on `tensors` (the first: what this worker sends); on gloo, returns
+        once gloo's thread has let go of them (`await_release`: else a process ending right
+        after it can abort at exit)."""
+        before = references(tensors) if self.backend == "gloo" else None
+        self._wait(start(initialized_dist()), what, tensors[0])
+        if before is not None:
+            await_release(tensors, before)
 
     def _wait(self, work, what: str, t: torch.Tensor) -> None:
         t0 = time.perf_counter()
