@@ -407,11 +407,9 @@ def check_workers_agree(lines: Sequence[tuple[str, str]], what: str, hint: str =
 
 def _gather(obj, what: str) -> list:
     """`obj` (JSON-able) of every worker, by rank."""
-    import json
+    from metaopt.layout.groups import all_gather_json
 
-    from metaopt.layout.groups import all_gather_bytes
-
-    return [json.loads(b) for b in all_gather_bytes(json.dumps(obj).encode(), what)]
+    return all_gather_json(obj, what)
 
 
 def _line_hash(text: str) -> str:

@@ -212,9 +212,9 @@ def local_part(full: torch.Tensor, split: Split, index: int) -> torch.Tensor:
     return torch.cat([full.narrow(split.axis, at, n) for at, _, n in split.pieces(index)], split.axis)
 
 
-def _digest(t: torch.Tensor) -> bytes:
+def _digest(t: torch.Tensor) -> str:
     flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    return hashlib.blake2b(flat.numpy(), digest_size=16).digest()
+    return hashlib.blake2b(flat.numpy(), digest_size=16).hexdigest()
 
 
 def _replicas_differ(group: tuple[int, ...] | None, state: dict[str, Any]) -> str | None:
@@ -222,7 +222,8 @@ def _replicas_differ(group: tuple[int, ...] | None, state: dict[str, Any]) -> st
     group (a collective: every worker calls it). DCP keeps one copy of a var several workers
     save whole, so one that differs between them must be split (and say so) or be refused."""
     mine = {k: _digest(t) for k, t in state.items() if isinstance(t, torch.Tensor)}
-    everyone = _gather((group or (world()[0],), mine))
+    gathered = _gather((group or (world()[0],), mine), "the digests of the vars saved whole")
+    everyone = [(tuple(g), d) for g, d in gathered]
     for group in sorted({g for g, _ in everyone}):
         members = [(r, d) for r, (g, d) in enumerate(everyone) if g == group]
         (first, ref), *rest = members
@@ -248,20 +249,20 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
-def _gather(obj: Any) -> list[Any]:
-    """Every worker's `obj` (small, picklable), in rank order; one worker: [obj]."""
-    rank, size = world()
-    if size == 1:
+def _gather(obj: Any, what: str) -> list[Any]:
+    """Every worker's `obj` (small, JSON-able: tuples come back as lists), in rank order; one
+    worker: [obj]. Over `all_gather_bytes`: bounded by METAOPT_COMM_TIMEOUT, nothing unpickled."""
+    if world()[1] == 1:
         return [obj]
-    out: list[Any] = [None] * size
-    dist.all_gather_object(out, obj)
-    return out
+    from metaopt.layout.groups import all_gather_json
+
+    return all_gather_json(obj, what)
 
 
 def _agree_or_raise(problem: str | None, what: str) -> None:
     """Raise on every worker if any worker found a problem, naming each such worker, so no
     worker goes on into a collective the others will never join."""
-    found = [(r, p) for r, p in enumerate(_gather(problem)) if p]
+    found = [(r, p) for r, p in enumerate(_gather(problem, f"{what}: the workers' problems")) if p]
     if found and world()[1] == 1:
         raise CheckpointError(f"{what}: {found[0][1]}")
     if found:
@@ -378,7 +379,6 @@ def save_sharded(
 ) -> str:
     """Every worker calls this with the same `dirname`; returns the complete checkpoint's folder."""
 
-
     if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
         raise ValueError(f"save_persistables: keep_last must be an int >= 1, got {keep_last!r}")
     rank, size = world()
@@ -403,7 +403,7 @@ def save_sharded(
     except (CheckpointError, OSError) as e:
         problem = str(e)
     _agree_or_raise(problem, f"save_persistables into {root}")
-    steps = _gather((mine, group is not None))
+    steps = _gather((mine, group is not None), "the workers' steps")
     if len({m for m, _ in steps}) != 1:
         raise CheckpointError(
             f"save_persistables: the workers are at different steps {[m for m, _ in steps]} (by rank): "
@@ -465,7 +465,7 @@ def _write_and_commit(  # noqa: PLR0913 - the save's state, handed on from save_
             no_dist=size == 1,
         )
 
-    all_info = _gather(info)
+    all_info = _gather(info, "the saved vars' metaopt.json lines")
     problem = None
     if rank == 0:
         try:
@@ -714,8 +714,10 @@ def _check_vars(folder: Path, meta: dict, want: list[Var], md: Metadata) -> str 
             return f"var {v.name!r} is stored as {got} in {folder}'s DCP metadata, but {INFO} says {v.dtype}"
         for chunk in tm.chunks:
             ends = [o + n for o, n in zip(chunk.offsets, chunk.sizes, strict=False)]
-            if len(ends) != len(tm.size) or any(o < 0 for o in chunk.offsets) or any(
-                e > d for e, d in zip(ends, tm.size, strict=True)
+            if (
+                len(ends) != len(tm.size)
+                or any(o < 0 for o in chunk.offsets)
+                or any(e > d for e, d in zip(ends, tm.size, strict=True))
             ):
                 return f"var {v.name!r}: a stored piece in {folder} lies outside its shape {list(tm.size)}"
     return None
@@ -767,7 +769,7 @@ def load_sharded(exe: Any, folder: Path, program: Program, *, strict: bool = Tru
     _agree_or_raise(problem, f"load_persistables from {folder}")
     assert meta is not None and md is not None
 
-    needed = set().union(*_gather([v.name for v in want]))
+    needed = set().union(*_gather([v.name for v in want], "the vars each worker loads"))
     extra = sorted(set(meta["vars"]) - needed)
     layout = _layout(program, group)
     same_layout = {k: meta.get(k, _LAYOUT_DEFAULTS.get(k)) for k in layout} == layout

@@ -133,6 +133,13 @@ def all_gather_bytes(data: bytes, what: str) -> list[bytes]:
     return [bytes(o[: int(n)].numpy()) for o, n in zip(outs, sizes, strict=True)]
 
 
+def all_gather_json(obj: object, what: str) -> list:
+    """Every worker's `obj` (JSON-able: tuples come back as lists), by rank; `all_gather_bytes`."""
+    import json
+
+    return [json.loads(b) for b in all_gather_bytes(json.dumps(obj).encode(), what)]
+
+
 def host_group(dist):
     """The default group if it is gloo, else (NCCL: device tensors only) a gloo group of all."""
     if dist.get_backend() == "gloo":
