@@ -350,8 +350,12 @@ def to_program(
             dtype, shape = types.get(o, (None, None))
             if dtype is None:
                 raise ImportError_(f"{_describe(node)}: output {o!r} has no inferred type")
-            kind = "grad" if meta and meta.get(o, {}).get(onnx_save.KIND_KEY) == "grad" else "activation"
-            p.add_var(Var(o, dtype, shape, kind=kind))
+            m = meta.get(o, {}) if meta else {}
+            kind = "grad" if m.get(onnx_save.KIND_KEY) == "grad" else "activation"
+            try:
+                p.add_var(Var(o, dtype, shape, kind=kind, device=m.get(onnx_save.DEVICE_KEY)))
+            except ValueError as e:  # an unknown device in the file's metadata
+                raise ImportError_(f"{_describe(node)}: {e}") from None
         inputs = [rn(x, x) for x in node.input] if opts.rename else list(node.input)
         op = Op(op_type, inputs, outputs, attrs, scope=scope)
         if has_meta:

@@ -38,6 +38,7 @@ ATTR_PREFIX = "metaopt.attr."
 # attrs metaopt adds to a standard op (a random op's RNG stream under tensor parallel: rng, group)
 # that its ONNX schema lacks: kept as node metadata, JSON, or the checker refuses the file
 EXTRA_ATTR_PREFIX = "metaopt.extra_attr."
+DEVICE_KEY = "metaopt.device"  # Var.device: the one kind of device whose kernels make the var
 SPLIT_KEY = "metaopt.split"  # a tensor-parallel var's layout (Var.split), JSON: axis, parts, blocks
 OP_FIELD_PREFIX = "metaopt."
 DISCARDED_KEY = "metaopt.discarded_outputs"  # output positions named only for the ONNX checker
@@ -152,6 +153,8 @@ def to_model_proto(p: Program, values: Mapping[str, torch.Tensor] | None = None)
     )
     for vi in [*graph.value_info, *graph.output]:  # what a var is: read back by the importer
         v = p.vars[vi.name]
+        if v.device is not None:
+            vi.metadata_props.add(key=DEVICE_KEY, value=v.device)
         if v.kind != "activation":
             vi.metadata_props.add(key=KIND_KEY, value=v.kind)
             if v.kind == "param" and not v.trainable:

@@ -144,13 +144,17 @@ def _parse_var(text: str) -> tuple[Var, torch.Tensor | None]:
     dtype = _name(t.next())
     shape = _shape(t)
     kind, trainable, value = "activation", False, None
-    if not t.done() and not t.at("=") and not _at_split(t):
+    if not t.done() and not t.at("=") and not _at_split(t) and t.peek() != ("name", "on"):
         kind = _name(t.next())
         trainable = kind == "param"
         if t.peek() == ("name", "frozen"):
             t.next()
             trainable = False
     split = _split(t) if _at_split(t) else None
+    device = None
+    if t.peek() == ("name", "on"):
+        t.next()
+        device = _name(t.next())
     if t.at("="):
         t.next()
         value = torch.tensor(_value(t), dtype=torch_dtype(dtype))
@@ -158,7 +162,7 @@ def _parse_var(text: str) -> tuple[Var, torch.Tensor | None]:
             value = value.reshape(shape)  # keeps zero-size dims ("= []" of a [0,3] constant)
     if not t.done():
         raise ValueError(f"unexpected {t.peek()[1]!r}")  # type: ignore[index]
-    return Var(name, dtype, shape, kind=kind, trainable=trainable, split=split), value
+    return Var(name, dtype, shape, kind=kind, trainable=trainable, split=split, device=device), value
 
 
 def _at_split(t: _Tokens) -> bool:

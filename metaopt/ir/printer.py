@@ -18,8 +18,10 @@
 
 A var holding one worker's part of a larger tensor (tensor parallel) shows its layout,
 ``split(axis, parts, blocks)`` (`metaopt.ir.program.Split`), after its kind; the shape is the
-worker's own. One op per line; the comment holds the op's fields. Names (and dims)
-outside ``[A-Za-z0-9_.@/*+-]`` are JSON-quoted; an omitted optional input is ``~``.
+worker's own. A var only kernels on one kind of device make (`Var.device`: a fused op's
+saved outputs per device) ends with ``on cpu`` or ``on cuda``. One op per line; the comment
+holds the op's fields. Names (and dims) outside ``[A-Za-z0-9_.@/*+-]`` are JSON-quoted; an
+omitted optional input is ``~``.
 Constants with at most `INLINE_VALUES` elements show their value; larger
 values (weights) are not part of the text.
 """
@@ -91,6 +93,8 @@ def fmt_var(var: Var, value: torch.Tensor | None) -> str:
         s += " frozen"
     if var.split is not None:  # one worker's part of a larger tensor (unsplit vars print as before)
         s += f" {var.split}"
+    if var.device is not None:  # made by kernels on that kind of device alone
+        s += f" on {var.device}"
     if var.kind == "constant" and value is not None and value.numel() <= INLINE_VALUES:
         t = value.detach().cpu()
         if t.dtype in (torch.bfloat16, torch.float16):

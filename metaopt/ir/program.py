@@ -9,6 +9,7 @@ fields (kind, role, stage, scope, origin), never in names. Persistable values
 from __future__ import annotations
 
 import ast
+import dataclasses
 import difflib
 import itertools
 import operator
@@ -25,6 +26,15 @@ Dim = int | str  # a str is a symbolic dim such as "batch"
 Shape = tuple[Dim, ...]
 
 VAR_KINDS = ("input", "param", "buffer", "activation", "grad", "opt_state", "constant")
+# The kinds of device a var may be made on alone (`Var.device`): "cpu", or "cuda" for every
+# accelerator (the meta device of `Executor("meta")` stands in for one, and takes its kernels).
+DEVICE_FORMS = ("cpu", "cuda")
+
+
+def device_form(device: torch.device | str) -> str:
+    """The `DEVICE_FORMS` entry a device runs: "cpu" on the CPU, else "cuda"."""
+    kind = device if isinstance(device, str) else device.type
+    return "cpu" if kind == "cpu" else "cuda"
 _KIND_ORDER = {"input": 0, "param": 1, "buffer": 2, "opt_state": 3, "constant": 4}
 PERSISTABLE_KINDS = frozenset({"param", "buffer", "opt_state", "constant"})
 # The role table (and when each role runs in a pipelined step) is metaopt.ir.roles; these two
@@ -185,6 +195,11 @@ class Var:
     program: Program | None = field(default=None, repr=False, compare=False)
     # Set when the var holds one worker's part of a larger tensor (tensor parallel): `Split`.
     split: Split | None = None
+    # Set when only kernels on that kind of device make the var (a `DEVICE_FORMS` entry): a
+    # fused op's saved outputs differ per device (attention keeps its probabilities on the CPU,
+    # its logsumexp and philox seed and offset on CUDA); elsewhere its producer leaves it None,
+    # it holds no bytes, and `estimate_memory` for that device does not count it.
+    device: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in VAR_KINDS:
@@ -192,8 +207,17 @@ class Var:
                 f"var {self.name!r}: unknown kind {self.kind!r}{did_you_mean(self.kind, VAR_KINDS)}"
             )
         torch_dtype(self.dtype)
+        if self.device is not None and self.device not in DEVICE_FORMS:
+            raise ValueError(
+                f"var {self.name!r}: unknown device {self.device!r} (one of {', '.join(DEVICE_FORMS)})"
+                f"{did_you_mean(self.device, DEVICE_FORMS)}"
+            )
         if self.split is not None:
             self.split.check(self.name, self.shape)
+
+    def copy(self, **changes: Any) -> Var:
+        """This var with `changes` (field=value), every other field kept, in no program yet."""
+        return dataclasses.replace(self, program=None, **changes)
 
     @property
     def full_shape(self) -> Shape | None:
@@ -251,6 +275,7 @@ def _copy_var(v: Var, program: Program) -> Var:
     new.trainable = v.trainable
     new.program = program
     new.split = v.split  # frozen
+    new.device = v.device
     return new
 
 

@@ -134,17 +134,18 @@ class GradBuilder:
         target = [-1 if i in sym else d for i, d in enumerate(xs)]
         return self.emit1("Reshape", [grad, self.const(target, "int64")], like=x)
 
-    def saved_outputs(self, op: Op, what: list[tuple[str, tuple, str]], count: int) -> list[str]:
+    def saved_outputs(self, op: Op, what: list[tuple], count: int) -> list[str]:
         """Make forward `op` also produce its optional outputs up to index count-1, kept
         for the backward (dropout masks, norm statistics, log-probabilities). `what`
-        gives (tag, shape, dtype) of the last len(what) of them; returns their names."""
+        gives (tag, shape, dtype) of the last len(what) of them, or (tag, shape, dtype,
+        device) for one only that kind of device makes (`Var.device`); returns their names."""
         while len(op.outputs) < count:
             op.outputs.append("")
         out = []
-        for k, (tag, shape, dtype) in zip(range(count - len(what), count), what):
+        for k, (tag, shape, dtype, *device) in zip(range(count - len(what), count), what):
             if not op.outputs[k]:
                 name = names.fresh(names.saved(op.outputs[0], tag), self.program.vars)
-                self.program.add_var(Var(name, dtype, shape))
+                self.program.add_var(Var(name, dtype, shape, device=device[0] if device else None))
                 op.outputs[k] = name
             out.append(op.outputs[k])
         return out

@@ -109,24 +109,36 @@ class MemoryEstimate:
 
 
 def estimate_memory(
-    p: Program, *, dims: dict[str, int], fetches: tuple[str, ...] = (), workspace: bool = True
+    p: Program,
+    *,
+    dims: dict[str, int],
+    fetches: tuple[str, ...] = (),
+    workspace: bool = True,
+    device: str = "cpu",
 ) -> MemoryEstimate:
-    """The peak of live bytes when `p` runs with symbolic dims bound by `dims`; `workspace`:
+    """The peak of live bytes when `p` runs with symbolic dims bound by `dims` on `device` (a
+    `DEVICE_FORMS` entry: vars only another kind of device makes count nothing); `workspace`:
     add the temporaries of ops whose rows declare them (module doc). The result also holds
     the live bytes at every op (`timeline`) and what is alive at the peak (`where`)."""
-    replay = _Replay(p, dims, fetches, workspace)
+    replay = _Replay(p, dims, fetches, workspace, device)
     replay.run()
     peak_op = replay.peak_op
     return MemoryEstimate(replay.peak, replay.persistable, peak_op, replay.timeline, replay.where(peak_op))
 
 
 def where_alive(
-    p: Program, at: int, *, dims: dict[str, int], fetches: tuple[str, ...] = (), workspace: bool = True
+    p: Program,
+    at: int,
+    *,
+    dims: dict[str, int],
+    fetches: tuple[str, ...] = (),
+    workspace: bool = True,
+    device: str = "cpu",
 ) -> MemoryWhere:
     """What is alive at op `at` (any op, not only the peak's): the `where` view there."""
     if not -1 <= at < len(p.ops):
         raise IndexError(f"op index {at} is outside program {p.name!r} (ops 0..{len(p.ops) - 1})")
-    replay = _Replay(p, dims, fetches, workspace)
+    replay = _Replay(p, dims, fetches, workspace, device)
     replay.run()
     return replay.where(at)
 
@@ -142,8 +154,10 @@ class _Storage:
 class _Replay:
     """One pass over the ops counting live device bytes the executor's way (module doc)."""
 
-    def __init__(self, p: Program, dims: dict[str, int], fetches: tuple[str, ...], workspace: bool) -> None:
-        self.p, self.dims, self.workspace = p, dims, workspace
+    def __init__(
+        self, p: Program, dims: dict[str, int], fetches: tuple[str, ...], workspace: bool, device: str
+    ) -> None:
+        self.p, self.dims, self.workspace, self.device = p, dims, workspace, device
         kept = [f for f in (*fetches, p.loss_name) if f]
         self.last, self.update_at = liveness(p, kept)
         self.reused = plan_reuse(p, kept)  # outputs the executor writes over a dying input
@@ -165,7 +179,10 @@ class _Replay:
         self.workspaces: dict[int, int] = {}  # op -> its kernel temporaries (nonzero only)
 
     def nbytes(self, name: str) -> int:
-        return self.p.vars[name].nbytes(self.dims) or 0
+        v = self.p.vars[name]
+        if v.device is not None and v.device != self.device:  # another device's saved output: None here
+            return 0
+        return v.nbytes(self.dims) or 0
 
     def _shape(self, name: str) -> tuple | None:
         v = self.p.vars.get(name) if name else None

@@ -195,7 +195,7 @@ def _chosen(
 def _new_var(q: Program, name: str, like: str) -> str:
     v = q.vars[like]
     name = names.fresh(name, q.vars)
-    q.add_var(Var(name, v.dtype, v.shape))
+    q.add_var(Var(name, v.dtype, v.shape, device=v.device))
     return name
 
 

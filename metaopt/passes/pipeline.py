@@ -735,15 +735,7 @@ class _Splitter:
         produced = {o for op in ops for o in op.outputs if o}
         for name in allvars:  # the input program's order, then the pass's vars
             if name in used:
-                q.add_var(
-                    Var(
-                        **{
-                            f: getattr(allvars[name], f)
-                            for f in ("name", "dtype", "shape", "kind", "trainable", "split")
-                        }
-                    ),
-                    values.get(name),
-                )
+                q.add_var(allvars[name].copy(), values.get(name))
         q.ops = ops
         q.inputs = [x for x in [*p.inputs, MICRO_BATCH] if x in used and x not in produced]
         q.outputs = [x for x in p.outputs if x in produced]

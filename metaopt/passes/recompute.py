@@ -404,7 +404,7 @@ def _reemit(
                 continue
             c = names.fresh(names.recompute(o), q.vars)
             v = q.vars[o]
-            q.add_var(Var(c, v.dtype, v.shape))
+            q.add_var(Var(c, v.dtype, v.shape, device=v.device))  # a per-device saved output stays one
             copies[o] = c
             outs.append(c)
         ins = [copies.get(x, x) for x in op.inputs]

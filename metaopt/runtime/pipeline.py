@@ -426,7 +426,7 @@ def _rest(op: Op) -> tuple:
 
 def _copy(v: Var, kind: str | None = None) -> Var:
     # a tensor-parallel param (and its state) keeps its split layout: checkpoints save it by part
-    return Var(v.name, v.dtype, v.shape, kind or v.kind, v.trainable, split=v.split if kind is None else None)
+    return v.copy() if kind is None else v.copy(kind=kind, split=None)
 
 
 def _split_feed(p: Program, feed: Mapping[str, Any], m: int, keep: set[str]) -> list[dict[str, Any]]:

@@ -803,3 +803,19 @@ def test_structural_comparison_catches_differences():
         mutate(q)
         with pytest.raises(AssertionError):
             assert_same_program(p, q)
+
+
+def test_round_trip_vars_made_on_one_kind_of_device():
+    p = _base()
+    p.add_var(Var("lse", "float32", ("batch", "(s+31)//32*32"), device="cuda"))
+    p.add_var(Var("probs", "float32", ("batch", 4), device="cpu"))
+    p.add_var(Var("w", "float32", (4,), "param", trainable=True, split=Split(0, 2, (8,))))
+    p.ops = [Op("Split", ["x"], ["lse", "probs"], {"axis": 1})]
+    q = round_trip(p)
+    assert 'lse: float32[batch,"(s+31)//32*32"] on cuda' in print_program(q)
+    assert q.vars["lse"].device == "cuda" and q.vars["probs"].device == "cpu" and q.vars["w"].device is None
+
+
+def test_an_unknown_device_is_named_with_a_suggestion():
+    with pytest.raises(ValueError, match=r"var 'lse': unknown device 'cdua' \(one of cpu, cuda\).*cuda"):
+        Var("lse", "float32", (2,), device="cdua")

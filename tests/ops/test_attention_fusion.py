@@ -188,23 +188,23 @@ def test_onnx_attention_is_fused_and_exact():
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.25])
-@pytest.mark.parametrize("flash_cpu", [True, False])
-def test_kernels_against_autograd_on_sdpa(monkeypatch, dropout_p, flash_cpu):
+@pytest.mark.parametrize("dmask", [True, False])
+def test_kernels_against_autograd_on_sdpa(dropout_p, dmask):
     """Forward and fused backward against torch autograd on SDPA's math (float64, same mask);
-    flash_cpu=False runs the code path other devices take."""
-    monkeypatch.setattr(attn_kernels, "_flash_cpu", lambda q: flash_cpu)
+    without the mask's grad torch's flash CPU backward runs, with it our torch-ops one."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 5, 4, generator=g, dtype=torch.float64) for _ in range(3))
     mask = torch.randn(3, 5, 5, generator=g, dtype=torch.float64)
     mask[1, 2, :] = -math.inf  # a dead row: zeros, no NaN
     dy = torch.randn(2, 3, 5, 4, generator=g, dtype=torch.float64)
-    nout = 3 if dropout_p else 2
+    forms = attn_kernels.saved_forms(q.shape, k.shape, "float64", v.shape, dropout_p)
     outs = attn_kernels.scaled_dot_product_attention(
-        q, k, v, mask, scale=0.7, dropout_p=dropout_p, _nout=nout
+        q, k, v, mask, scale=0.7, dropout_p=dropout_p, _nout=1 + len(forms)
     )
     y, saved = outs[0], outs[1:]
+    assert [t is None for t in saved] == [f[3] == "cuda" for f in forms]  # the CUDA form's: None here
     grads = attn_kernels.scaled_dot_product_attention_grad(
-        dy, q, k, v, y, mask, *saved, scale=0.7, dropout_p=dropout_p, mask=[1, 1, 1, 1]
+        dy, q, k, v, y, mask, *saved, scale=0.7, dropout_p=dropout_p, mask=[1, 1, 1, int(dmask)]
     )
     xs = [t.clone().requires_grad_(True) for t in (q, k, v, mask)]
     scores = xs[0] @ xs[1].transpose(-1, -2) * 0.7 + xs[3]
@@ -221,4 +221,72 @@ def test_kernels_against_autograd_on_sdpa(monkeypatch, dropout_p, flash_cpu):
     want.backward(dy)
     torch.testing.assert_close(y, want.detach())
     for got, x in zip(grads, xs, strict=True):
+        if x is xs[3] and not dmask:
+            assert got is None
+            continue
         torch.testing.assert_close(got, x.grad)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_cuda_form_on_meta_makes_what_the_program_declares(dropout_p, dtype):
+    """On the meta device (the stand-in for CUDA) the op runs torch's memory-efficient kernel:
+    each saved output has the shape and dtype `saved_forms` declares for CUDA (logsumexp rows
+    padded to 32, philox seed and offset), the CPU's are None, and the backward gives grads of
+    the inputs' shapes; a mask of 77 keys (not 16-aligned) is padded for the kernel."""
+    b, h, sq, sk, d = 2, 3, 77, 77, 16
+    q, k, v = (torch.empty(b, h, n, d, dtype=dtype, device="meta") for n in (sq, sk, sk))
+    mask = torch.empty(b, 1, sq, sk, dtype=dtype, device="meta")
+    forms = attn_kernels.saved_forms(q.shape, k.shape, str(dtype).removeprefix("torch."), v.shape, dropout_p)
+    outs = attn_kernels.scaled_dot_product_attention(
+        q, k, v, mask, scale=0.25, dropout_p=dropout_p, _nout=1 + len(forms)
+    )
+    y, saved = outs[0], outs[1:]
+    assert y.shape == q.shape[:3] + (d,) and y.dtype == dtype
+    for (tag, shape, dt, device), t in zip(forms, saved, strict=True):
+        if device == "cpu":
+            assert t is None, tag
+            continue
+        assert tuple(t.shape) == tuple(shape) and str(t.dtype) == f"torch.{dt}", (tag, t.shape, t.dtype)
+    assert forms[-3][1] == (b, h, 96)  # 77 rows padded to 96
+    grads = attn_kernels.scaled_dot_product_attention_grad(
+        torch.empty_like(y), q, k, v, y, mask, *saved, scale=0.25, dropout_p=dropout_p, mask=[1, 1, 1, 1]
+    )
+    assert [tuple(g.shape) for g in grads] == [tuple(x.shape) for x in (q, k, v, mask)]
+
+
+def test_the_cuda_form_refuses_a_program_that_saved_only_the_cpus_outputs():
+    q = torch.empty(1, 2, 8, 4, device="meta")
+    with pytest.raises(NotImplementedError, match="minimize the forward program again"):
+        attn_kernels.scaled_dot_product_attention_grad(q, q, q, q, q, None, q, scale=0.5)
+
+
+def test_the_training_program_declares_both_devices_saved_outputs_and_keeps_them_in_onnx(tmp_path):
+    """The minimized program holds the CPU's and the CUDA form's saved outputs, each marked with
+    its device; saved to ONNX and loaded back they stay marked, and the memory estimate for
+    each device counts only its own (the CPU's probabilities, the CUDA's logsumexp)."""
+    from metaopt.frontend.onnx_save import save
+    from metaopt.passes.memory_estimate import estimate_memory
+
+    _, program = _export("sdpa", 0.1)
+    metaopt.optimizer.SGD(learning_rate=0.1).minimize(program.loss)
+    (op,) = [op for op in program.ops if op.type == SDPA]
+    devices = [program.vars[o].device for o in op.outputs[1:]]
+    assert devices == [
+        "cpu",
+        "cpu",
+        "cuda",
+        "cuda",
+        "cuda",
+        "cuda",
+    ]  # PROBS, DROPPED; OUT, LSE32, SEED, OFFSET
+    save(program, tmp_path / "train.onnx")
+    loaded = metaopt.load(tmp_path / "train.onnx")
+    assert [loaded.vars[o].device for o in op.outputs[1:]] == devices
+    at = program.ops.index(op)
+    on = {d: estimate_memory(program, dims={"batch": 2}, device=d).timeline for d in ("cpu", "cuda")}
+    saved = {
+        d: sum(program.vars[o].nbytes({"batch": 2}) for o in op.outputs[1:] if program.vars[o].device == d)
+        for d in on
+    }
+    assert on["cpu"][at] - on["cuda"][at] == saved["cpu"] - saved["cuda"] > 0

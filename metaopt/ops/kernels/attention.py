@@ -193,11 +193,21 @@ def rotary_embedding(
 #
 # RNG: the row is `random=True`, so recompute records the generator state before the op
 # (RngState) and replays it around the recomputed copy (RngReplay, ops/kernels/rng.py): the mask is
-# bit-identical on CPU. On CUDA RngReplay restores the whole CUDA generator state, i.e. the
-# philox seed and offset native_dropout draws from; a future CUDA path through
-# `_scaled_dot_product_efficient_attention` (dropout inside the kernel) takes its philox seed and
-# offset from that same generator, so the replay covers it too, and its backward must then get the
-# returned philox_seed / philox_offset as saved outputs (not written: no CUDA here to test it).
+# bit-identical on CPU. On CUDA RngReplay restores the whole CUDA generator state, from which
+# `_scaled_dot_product_efficient_attention` takes its philox seed and offset, so the replay
+# covers the CUDA form's dropout too.
+#
+# Per device (`Var.device`): the forms above are the CPU's. On CUDA (and on the meta device,
+# which stands in for one) the op runs torch's memory-efficient kernel forward and backward,
+# dropout inside, as eager SDPA does there: it saves the logsumexp (float32, rows padded to a
+# multiple of 32 by the kernel) and the philox seed and offset its dropout drew from, plus, with
+# dropout, its output (the backward reads it; the CPU's dropout form does not, so the CPU does
+# not keep it). The op declares both sets of saved outputs; the program prints each with
+# ``on cpu`` / ``on cuda``, and the kernel on one device leaves the other's None:
+#     y, PROBS, DROPPED (cpu), OUT, LSE32, SEED, OFFSET (cuda)   dropout_p > 0
+#     y, LSE (cpu), LSE32, SEED, OFFSET (cuda)                   dropout_p == 0
+# The kernel wants its bias's rows aligned (a batch stride a multiple of 16 bytes): the mask is
+# padded to a multiple of 16 keys and sliced back, as SDPA does (`_aligned_bias`).
 
 _SDPA = "ScaledDotProductAttention"
 
@@ -262,14 +272,22 @@ def _dropout(x: torch.Tensor, p: float) -> torch.Tensor:
     return x.mul(keep).mul_(1.0 / (1.0 - p))
 
 
+def _efficient_backward(dy, q, k, v, y, m4, lse, seed, offset, scale, dropout_p, want, dmask_wanted):  # noqa: ANN001, ANN202
+    """The CUDA form's backward: torch's memory-efficient kernel (its dropout mask again from the
+    saved philox seed and offset). The bias grad, when wanted, at the full (b, h, sq, sk)."""
+    b, h, sq, _ = q.shape
+    sk = k.shape[2]
+    bias = _aligned_bias(m4, b, h, sq, sk)
+    wanted = [want[0], want[1], want[2], bool(dmask_wanted)]
+    dq, dk, dv, db = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dy.contiguous(), q, k, v, bias, y, lse, seed, offset, dropout_p, wanted, False, scale=scale
+    )
+    return dq, dk, dv, (db[..., :sk] if db is not None and dmask_wanted else None)
+
+
 def _wide(s: torch.Tensor) -> torch.Tensor:
     """Scores for the log-sum-exp: float32 for half types (as the flash kernels accumulate)."""
     return s.float() if s.dtype in (torch.float16, torch.bfloat16) else s
-
-
-def _flash_cpu(q: torch.Tensor) -> bool:
-    """Use torch's fused CPU flash kernels (else the same algorithm in torch ops, any device)."""
-    return q.device.type == "cpu"
 
 
 def _dead_rows(mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -281,22 +299,40 @@ def _dead_rows(mask: torch.Tensor | None) -> torch.Tensor | None:
     return dead if dead.device.type != "cpu" or bool(dead.any()) else None
 
 
+_LSE_ROWS = 32  # the memory-efficient kernel pads its logsumexp's rows to a multiple of this
+_BIAS_ALIGN = 16  # and wants its bias's rows aligned: keys padded to a multiple of this
+
+
+def _padded(dim, to: int):
+    """`dim` rounded up to a multiple of `to` (an int, or a dim expression for a symbolic one)."""
+    return -(-dim // to) * to if isinstance(dim, int) else f"({dim}+{to - 1})//{to}*{to}"
+
+
+def saved_forms(q_shape: tuple, k_shape: tuple, dtype: str, v_shape: tuple, dropout_p: float) -> list[tuple]:
+    """(tag, shape, dtype, device) of each saved output of the op, after y, in output order:
+    the CPU form's, then the CUDA form's (see the notes above)."""
+    b, h, sq, _ = q_shape
+    sk = k_shape[2]
+    if dropout_p > 0.0:
+        cpu = [("PROBS", (b, h, sq, sk), dtype, "cpu"), ("DROPPED", (b, h, sq, sk), dtype, "cpu")]
+        out = [("OUT", (b, h, sq, v_shape[3]), dtype, "cuda")]
+    else:
+        lse_dtype = "float32" if dtype in ("float16", "bfloat16") else dtype
+        cpu, out = [("LSE", (b, h, sq), lse_dtype, "cpu")], []
+    cuda = [("LSE32", (b, h, _padded(sq, _LSE_ROWS)), "float32", "cuda")]
+    cuda += [("SEED", (), "int64", "cuda"), ("OFFSET", (), "int64", "cuda")]
+    return cpu + out + cuda
+
+
 def _sdpa_grad_rule(g, op, dy):
     """The fused backward: one `ScaledDotProductAttentionGrad` from the forward's saved outputs
-    (LSE, or the probabilities and dropout mask), never a re-run of the forward."""
+    (per device: see the notes above), never a re-run of the forward."""
     q, k, v = op.inputs[:3]
     m = op.inputs[3] if len(op.inputs) > 3 and op.inputs[3] else ""
-    b, h, sq, _ = g.shape(q)
-    sk = g.shape(k)[2]
     dropout_p = op.attrs.get("dropout_p", 0.0)
-    if dropout_p > 0.0:
-        probs = ("PROBS", (b, h, sq, sk), g.dtype(q))
-        saved = g.saved_outputs(op, [probs, ("DROPPED", (b, h, sq, sk), g.dtype(q))], count=3)
-        y = ""  # the dropout form does not read the output
-    else:
-        lse_dtype = "float32" if g.dtype(q) in ("float16", "bfloat16") else g.dtype(q)
-        saved = g.saved_outputs(op, [("LSE", (b, h, sq), lse_dtype)], count=2)
-        y = op.outputs[0]
+    forms = saved_forms(g.shape(q), g.shape(k), g.dtype(q), g.shape(v), dropout_p)
+    saved = g.saved_outputs(op, forms, count=1 + len(forms))
+    y = "" if dropout_p > 0.0 else op.outputs[0]  # the dropout forms read their own saved output
     outs, mask = g.contribs(4 if m else 3)
     attrs = {"scale": op.attrs.get("scale", 1.0), "dropout_p": dropout_p}
     g.emit(_SDPA + "Grad", [dy[0], q, k, v, y, m, *saved], outs, mask=mask, **attrs)
@@ -328,8 +364,13 @@ def scaled_dot_product_attention(
     """softmax(scale * q k^T + attn_mask) v, dropout `dropout_p` on the probabilities; q, k, v
     are (batch, heads, seq, size). Outputs: y, then what the backward reads (see above):
     (y, LSE) when dropout_p == 0, (y, PROBS, DROPPED) when dropout_p > 0: the probabilities
-    before and after dropout (see `_dropout_backward` for why not the mask)."""
+    before and after dropout (see `_dropout_backward` for why not the mask). Those are the
+    CPU's; `_nout` > 1 asks for every saved output of both devices (`saved_forms`), the other
+    device's left None."""
     mask = _mask4(attn_mask, q.dtype)
+    if q.device.type != "cpu":
+        return _efficient(q, k, v, mask, scale, dropout_p, _nout)
+    cuda_none = (None,) * max(0, _nout - (3 if dropout_p > 0.0 else 2))
     if dropout_p > 0.0:
         b, h, sq, _ = q.shape
         probs = torch.softmax(_scores_fresh(q, k, mask, scale), -1)
@@ -340,19 +381,39 @@ def scaled_dot_product_attention(
         sk = k.shape[2]
         y = torch.bmm(dropped.view(b * h, sq, sk), v.reshape(b * h, sk, v.shape[3]))
         y = y.view(b, h, sq, v.shape[3])
-        return (y, probs, dropped)[:_nout] if _nout > 1 else y
+        return (y, probs, dropped, *cuda_none)[:_nout] if _nout > 1 else y
     if _nout == 1:  # no backward reads this op: SDPA's own choice of kernel
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    if _flash_cpu(q):
-        y, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, False, attn_mask=mask, scale=scale
-        )
-        return y, lse
-    s = _wide(_scores(q, k, mask, scale))
-    lse = torch.logsumexp(s, -1)
-    lse = lse.masked_fill(torch.isneginf(lse), 0.0)  # a dead row: exp(-inf - 0) = 0, as flash does
-    y = torch.matmul(torch.exp(s - lse.unsqueeze(-1)).to(q.dtype), v)
-    return y, lse
+    y, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, False, attn_mask=mask, scale=scale
+    )
+    return (y, lse, *cuda_none)[:_nout]
+
+
+def _aligned_bias(mask: torch.Tensor | None, b: int, h: int, sq: int, sk: int) -> torch.Tensor | None:
+    """The 4-D additive mask as the memory-efficient kernel takes it: (b, h, sq, sk), broadcast
+    by strides, its rows `_BIAS_ALIGN`-aligned (padded, then sliced back, as SDPA does)."""
+    if mask is None:
+        return None
+    pad = (-mask.shape[-1]) % _BIAS_ALIGN
+    if pad:
+        mask = F.pad(mask, (0, pad))[..., : mask.shape[-1]]
+    return mask.expand(b, h, sq, sk)
+
+
+def _efficient(q, k, v, mask, scale: float, dropout_p: float, _nout: int):  # noqa: ANN001
+    """The CUDA form: torch's memory-efficient kernel, dropout inside (its philox seed and offset
+    from the CUDA generator). Outputs as `scaled_dot_product_attention`'s, the CPU's None."""
+    b, h, sq, _ = q.shape
+    bias = _aligned_bias(mask, b, h, sq, k.shape[2])
+    y, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, bias, _nout > 1, dropout_p, False, scale=scale
+    )
+    if _nout == 1:
+        return y
+    cpu_none = (None, None) if dropout_p > 0.0 else (None,)
+    out = (y.clone(),) if dropout_p > 0.0 else ()  # kept for the backward while y is used and freed
+    return (y, *cpu_none, *out, lse, seed, offset)[:_nout]
 
 
 @register(_SDPA + "Grad", domain="metaopt", needs_outputs=True, fresh_outputs=True)
@@ -369,13 +430,29 @@ def scaled_dot_product_attention_grad(
     mask: list[int] | None = None,
     _nout: int = 4,
 ):
-    """(dq, dk, dv, dmask) of `ScaledDotProductAttention` from its saved outputs: (LSE) when
-    dropout_p == 0, (PROBS, DROPPED) when dropout_p > 0. `mask` says which are wanted; the
-    mask's grad (a learned position bias) is summed back to the mask's shape."""
+    """(dq, dk, dv, dmask) of `ScaledDotProductAttention` from its saved outputs (`saved_forms`:
+    the CPU's (LSE) when dropout_p == 0, (PROBS, DROPPED) when dropout_p > 0, then the CUDA's,
+    None on the other device). `mask` says which are wanted; the mask's grad (a learned
+    position bias) is summed back to the mask's shape."""
     want = [bool(m) for m in (mask or [1] * _nout)] + [False] * 4
     m4 = _mask4(attn_mask, q.dtype)
     dmask_wanted = want[3] and attn_mask is not None
-    if dropout_p == 0.0 and _flash_cpu(q) and not dmask_wanted:
+    n_cpu = 2 if dropout_p > 0.0 else 1
+    if q.device.type != "cpu":
+        if len(saved) < n_cpu + 3:
+            raise NotImplementedError(
+                f"{_SDPA}Grad on {q.device.type}: the program saves only the CPU's outputs (made before "
+                "attention saved its outputs per device): minimize the forward program again"
+            )
+        *out, lse, seed, offset = saved[n_cpu:]
+        y = out[0] if out else y
+        grads = _efficient_backward(
+            dy, q, k, v, y, m4, lse, seed, offset, scale, dropout_p, want, dmask_wanted
+        )
+        dmask = grads[3].sum_to_size(attn_mask.shape) if dmask_wanted else None
+        return (*grads[:3], dmask)[:_nout]
+    saved = saved[:n_cpu]
+    if dropout_p == 0.0 and not dmask_wanted:
         (lse,) = saved
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dy, q, k, v, y, lse, 0.0, False, attn_mask=m4, scale=scale
@@ -384,7 +461,7 @@ def scaled_dot_product_attention_grad(
     if dropout_p > 0.0:
         probs, dropped = saved
         return _dropout_backward(dy, q, k, v, attn_mask, probs, dropped, scale, want, dmask_wanted)[:_nout]
-    # the flash backward in torch ops: the probabilities again from Q, K and LSE
+    # a learned bias's grad: the flash backward in torch ops, the probabilities again from Q, K, LSE
     (lse,) = saved
     s = _wide(_scores(q, k, m4, scale))
     probs = torch.exp(s - lse.unsqueeze(-1)).to(q.dtype)
