@@ -58,21 +58,10 @@ class FuseLinearCrossEntropyError(ValueError):
 
 
 @dataclass(frozen=True)
-class Fusion:
-    """One head + loss fused: the new op and what it replaces."""
+class Fusion(lm_head.HeadMatch):
+    """One head + loss fused (the match, `lm_head.HeadMatch`) and the chunk size it runs with."""
 
-    loss: str  # the loss op's output (the fused op's)
-    x: str  # the hidden states the head reads
-    weight: str
-    bias: str  # "" when none
-    labels: str
-    trans_b: int  # 1: weight is [V, H] (F.linear's layout); 0: [H, V]
-    classes: int
     chunk_size: int
-    absorbed: tuple[int, ...]  # op indices dropped (head, transpose, bias add, identities, reshapes)
-    chain: tuple[int, ...]  # of those, the ones passing the logits on (bias add, identities, reshapes)
-    moved: tuple[int, ...]  # Slice ops re-applied to the hidden states
-    anchor: int  # the loss op's index: the fused op takes its place
 
     def __str__(self) -> str:
         b = f", {self.bias}" if self.bias else ""
@@ -140,7 +129,7 @@ def plan_fuse_linear_cross_entropy(
             plan.skipped.append(Skipped(op.outputs[0], str(e)))
             continue
         size = chunk_size or max(1, min(DEFAULT_CHUNK_TOKENS, chunk_bytes // (4 * m.classes)))
-        plan.fused.append(Fusion(**{**m.__dict__, "chunk_size": size}))
+        plan.fused.append(Fusion(**vars(m), chunk_size=size))
     return plan
 
 
