@@ -201,6 +201,11 @@ def _join_process_group(env: WorkerEnv) -> bool:
                 f"fleet.init: LOCAL_RANK={env.local_rank} but only {torch.cuda.device_count()} GPU(s) visible"
             )
         torch.cuda.set_device(env.local_rank)
+    from metaopt.layout.groups import choose_gloo_interface
+
+    # gloo (the CPU group, and a NCCL job's host group) on the interface towards the master,
+    # not the host name's address (the loopback on most hosts): else two hosts cannot connect
+    choose_gloo_interface(env.master_addr)
     dist.init_process_group(
         backend="nccl" if use_cuda else "gloo",
         init_method=f"tcp://{env.master_addr}:{env.master_port}",

@@ -98,13 +98,10 @@ def free_ports(host: str, n: int) -> list[int]:
 
 
 def address_towards(host: str) -> str:
-    """This machine's address on the route to `host` (a UDP connect sends nothing)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, 9))
-            return s.getsockname()[0]
-    except OSError:
-        return socket.gethostbyname(socket.gethostname())
+    """This machine's address on the route to `host`, else its host name's."""
+    from metaopt.layout.groups import address_towards as routed
+
+    return routed(host) or socket.gethostbyname(socket.gethostname())
 
 
 def _endpoint(host: str, port: int) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -222,3 +223,56 @@ def group_of(ranks: Sequence[int], limit: datetime.timedelta) -> object:
     if key not in _GROUPS:
         _GROUPS[key] = initialized_dist().new_group(list(key), timeout=limit)
     return _GROUPS[key]
+
+
+# --- which network interface gloo listens on ----------------------------------------------------
+# Without GLOO_SOCKET_IFNAME gloo listens on, and tells its peers, the address this machine's host
+# name resolves to: the loopback on most hosts (/etc/hosts), so two real hosts never connect
+# ("connectFullMesh failed ... remote=[127.0.0.1]"). fleet.init names the interface that holds
+# this machine's address on the route to the master instead, as a user of two hosts had to.
+GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
+_SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
+
+
+def address_towards(host: str) -> str | None:
+    """This machine's IPv4 address on the route to `host` (a UDP connect sends nothing); None
+    when there is no route or `host` is not IPv4."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def _ipv4_of(ifname: str) -> str | None:
+    import fcntl
+    import struct
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", ifname.encode()[:15]))
+    except OSError:  # no IPv4 address, or the interface is gone
+        return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def interface_towards(host: str) -> str | None:
+    """The network interface holding this machine's address on the route to `host` (the
+    master): what gloo must listen on for the workers of other hosts to reach this one. None
+    where it cannot be told (no route, IPv6, a secondary address, not Linux)."""
+    mine = address_towards(host)
+    if mine is None or not hasattr(socket, "if_nameindex"):
+        return None
+    return next((name for _, name in socket.if_nameindex() if _ipv4_of(name) == mine), None)
+
+
+def choose_gloo_interface(master_addr: str, environ: dict | None = None) -> str | None:
+    """Set ``GLOO_SOCKET_IFNAME`` to `interface_towards(master_addr)` unless the user set it;
+    returns what it is now (None: unset, gloo's own choice)."""
+    environ = os.environ if environ is None else environ
+    if not environ.get(GLOO_IFNAME):
+        name = interface_towards(master_addr)
+        if name is not None:
+            environ[GLOO_IFNAME] = name
+    return environ.get(GLOO_IFNAME)
