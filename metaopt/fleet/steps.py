@@ -44,6 +44,7 @@ from metaopt.fleet import env
 from metaopt.fleet.topology import Topology, hybrid_is_set, job_topology
 from metaopt.ir import Program
 from metaopt.passes.driver import Context, Step, check_declarations
+from metaopt.passes.minimize import APPEND_BACKWARD, APPLY_OPTIMIZER
 
 logger = logging.getLogger("metaopt.fleet")
 
@@ -336,27 +337,6 @@ def _master_weights(p: Program, plan: Any, ctx: Context) -> Program:
 
 
 # --- backward and optimizer -------------------------------------------------------------------
-
-
-def _always(ctx: Context) -> tuple[bool, str]:
-    return True, "always"
-
-
-def _append_backward(p: Program, plan: Any, ctx: Context) -> Program:
-    from metaopt.passes.backward import append_backward, loss_grad_seed
-
-    how = {"parameter_list": ctx.parameter_list, "no_grad_set": ctx.no_grad_set}
-    q, pairs = append_backward(p, loss=ctx.loss, **how)
-    ctx.params_grads = pairs
-    ctx.loss_grad = loss_grad_seed(q, ctx.loss)  # the seed append_backward made
-    return q
-
-
-def _apply_optimizer(p: Program, plan: Any, ctx: Context) -> Program:
-    from metaopt.passes.optimize import apply_optimizer
-
-    q, _ = apply_optimizer(p, optimizer=ctx.optimizer, params_grads=ctx.params_grads)
-    return q
 
 
 # --- gradient merge ---------------------------------------------------------------------------
@@ -758,21 +738,8 @@ STEPS: tuple[Step, ...] = (
         reads=("strategy", "tied", "tp_plan"),
         writes=("tied",),
     ),
-    Step(
-        "append_backward",
-        _always,
-        _append_backward,
-        doc="grad ops, (param, grad) pairs",
-        reads=("loss", "no_grad_set", "parameter_list"),
-        writes=("loss_grad", "params_grads"),
-    ),
-    Step(
-        "apply_optimizer",
-        _always,
-        _apply_optimizer,
-        doc="step counter, lr, clipping, update ops",
-        reads=("optimizer", "params_grads"),
-    ),
+    APPEND_BACKWARD,  # passes/minimize.py: Optimizer.minimize runs these two alone
+    APPLY_OPTIMIZER,
     Step(
         "gradient_merge",
         _gm_on,

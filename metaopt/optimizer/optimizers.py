@@ -115,25 +115,20 @@ class Optimizer:
             raise ValueError(f"loss var {loss.name!r} belongs to no program (take it from program.loss)")
         if startup_program is not None and not isinstance(startup_program, Program):
             raise TypeError(f"startup_program must be a Program or None, got {startup_program!r}")
-        from metaopt.dump import dump
-        from metaopt.passes.backward import append_backward  # written beside this; imported late
-        from metaopt.passes.driver import verified
-        from metaopt.passes.optimize import apply_optimizer
+        from metaopt.passes.driver import Context, run_steps  # written beside this; imported late
+        from metaopt.passes.minimize import MINIMIZE_STEPS
 
-        with_grads, params_grads = append_backward(
-            program,
-            loss=loss.name,
+        ctx = Context(
+            strategy=None,
+            optimizer=self,
             parameter_list=_names(parameter_list),
             no_grad_set=_names(no_grad_set),
+            loss=loss.name,
         )
-        verified(with_grads, "append_backward")
-        dump(with_grads, "append_backward")
-        new, ops = apply_optimizer(with_grads, optimizer=self, params_grads=params_grads)
-        verified(new, "apply_optimizer")
-        dump(new, "apply_optimizer")
-        optimize_ops = _rewrite_in_place(program, new, ops)
+        new = run_steps(program, MINIMIZE_STEPS, ctx)  # each step verified and dumped
+        optimize_ops = _rewrite_in_place(program, new, ctx.optimize_ops)
         return optimize_ops, [
-            tuple(program.var(x.name) if isinstance(x, Var) else x for x in pair) for pair in params_grads
+            tuple(program.var(x.name) if isinstance(x, Var) else x for x in pair) for pair in ctx.params_grads
         ]
 
     def __repr__(self) -> str:

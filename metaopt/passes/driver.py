@@ -64,6 +64,7 @@ class Context:
     tp_plan: Any = None  # tensor parallel's plan: split params, sharded values, the mp degree
     partition_slices: dict[str, str] = field(default_factory=dict)  # checkpoint -> its 1/mp slice var
     memory_report: Any = None  # recompute's predicted effect (recompute.MemoryReport), kept current
+    optimize_ops: list = field(default_factory=list)  # the update ops apply_optimizer made (Op objects)
     plans: dict[str, Any] = field(default_factory=dict)  # step name -> its plan (for the caller)
     parts: list[Program] = field(default_factory=list)  # after a split: every part
     part: int = 0  # after a split: this worker's part

@@ -11,6 +11,7 @@ import inspect
 import pytest
 
 from metaopt.fleet import steps
+from metaopt.passes import minimize
 from metaopt.passes.driver import Context, Step, StepError, check_declarations
 
 _MUTATORS = {"update", "append", "extend", "setdefault", "clear", "pop"}
@@ -50,7 +51,12 @@ def _touched(name: str, funcs: dict[str, ast.FunctionDef], seen: set[str]) -> tu
     return reads - _DRIVER, writes - _DRIVER
 
 
-FUNCS = {n.name: n for n in ast.parse(inspect.getsource(steps)).body if isinstance(n, ast.FunctionDef)}
+FUNCS = {  # the rows' functions: fleet's, and the two steps Optimizer.minimize shares (unique names)
+    n.name: n
+    for module in (steps, minimize)
+    for n in ast.parse(inspect.getsource(module)).body
+    if isinstance(n, ast.FunctionDef)
+}
 
 
 @pytest.mark.parametrize("step", steps.STEPS, ids=lambda s: s.name)
