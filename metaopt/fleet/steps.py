@@ -623,6 +623,7 @@ def _pp_how(ctx: Context) -> dict:
         "num_stages": _pp_layout(ctx)[0],
         "cuts": list(cfg["cuts"]) or "auto",
         "micro_batches": cfg["accumulate_steps"],
+        "micro_batch_size": cfg["micro_batch_size"],
         "schedule": cfg["schedule_mode"],
         "chunks": cfg["chunks"],
     }

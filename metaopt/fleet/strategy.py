@@ -208,9 +208,10 @@ AMP_CONFIGS: dict[str, Key] = {
 
 PIPELINE_CONFIGS: dict[str, Key] = {
     "micro_batch_size": Key(
-        1,
-        "int",
-        "samples per micro-batch; metaopt takes the fed batch / accumulate_steps (UNIMPLEMENTED)",
+        None,
+        "int|None",
+        "samples per micro-batch: the fed batch must be micro_batch_size x accumulate_steps, checked "
+        "at the first run; None (metaopt's default; Fleet's is 1): the fed batch / accumulate_steps",
         check=_COUNT,
     ),
     "accumulate_steps": Key(1, "int", "micro-batches per step (gradients accumulated)", check=_COUNT),
@@ -415,9 +416,6 @@ UNIMPLEMENTED: dict[str, str] = {
     "sync_nccl_allreduce": "each all-reduce is waited for before the ops after it run",
     "without_graph_optimization": "the rewritten program runs as is, with no graph optimization passes",
     "cuda_graph": "each step runs op by op; CUDA-graph capture is not written yet",
-    "pipeline_configs.micro_batch_size": (
-        "the micro-batch size is the fed batch divided by pipeline_configs['accumulate_steps']"
-    ),
     "tensor_parallel_configs.tensor_init_seed": (
         "each worker slices its params from the exported model; data parallel's start broadcasts "
         "them (replicated ones from rank 0, split ones within the data-parallel group)"

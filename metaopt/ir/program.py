@@ -35,6 +35,8 @@ def device_form(device: torch.device | str) -> str:
     """The `DEVICE_FORMS` entry a device runs: "cpu" on the CPU, else "cuda"."""
     kind = device if isinstance(device, str) else device.type
     return "cpu" if kind == "cpu" else "cuda"
+
+
 _KIND_ORDER = {"input": 0, "param": 1, "buffer": 2, "opt_state": 3, "constant": 4}
 PERSISTABLE_KINDS = frozenset({"param", "buffer", "opt_state", "constant"})
 # The role table (and when each role runs in a pipelined step) is metaopt.ir.roles; these two
@@ -325,12 +327,17 @@ class PipelineInfo:
     # the whole program's loss: fetched on the last stage, None on the others (any other
     # name a stage does not hold is an error, not a silent None)
     loss: str | None = None
+    # Fleet's pipeline_configs["micro_batch_size"]: the fed batch must be this x micro_batches
+    # (None: any batch micro_batches divides)
+    micro_batch_size: int | None = None
 
     def __str__(self) -> str:
         text = (
             f"stage={self.stage} num_stages={self.num_stages} micro_batches={self.micro_batches} "
             f"schedule={self.schedule} chunks={self.chunks}"
         )
+        if self.micro_batch_size is not None:
+            text += f" micro_batch_size={self.micro_batch_size}"
         if self.dp_degree > 1:
             text += f" dp_degree={self.dp_degree}"
         if self.loss is not None:
@@ -346,6 +353,7 @@ class PipelineInfo:
         ints = {k: int(kv[k]) for k in ("stage", "num_stages", "micro_batches", "chunks")}
         ints["dp_degree"] = int(kv.get("dp_degree", 1))
         ints["loss"] = kv.get("loss")
+        ints["micro_batch_size"] = int(kv["micro_batch_size"]) if "micro_batch_size" in kv else None
         return cls(schedule=kv["schedule"], groups=groups, **ints)
 
 

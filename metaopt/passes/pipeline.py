@@ -86,6 +86,7 @@ class PipelinePlan:
     partitioned: dict[str, tuple[int, ...]] = field(default_factory=dict)
     loss_grad: str | None = None  # the backward's seed: the split scales it by 1/M
     dp_degree: int = 1  # replicas of the whole pipeline: each update reads its grad averaged over them
+    micro_batch_size: int | None = None  # Fleet's: the fed batch must be it x micro_batches (runtime)
 
     @property
     def virtual_stages(self) -> int:
@@ -107,7 +108,8 @@ class PipelinePlan:
     def __str__(self) -> str:
         lines = [
             f"pipeline: {self.num_stages} workers x {self.chunks} chunk(s), {self.micro_batches} "
-            f"micro-batches, schedule {self.schedule}"
+            f"micro-batches{'' if self.micro_batch_size is None else f' of {self.micro_batch_size}'}, "
+            f"schedule {self.schedule}"
         ]
         total = sum(self.costs) or 1.0
         begins = ["<start>", *[c for c, _ in self.cuts]]
@@ -139,6 +141,7 @@ def plan_pipeline(
     grads: Mapping[str, str],
     loss_grad: str | None = None,
     dp_degree: int = 1,
+    micro_batch_size: int | None = None,
 ) -> PipelinePlan:
     """Assign every op of `p` to its virtual stage(s) and list the transfers (see module doc).
 
@@ -224,7 +227,7 @@ def plan_pipeline(
         num_stages, chunks, micro_batches, schedule, resolved, op_stages, costs, holders, dict(grads)
     )
     plan.partitioned = placed_partition
-    plan.loss_grad, plan.dp_degree = loss_grad, dp_degree
+    plan.loss_grad, plan.dp_degree, plan.micro_batch_size = loss_grad, dp_degree, micro_batch_size
     plan.substitute = _cross_stage_recomputes(p, op_stages, skip=in_partition)
     _plan_transfers(p, plan)
     return plan
@@ -728,6 +731,7 @@ class _Splitter:
             groups=tuple(dict.fromkeys(self.shared.values())),
             dp_degree=self.dp_degree,
             loss=p.loss_name,
+            micro_batch_size=plan.micro_batch_size,
         )
         allvars = {**p.vars, **self.extra_vars}
         values = {**p.values, **self.extra_values}

@@ -166,7 +166,7 @@ class PipelineRunner:
             )
         # every worker is fed the whole batch: its batch size gives the micro-batch size even
         # on a stage that reads no feed (shapes of what it receives are checked against it)
-        micro = _split_feed(self.program, feed, m, keep=needed)
+        micro = _split_feed(self.program, feed, m, keep=needed, size=self.info.micro_batch_size)
         if comm is not None:  # every worker knows the micro-batch dims: agree on them
             comm.start_pipeline_step(self.peers, {"batch": micro[0]["__batch__"]}, m)
         rt.pipeline = self.state
@@ -429,15 +429,24 @@ def _copy(v: Var, kind: str | None = None) -> Var:
     return v.copy() if kind is None else v.copy(kind=kind, split=None)
 
 
-def _split_feed(p: Program, feed: Mapping[str, Any], m: int, keep: set[str]) -> list[dict[str, Any]]:
+def _split_feed(
+    p: Program, feed: Mapping[str, Any], m: int, keep: set[str], size: int | None = None
+) -> list[dict[str, Any]]:
     """The `keep` feeds cut into `m` equal micro-batches along dim 0 (every feed is checked:
-    the micro-batch size comes from the whole batch, whichever feeds this stage reads). Every
-    feed is checked before anything is allocated per micro-batch."""
+    the micro-batch size comes from the whole batch, whichever feeds this stage reads; with
+    `size`, Fleet's micro_batch_size, the batch must be `size` x `m`). Every feed is checked
+    before anything is allocated per micro-batch."""
     batch = None
     tensors = {}
     for name, value in feed.items():
         t = torch.as_tensor(value)
         n = t.shape[0] if t.dim() else None
+        if size is not None and n != size * m:
+            raise ValueError(
+                f"pipeline: feed {name!r} has batch {n} ({list(t.shape)}), but pipeline_configs asks "
+                f"for micro_batch_size={size} x accumulate_steps={m} = {size * m}: feed batches of "
+                f"{size * m}, or set micro_batch_size to None (any batch accumulate_steps divides)"
+            )
         if n is None or n % m or n == 0:
             raise ValueError(
                 f"pipeline: feed {name!r} has batch {n} ({list(t.shape)}), which does not split into "

@@ -76,7 +76,7 @@ FLEET_DEFAULTS = {
         "seed_random_ops": True,  # ours
     },
     "pipeline_configs": {
-        "micro_batch_size": 1,
+        "micro_batch_size": None,  # Fleet: 1; None takes the fed batch / accumulate_steps
         "accumulate_steps": 1,
         "schedule_mode": "1F1B",
         "p2p_cache_shape": True,
@@ -89,7 +89,11 @@ FLEET_DEFAULTS = {
     "gradient_merge_configs": {"k_steps": 1, "avg": True},
     # Fleet's TensorParallelConfig (column / row: ours)
     "tensor_parallel_configs": {
-        "tensor_parallel_degree": 1, "tensor_init_seed": -1, "column": [], "row": [], "vocab": []
+        "tensor_parallel_degree": 1,
+        "tensor_init_seed": -1,
+        "column": [],
+        "row": [],
+        "vocab": [],
     },
     # Fleet's HybridConfig: dp_degree -1 = inferred from the world size
     "hybrid_configs": {"dp_degree": -1, "mp_degree": 1, "pp_degree": 1, "sharding_degree": 1},
@@ -492,13 +496,15 @@ def test_unimplemented_top_level_field_is_refused_naming_it():
 
 def test_unimplemented_config_key_is_refused_naming_it_while_its_feature_is_on():
     s = fleet.DistributedStrategy()
-    s.pipeline_configs = {"micro_batch_size": 4, "accumulate_steps": 8}
-    assert unimplemented(s) == []  # pipeline off: the config is unused (the plan warns)
-    s.pipeline = True
+    s.tensor_parallel_configs = {"tensor_parallel_degree": 2, "tensor_init_seed": 7}
+    assert unimplemented(s) == []  # tensor parallel off: the config is unused (the plan warns)
+    s.tensor_parallel = True
     (e,) = unimplemented(s)
     assert isinstance(e, NotImplementedError)
-    assert str(e).startswith("strategy.pipeline_configs['micro_batch_size']=4: not implemented in metaopt (")
-    assert "accumulate_steps" in str(e) and str(e).endswith("leave it at its default 1")
+    assert str(e).startswith(
+        "strategy.tensor_parallel_configs['tensor_init_seed']=7: not implemented in metaopt ("
+    )
+    assert "slices its params" in str(e) and str(e).endswith("leave it at its default -1")
 
 
 def test_defaults_are_not_refused():
@@ -562,7 +568,8 @@ def test_unimplemented_values_still_load_and_print_as_refused(tmp_path):
     s = fleet.DistributedStrategy()
     s.pipeline = True
     s.nccl_comm_num = 2
-    s.pipeline_configs = {"micro_batch_size": 4}
+    s.tensor_parallel = True
+    s.tensor_parallel_configs = {"tensor_init_seed": 4}
     s.sharding = True
     path = tmp_path / "s.json"
     s.save_to_json(path)
@@ -572,7 +579,9 @@ def test_unimplemented_values_still_load_and_print_as_refused(tmp_path):
     text = str(t)
     assert "Not implemented in metaopt: refused at minimize" in text
     assert re.search(r"^\s*\|\s+nccl_comm_num\s+2, default 1\s+\|$", text, re.M)
-    assert re.search(r"^\s*\|\s+pipeline_configs\['micro_batch_size'\]\s+4, default 1\s+\|$", text, re.M)
+    assert re.search(
+        r"^\s*\|\s+tensor_parallel_configs\['tensor_init_seed'\]\s+4, default -1\s+\|$", text, re.M
+    )
     assert re.search(r"^\s*\|\s+sharding\s+True, default False\s+\|$", text, re.M)
     assert len({len(line) for line in text.splitlines()}) == 1  # still a box
     assert "refused" not in str(fleet.DistributedStrategy())

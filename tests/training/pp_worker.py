@@ -19,7 +19,7 @@ import sys
 
 import export_cache
 import torch
-from dp_worker import full_batch
+from dp_worker import BATCH, full_batch
 
 import metaopt
 import programs
@@ -93,6 +93,8 @@ def train_case(case: str, rank: int, world: int) -> dict:
         "chunks": chunks,
         "dp_degree": dp,
         "shared": [TIED_QUERY] if mode == "tied" else [],
+        # Fleet's micro_batch_size where every step feeds the whole batch alike (checked at each run)
+        "micro_batch_size": BATCH // int(m) if mode != "shrink" and dp == 1 and BATCH % int(m) == 0 else None,
     }
     if mode in ("recompute", "offload"):
         strategy.recompute = True

@@ -268,3 +268,33 @@ def test_declared_ties_are_checked():
     assert pp_worker.TIED_QUERY[1] not in p.vars
     readers = [op for op in p.ops if pp_worker.TIED_QUERY[0] in op.inputs]
     assert len(readers) == 2  # both layers read the one param
+
+
+def test_fleets_micro_batch_size_is_honoured_and_a_batch_of_another_size_is_named():
+    """pipeline_configs["micro_batch_size"] (what every Fleet pipeline script sets): the fed
+    batch must be micro_batch_size x accumulate_steps; it trains as without it when it is, and
+    another batch is an error naming both keys before anything runs."""
+    from metaopt.passes.pipeline import pipeline
+
+    sys.path.insert(0, str(HERE))
+    import dp_worker
+    import pp_worker
+
+    base = pp_worker.exported("mlp").clone()
+    metaopt.optimizer.SGD(learning_rate=0.1).minimize(base.loss)
+    mod = programs.get("mlp")
+    feed = dict(zip(mod.INPUT_NAMES, dp_worker.full_batch("mlp", 0), strict=True))  # batch 8
+    results = []
+    for size in (None, 4):
+        (stage,) = pipeline(
+            base, num_stages=1, cuts=[], micro_batches=2, micro_batch_size=size, **backward_links(base)
+        )
+        assert ("micro_batch_size=4" in str(stage)) == (size == 4)  # printed in the program's header
+        exe = metaopt.Executor("cpu")
+        (loss,) = exe.run(stage, feed=feed, fetch_list=["loss"], return_numpy=False)
+        results.append((loss, {v.name: exe.scope[v.name].clone() for v in stage.params()}))
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(torch.equal(results[0][1][k], results[1][1][k]) for k in results[0][1])
+    half = {k: v[:6] for k, v in feed.items()}
+    with pytest.raises(ValueError, match=r"batch 6 .* micro_batch_size=4 x accumulate_steps=2 = 8"):
+        exe.run(stage, feed=half, fetch_list=["loss"])
