@@ -169,6 +169,9 @@ class DistributedOptimizer:
             raise TypeError(f"minimize: loss must be a Var of a Program, got {type(loss).__name__}")
         if loss.program is None:
             raise ValueError(f"minimize: loss {loss.name!r} belongs to no program (use program.loss)")
+        from metaopt.passes.minimize import check_forward_only
+
+        check_forward_only(loss.program, "fleet minimize")
         plan = self.plan(loss)
         plan.check()  # every refusal, the steps' checks included, before anything is touched
         ctx = self._context()

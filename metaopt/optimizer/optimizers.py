@@ -116,8 +116,9 @@ class Optimizer:
         if startup_program is not None and not isinstance(startup_program, Program):
             raise TypeError(f"startup_program must be a Program or None, got {startup_program!r}")
         from metaopt.passes.driver import Context, run_steps  # written beside this; imported late
-        from metaopt.passes.minimize import MINIMIZE_STEPS
+        from metaopt.passes.minimize import MINIMIZE_STEPS, check_forward_only
 
+        check_forward_only(program, f"{type(self).__name__}.minimize")
         ctx = Context(
             strategy=None,
             optimizer=self,

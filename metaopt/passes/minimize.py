@@ -6,8 +6,26 @@ from __future__ import annotations
 
 from typing import Any
 
-from metaopt.ir import Program
+from metaopt.ir import Program, roles
+from metaopt.ir.printer import fmt_op
 from metaopt.passes.driver import Context, Step, check_declarations
+
+
+class AlreadyMinimized(ValueError):
+    """minimize called on a program that already holds a backward (a second minimize call)."""
+
+
+def check_forward_only(p: Program, who: str) -> None:
+    """Raise AlreadyMinimized, naming the first op past the forward, unless `p` is a forward
+    program: a second minimize would otherwise fail inside whichever step first meets the
+    backward, naming that step instead of the cause."""
+    op = next((op for op in p.ops if roles.after_forward(op.role)), None)
+    if op is not None:
+        line = " ".join(fmt_op(op).split())
+        raise AlreadyMinimized(
+            f"{who}: program {p.name!r} is already minimized (it has backward or update ops, first: "
+            f"{line}): minimize a forward program (export or load it again), or run this one"
+        )
 
 
 def always(ctx: Context) -> tuple[bool, str]:

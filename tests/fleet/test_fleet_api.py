@@ -17,7 +17,6 @@ from metaopt.ir import Op, Program, Var
 dopt = importlib.import_module("metaopt.fleet.distributed_optimizer")
 
 
-
 pytestmark = pytest.mark.usefixtures("clean_env")  # tests/conftest.py
 
 
@@ -312,3 +311,22 @@ def test_the_step_order_is_pinned_by_a_golden_plan(monkeypatch, golden):
     text = str(fleet.distributed_optimizer(metaopt.optimizer.Adam(), s).plan())
     golden("train/steps_plan", text)
     assert [line.split()[0] for line in text.splitlines()[1:]] == STEP_ORDER
+
+
+def test_minimize_twice_says_the_program_is_already_minimized():
+    """Issue 32: a second minimize named an internal step (FuseLinearCrossEntropyError ...
+    already has a backward op); it names the cause, for fleet's minimize and the optimizer's,
+    and changes nothing."""
+    from metaopt.passes.minimize import AlreadyMinimized
+
+    fleet.init(is_collective=True)
+    p = _program()
+    metaopt.optimizer.SGD(learning_rate=0.1).minimize(p.loss)
+    before = str(p)
+    with pytest.raises(
+        AlreadyMinimized, match=r"SGD.minimize: program 'tiny' is already minimized .*role=backward"
+    ):
+        metaopt.optimizer.SGD(learning_rate=0.1).minimize(p.loss)
+    with pytest.raises(AlreadyMinimized, match=r"fleet minimize: program 'tiny' is already minimized"):
+        fleet.distributed_optimizer(metaopt.optimizer.SGD(learning_rate=0.1)).minimize(p.loss)
+    assert str(p) == before
