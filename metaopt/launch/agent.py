@@ -104,6 +104,17 @@ def address_towards(host: str) -> str:
     return routed(host) or socket.gethostbyname(socket.gethostname())
 
 
+def socket_interfaces(host: str, gpus: Sequence[str] | None) -> dict[str, str]:
+    """GLOO_SOCKET_IFNAME (and, for GPU workers, NCCL_SOCKET_IFNAME): the interface holding
+    this node's address `host`; empty where it cannot be told."""
+    from metaopt.layout.groups import GLOO_IFNAME, interface_towards
+
+    name = interface_towards(host)
+    if name is None:
+        return {}
+    return {GLOO_IFNAME: name, **({"NCCL_SOCKET_IFNAME": name} if gpus is not None else {})}
+
+
 def _endpoint(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -127,10 +138,18 @@ class WorkerFiles(LogsSpecs):
         self._on_start = on_start
         self._job_env = dict(job_env or {})
         self.endpoints: list[str] | None = None
+        # several nodes: gloo's and NCCL's interface, the one holding this node's address (set by
+        # the agent at the rendezvous), unless the user set them; else the host name's address,
+        # the loopback on most hosts, which the other nodes cannot reach
+        self.interfaces: dict[str, str] = {}
 
     @property
     def root_log_dir(self) -> str:
         return self._plan.log_dir
+
+    @property
+    def plan(self) -> LaunchPlan:
+        return self._plan
 
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         if self.endpoints is None:
@@ -139,6 +158,7 @@ class WorkerFiles(LogsSpecs):
         for local_rank, env in envs.items():
             env.update(fleet_env(env, self.endpoints, self._plan.gpus))
             env[LAUNCHER_PID_ENV] = str(os.getpid())
+            env.update({k: v for k, v in self.interfaces.items() if not os.environ.get(k)})
             env.update(self._job_env)  # the mark by which the workers' children are found
             if "OMP_NUM_THREADS" not in os.environ and len(envs) > 1:
                 env["OMP_NUM_THREADS"] = "1"  # as torchrun: N workers x all cores oversubscribes
@@ -196,6 +216,8 @@ class FleetAgent(LocalElasticAgent):
         host = self._node_ip or address_towards(str(worker_group.master_addr))
         store = worker_group.store
         assert store is not None  # set by the rendezvous
+        if self._files.plan.nnodes > 1:
+            self._files.interfaces = socket_interfaces(host, self._files.plan.gpus)
         ports = free_ports(host, len(worker_group.workers))
         for worker, port in zip(worker_group.workers, ports):
             store.set(f"{_ENDPOINT_KEY}/{attempt}/{worker.global_rank}", _endpoint(host, port))

@@ -1,12 +1,13 @@
 """Two hosts, made as network namespaces joined by a veth pair (10.231.7.1 and 10.231.7.2; not
 localhost, where every address works), each running `metaoptrun --ips=... --nproc_per_node=1`
-as a fleetrun user would. Before fleet.init named gloo's interface, gloo listened on the host
-name's address, the loopback, and both sides failed: "connectFullMesh failed ...
-remote=[127.0.0.1]". Needs root (namespaces); skipped elsewhere."""
+as a fleetrun user would. Before the launcher (and fleet.init) named gloo's interface, gloo
+listened on the host name's address, the loopback, and both sides failed: "connectFullMesh
+failed ... remote=[127.0.0.1]". Needs root (namespaces); skipped elsewhere."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -71,8 +72,9 @@ def test_fleetrun_style_launch_on_two_hosts_trains_across_them(two_hosts, tmp_pa
             p.kill()
     for rank, (p, out, link) in enumerate(zip(procs, outs, links, strict=True)):
         assert p.returncode == 0, out[-3000:]
-        # each host's worker listened on its veth, the interface towards the master
+        # each host's worker listened on its veth, which the launcher named (in its table)
         assert f"rank {rank} sum 3.0 on {link}" in out, out[-3000:]
+        assert re.search(rf"^GLOO_SOCKET_IFNAME\s+{link}$", out, re.M), out[-3000:]
 
 
 def test_the_interface_towards_the_master_is_chosen_unless_the_user_chose():
