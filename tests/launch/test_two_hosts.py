@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 
 from metaopt.layout import groups
 
@@ -52,29 +53,62 @@ def two_hosts():
             subprocess.run(["ip", "netns", "del", h], capture_output=True, timeout=10)
 
 
-def test_fleetrun_style_launch_on_two_hosts_trains_across_them(two_hosts, tmp_path):
-    hosts, links = two_hosts
-    env = {**os.environ, "METAOPT_COMM_TIMEOUT": "30", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+def _launch_on(hosts, tmp_path, script: list[str]) -> list[str]:
+    """`metaoptrun --ips=... --nproc_per_node=1 SCRIPT...` in each host at once; their outputs,
+    each launcher having exited 0."""
+    env = {
+        **os.environ,
+        "METAOPT_COMM_TIMEOUT": "30",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "training")]),
+    }
     env.pop(groups.GLOO_IFNAME, None)
     procs = [
         subprocess.Popen(
             ["ip", "netns", "exec", h, sys.executable, "-m", "metaopt.launch", f"--ips={','.join(IPS)}",
-             "--nproc_per_node=1", f"--log_dir={tmp_path / h}", str(HERE / "two_hosts_train.py")],
+             "--nproc_per_node=1", f"--log_dir={tmp_path / h}", *script],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for h in hosts
     ]  # fmt: skip
     outs = []
     try:
-        outs = [p.communicate(timeout=120)[0] for p in procs]
+        outs = [p.communicate(timeout=180)[0] for p in procs]
     finally:
         for p in procs:
             p.kill()
-    for rank, (p, out, link) in enumerate(zip(procs, outs, links, strict=True)):
+    for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, out[-3000:]
+    return outs
+
+
+def test_fleetrun_style_launch_on_two_hosts_trains_across_them(two_hosts, tmp_path):
+    hosts, links = two_hosts
+    outs = _launch_on(hosts, tmp_path, [str(HERE / "two_hosts_train.py")])
+    for rank, (out, link) in enumerate(zip(outs, links, strict=True)):
         # each host's worker listened on its veth, which the launcher named (in its table)
         assert f"rank {rank} sum 3.0 on {link}" in out, out[-3000:]
         assert re.search(rf"^GLOO_SOCKET_IFNAME\s+{link}$", out, re.M), out[-3000:]
+
+
+def test_data_parallel_across_two_hosts_equals_one_process(two_hosts, tmp_path):
+    """tests/training/dp_worker.py's plain mlp case (5 Adam steps, each host on half of each
+    batch) across the veth, against one process on the full batches: the data-parallel bar,
+    rtol 1e-5 / atol 4e-5 (halves averaged round differently from one batch)."""
+    sys.path.insert(0, str(ROOT / "tests" / "training"))
+    import dp_worker
+
+    hosts, _ = two_hosts
+    out = tmp_path / "results"
+    out.mkdir()
+    _launch_on(hosts, tmp_path, [str(ROOT / "tests" / "training" / "dp_worker.py"), str(out), "mlp:plain"])
+    ranks = [torch.load(out / f"mlp:plain.rank{r}.pt", weights_only=True) for r in range(2)]
+    ref = dp_worker.single_process("mlp")
+    mean_loss = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"], strict=True)]
+    torch.testing.assert_close(torch.tensor(mean_loss), torch.tensor(ref["losses"]), rtol=1e-5, atol=4e-5)
+    for k, want in ref["params"].items():
+        torch.testing.assert_close(ranks[0]["params"][k], want, rtol=1e-5, atol=4e-5, msg=k)
+        assert torch.equal(ranks[0]["params"][k], ranks[1]["params"][k]), k
 
 
 def test_the_interface_towards_the_master_is_chosen_unless_the_user_chose():

@@ -101,6 +101,32 @@ CHECKPOINTS = {"mlp": ["fc1", "fc2"], "bert": ["bert.encoder.layer.*"]}
 MERGE_K = 2  # gradient merge: each worker's share of a step in 2 runs
 
 
+def single_process(name: str) -> dict:
+    """What the workers must equal: one process, the full batch, rank 0's initial values, no
+    recompute (which is bit-identical); fleet initialised (one worker) and reset around it."""
+    from metaopt.fleet import env
+
+    env.reset()
+    fleet.init()
+    try:
+        mod = programs.get(name)
+        model = mod.build("tiny", seed=100, dropout=0.0)  # rank 0's initial values
+        main = metaopt.export(model, mod.example_inputs("tiny", 4, seed=1), name=name)
+        strategy = fleet.DistributedStrategy()
+        fleet.distributed_optimizer(metaopt.optimizer.Adam(learning_rate=1e-2), strategy).minimize(main.loss)
+        exe = metaopt.Executor("cpu")
+        losses = []
+        for step in range(STEPS):
+            full = full_batch(name, step)
+            (loss,) = exe.run(
+                main, feed=dict(zip(mod.INPUT_NAMES, full, strict=True)), fetch_list=[main.loss]
+            )
+            losses.append(float(loss))
+        return {"losses": losses, "params": {v.name: exe.scope[v.name] for v in main.params()}}
+    finally:
+        env.reset()
+
+
 def main() -> None:
     out, cases = sys.argv[1], sys.argv[2:]
     fleet.init(is_collective=True)

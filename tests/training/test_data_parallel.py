@@ -12,8 +12,6 @@ from workers import start_workers, wait_workers
 
 import metaopt
 import programs
-from metaopt import fleet
-from metaopt.fleet import env
 from metaopt.passes.data_parallel import data_parallel, plan_data_parallel
 
 HERE = Path(__file__).parent
@@ -35,25 +33,7 @@ def _single_process(name: str) -> dict:
     sys.path.insert(0, str(HERE))
     import dp_worker
 
-    env.reset()
-    fleet.init()
-    try:
-        mod = programs.get(name)
-        model = mod.build("tiny", seed=100, dropout=0.0)  # rank 0's initial values
-        main = metaopt.export(model, mod.example_inputs("tiny", 4, seed=1), name=name)
-        strategy = fleet.DistributedStrategy()
-        fleet.distributed_optimizer(metaopt.optimizer.Adam(learning_rate=1e-2), strategy).minimize(main.loss)
-        exe = metaopt.Executor("cpu")
-        losses = []
-        for step in range(dp_worker.STEPS):
-            full = dp_worker.full_batch(name, step)
-            (loss,) = exe.run(
-                main, feed=dict(zip(mod.INPUT_NAMES, full, strict=True)), fetch_list=[main.loss]
-            )
-            losses.append(float(loss))
-        return {"losses": losses, "params": {v.name: exe.scope[v.name] for v in main.params()}}
-    finally:
-        env.reset()
+    return dp_worker.single_process(name)
 
 
 @pytest.fixture(scope="module")
