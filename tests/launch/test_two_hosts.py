@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -109,6 +110,49 @@ def test_data_parallel_across_two_hosts_equals_one_process(two_hosts, tmp_path):
     for k, want in ref["params"].items():
         torch.testing.assert_close(ranks[0]["params"][k], want, rtol=1e-5, atol=4e-5, msg=k)
         assert torch.equal(ranks[0]["params"][k], ranks[1]["params"][k]), k
+
+
+def test_a_link_cut_mid_job_ends_both_launchers_and_leaves_no_process(two_hosts, tmp_path):
+    """The veth goes down while the workers all-reduce every 0.1 s: each worker's collective
+    fails within METAOPT_COMM_TIMEOUT (10 s here), and each launcher ends non-zero, with no
+    process of the job left on either host."""
+    hosts, links = two_hosts
+    tag = f"cut-{uuid.uuid4().hex[:8]}"  # in the workers' command lines: what pgrep looks for
+    env = {
+        **os.environ,
+        "METAOPT_COMM_TIMEOUT": "10",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+    }
+    env.pop(groups.GLOO_IFNAME, None)
+    procs = [
+        subprocess.Popen(
+            ["ip", "netns", "exec", h, sys.executable, "-m", "metaopt.launch", f"--ips={','.join(IPS)}",
+             "--nproc_per_node=1", f"--log_dir={tmp_path / h}", str(HERE / "two_hosts_train.py"),
+             "100000", tag],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for h in hosts
+    ]  # fmt: skip
+    try:
+        logs = [tmp_path / h / "workerlog.0" for h in hosts]
+        deadline = time.monotonic() + 120
+        while not all(p.exists() and " step 3" in p.read_text() for p in logs):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the job never ran"
+            time.sleep(0.2)
+        _ip("-n", hosts[1], "link", "set", links[1], "down")  # the cable pulled on host b
+        t0 = time.monotonic()
+        outs = [p.communicate(timeout=90)[0] for p in procs]
+        took = time.monotonic() - t0
+    finally:
+        for p in procs:
+            p.kill()
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode != 0, out[-3000:]
+    print(f"both launchers ended {took:.1f} s after the cut")
+    assert took < 60, f"the launchers took {took:.0f} s to end after the cut"
+    left = subprocess.run(["pgrep", "-f", tag], capture_output=True, text=True).stdout.split()
+    assert not left, f"processes of the job left: {left}"
 
 
 def test_the_interface_towards_the_master_is_chosen_unless_the_user_chose():
