@@ -38,6 +38,7 @@ program: forward, backward, optimizer).
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import re
 from dataclasses import dataclass, field
@@ -99,6 +100,19 @@ class RecomputePlan:
         return "\n".join(lines)
 
 
+def _hint(p: Program, name: str) -> str:
+    """did-you-mean for a checkpoint, plus, when the closest module is one of a numbered family
+    (``bert.encoder.layer.0``), the pattern naming every one (``bert.encoder.layer.*``): what a
+    checkpoint list usually wants."""
+    hint = did_you_mean(name, [*p.modules, *p.vars])
+    close = difflib.get_close_matches(name, list(p.modules), n=1, cutoff=0.6)
+    parts = close[0].split(".") if close else []
+    at = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+    if at is None:
+        return hint
+    return f"{hint}; every block of that family: {'.'.join([*parts[:at], '*', *parts[at + 1 :]])!r}"
+
+
 def resolve_checkpoints(
     p: Program,
     checkpoints: list,
@@ -124,10 +138,8 @@ def resolve_checkpoints(
             if not found and name in p.vars:
                 found = [name]
         if not found:
-            choices = [*p.vars, *p.modules]
             raise RecomputeError(
-                f"checkpoint {name!r} is neither a var nor a module of {p.name!r}"
-                f"{did_you_mean(name, choices)}"
+                f"checkpoint {name!r} is neither a var nor a module of {p.name!r}{_hint(p, name)}"
             )
         out.extend(v for v in found if v not in out)
     return out

@@ -431,3 +431,26 @@ def test_batch_norm_statistics_are_held_not_recomputed():
         outs[-1].append(dict(exe.scope))
     assert all(torch.equal(a, b) for a, b in zip(outs[0][:2], outs[1][:2]))
     assert all(torch.equal(outs[0][2][k], outs[1][2][k]) for k in outs[0][2])
+
+
+@pytest.mark.parametrize(
+    "typo, suggested, family",
+    [
+        ("bert.encoder.layers", "bert.encoder.layer.1", "bert.encoder.layer.*"),
+        ("bert.encoder.layer.0.atention", "bert.encoder.layer.0.attention", "bert.encoder.layer.*.attention"),
+    ],
+)
+def test_an_unknown_checkpoint_suggests_names_once_each_and_the_pattern_of_their_family(
+    typo, suggested, family
+):
+    """Issue 32: the did-you-mean listed a module twice (a module and its output var share the
+    name) and never the pattern a checkpoint list wants; the pattern suggested resolves."""
+    _, _, program = exported("bert")
+    with pytest.raises(RecomputeError) as e:
+        resolve_checkpoints(program, [typo])
+    text = str(e.value)
+    assert f"'{suggested}'" in text and text.endswith(f"; every block of that family: '{family}'")
+    quoted = text[text.index("did you mean") :].split("?")[0]
+    names = [q for q in quoted.split("'")[1::2]]
+    assert len(names) == len(set(names))  # each once
+    assert resolve_checkpoints(program, [family])  # the suggestion is a working checkpoint entry
