@@ -208,7 +208,7 @@ def _join_process_group(env: WorkerEnv) -> bool:
     choose_gloo_interface(env.master_addr)
     dist.init_process_group(
         backend="nccl" if use_cuda else "gloo",
-        init_method=f"tcp://{env.master_addr}:{env.master_port}",
+        **_rendezvous(env),
         rank=env.rank,
         world_size=env.world_size,
         timeout=comm_timeout(),
@@ -218,6 +218,29 @@ def _join_process_group(env: WorkerEnv) -> bool:
     # would look failed.
     atexit.register(_destroy_at_exit)
     return True
+
+
+def _rendezvous(env: WorkerEnv) -> dict:
+    """How the workers find each other: the master's TCP store. Under a launcher that restarts
+    workers (metaoptrun --max_restarts, torchrun) every attempt gets its own key prefix: the
+    store lives on in the agent across restarts (torch's c10d rendezvous), and without a prefix a
+    restarted worker read the last attempt's gloo addresses and failed to connect to a dead
+    port ("connectFullMesh failed ... Connection refused")."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        return {"init_method": f"tcp://{env.master_addr}:{env.master_port}"}
+    import torch.distributed as dist
+
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # else rank 0 hosts it, as tcp://
+    store = dist.TCPStore(
+        env.master_addr,
+        env.master_port,
+        env.world_size,
+        is_master=not agent and env.rank == 0,
+        timeout=comm_timeout(),
+        multi_tenant=True,
+    )
+    return {"store": dist.PrefixStore(f"metaopt/attempt-{attempt}", store)}
 
 
 def _destroy_at_exit() -> None:

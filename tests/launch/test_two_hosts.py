@@ -112,6 +112,26 @@ def test_data_parallel_across_two_hosts_equals_one_process(two_hosts, tmp_path):
         assert torch.equal(ranks[0]["params"][k], ranks[1]["params"][k]), k
 
 
+def test_a_worker_crash_restarts_the_job_from_the_latest_checkpoint_and_it_ends_equal(two_hosts, tmp_path):
+    """--max_restarts 1 on both hosts: host b's worker dies after step 3's checkpoint; both
+    launchers restart their workers, which load the latest checkpoint (a folder both hosts
+    see) and finish steps 4-5: the params equal one uninterrupted process (the data-parallel
+    bar, rtol 1e-5 / atol 4e-5)."""
+    sys.path.insert(0, str(ROOT / "tests" / "training"))
+    import dp_worker
+
+    hosts, _ = two_hosts
+    ckpt, out = tmp_path / "ckpt", tmp_path / "params.pt"
+    script = [str(HERE / "two_hosts_resume.py"), str(ckpt), str(out), "3"]
+    outs = _launch_on(hosts, tmp_path, ["--max_restarts=1", *script])
+    for rank, text in enumerate(outs):
+        assert f"rank {rank} attempt 0 starts at step 0" in text, text[-3000:]
+        assert f"rank {rank} attempt 1 starts at step 3" in text, text[-3000:]
+    got = torch.load(out, weights_only=True)
+    for k, want in dp_worker.single_process("mlp")["params"].items():
+        torch.testing.assert_close(got[k], want, rtol=1e-5, atol=4e-5, msg=k)
+
+
 def test_a_link_cut_mid_job_ends_both_launchers_and_leaves_no_process(two_hosts, tmp_path):
     """The veth goes down while the workers all-reduce every 0.1 s: each worker's collective
     fails within METAOPT_COMM_TIMEOUT (10 s here), and each launcher ends non-zero, with no
