@@ -246,13 +246,14 @@ def address_towards(host: str) -> str | None:
 
 
 def _ipv4_of(ifname: str) -> str | None:
-    import fcntl
     import struct
 
     try:
+        import fcntl  # Unix only: elsewhere gloo keeps its own choice
+
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", ifname.encode()[:15]))
-    except OSError:  # no IPv4 address, or the interface is gone
+    except (OSError, ImportError):  # no IPv4 address, the interface is gone, not Unix
         return None
     return socket.inet_ntoa(packed[20:24])
 
