@@ -6,7 +6,8 @@
 Export -> fleet.distributed_optimizer(...).minimize(loss) -> Executor.run per step,
 with a tqdm progress bar and a loss / throughput / peak-memory line every
 --log-every steps; --save DIR writes a checkpoint (fleet.save_persistables) at the end
-and --resume DIR starts from one.
+and --resume DIR continues from one: its params, optimizer state, step and RNG state, the
+data from that step on, up to --steps in all (so 4 steps, then --resume to 8, trains as 8).
 """
 
 from __future__ import annotations
@@ -67,11 +68,14 @@ def main() -> None:
     print(f"{args.program}/{args.config}: {n_params:,} params, {len(main_program.ops)} ops after minimize")
 
     exe = metaopt.Executor(args.device)
+    metaopt.seed(args.seed)  # before a resume: the checkpoint's RNG state replaces it
+    start = 0
     if args.resume:
         fleet.load_persistables(exe, args.resume, main_program)
-    metaopt.seed(args.seed)
+        start = int(exe.scope["global_step"])  # the optimizer's step counter, saved with the rest
+        print(f"resumed from {args.resume} at step {start}")
     samples, t0 = 0, time.perf_counter()
-    bar = tqdm(range(args.steps), desc="train", unit="step")
+    bar = tqdm(range(start, args.steps), desc="train", unit="step", initial=start, total=args.steps)
     for step in bar:
         batch = mod.example_inputs(args.config, args.batch, seed=1000 + step)
         feed = dict(zip(mod.INPUT_NAMES, batch, strict=True))
