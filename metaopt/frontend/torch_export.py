@@ -28,8 +28,10 @@ from metaopt.frontend.importer import import_model
 from metaopt.frontend.onnx_import import ImportOptions
 from metaopt.frontend.shape_probe import probe_shapes
 from metaopt.ir import Program, Var, dtype_name
+from metaopt.progress import timed
 
 BATCH = "batch"
+_LOG = logging.getLogger("metaopt.export")  # each phase's seconds at INFO (metaopt.progress)
 
 
 def export(
@@ -60,8 +62,10 @@ def export(
         # with "Cannot view a tensor with shape ... strides ..." otherwise.) ONNX has no layouts:
         # the program is the same whichever backend the trace saw.
         with sdpa_kernel([SDPBackend.MATH]):
-            ep = capture(module, args, kwargs, dynamic_shapes)
-            onnx_program = _run_exporter(ep, args, kwargs, dynamic_shapes)
+            with timed(_LOG, "export: torch.export capture"):
+                ep = capture(module, args, kwargs, dynamic_shapes)
+            with timed(_LOG, "export: torch.onnx decomposition"):
+                onnx_program = _run_exporter(ep, args, kwargs, dynamic_shapes)
     except ExportError:
         raise
     except Exception as e:  # the exporters raise many types: name the op, module and line
@@ -77,14 +81,15 @@ def export(
             raise NotImplementedError(
                 f"BatchNorm {path!r} with momentum=None (cumulative average) in train mode"
             )
-    program = import_model(
-        onnx_program.model_proto,
-        options=opts,
-        training=module.training,
-        bn_momentum=bn,
-        name=name or type(module).__name__.lower(),
-        channels_last=channels_last,
-    )
+    with timed(_LOG, "export: import as a program"):
+        program = import_model(
+            onnx_program.model_proto,
+            options=opts,
+            training=module.training,
+            bn_momentum=bn,
+            name=name or type(module).__name__.lower(),
+            channels_last=channels_last,
+        )
     _add_unused_params(program, module)
     if dynamic_batch:
         probe_shapes(program, BATCH)

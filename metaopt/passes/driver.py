@@ -32,6 +32,7 @@ from typing import Any
 
 from metaopt.dump import dump
 from metaopt.ir import Program, verify
+from metaopt.progress import timed
 
 logger = logging.getLogger("metaopt.passes")
 
@@ -179,23 +180,29 @@ def run_steps(program: Program, steps: Sequence[Step], ctx: Context) -> Program:
     ctx.parts = [program.clone()]
     ctx.part = 0
     for s in enabled:
-        current = ctx.parts[ctx.part]
-        plan = s.plan(current, ctx)
-        if plan is not None:
-            ctx.plans[s.name] = plan
-            logger.info("%s", plan)
-        if len(ctx.parts) == 1:
-            out = s.rewrite(current, plan, ctx)
-            parts = out if isinstance(out, list) else [out]  # a split sets ctx.part itself
-        else:  # after a split: the step rewrites every part alike
-            parts = []
-            for k, q in enumerate(ctx.parts):
-                out = s.rewrite(q, plan, ctx)
-                if isinstance(out, list):
-                    raise StepError(f"step {s.name!r} splits a program that is already split (part {k})")
-                parts.append(out)
-        for k, q in enumerate(parts):
-            verified(q, s.name, f" (part {k})" if len(parts) > 1 else "")
-        ctx.parts = parts
-        dump(ctx.parts[ctx.part], s.name)
+        with timed(logger, f"minimize step {s.name}"):
+            _run_step(s, ctx)
     return ctx.parts[ctx.part]
+
+
+def _run_step(s: Step, ctx: Context) -> None:
+    """One step of `run_steps`: plan, rewrite (every part after a split), verify, dump."""
+    current = ctx.parts[ctx.part]
+    plan = s.plan(current, ctx)
+    if plan is not None:
+        ctx.plans[s.name] = plan
+        logger.info("%s", plan)
+    if len(ctx.parts) == 1:
+        out = s.rewrite(current, plan, ctx)
+        parts = out if isinstance(out, list) else [out]  # a split sets ctx.part itself
+    else:  # after a split: the step rewrites every part alike
+        parts = []
+        for k, q in enumerate(ctx.parts):
+            out = s.rewrite(q, plan, ctx)
+            if isinstance(out, list):
+                raise StepError(f"step {s.name!r} splits a program that is already split (part {k})")
+            parts.append(out)
+    for k, q in enumerate(parts):
+        verified(q, s.name, f" (part {k})" if len(parts) > 1 else "")
+    ctx.parts = parts
+    dump(ctx.parts[ctx.part], s.name)
