@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from metaopt.ir.dtypes import torch_dtype_from_onnx
+from metaopt.ir.program import device_form
 from metaopt.ops import onnx_bodies, patterns, rng_streams
 from metaopt.ops.registry import register
 
@@ -368,7 +369,7 @@ def scaled_dot_product_attention(
     CPU's; `_nout` > 1 asks for every saved output of both devices (`saved_forms`), the other
     device's left None."""
     mask = _mask4(attn_mask, q.dtype)
-    if q.device.type != "cpu":
+    if device_form(q.device) == "cuda":  # the saved outputs marked `on cuda`
         return _efficient(q, k, v, mask, scale, dropout_p, _nout)
     cuda_none = (None,) * max(0, _nout - (3 if dropout_p > 0.0 else 2))
     if dropout_p > 0.0:
@@ -438,7 +439,7 @@ def scaled_dot_product_attention_grad(
     m4 = _mask4(attn_mask, q.dtype)
     dmask_wanted = want[3] and attn_mask is not None
     n_cpu = 2 if dropout_p > 0.0 else 1
-    if q.device.type != "cpu":
+    if device_form(q.device) == "cuda":  # the saved outputs marked `on cuda`
         if len(saved) < n_cpu + 3:
             raise NotImplementedError(
                 f"{_SDPA}Grad on {q.device.type}: the program saves only the CPU's outputs (made before "
