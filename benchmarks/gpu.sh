@@ -75,7 +75,8 @@ step() {  # step NAME SECONDS COMMAND...: run it, append its outcome to the repo
 # (the device side of Executor("meta")'s proof that a step never reads the host).
 step cuda_tests 300 "$PY" -m pytest -q -rs -p no:cacheprovider -n "${XDIST:-6}" tests/runtime/test_cuda.py \
   tests/runtime/test_cuda_training.py tests/runtime/test_executor.py tests/fleet/test_io.py \
-  tests/ops/test_kernels.py tests/runtime/test_meta_executor.py -k "cuda or CUDA"
+  tests/ops/test_kernels.py tests/runtime/test_meta_executor.py tests/ops/test_attention_fusion.py \
+  -k "cuda or CUDA"
 # The same HF GPT-2 / BERT / LLaMA and torchvision ResNet-50 on both sides (issue 14 item 3): eager,
 # metaopt, torch checkpoint, metaopt recompute, a fresh process each; memory is
 # torch.cuda.max_memory_allocated on both sides. One round only here (16 processes, ~18 s each on an H200: about 5 min).

@@ -227,16 +227,24 @@ def test_kernels_against_autograd_on_sdpa(dropout_p, dmask):
         torch.testing.assert_close(got, x.grad)
 
 
+CUDA_FORM_DEVICES = [
+    "meta",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+]
+
+
+@pytest.mark.parametrize("device", CUDA_FORM_DEVICES)
 @pytest.mark.parametrize("dropout_p", [0.0, 0.1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_the_cuda_form_on_meta_makes_what_the_program_declares(dropout_p, dtype):
-    """On the meta device (the stand-in for CUDA) the op runs torch's memory-efficient kernel:
-    each saved output has the shape and dtype `saved_forms` declares for CUDA (logsumexp rows
-    padded to 32, philox seed and offset), the CPU's are None, and the backward gives grads of
-    the inputs' shapes; a mask of 77 keys (not 16-aligned) is padded for the kernel."""
+def test_the_cuda_form_makes_what_the_program_declares(device, dropout_p, dtype):
+    """On CUDA, and on the meta device that stands in for it in CI, the op runs torch's
+    memory-efficient kernel: each saved output has the shape and dtype `saved_forms` declares
+    for CUDA (logsumexp rows padded to 32, philox seed and offset), the CPU's are None, and the
+    backward gives grads of the inputs' shapes; a mask of 77 keys (not 16-aligned) is padded
+    for the kernel (benchmarks/gpu.sh runs the cuda case)."""
     b, h, sq, sk, d = 2, 3, 77, 77, 16
-    q, k, v = (torch.empty(b, h, n, d, dtype=dtype, device="meta") for n in (sq, sk, sk))
-    mask = torch.empty(b, 1, sq, sk, dtype=dtype, device="meta")
+    q, k, v = (torch.randn(b, h, n, d, device=device).to(dtype) for n in (sq, sk, sk))
+    mask = torch.zeros(b, 1, sq, sk, dtype=dtype, device=device)
     forms = attn_kernels.saved_forms(q.shape, k.shape, str(dtype).removeprefix("torch."), v.shape, dropout_p)
     outs = attn_kernels.scaled_dot_product_attention(
         q, k, v, mask, scale=0.25, dropout_p=dropout_p, _nout=1 + len(forms)
