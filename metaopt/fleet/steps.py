@@ -397,6 +397,8 @@ def _dp_how(p: Program, ctx: Context) -> dict:
         "at_update": p.gradient_merge is not None,  # grads final only at the window's end
         # beside tensor parallel the replicas holding the same slices are one dp group, not all
         "group": "data_parallel" if mp > 1 else None,
+        # ZeRO stage 2: each worker keeps only its 1/N of the averaged grads (passes/sharding.py)
+        "scatter_parts": _sharding_degree(ctx) if s.sharding and s.sharding_configs["stage"] >= 2 else None,
     }
 
 
@@ -417,6 +419,108 @@ def _broadcast_init(p: Program, plan: Any, ctx: Context) -> Program:
 
     # split params: within the data-parallel group (each MP rank holds its own slice)
     return broadcast_init(p, src=0, split=split_params(ctx))
+
+
+# --- sharding (ZeRO) --------------------------------------------------------------------------------
+
+
+def _sharding_degree(ctx: Context) -> int:
+    """The sharding group's size: hybrid_configs' sharding_degree where the layout has that axis,
+    else sharding_configs' (which must then span every worker: `sharding_errors`)."""
+    try:
+        topo = _layout(ctx)
+    except ValueError:
+        return 1
+    return (
+        topo.sharding_degree if topo.sharding_degree > 1 else ctx.strategy.sharding_configs["sharding_degree"]
+    )
+
+
+def _sh_on(ctx: Context) -> tuple[bool, str]:
+    if not ctx.strategy.sharding:
+        return False, "strategy.sharding=False"
+    cfg = ctx.strategy.sharding_configs
+    return True, f"strategy.sharding=True (stage {cfg['stage']}, sharding_degree={_sharding_degree(ctx)})"
+
+
+def _sh_check(ctx: Context) -> None:
+    """Refuse, by name, what does not run with sharded optimizer state yet."""
+    s, stage = ctx.strategy, ctx.strategy.sharding_configs["stage"]
+    env.require_process_group("sharding")
+    why = []
+    if s.pipeline:
+        why.append("strategy.pipeline=True (sharding inside a pipeline stage)")
+    if s.tensor_parallel:
+        why.append("strategy.tensor_parallel=True (sharding a tensor-parallel slice)")
+    if s.optimizer_in_backward:
+        why.append(
+            "strategy.optimizer_in_backward=True (the updates run bucket by bucket after the backward)"
+        )
+    if s.amp and s.amp_configs["use_pure_fp16"]:
+        why.append("amp_configs['use_pure_fp16']=True (sharded float32 master weights)")
+    if stage >= 2:
+        if getattr(ctx.optimizer, "grad_clip", None) is not None:
+            why.append("stage 2 with grad_clip (the global norm of sharded grads)")
+        if s.amp and ctx.loss_scaling:
+            why.append("stage 2 with AMP loss scaling (the inf/nan check of sharded grads; bfloat16 works)")
+        if ctx.world_size // _sharding_degree(ctx) > 1:
+            why.append("stage 2 with dp_degree > 1 beside sharding (reduce-scatter, then all-reduce over dp)")
+    if why:
+        raise NotImplementedError(
+            f"strategy.sharding=True (stage {stage}) cannot be combined yet with: " + "; ".join(why)
+        )
+
+
+def _sh_plan(p: Program, ctx: Context) -> Any:
+    from metaopt.passes.sharding import plan_sharding
+
+    cfg = ctx.strategy.sharding_configs
+    return plan_sharding(
+        p,
+        degree=_sharding_degree(ctx),
+        stage=cfg["stage"],
+        bucket_bytes=int(cfg["segment_broadcast_MB"] * 2**20),
+    )
+
+
+def _sharding(p: Program, plan: Any, ctx: Context) -> Program:
+    from metaopt.passes.sharding import apply_sharding
+
+    return apply_sharding(p, plan)
+
+
+def sharding_errors(strategy: Any, topo: Topology, world_size: int) -> list[Exception]:
+    """A sharding axis nothing shards over, or a sharding degree that is not the layout's."""
+    if not strategy.sharding:
+        if topo.sharding_degree == 1:
+            return []
+        return [
+            ValueError(
+                f"hybrid_configs sharding_degree={topo.sharding_degree} needs strategy.sharding=True (with "
+                "sharding_configs): without it nothing would run on the sharding axis"
+            )
+        ]
+    degree = strategy.sharding_configs["sharding_degree"]
+    default = 8  # Fleet's default: taken as "the layout's" when hybrid_configs set the axis
+    if topo.sharding_degree > 1:
+        if degree not in (default, topo.sharding_degree):
+            return [
+                ValueError(
+                    f"sharding_configs['sharding_degree']={degree} conflicts with hybrid_configs "
+                    f"sharding_degree={topo.sharding_degree}: leave it at {default} or set it equal"
+                )
+            ]
+        return []
+    if degree != world_size:
+        return [
+            ValueError(
+                f"sharding_configs['sharding_degree']={degree} but the job has {world_size} workers: without "
+                "hybrid_configs the sharding group is every worker; set sharding_degree to the world size, "
+                "or "
+                "give fleet.init and the optimizer hybrid_configs {'sharding_degree': n, 'dp_degree': m}"
+            )
+        ]
+    return []
 
 
 # --- recompute and offload ----------------------------------------------------------------------
@@ -769,6 +873,16 @@ STEPS: tuple[Step, ...] = (
         reads=("strategy", "tp_plan", "world_size"),
     ),
     Step(
+        "sharding",
+        _sh_on,
+        _sharding,
+        plan=_sh_plan,
+        check=_sh_check,
+        doc="updates on 1/N slices: optimizer state (stage 2: grads) sharded",
+        meta="sharding",
+        reads=("loss_scaling", "optimizer", "strategy", "world_size"),
+    ),
+    Step(
         "recompute",
         _rc_on,
         _recompute,
@@ -837,7 +951,15 @@ STEPS: tuple[Step, ...] = (
     ),
 )
 check_declarations(STEPS)  # a step reading what no earlier step writes fails at import
-FLEET_META_OPTIMIZERS = ("amp", "pipeline", "tensor_parallel", "recompute", "gradient_merge", "data_parallel")
+FLEET_META_OPTIMIZERS = (
+    "amp",
+    "pipeline",
+    "tensor_parallel",
+    "recompute",
+    "gradient_merge",
+    "sharding",
+    "data_parallel",
+)
 
 
 def hybrid_errors(strategy: Any) -> list[Exception]:
@@ -845,7 +967,7 @@ def hybrid_errors(strategy: Any) -> list[Exception]:
     than the degrees' product, hybrid degrees that conflict with fleet.init's or with
     pipeline_configs, pp_degree > 1 without a pipeline (``topology.job_topology``); tensor
     parallel's (`tensor_parallel_errors`); and, when the degrees come from fleet.init's strategy,
-    its UNIMPLEMENTED ones (sharding_degree > 1). This strategy's own are in
+    its UNIMPLEMENTED ones. This strategy's own are in
     ``strategy.unimplemented()``."""
     from metaopt.fleet.strategy import unimplemented
 
@@ -855,6 +977,7 @@ def hybrid_errors(strategy: Any) -> list[Exception]:
     except ValueError as e:
         return [e]
     errors = tensor_parallel_errors(strategy, topo, init) + partition_errors(strategy, topo)
+    errors += sharding_errors(strategy, topo, env.worker_num())
     init_strategy = env.user_strategy()
     if init is None or init_strategy is None or hybrid_is_set(strategy.hybrid_configs):
         return errors

@@ -278,7 +278,7 @@ HYBRID_CONFIGS: dict[str, Key] = {
     ),
     "pp_degree": Key(1, "int", "pipeline stages (needs strategy.pipeline=True when > 1)", check=_COUNT),
     "sharding_degree": Key(
-        1, "int", "optimizer-state sharding workers; > 1 is refused at minimize (UNIMPLEMENTED)", check=_COUNT
+        1, "int", "ZeRO sharding workers (needs strategy.sharding=True when > 1)", check=_COUNT
     ),
 }
 
@@ -326,8 +326,62 @@ TENSOR_PARALLEL_CONFIGS: dict[str, Key] = {
 }
 
 # feature flag -> its config table; the order is the printed order (and that of META_OPTIMIZERS).
+# Fleet's sharding_configs (its ShardingConfig proto; the keys a static-graph sharding script
+# sets): ZeRO stages 1 and 2 as a rewrite (passes/sharding.py, the fleet step "sharding").
+SHARDING_CONFIGS: dict[str, Key] = {
+    "sharding_segment_strategy": Key(
+        "segment_broadcast_MB",
+        "str",
+        "how the params' all-gather is bucketed (segment_anchors: UNIMPLEMENTED)",
+        choices=("segment_broadcast_MB", "segment_anchors"),
+    ),
+    "segment_broadcast_MB": Key(
+        32.0,
+        "float",
+        "bucket size of the updated params' all-gather, MB",
+        check=(*_POSITIVE, (lambda v: v <= 2**31, "must be <= 2**31 (MB)")),
+    ),
+    "sharding_degree": Key(
+        8,
+        "int",
+        "workers each param's optimizer state is split over (Fleet's default 8); it must equal the "
+        "world size / dp_degree: the sharding axis of the hybrid layout",
+        check=_COUNT,
+    ),
+    "stage": Key(
+        1,
+        "int",
+        "1: optimizer state sharded; 2: grads too (reduce-scattered as they are made); "
+        "3: params too (UNIMPLEMENTED: refused at minimize)",
+        check=((lambda v: v in (1, 2, 3), "must be 1, 2 or 3"),),
+    ),
+    "optimize_offload": Key(False, "bool", "optimizer state in host memory (UNIMPLEMENTED)"),
+    "hybrid_dp": Key(
+        False,
+        "bool",
+        "data parallel beside sharding; metaopt takes it from hybrid_configs' dp_degree (UNIMPLEMENTED)",
+    ),
+    "gradient_merge_acc_step": Key(
+        1,
+        "int",
+        "steps merged inside sharding; metaopt: strategy.gradient_merge (UNIMPLEMENTED)",
+        check=_COUNT,
+    ),
+    "optimize_cast": Key(False, "bool", "keep the fp32 master params' cast in the optimizer (UNIMPLEMENTED)"),
+    **{
+        f"{axis}_degree": Key(
+            1,
+            "int",
+            f"Fleet 2.0's {axis} degree beside sharding; metaopt: hybrid_configs' (UNIMPLEMENTED)",
+            check=_COUNT,
+        )
+        for axis in ("mp", "dp", "pp")
+    },
+}
+
 CONFIGS: dict[str, dict[str, Key]] = {
     "amp": AMP_CONFIGS,
+    "sharding": SHARDING_CONFIGS,
     "recompute": RECOMPUTE_CONFIGS,
     "pipeline": PIPELINE_CONFIGS,
     "gradient_merge": GRADIENT_MERGE_CONFIGS,
@@ -340,7 +394,6 @@ ALL_CONFIGS: dict[str, dict[str, Key]] = {**CONFIGS, **FLAGLESS_CONFIGS}
 
 # Fleet feature flags metaopt accepts (a Fleet script still parses) but refuses at minimize when True.
 UNSUPPORTED_FEATURES: tuple[str, ...] = (
-    "sharding",
     "lamb",
     "lars",
     "dgc",
@@ -356,6 +409,9 @@ FIELDS: dict[str, Key] = {
     "recompute": Key(False, "bool", "recompute, optionally with offload (recompute_configs)"),
     "pipeline": Key(False, "bool", "pipeline parallelism (pipeline_configs)"),
     "gradient_merge": Key(False, "bool", "gradient accumulation over k steps (gradient_merge_configs)"),
+    "sharding": Key(
+        False, "bool", "ZeRO: optimizer state (stage 2: and grads) split over workers (sharding_configs)"
+    ),
     "tensor_parallel": Key(False, "bool", "tensor (model) parallel layers (tensor_parallel_configs)"),
     # communication flags of data parallel
     "fuse_all_reduce_ops": Key(True, "bool", "all-reduce gradients in fused buckets"),
@@ -420,7 +476,15 @@ UNIMPLEMENTED: dict[str, str] = {
         "each worker slices its params from the exported model; data parallel's start broadcasts "
         "them (replicated ones from rank 0, split ones within the data-parallel group)"
     ),
-    "hybrid_configs.sharding_degree": "every worker holds the whole optimizer state: no sharding pass",
+    "sharding_configs.sharding_segment_strategy": "the all-gather is bucketed by segment_broadcast_MB",
+    "sharding_configs.optimize_offload": "the optimizer state stays in device memory, sharded 1/N",
+    "sharding_configs.hybrid_dp": "data parallel beside sharding comes from hybrid_configs' dp_degree",
+    "sharding_configs.gradient_merge_acc_step": "gradients are merged by strategy.gradient_merge",
+    "sharding_configs.optimize_cast": "master weights are amp_configs['use_pure_fp16']'s",
+    **{
+        f"sharding_configs.{a}_degree": f"the layout is hybrid_configs' (set its {a}_degree there)"
+        for a in ("mp", "dp", "pp")
+    },
 }
 
 # Fields and config keys accepted with either value: metaopt's behaviour is fixed and is what

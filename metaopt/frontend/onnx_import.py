@@ -28,6 +28,7 @@ from metaopt.ir import (
     Program,
     Split,
     Var,
+    ZeroShard,
     did_you_mean,
     dtype_name,
     torch_dtype_from_onnx,
@@ -307,6 +308,7 @@ def to_program(
         frozen = t.name in opts.frozen or onnx_save.FROZEN_KEY in m
         trainable = kind == "param" and not frozen and value.is_floating_point()
         split = _split_meta(t.name, m[onnx_save.SPLIT_KEY]) if onnx_save.SPLIT_KEY in m else None
+        zero = _zero_meta(t.name, m[onnx_save.ZERO_KEY]) if onnx_save.ZERO_KEY in m else None
         try:
             var = Var(
                 vname,
@@ -315,6 +317,7 @@ def to_program(
                 kind=kind,
                 trainable=trainable,
                 split=split,
+                zero=zero,
             )
         except ValueError as e:  # a split that does not fit the shape
             raise ImportError_(f"initializer {t.name!r}: {e}") from None
@@ -505,6 +508,20 @@ def _split_meta(name: str, value: str) -> Split:
     except (ValueError, TypeError, KeyError):
         raise ImportError_(
             f"initializer {name!r}: metadata {onnx_save.SPLIT_KEY!r} is {value[:80]!r}"
+        ) from None
+
+
+def _zero_meta(name: str, value: str) -> ZeroShard:
+    """Var.zero of a file metaopt saved (onnx_save.ZERO_KEY)."""
+    try:
+        d = json.loads(value)
+        parts, full = d["parts"], d["full"]
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (parts, *full)):
+            raise TypeError
+        return ZeroShard(parts, tuple(full))
+    except (ValueError, TypeError, KeyError):
+        raise ImportError_(
+            f"initializer {name!r}: metadata {onnx_save.ZERO_KEY!r} is {value[:80]!r}"
         ) from None
 
 

@@ -40,6 +40,7 @@ ATTR_PREFIX = "metaopt.attr."
 EXTRA_ATTR_PREFIX = "metaopt.extra_attr."
 DEVICE_KEY = "metaopt.device"  # Var.device: the one kind of device whose kernels make the var
 SPLIT_KEY = "metaopt.split"  # a tensor-parallel var's layout (Var.split), JSON: axis, parts, blocks
+ZERO_KEY = "metaopt.zero_shard"  # a ZeRO-sharded var's layout (Var.zero), JSON: parts, full
 OP_FIELD_PREFIX = "metaopt."
 DISCARDED_KEY = "metaopt.discarded_outputs"  # output positions named only for the ONNX checker
 DISCARDED_SUFFIX = "@DISCARDED"
@@ -162,6 +163,9 @@ def to_model_proto(p: Program, values: Mapping[str, torch.Tensor] | None = None)
             if v.split is not None:
                 sp = {"axis": v.split.axis, "parts": v.split.parts, "blocks": list(v.split.blocks)}
                 vi.metadata_props.add(key=SPLIT_KEY, value=json.dumps(sp))
+            if v.zero is not None:
+                zs = {"parts": v.zero.parts, "full": list(v.zero.full)}
+                vi.metadata_props.add(key=ZERO_KEY, value=json.dumps(zs))
     opsets = [helper.make_opsetid("", OPSET)]
     functions = []
     if DOMAIN in used_domains:

@@ -209,3 +209,12 @@ def mp_gathered(name: str) -> str:
     """Checkpoint `name` put back together from every model-parallel rank's slice, before its
     segment is recomputed."""
     return f"{name}@MP_GATHERED"
+
+
+# --- ZeRO sharding (passes/sharding.py) -------------------------------------------------------
+
+
+def zero_shard(name: str) -> str:
+    """This worker's flat 1/N of param or grad `name` over the sharding group (what its
+    sharded update reads)."""
+    return f"{name}@SHARD"

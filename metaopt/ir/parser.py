@@ -9,7 +9,16 @@ from typing import Any
 import torch
 
 from metaopt.ir.printer import RESERVED_WORDS
-from metaopt.ir.program import GradientMergeInfo, Op, PipelineInfo, Program, Split, Var, torch_dtype
+from metaopt.ir.program import (
+    GradientMergeInfo,
+    Op,
+    PipelineInfo,
+    Program,
+    Split,
+    Var,
+    ZeroShard,
+    torch_dtype,
+)
 
 
 class ParseError(ValueError):
@@ -144,13 +153,14 @@ def _parse_var(text: str) -> tuple[Var, torch.Tensor | None]:
     dtype = _name(t.next())
     shape = _shape(t)
     kind, trainable, value = "activation", False, None
-    if not t.done() and not t.at("=") and not _at_split(t) and t.peek() != ("name", "on"):
+    if not t.done() and not t.at("=") and not _at_layout(t) and t.peek() != ("name", "on"):
         kind = _name(t.next())
         trainable = kind == "param"
         if t.peek() == ("name", "frozen"):
             t.next()
             trainable = False
-    split = _split(t) if _at_split(t) else None
+    split = _split(t) if _at_layout(t, "split") else None
+    zero = _zero(t) if _at_layout(t, "zero_shard") else None
     device = None
     if t.peek() == ("name", "on"):
         t.next()
@@ -162,31 +172,57 @@ def _parse_var(text: str) -> tuple[Var, torch.Tensor | None]:
             value = value.reshape(shape)  # keeps zero-size dims ("= []" of a [0,3] constant)
     if not t.done():
         raise ValueError(f"unexpected {t.peek()[1]!r}")  # type: ignore[index]
-    return Var(name, dtype, shape, kind=kind, trainable=trainable, split=split, device=device), value
+    return Var(
+        name, dtype, shape, kind=kind, trainable=trainable, split=split, device=device, zero=zero
+    ), value
 
 
-def _at_split(t: _Tokens) -> bool:
-    return t.peek() == ("name", "split") and t.i + 1 < len(t.toks) and t.toks[t.i + 1] == ("punct", "(")
+def _at_layout(t: _Tokens, *which: str) -> bool:
+    """At ``split(`` or ``zero_shard(`` (or only the `which` given)."""
+    at = t.peek()
+    return (
+        at is not None
+        and at[0] == "name"
+        and at[1] in (which or _LAYOUT_KEYS)
+        and t.i + 1 < len(t.toks)
+        and t.toks[t.i + 1] == ("punct", "(")
+    )
 
 
-def _split(t: _Tokens) -> Split:
-    """``split(axis=0, parts=2, blocks=[96])``: every key once, in any order."""
-    t.next()
+_LAYOUT_KEYS = {"split": ("axis", "parts", "blocks"), "zero_shard": ("parts", "full")}
+
+
+def _layout_args(t: _Tokens) -> dict[str, Any]:
+    """``name(key=value, ...)`` of a var layout: each of its keys once, in any order, every
+    list value a list."""
+    what = _name(t.next())
+    keys = _LAYOUT_KEYS[what]
     t.expect("(")
     kv: dict[str, Any] = {}
     while not t.at(")"):
         key = _name(t.next())
         t.expect("=")
-        if key in kv or key not in ("axis", "parts", "blocks"):
-            raise ValueError(f"split: unexpected key {key!r} (axis, parts and blocks, once each)")
+        if key in kv or key not in keys:
+            raise ValueError(f"{what}: unexpected key {key!r} ({', '.join(keys)}, once each)")
         kv[key] = _value(t)
         if not t.at(")"):
             t.expect(",")
     t.next()
-    missing = [k for k in ("axis", "parts", "blocks") if k not in kv]
-    if missing or not isinstance(kv["blocks"], list):
-        raise ValueError(f"split needs axis=, parts= and blocks=[...], got {sorted(kv)}")
+    if any(k not in kv for k in keys) or not isinstance(kv[keys[-1]], list):
+        raise ValueError(f"{what} needs {'=, '.join(keys)}=[...], got {sorted(kv)}")
+    return kv
+
+
+def _split(t: _Tokens) -> Split:
+    """``split(axis=0, parts=2, blocks=[96])``."""
+    kv = _layout_args(t)
     return Split(kv["axis"], kv["parts"], tuple(kv["blocks"]))
+
+
+def _zero(t: _Tokens) -> ZeroShard:
+    """``zero_shard(parts=2, full=[16, 32])``."""
+    kv = _layout_args(t)
+    return ZeroShard(kv["parts"], tuple(kv["full"]))
 
 
 def _split_comment(text: str) -> tuple[str, str]:

@@ -18,7 +18,9 @@
 
 A var holding one worker's part of a larger tensor (tensor parallel) shows its layout,
 ``split(axis, parts, blocks)`` (`metaopt.ir.program.Split`), after its kind; the shape is the
-worker's own. A var only kernels on one kind of device make (`Var.device`: a fused op's
+worker's own. A ZeRO-sharded var (a worker's flat 1/parts of a tensor) shows
+``zero_shard(parts, full)`` (`metaopt.ir.program.ZeroShard`) there instead. A var only
+kernels on one kind of device make (`Var.device`: a fused op's
 saved outputs per device) ends with ``on cpu`` or ``on cuda``. One op per line; the comment
 holds the op's fields. Names (and dims) outside ``[A-Za-z0-9_.@/*+-]`` are JSON-quoted; an
 omitted optional input is ``~``.
@@ -93,6 +95,8 @@ def fmt_var(var: Var, value: torch.Tensor | None) -> str:
         s += " frozen"
     if var.split is not None:  # one worker's part of a larger tensor (unsplit vars print as before)
         s += f" {var.split}"
+    if var.zero is not None:  # one worker's flat 1/parts (ZeRO sharding)
+        s += f" {var.zero}"
     if var.device is not None:  # made by kernels on that kind of device alone
         s += f" on {var.device}"
     if var.kind == "constant" and value is not None and value.numel() <= INLINE_VALUES:

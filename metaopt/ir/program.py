@@ -12,6 +12,7 @@ import ast
 import dataclasses
 import difflib
 import itertools
+import math
 import operator
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -185,6 +186,50 @@ class Split:
         return f"split(axis={self.axis}, parts={self.parts}, blocks={list(self.blocks)})"
 
 
+@dataclass(frozen=True)
+class ZeroShard:
+    """A var that holds one worker's 1/`parts` of a tensor of shape `full`, flattened (ZeRO's
+    sharded optimizer state, grads and params: passes/sharding.py): the flat tensor is padded
+    with zeros to `parts` x `local_numel` elements and part i is elements [i*k, (i+1)*k). The
+    var's own shape is ``[local_numel]``. As for `Split`, which part a worker holds is its index
+    in its sharding group, not recorded here, so every worker's program reads the same."""
+
+    parts: int
+    full: tuple[int, ...]
+
+    @property
+    def full_numel(self) -> int:
+        return math.prod(self.full)
+
+    @property
+    def local_numel(self) -> int:
+        return -(-self.full_numel // self.parts)
+
+    def piece(self, index: int) -> tuple[int, int]:
+        """(offset, length) in the flattened full tensor of the elements part `index` holds,
+        the padding left out (the last parts may hold fewer, or none)."""
+        start = min(index * self.local_numel, self.full_numel)
+        return start, min(self.local_numel, self.full_numel - start)
+
+    def check(self, var: str, shape: Shape | None) -> None:
+        ok = (
+            isinstance(self.parts, int)
+            and self.parts >= 1
+            and all(isinstance(d, int) and d >= 0 for d in self.full)
+            and shape is not None
+            and tuple(shape) == (self.local_numel,)
+        )
+        if not ok:
+            where = list(shape) if shape is not None else "?"
+            raise ValueError(
+                f"var {var!r}: its layout {self} does not fit its shape {where} (a ZeRO shard is "
+                "one dim of ceil(numel / parts) elements)"
+            )
+
+    def __str__(self) -> str:
+        return f"zero_shard(parts={self.parts}, full={list(self.full)})"
+
+
 @dataclass
 class Var:
     name: str
@@ -202,6 +247,9 @@ class Var:
     # its logsumexp and philox seed and offset on CUDA); elsewhere its producer leaves it None,
     # it holds no bytes, and `estimate_memory` for that device does not count it.
     device: str | None = None
+    # Set when the var holds one worker's flat 1/parts of a larger tensor (ZeRO sharding):
+    # `ZeroShard`. Never together with `split` (sharding a tensor-parallel slice is refused).
+    zero: ZeroShard | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in VAR_KINDS:
@@ -216,6 +264,10 @@ class Var:
             )
         if self.split is not None:
             self.split.check(self.name, self.shape)
+        if self.zero is not None:
+            if self.split is not None:
+                raise ValueError(f"var {self.name!r}: both {self.split} and {self.zero}")
+            self.zero.check(self.name, self.shape)
 
     def copy(self, **changes: Any) -> Var:
         """This var with `changes` (field=value), every other field kept, in no program yet."""
@@ -224,6 +276,8 @@ class Var:
     @property
     def full_shape(self) -> Shape | None:
         """The whole tensor's shape: the var's own, or, for a split var, all parts together."""
+        if self.zero is not None:
+            return self.zero.full
         if self.split is None or self.shape is None:
             return self.shape
         return self.split.full_shape(self.shape)
@@ -277,6 +331,7 @@ def _copy_var(v: Var, program: Program) -> Var:
     new.trainable = v.trainable
     new.program = program
     new.split = v.split  # frozen
+    new.zero = v.zero  # frozen
     new.device = v.device
     return new
 

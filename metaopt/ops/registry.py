@@ -136,6 +136,10 @@ class OpDef:
     # A param update op (SGDUpdate, AdamUpdate ...): inputs (param, grad, lr, ...), outputs
     # (new param, *new state); `origin` names the param.
     update: bool = False
+    # An update whose every output element depends only on the same element of its param, grad
+    # and state inputs (and on scalars): ZeRO sharding (passes/sharding.py) may run it on flat
+    # slices. False for updates that read a whole tensor (LAMB's and LARS's trust ratios).
+    sliceable: bool = False
     # The input index of the optional ``found_inf`` scalar that makes the op skip its step
     # (AMP's dynamic loss scaling): every update op and the step counter have one.
     skip_input: int | None = None

@@ -14,7 +14,10 @@ the backward::
                                                                          # role=comm
 
 Every later reader of a grad (clipping, the optimizer's updates) reads its reduced
-copy. ``bucket_bytes=0`` gives one op per grad (Fleet's ``fuse_all_reduce_ops=False``).
+copy. ``scatter_parts=N`` (ZeRO stage 2, passes/sharding.py) makes each bucket a
+``ReduceScatter`` over the sharding group instead: a reduced grad is then this worker's flat
+1/N of the average (declared ``zero_shard``), and the whole grad dies at its bucket.
+``bucket_bytes=0`` gives one op per grad (Fleet's ``fuse_all_reduce_ops=False``).
 With ``at_update=True`` (grads summed over several runs first: gradient merge) every
 bucket goes right before the first update-phase op instead, where the grads are final,
 so the all-reduce runs with the updates: once per k runs. ``group="data_parallel"`` (beside
@@ -31,7 +34,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from metaopt.ir import Op, Program, Var, did_you_mean, names, roles
+from metaopt.ir import Op, Program, Var, ZeroShard, did_you_mean, names, roles
 
 
 class DataParallelError(ValueError):
@@ -50,6 +53,7 @@ class DataParallelPlan:
     world_size: int
     bucket_bytes: int
     group: str | None = None  # "data_parallel": this worker's data-parallel group; None: all workers
+    scatter_parts: int | None = None  # ZeRO stage 2: reduce-scatter into 1/parts slices
     buckets: list[Bucket] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (grad, why it is not reduced)
 
@@ -62,8 +66,9 @@ class DataParallelPlan:
         who = f"{self.world_size} workers"
         if self.group:
             who = f"the {who} of each data-parallel group"
+        kind = "all_reduce" if self.scatter_parts is None else f"reduce_scatter (1/{self.scatter_parts} kept)"
         lines = [
-            f"data parallel over {who} ({cap}): all_reduce ops: {self.num_grads}, "
+            f"data parallel over {who} ({cap}): {kind} ops: {self.num_grads}, "
             f"after fusion: {len(self.buckets)}"
         ]
         for k, b in enumerate(self.buckets):
@@ -80,6 +85,7 @@ def plan_data_parallel(
     bucket_bytes: int,
     at_update: bool = False,
     group: str | None = None,
+    scatter_parts: int | None = None,
 ) -> DataParallelPlan:
     """Which grads go into which bucket, and where each bucket's AllReduce goes."""
     if world_size < 1:
@@ -88,8 +94,13 @@ def plan_data_parallel(
         raise DataParallelError(f"data parallel: group must be 'data_parallel' or None, got {group!r}")
     if bucket_bytes < 0:
         raise DataParallelError(f"data parallel: bucket_bytes must be >= 0, got {bucket_bytes}")
+    if scatter_parts is not None and (group is not None or scatter_parts != world_size):
+        raise DataParallelError(
+            f"data parallel: reduce-scatter over {scatter_parts} workers needs the sharding group to be "
+            f"every data-parallel worker ({world_size}{', of each group' if group else ''})"
+        )
     producers = p.producers()
-    plan = DataParallelPlan(world_size, bucket_bytes, group)
+    plan = DataParallelPlan(world_size, bucket_bytes, group, scatter_parts)
     ready: list[tuple[int, str]] = []
     for g in dict.fromkeys(grads):
         if g not in p.vars:
@@ -152,15 +163,28 @@ def apply_data_parallel(p: Program, plan: DataParallelPlan) -> Program:
                     raise DataParallelError(
                         f"data parallel: {r!r} exists already: is the program reduced twice?"
                     )
-                v = q.vars[g]
-                q.vars[r] = Var(r, v.dtype, v.shape, v.kind)
+                q.vars[r] = _reduced_var(r, q.vars[g], plan.scatter_parts)
                 outs.append(r)
-            attrs = {"reduce": "avg", **({"group": plan.group} if plan.group else {})}
-            ops.append(Op("AllReduce", list(b.grads), outs, attrs, role="comm"))
+            ops.append(_reduce_op(list(b.grads), outs, plan))
             renamed.update(zip(b.grads, outs, strict=True))
     q.ops = ops
     q.outputs = [renamed.get(x, x) for x in q.outputs]
     return q
+
+
+def _reduced_var(name: str, grad: Var, scatter_parts: int | None) -> Var:
+    if scatter_parts is None:
+        return Var(name, grad.dtype, grad.shape, grad.kind)
+    zs = ZeroShard(scatter_parts, tuple(grad.shape))
+    return Var(name, grad.dtype, (zs.local_numel,), grad.kind, zero=zs)
+
+
+def _reduce_op(grads: list[str], outs: list[str], plan: DataParallelPlan) -> Op:
+    if plan.scatter_parts is not None:  # the kernel finds the sharding group as ShardGather does
+        attrs = {"reduce": "avg", "group": "sharding", "parts": plan.scatter_parts}
+        return Op("ReduceScatter", grads, outs, attrs, role="comm")
+    attrs = {"reduce": "avg", **({"group": plan.group} if plan.group else {})}
+    return Op("AllReduce", grads, outs, attrs, role="comm")
 
 
 def _nbytes(v: Var) -> int:

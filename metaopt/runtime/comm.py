@@ -225,6 +225,26 @@ class Communicator:
             at += x.numel()
         return out
 
+    def reduce_scatter(
+        self, flat: torch.Tensor, reduce: str, what: str, ranks: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """`flat` (equal chunks, one per worker of `ranks`, None: all) summed (``avg``: and
+        divided by the group's size) over the group; returns this worker's chunk (new storage)."""
+        if reduce not in _REDUCTIONS:
+            raise ValueError(f"ReduceScatter: reduce must be one of {_REDUCTIONS}, got {reduce!r}")
+        n = self.world_size if ranks is None else len(ranks)
+        buf = (flat if self.backend != "nccl" else flat.to(self.device)).contiguous()
+        out = torch.empty(buf.numel() // n, dtype=buf.dtype, device=buf.device)
+        group = self.group(ranks)
+        self._run(
+            lambda dist: dist.reduce_scatter_tensor(out, buf, group=group, async_op=True),
+            f"ReduceScatter of {what}",
+            [buf, out],
+        )
+        if reduce == "avg":
+            out.div_(n)
+        return out if out.device == self.device else out.to(self.device)
+
     # --- point to point (pipeline) ----------------------------------------------------------
     # The protocol (see the module docstring): a step starts with each neighbour's dims
     # signature; an edge (peer, var, direction) exchanges a header the first time it is used

@@ -95,6 +95,20 @@ FLEET_DEFAULTS = {
         "row": [],
         "vocab": [],
     },
+    # Fleet's ShardingConfig (the keys a static-graph sharding script sets)
+    "sharding_configs": {
+        "sharding_segment_strategy": "segment_broadcast_MB",
+        "segment_broadcast_MB": 32.0,
+        "sharding_degree": 8,
+        "stage": 1,
+        "optimize_offload": False,
+        "hybrid_dp": False,
+        "gradient_merge_acc_step": 1,
+        "optimize_cast": False,
+        "mp_degree": 1,
+        "dp_degree": 1,
+        "pp_degree": 1,
+    },
     # Fleet's HybridConfig: dp_degree -1 = inferred from the world size
     "hybrid_configs": {"dp_degree": -1, "mp_degree": 1, "pp_degree": 1, "sharding_degree": 1},
 }
@@ -229,6 +243,13 @@ OUT_OF_RANGE = {
     "hybrid_configs.mp_degree": [0, -1, _INT32_TOO_BIG],
     "hybrid_configs.pp_degree": [0, _INT32_TOO_BIG],
     "hybrid_configs.sharding_degree": [0],
+    "sharding_configs.segment_broadcast_MB": [0.0, -1.0, 2.0**32],
+    "sharding_configs.sharding_degree": [0, _INT32_TOO_BIG],
+    "sharding_configs.stage": [0, 4],
+    "sharding_configs.gradient_merge_acc_step": [0],
+    "sharding_configs.mp_degree": [0],
+    "sharding_configs.dp_degree": [0],
+    "sharding_configs.pp_degree": [0],
 }
 
 
@@ -291,8 +312,8 @@ def test_unknown_attribute_has_did_you_mean():
         s.recompue = True
     with pytest.raises(AttributeError, match=r"no attribute 'amp_config' \(did you mean 'amp_configs'"):
         _ = s.amp_config
-    with pytest.raises(AttributeError, match="sharding meta optimizer"):
-        s.sharding_configs = {"sharding_degree": 2}
+    with pytest.raises(AttributeError, match="lamb meta optimizer"):
+        s.lamb_configs = {"lamb_weight_decay": 0.01}
     assert not hasattr(s, "recompue")
     assert s == fleet.DistributedStrategy()
 
@@ -570,7 +591,7 @@ def test_unimplemented_values_still_load_and_print_as_refused(tmp_path):
     s.nccl_comm_num = 2
     s.tensor_parallel = True
     s.tensor_parallel_configs = {"tensor_init_seed": 4}
-    s.sharding = True
+    s.lamb = True
     path = tmp_path / "s.json"
     s.save_to_json(path)
     t = fleet.DistributedStrategy()
@@ -582,7 +603,7 @@ def test_unimplemented_values_still_load_and_print_as_refused(tmp_path):
     assert re.search(
         r"^\s*\|\s+tensor_parallel_configs\['tensor_init_seed'\]\s+4, default -1\s+\|$", text, re.M
     )
-    assert re.search(r"^\s*\|\s+sharding\s+True, default False\s+\|$", text, re.M)
+    assert re.search(r"^\s*\|\s+lamb\s+True, default False\s+\|$", text, re.M)
     assert len({len(line) for line in text.splitlines()}) == 1  # still a box
     assert "refused" not in str(fleet.DistributedStrategy())
 
@@ -612,7 +633,7 @@ def test_hybrid_configs_have_fleets_keys_defaults_and_did_you_mean():
         s.hybrid_configs["dp_degree"] = 4
 
 
-def test_hybrid_configs_print_once_set_and_sharding_degree_prints_as_refused():
+def test_hybrid_configs_print_once_set_and_none_prints_as_refused():
     s = fleet.DistributedStrategy()
     assert "hybrid_configs" not in str(s)  # at Fleet's defaults: nothing to show
     s.hybrid_configs = {"dp_degree": 2, "pp_degree": 2}
@@ -624,17 +645,20 @@ def test_hybrid_configs_print_once_set_and_sharding_degree_prints_as_refused():
     s.hybrid_configs = {"mp_degree": 2, "sharding_degree": 2}
     text = str(s)
     assert not re.search(r"hybrid_configs\['mp_degree'\]\s+2, default 1", text)  # served: tensor parallel
-    assert re.search(r"^\s*\|\s+hybrid_configs\['sharding_degree'\]\s+2, default 1\s+\|$", text, re.M)
+    assert "refused" not in text  # sharding_degree: served by strategy.sharding (ZeRO)
 
 
-def test_sharding_degree_is_refused_naming_the_key_and_mp_degree_is_not():
+def test_sharding_configs_refuse_their_unimplemented_keys_by_name_only_while_sharding_is_on():
     s = fleet.DistributedStrategy()
     s.hybrid_configs = {"mp_degree": 2, "sharding_degree": 4}
-    (sh,) = unimplemented(s)  # no feature flag: hybrid_configs are always in effect
-    assert isinstance(sh, NotImplementedError)
-    assert str(sh).startswith("strategy.hybrid_configs['sharding_degree']=4: not implemented in metaopt")
-    assert [str(e) for e in unimplemented(s, "hybrid_configs")] == [str(sh)]
-    assert unimplemented(s, "pipeline_configs") == []
+    assert unimplemented(s) == []  # hybrid sharding_degree lays out the ZeRO group
+    s.sharding_configs = {"optimize_offload": True, "sharding_degree": 4}
+    assert unimplemented(s) == []  # the feature is off: its config is unused
+    s.sharding = True
+    (e,) = unimplemented(s)
+    assert isinstance(e, NotImplementedError)
+    assert str(e).startswith("strategy.sharding_configs['optimize_offload']=True: not implemented in metaopt")
+    assert unimplemented(s, "hybrid_configs") == []
 
 
 def test_tensor_init_seed_is_refused_while_tensor_parallel_is_on():

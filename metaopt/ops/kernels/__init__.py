@@ -27,4 +27,5 @@ from metaopt.ops.kernels import (  # noqa: F401
     tensor_parallel,
     vision,
     vocab_parallel,
+    zero,
 )

@@ -196,6 +196,7 @@ def _momentum_multi(
     recomputable=False,
     inplace=((0, 0),),
     update=True,
+    sliceable=True,
     skip_input=3,
 )
 def sgd_update(
@@ -226,6 +227,7 @@ def sgd_update(
     recomputable=False,
     inplace=((0, 0), (1, 4)),
     update=True,
+    sliceable=True,
     skip_input=5,
 )
 def momentum_update(
@@ -465,6 +467,7 @@ _ADAM_ROW = dict(
     recomputable=False,
     inplace=((0, 0), (1, 4), (2, 5), (3, 6)),
     update=True,
+    sliceable=True,
     skip_input=7,
 )
 adam_update = register(

@@ -1,0 +1,111 @@
+"""ZeRO sharding's three collectives (passes/sharding.py inserts them).
+
+Each works on the flat layout of `metaopt.ir.ZeroShard` (the one recompute partition's
+slices have too: ``take_slice`` / ``join_slices``): a tensor flattened, zero-padded to
+``parts`` equal chunks, worker i of the sharding group holding chunk i.
+
+* ``ShardSlice(x, ...)``: this worker's chunk of each input (new storage). No communication:
+  stage 1 takes its part of grads every worker holds whole after the all-reduce, and of the
+  param it updates.
+* ``ReduceScatter(g, ...)``: the grads averaged over the group, each worker getting only its
+  chunk of each (stage 2: the whole grad dies right there). One collective per op: row r of
+  its buffer is chunk r of every grad, so a bucket of grads is one ``reduce_scatter``.
+* ``ShardGather(s, ..., shapes=[...])``: every worker's chunks of each input, the tensors
+  back whole in their shapes (the updated params, after the sharded update). One all-gather
+  per op (a bucket of ``segment_broadcast_MB``).
+
+``group="sharding"`` is this worker's sharding group of fleet.init's hybrid layout, or every
+worker when fleet.init laid out no hybrid groups (sharding over the whole job). The chunk a
+worker holds is its index in the ascending group, found at run time, so every worker's
+program reads the same (minimize compares them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metaopt.ops.kernels.partition import join_slices, slice_length, take_slice
+from metaopt.ops.registry import register
+
+
+def sharding_ranks(group: str, parts: int, rank: int, world_size: int, op: str) -> tuple[list[int], int]:
+    """(the global ranks of this worker's sharding group, ascending; this worker's index in it)."""
+    if group != "sharding":
+        raise ValueError(f"{op}: group must be 'sharding', got {group!r}")
+    from metaopt.layout.groups import axis_ranks
+
+    ranks = axis_ranks("sharding") or list(range(world_size))
+    if len(ranks) != parts or rank not in ranks:
+        raise ValueError(
+            f"{op}: this worker (rank {rank}) with parts={parts} is not one of {parts} ranks of its "
+            f"sharding group {ranks}: the program was rewritten for another sharding_degree"
+        )
+    return ranks, ranks.index(rank)
+
+
+@register(
+    "ShardSlice",
+    domain="metaopt",
+    needs_runtime=True,
+    fresh_outputs=True,
+    recomputable=False,
+    notes="ZeRO: this worker's flat 1/parts of each input (zero-padded), as new storage",
+)
+def shard_slice(*xs: torch.Tensor, group: str, parts: int, _rt, _key: str) -> tuple[torch.Tensor, ...]:
+    _, index = sharding_ranks(group, parts, _rt.comm.rank, _rt.comm.world_size, "ShardSlice")
+    return tuple(take_slice(x, parts, index) for x in xs)
+
+
+@register(
+    "ReduceScatter",
+    domain="metaopt",
+    needs_runtime=True,
+    collective=True,
+    fresh_outputs=True,
+    recomputable=False,
+    notes="ZeRO stage 2: each input averaged over the sharding group, this worker keeping its 1/parts",
+)
+def reduce_scatter(
+    *xs: torch.Tensor, group: str, parts: int, reduce: str = "avg", _rt, _key: str
+) -> tuple[torch.Tensor, ...]:
+    ranks, _ = sharding_ranks(group, parts, _rt.comm.rank, _rt.comm.world_size, "ReduceScatter")
+    lengths = [slice_length(x.numel(), parts) for x in xs]
+    rows = torch.zeros(parts, sum(lengths), dtype=xs[0].dtype, device=xs[0].device)
+    at = 0
+    for x, n in zip(xs, lengths, strict=True):
+        # row r of the column block is chunk r of x (the padding stays zero)
+        block = torch.zeros(parts * n, dtype=x.dtype, device=x.device)
+        block[: x.numel()] = x.reshape(-1)
+        rows[:, at : at + n] = block.view(parts, n)
+        at += n
+    if parts == 1:
+        return tuple(rows[0].split(lengths))
+    mine = _rt.comm.reduce_scatter(rows.reshape(-1), reduce, f"{len(xs)} grad(s) ({_key}, ...)", ranks)
+    return tuple(mine.split(lengths))
+
+
+@register(
+    "ShardGather",
+    domain="metaopt",
+    needs_runtime=True,
+    collective=True,
+    fresh_outputs=True,
+    recomputable=False,
+    notes="ZeRO: every worker's 1/parts of each input all-gathered, the tensors whole in `shapes`",
+)
+def shard_gather(
+    *slices: torch.Tensor, group: str, parts: int, shapes: list[list[int]], _rt, _key: str
+) -> tuple[torch.Tensor, ...]:
+    ranks, _ = sharding_ranks(group, parts, _rt.comm.rank, _rt.comm.world_size, "ShardGather")
+    if len(shapes) != len(slices):
+        raise ValueError(f"ShardGather: {len(slices)} inputs but {len(shapes)} shapes")
+    if parts == 1:
+        return tuple(join_slices([s], shape) for s, shape in zip(slices, shapes, strict=True))
+    flat = torch.cat([s.reshape(-1) for s in slices]) if len(slices) > 1 else slices[0].reshape(-1)
+    rows = _rt.comm.all_gather(flat, f"{len(slices)} param slice(s) ({_key}, ...)", ranks)
+    out, at = [], 0
+    for s, shape in zip(slices, shapes, strict=True):
+        n = s.numel()
+        out.append(join_slices([row[at : at + n] for row in rows], shape))
+        at += n
+    return tuple(out)

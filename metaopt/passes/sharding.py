@@ -1,0 +1,268 @@
+"""ZeRO sharding, stages 1 and 2: each worker keeps and updates 1/N of the optimizer state.
+
+    plan = plan_sharding(program, degree=2, stage=1, bucket_bytes=32 << 20)
+    program = apply_sharding(program, plan)
+
+Every param update the optimizer pass appended runs on flat slices (`metaopt.ir.ZeroShard`:
+the tensor flattened, zero-padded to N equal chunks, worker i of the sharding group holding
+chunk i). For each bucket of params (at most `bucket_bytes`, Fleet's ``segment_broadcast_MB``,
+in update order)::
+
+    w@SHARD, w@GRAD@REDUCED@SHARD = ShardSlice(w, w@GRAD@REDUCED, group=sharding, parts=2)  # role=optimize
+    w@SHARD@NEW, w@MOMENT1@NEW, w@MOMENT2@NEW = AdamUpdate(w@SHARD, w@GRAD@REDUCED@SHARD, ...,
+                                                           w@MOMENT1, w@MOMENT2)  # state: 1/N
+    w@NEW = ShardGather(w@SHARD@NEW, group=sharding, parts=2, shapes=[[16, 32]])     # role=optimize
+
+so the state vars (``w@MOMENT1`` ...) are declared ``zero_shard(parts=N, full=[...])``: 1/N of
+their bytes on every worker, in the executor's accounting and in `estimate_memory` alike.
+
+* **Stage 1**: the grads are whole on every worker (data parallel's all-reduce); each worker
+  takes its slice. Communication: the all-reduce plus the params' all-gather.
+* **Stage 2**: data parallel reduce-scatters the grads as they are made
+  (``passes/data_parallel.py`` with ``scatter_parts``), so a worker holds only its 1/N of each
+  grad from its bucket's reduce on; the updates read those slices directly. Communication:
+  data parallel's volume (reduce-scatter + all-gather = one all-reduce).
+* **Stage 3** (params held as slices, gathered before each use) is not implemented: refused.
+
+Exact: the updates this pass may slice are elementwise (``OpDef.sliceable``: SGD, Momentum,
+Adam, AdamW), so each element gets the very operations it gets unsharded; the all-gather puts
+the same bits back. An update that reads whole tensors, a tensor-parallel split param, and a
+param whose optimizer state is not at its initial zeros are refused by name. Pure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from metaopt.ir import Op, Program, Var, ZeroShard, names, torch_dtype
+from metaopt.ir.printer import fmt_op
+from metaopt.ops import registry
+
+GROUP = "sharding"  # the kernels look this worker's sharding group up at run time (ops/kernels/zero.py)
+
+
+class ShardingError(ValueError):
+    pass
+
+
+@dataclass
+class ShardedParam:
+    param: str
+    grad: str  # the grad its update reads: whole (stage 1) or already a slice (stage 2)
+    states: list[str]  # the update's state inputs, in its output order
+    update: int  # index of its update op
+    nbytes: int  # the param's bytes
+    state_bytes: int  # its state's bytes, unsharded
+
+
+@dataclass
+class GatherBucket:
+    params: list[str]
+    nbytes: int
+    first: int  # index of the bucket's first update op: its ShardSlice goes right before it
+    after: int  # index of its last update op: its ShardGather goes right after it
+
+
+@dataclass
+class ShardingPlan:
+    degree: int
+    stage: int
+    bucket_bytes: int
+    params: list[ShardedParam] = field(default_factory=list)
+    buckets: list[GatherBucket] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(sp.state_bytes for sp in self.params)
+
+    @property
+    def state_bytes_per_worker(self) -> int:
+        return sum(_slice_bytes(sp.state_bytes, len(sp.states), self.degree) for sp in self.params)
+
+    def __str__(self) -> str:
+        cap = f"{self.bucket_bytes / 2**20:g} MB" if self.bucket_bytes else "one param per"
+        grads = (
+            "grads reduce-scattered as they are made (data parallel), each worker keeping its 1/N"
+            if self.stage >= 2
+            else "grads all-reduced whole (data parallel), each worker updating its 1/N slice"
+        )
+        lines = [
+            f"sharding stage {self.stage} over {self.degree} workers: {len(self.params)} params, "
+            f"optimizer state {self.state_bytes:,} -> {self.state_bytes_per_worker:,} bytes per worker",
+            f"  {grads}; params all-gathered in {len(self.buckets)} bucket(s) ({cap} buckets)",
+        ]
+        for k, b in enumerate(self.buckets):
+            lines.append(
+                f"  bucket {k}: {len(b.params)} params, {b.nbytes:,} bytes, ops {b.first}..{b.after}"
+            )
+        lines += [f"  skipped {name}: {why}" for name, why in self.skipped]
+        return "\n".join(lines)
+
+
+def plan_sharding(p: Program, *, degree: int, stage: int = 1, bucket_bytes: int = 32 << 20) -> ShardingPlan:
+    """Which params' updates run sharded, and the buckets their params are gathered in."""
+    if stage == 3:
+        raise NotImplementedError(
+            "sharding_configs['stage']=3 (params held as 1/N slices, gathered before each use in the "
+            "forward and backward) is not implemented yet: use stage 1 or 2"
+        )
+    if stage not in (1, 2):
+        raise ShardingError(f"sharding: stage must be 1, 2 or 3, got {stage!r}")
+    if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+        raise ShardingError(f"sharding: degree must be an int >= 1, got {degree!r}")
+    if bucket_bytes < 0:
+        raise ShardingError(f"sharding: bucket_bytes must be >= 0, got {bucket_bytes}")
+    plan = ShardingPlan(degree, stage, bucket_bytes)
+    producers = p.producers()
+    for i, op in enumerate(p.ops):
+        row = registry.get(op.type)
+        if row is None or not row.update:
+            continue
+        sp = _sharded_param(p, i, op, row)
+        if sp is None:
+            continue
+        late = [x for x in (sp.grad,) if producers.get(x, -1) > i]
+        if late:
+            raise ShardingError(
+                f"sharding: the update `{fmt_op(op)}` runs before its grad {late[0]!r} is made"
+            )
+        plan.params.append(sp)
+    current: GatherBucket | None = None
+    for sp in plan.params:
+        fits = current is not None and bucket_bytes > 0 and current.nbytes + sp.nbytes <= bucket_bytes
+        if fits and p.vars[current.params[0]].dtype == p.vars[sp.param].dtype:
+            current.params.append(sp.param)
+            current.nbytes += sp.nbytes
+            current.after = sp.update
+        else:
+            current = GatherBucket([sp.param], sp.nbytes, sp.update, sp.update)
+            plan.buckets.append(current)
+    return plan
+
+
+def _sharded_param(p: Program, i: int, op: Op, row: Any) -> ShardedParam | None:
+    param, grad = op.inputs[0], op.inputs[1]
+    pv = p.vars[param]
+    if not row.sliceable:
+        raise NotImplementedError(
+            f"sharding: `{fmt_op(op)}` reads whole tensors ({op.type} is not elementwise): running it "
+            "on 1/N slices is not implemented"
+        )
+    if pv.split is not None:
+        raise NotImplementedError(
+            f"sharding: param {param!r} is tensor parallel's {pv.split}: sharding a split param's "
+            "optimizer state is not implemented"
+        )
+    n = pv.nbytes({})
+    if n is None:
+        raise ShardingError(
+            f"sharding: param {param!r} has shape {list(pv.shape or [])}: it needs a static one"
+        )
+    new_of = {p.updates[x]: x for x in op.inputs if x in p.updates}
+    states = [new_of[o] for o in op.outputs[1:]]
+    for s in states:
+        value = p.values.get(s)
+        if value is not None and bool(value.count_nonzero()):
+            raise ShardingError(
+                f"sharding: optimizer state {s!r} is not at its initial zeros: shard a program before "
+                "it trains (load a checkpoint into the sharded program instead)"
+            )
+    gv = p.vars[grad]
+    if gv.zero is not None and gv.zero.parts != 1 and gv.zero.full != tuple(pv.shape):
+        raise ShardingError(
+            f"sharding: grad {grad!r} is {gv.zero}, not a slice of {param!r} {list(pv.shape)}"
+        )
+    return ShardedParam(param, grad, states, i, n, sum(p.vars[s].nbytes({}) or 0 for s in states))
+
+
+def _slice_bytes(state_bytes: int, count: int, degree: int) -> int:
+    """Bytes of `count` state tensors of `state_bytes` together, each held as its padded 1/degree."""
+    if count == 0:
+        return 0
+    each = state_bytes // count
+    return 0 if each == 0 else count * -(-each // degree)  # padding is at most degree-1 elements
+
+
+def sharding(p: Program, **config: Any) -> Program:
+    """The one-call form: ``apply_sharding(p, plan_sharding(p, **config))``."""
+    return apply_sharding(p, plan_sharding(p, **config))
+
+
+def apply_sharding(p: Program, plan: ShardingPlan) -> Program:
+    """A clone of `p` whose planned updates run on this worker's slices (see the module doc)."""
+    q = p.clone()
+    by_op = {sp.update: sp for sp in plan.params}
+    starts = {b.first: b for b in plan.buckets}
+    ends = {b.after: b for b in plan.buckets}
+    info = {sp.param: sp for sp in plan.params}
+    attrs = {"group": GROUP, "parts": plan.degree}
+    ops: list[Op] = []
+    for i, op in enumerate(p.ops):
+        if i in starts:
+            ops.append(_slice_op(q, [info[x] for x in starts[i].params], attrs))
+        if i in by_op:
+            op = _sliced_update(q, op, by_op[i], plan.degree)
+        ops.append(op)
+        if i in ends:
+            ops.append(_gather_op(q, p, [info[x] for x in ends[i].params], attrs))
+    q.ops = ops
+    return q
+
+
+def _shard_var(q: Program, name: str, full: Var, degree: int, kind: str) -> str:
+    """Declare `name` as a flat 1/degree slice of a tensor like `full`."""
+    zs = ZeroShard(degree, tuple(full.shape))
+    q.vars[name] = Var(name, full.dtype, (zs.local_numel,), kind, zero=zs)
+    return name
+
+
+def _slice_op(q: Program, params: list[ShardedParam], attrs: dict) -> Op:
+    """``ShardSlice`` of each param of a bucket (and, in stage 1, of its whole grad)."""
+    ins, outs = [], []
+    for sp in params:
+        ins.append(sp.param)
+        outs.append(
+            _shard_var(
+                q, _fresh(q, names.zero_shard(sp.param)), q.vars[sp.param], attrs["parts"], "activation"
+            )
+        )
+        if q.vars[sp.grad].zero is None:
+            ins.append(sp.grad)
+            outs.append(
+                _shard_var(q, _fresh(q, names.zero_shard(sp.grad)), q.vars[sp.grad], attrs["parts"], "grad")
+            )
+    return Op("ShardSlice", ins, outs, dict(attrs), role="optimize")
+
+
+def _fresh(q: Program, name: str) -> str:
+    if name in q.vars:
+        raise ShardingError(f"sharding: {name!r} exists already: is the program sharded twice?")
+    return name
+
+
+def _sliced_update(q: Program, op: Op, sp: ShardedParam, degree: int) -> Op:
+    """The update on this worker's slices: its param and grad inputs are the slices, its state
+    vars (and their new values) are declared as slices, initial zeros of the slice's length."""
+    param_slice = names.zero_shard(sp.param)
+    grad = sp.grad if q.vars[sp.grad].zero is not None else names.zero_shard(sp.grad)
+    full = q.vars[sp.param]
+    for s, new in zip(sp.states, op.outputs[1:], strict=True):
+        _shard_var(q, s, q.vars[s], degree, "opt_state")
+        _shard_var(q, new, q.vars[new], degree, q.vars[new].kind)
+        q.values[s] = torch.zeros(q.vars[s].shape, dtype=torch_dtype(q.vars[s].dtype))
+    new_param = _shard_var(q, _fresh(q, names.new_state(param_slice)), full, degree, "activation")
+    inputs = [param_slice, grad, *op.inputs[2:]]
+    return dataclasses.replace(op, inputs=inputs, outputs=[new_param, *op.outputs[1:]], attrs=dict(op.attrs))
+
+
+def _gather_op(q: Program, p: Program, params: list[ShardedParam], attrs: dict) -> Op:
+    """``ShardGather`` of a bucket's updated slices into the new params the updates made."""
+    slices = [names.new_state(names.zero_shard(sp.param)) for sp in params]
+    news = [p.ops[sp.update].outputs[0] for sp in params]
+    shapes = [list(p.vars[sp.param].shape) for sp in params]
+    return Op("ShardGather", slices, news, {**attrs, "shapes": shapes}, role="optimize")
