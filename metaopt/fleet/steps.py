@@ -446,7 +446,8 @@ def _sh_on(ctx: Context) -> tuple[bool, str]:
 def _sh_check(ctx: Context) -> None:
     """Refuse, by name, what does not run with sharded optimizer state yet."""
     s, stage = ctx.strategy, ctx.strategy.sharding_configs["stage"]
-    env.require_process_group("sharding")
+    if _sharding_degree(ctx) > 1:
+        env.require_process_group("sharding")
     why = []
     if s.pipeline:
         why.append("strategy.pipeline=True (sharding inside a pipeline stage)")

@@ -11,7 +11,7 @@ in update order)::
     w@SHARD, w@GRAD@REDUCED@SHARD = ShardSlice(w, w@GRAD@REDUCED, group=sharding, parts=2)  # role=optimize
     w@SHARD@NEW, w@MOMENT1@NEW, w@MOMENT2@NEW = AdamUpdate(w@SHARD, w@GRAD@REDUCED@SHARD, ...,
                                                            w@MOMENT1, w@MOMENT2)  # state: 1/N
-    w@NEW = ShardGather(w@SHARD@NEW, group=sharding, parts=2, shapes=[[16, 32]])     # role=optimize
+    w@NEW = ShardGather(w@SHARD@NEW, group=sharding, parts=2, ndims=[2], dims=[16, 32])  # role=optimize
 
 so the state vars (``w@MOMENT1`` ...) are declared ``zero_shard(parts=N, full=[...])``: 1/N of
 their bytes on every worker, in the executor's accounting and in `estimate_memory` alike.
@@ -41,6 +41,7 @@ import torch
 from metaopt.ir import Op, Program, Var, ZeroShard, names, torch_dtype
 from metaopt.ir.printer import fmt_op
 from metaopt.ops import registry
+from metaopt.ops.kernels.zero import flatten_shapes
 
 GROUP = "sharding"  # the kernels look this worker's sharding group up at run time (ops/kernels/zero.py)
 
@@ -148,6 +149,10 @@ def plan_sharding(p: Program, *, degree: int, stage: int = 1, bucket_bytes: int 
 def _sharded_param(p: Program, i: int, op: Op, row: Any) -> ShardedParam | None:
     param, grad = op.inputs[0], op.inputs[1]
     pv = p.vars[param]
+    if pv.zero is not None:
+        raise ShardingError(
+            f"sharding: `{fmt_op(op)}` updates a slice already: is the program sharded twice?"
+        )
     if not row.sliceable:
         raise NotImplementedError(
             f"sharding: `{fmt_op(op)}` reads whole tensors ({op.type} is not elementwise): running it "
@@ -265,4 +270,4 @@ def _gather_op(q: Program, p: Program, params: list[ShardedParam], attrs: dict) 
     slices = [names.new_state(names.zero_shard(sp.param)) for sp in params]
     news = [p.ops[sp.update].outputs[0] for sp in params]
     shapes = [list(p.vars[sp.param].shape) for sp in params]
-    return Op("ShardGather", slices, news, {**attrs, "shapes": shapes}, role="optimize")
+    return Op("ShardGather", slices, news, {**attrs, **flatten_shapes(shapes)}, role="optimize")

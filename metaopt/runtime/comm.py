@@ -237,7 +237,7 @@ class Communicator:
         out = torch.empty(buf.numel() // n, dtype=buf.dtype, device=buf.device)
         group = self.group(ranks)
         self._run(
-            lambda dist: dist.reduce_scatter_tensor(out, buf, group=group, async_op=True),
+            lambda dist: dist.reduce_scatter_single(out, buf, group=group, async_op=True),
             f"ReduceScatter of {what}",
             [buf, out],
         )

@@ -28,10 +28,14 @@ from metaopt.ops.kernels.partition import join_slices, slice_length, take_slice
 from metaopt.ops.registry import register
 
 
-def sharding_ranks(group: str, parts: int, rank: int, world_size: int, op: str) -> tuple[list[int], int]:
-    """(the global ranks of this worker's sharding group, ascending; this worker's index in it)."""
+def sharding_ranks(group: str, parts: int, rt, op: str) -> tuple[list[int], int]:
+    """(the global ranks of this worker's sharding group, ascending; this worker's index in it).
+    A group of one is this process alone, with or without torch.distributed."""
     if group != "sharding":
         raise ValueError(f"{op}: group must be 'sharding', got {group!r}")
+    if parts == 1:  # nothing to find: never start torch.distributed for it
+        return [], 0
+    rank, world_size = rt.comm.rank, rt.comm.world_size
     from metaopt.layout.groups import axis_ranks
 
     ranks = axis_ranks("sharding") or list(range(world_size))
@@ -52,7 +56,7 @@ def sharding_ranks(group: str, parts: int, rank: int, world_size: int, op: str) 
     notes="ZeRO: this worker's flat 1/parts of each input (zero-padded), as new storage",
 )
 def shard_slice(*xs: torch.Tensor, group: str, parts: int, _rt, _key: str) -> tuple[torch.Tensor, ...]:
-    _, index = sharding_ranks(group, parts, _rt.comm.rank, _rt.comm.world_size, "ShardSlice")
+    _, index = sharding_ranks(group, parts, _rt, "ShardSlice")
     return tuple(take_slice(x, parts, index) for x in xs)
 
 
@@ -68,7 +72,7 @@ def shard_slice(*xs: torch.Tensor, group: str, parts: int, _rt, _key: str) -> tu
 def reduce_scatter(
     *xs: torch.Tensor, group: str, parts: int, reduce: str = "avg", _rt, _key: str
 ) -> tuple[torch.Tensor, ...]:
-    ranks, _ = sharding_ranks(group, parts, _rt.comm.rank, _rt.comm.world_size, "ReduceScatter")
+    ranks, _ = sharding_ranks(group, parts, _rt, "ReduceScatter")
     lengths = [slice_length(x.numel(), parts) for x in xs]
     rows = torch.zeros(parts, sum(lengths), dtype=xs[0].dtype, device=xs[0].device)
     at = 0
@@ -91,14 +95,17 @@ def reduce_scatter(
     collective=True,
     fresh_outputs=True,
     recomputable=False,
-    notes="ZeRO: every worker's 1/parts of each input all-gathered, the tensors whole in `shapes`",
+    notes="ZeRO: every worker's 1/parts of each input all-gathered, the tensors whole in their shapes",
 )
 def shard_gather(
-    *slices: torch.Tensor, group: str, parts: int, shapes: list[list[int]], _rt, _key: str
+    *slices: torch.Tensor, group: str, parts: int, ndims: list[int], dims: list[int], _rt, _key: str
 ) -> tuple[torch.Tensor, ...]:
-    ranks, _ = sharding_ranks(group, parts, _rt.comm.rank, _rt.comm.world_size, "ShardGather")
+    """`ndims[i]` dims of `dims` (all the shapes, one after the other: ONNX attributes hold no
+    nested lists) are output i's shape."""
+    ranks, _ = sharding_ranks(group, parts, _rt, "ShardGather")
+    shapes = _unflatten(ndims, dims)
     if len(shapes) != len(slices):
-        raise ValueError(f"ShardGather: {len(slices)} inputs but {len(shapes)} shapes")
+        raise ValueError(f"ShardGather: {len(slices)} inputs but {len(shapes)} shapes (ndims={ndims})")
     if parts == 1:
         return tuple(join_slices([s], shape) for s, shape in zip(slices, shapes, strict=True))
     flat = torch.cat([s.reshape(-1) for s in slices]) if len(slices) > 1 else slices[0].reshape(-1)
@@ -109,3 +116,18 @@ def shard_gather(
         out.append(join_slices([row[at : at + n] for row in rows], shape))
         at += n
     return tuple(out)
+
+
+def flatten_shapes(shapes: list[list[int]]) -> dict[str, list[int]]:
+    """ShardGather's ``ndims`` and ``dims`` attrs of the outputs' `shapes`."""
+    return {"ndims": [len(s) for s in shapes], "dims": [d for s in shapes for d in s]}
+
+
+def _unflatten(ndims: list[int], dims: list[int]) -> list[list[int]]:
+    if sum(ndims) != len(dims) or min(ndims, default=0) < 0:
+        raise ValueError(f"ShardGather: ndims={ndims} does not cut dims={dims}")
+    out, at = [], 0
+    for n in ndims:
+        out.append(list(dims[at : at + n]))
+        at += n
+    return out

@@ -1,0 +1,174 @@
+"""The ZeRO sharding pass (passes/sharding.py) in one process: the rewrite as text (goldens),
+its plan and memory arithmetic, its refusals, and, at sharding_degree 1 (a group of one, which
+this process is), training bit-identical to no sharding. The gloo workers (sharding 2 and 4, the
+Hugging Face models) are in tests/training/test_sharding.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import exported
+
+import metaopt
+import programs
+from metaopt import fleet
+from metaopt.frontend.onnx_save import save
+from metaopt.ir import Split, Var, ZeroShard, parse_program, print_program, verify
+from metaopt.passes.data_parallel import DataParallelError, data_parallel
+from metaopt.passes.memory_estimate import estimate_memory
+from metaopt.passes.optimize import update_grads
+from metaopt.passes.sharding import ShardingError, plan_sharding, sharding
+
+
+def _trained_program(name: str = "mlp", optimizer=None) -> metaopt.Program:
+    p = exported(name)[2].clone()
+    (optimizer or metaopt.optimizer.Adam(learning_rate=1e-2)).minimize(p.loss)
+    return p
+
+
+def _sharded(stage: int, degree: int = 2, bucket_bytes: int = 4096) -> metaopt.Program:
+    """The MLP with Adam, data parallel over `degree` workers (stage 2: reduce-scattered), sharded."""
+    p = _trained_program()
+    scatter = degree if stage == 2 else None
+    p = data_parallel(p, grads=update_grads(p), world_size=degree, bucket_bytes=0, scatter_parts=scatter)
+    return sharding(p, degree=degree, stage=stage, bucket_bytes=bucket_bytes)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_the_rewrite_reads_as_its_golden_and_parses_back(golden, stage):
+    q = _sharded(stage)
+    verify(q)
+    text = print_program(q)
+    golden(f"sharding/mlp_stage{stage}", text)
+    assert print_program(parse_program(text)) == text
+
+
+def test_state_vars_are_declared_as_slices_and_the_estimate_counts_1_over_n():
+    plain = _trained_program()
+    q = _sharded(1, degree=4)
+    states = [v for v in plain.vars.values() if v.kind == "opt_state" and v.shape]
+    assert states and all(q.vars[v.name].zero == ZeroShard(4, tuple(v.shape)) for v in states)
+    held = sum(-(-v.nbytes({}) // 4 // 4) * 4 for v in states)  # float32: padded 1/4 of the elements
+    full = sum(v.nbytes({}) for v in states)
+    dims = {"batch": 4}
+    assert estimate_memory(plain, dims=dims).persistable_bytes - estimate_memory(
+        q, dims=dims
+    ).persistable_bytes == (full - held)
+    plan = plan_sharding(_trained_program(), degree=4, stage=1, bucket_bytes=4096)
+    assert plan.state_bytes == full and plan.state_bytes_per_worker == held
+    assert f"optimizer state {full:,} -> {held:,} bytes per worker" in str(plan)
+
+
+def test_buckets_follow_segment_broadcast_bytes():
+    p = _trained_program()
+    one_each = plan_sharding(p, degree=2, stage=1, bucket_bytes=0)
+    together = plan_sharding(p, degree=2, stage=1, bucket_bytes=1 << 30)
+    assert len(one_each.buckets) == len(one_each.params) == 6 and len(together.buckets) == 1
+    q = sharding(p, degree=2, stage=1, bucket_bytes=1 << 30)
+    gathers = [op for op in q.ops if op.type == "ShardGather"]
+    assert len(gathers) == 1 and len(gathers[0].inputs) == 6
+
+
+def test_zero_shard_vars_survive_onnx_save_and_load(tmp_path):
+    q = _sharded(2)
+    save(q, tmp_path / "q.onnx")
+    back = metaopt.load(tmp_path / "q.onnx")
+    zeros = {n: v.zero for n, v in q.vars.items() if v.zero is not None and v.persistable}
+    assert zeros and {n: back.vars[n].zero for n in zeros} == zeros
+
+
+def test_refusals_name_what_is_at_fault():
+    p = _trained_program()
+    with pytest.raises(NotImplementedError, match=r"sharding_configs\['stage'\]=3"):
+        plan_sharding(p, degree=2, stage=3)
+    q = sharding(p, degree=2, stage=1)
+    with pytest.raises(ShardingError, match="sharded twice"):
+        sharding(q, degree=2, stage=1)
+    resumed = p.clone()
+    state = next(v.name for v in p.vars.values() if v.kind == "opt_state" and v.shape)
+    resumed.values[state] = torch.ones_like(p.values[state])
+    with pytest.raises(ShardingError, match=rf"optimizer state {state!r} is not at its initial zeros"):
+        plan_sharding(resumed, degree=2, stage=1)
+    split = p.clone()
+    w = split.vars["fc1.weight"]
+    split.vars["fc1.weight"] = w.copy(shape=(16, 16), split=Split(0, 2, (32,)))
+    with pytest.raises(NotImplementedError, match=r"param 'fc1.weight' is tensor parallel's split"):
+        plan_sharding(split, degree=2, stage=1)
+    with pytest.raises(DataParallelError, match="reduce-scatter over 2 workers needs the sharding group"):
+        data_parallel(p, grads=update_grads(p), world_size=4, bucket_bytes=0, scatter_parts=2)
+    with pytest.raises(
+        ValueError, match=r"var 'm': its layout zero_shard\(parts=2, full=\[5\]\) does not fit"
+    ):
+        Var("m", "float32", (2,), "opt_state", zero=ZeroShard(2, (5,)))
+
+
+# --- through fleet, in this process: sharding_degree 1 ------------------------------------------
+
+
+def _fleet_trained(name: str, optimizer, **sharding_configs) -> dict[str, torch.Tensor]:
+    fleet.init(is_collective=True)
+    main = exported(name)[2].clone()
+    s = fleet.DistributedStrategy()
+    if sharding_configs:
+        s.sharding = True
+        s.sharding_configs = sharding_configs
+    opt = fleet.distributed_optimizer(optimizer, s)
+    opt.minimize(main.loss)
+    assert ("sharding" in opt.applied_meta_list) == bool(sharding_configs)
+    exe = metaopt.Executor("cpu")
+    mod = programs.get(name)
+    for step in range(3):
+        feed = dict(zip(mod.INPUT_NAMES, mod.example_inputs("tiny", 4, seed=step), strict=True))
+        exe.run(main, feed=feed, fetch_list=[main.loss])
+    return {v.name: exe.scope[v.name].clone() for v in main.params()}
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_one_worker_sharded_trains_bit_identical_to_unsharded(name):
+    def adam():
+        return metaopt.optimizer.AdamW(learning_rate=1e-2)
+
+    plain = _fleet_trained(name, adam())
+    sharded = _fleet_trained(name, adam(), sharding_degree=1, segment_broadcast_MB=0.001)
+    assert plain.keys() == sharded.keys()
+    assert all(torch.equal(plain[k], sharded[k]) for k in plain)
+
+
+def test_fleet_refuses_a_degree_that_is_not_the_layout_and_an_unused_sharding_axis():
+    fleet.init(is_collective=True)
+    s = fleet.DistributedStrategy()
+    s.sharding = True  # Fleet's default sharding_degree 8, one worker
+    with pytest.raises(
+        ValueError, match=r"sharding_configs\['sharding_degree'\]=8 but the job has 1 workers"
+    ):
+        fleet.distributed_optimizer(metaopt.optimizer.SGD(0.1), s).minimize(_loss())
+    s.sharding_configs = {"sharding_degree": 1, "stage": 3}
+    with pytest.raises(NotImplementedError, match=r"stage'\]=3"):
+        fleet.distributed_optimizer(metaopt.optimizer.SGD(0.1), s).minimize(_loss())
+    s.sharding_configs = {"sharding_degree": 1, "optimize_offload": True}
+    with pytest.raises(NotImplementedError, match=r"sharding_configs\['optimize_offload'\]=True"):
+        fleet.distributed_optimizer(metaopt.optimizer.SGD(0.1), s).minimize(_loss())
+    s.sharding_configs = {"sharding_degree": 1}
+    s.pipeline = True
+    with pytest.raises(
+        NotImplementedError, match=r"strategy.pipeline=True \(sharding inside a pipeline stage\)"
+    ):
+        fleet.distributed_optimizer(metaopt.optimizer.SGD(0.1), s).minimize(_loss())
+
+
+def test_a_hybrid_sharding_axis_needs_strategy_sharding():
+    from metaopt.fleet.steps import sharding_errors
+    from metaopt.fleet.topology import Topology
+
+    s = fleet.DistributedStrategy()
+    (e,) = sharding_errors(s, Topology(dp_degree=1, sharding_degree=2), 2)
+    assert "hybrid_configs sharding_degree=2 needs strategy.sharding=True" in str(e)
+    s.sharding = True
+    assert sharding_errors(s, Topology(dp_degree=1, sharding_degree=2), 2) == []  # default 8: the layout's
+    s.sharding_configs = {"sharding_degree": 4}
+    (e,) = sharding_errors(s, Topology(dp_degree=1, sharding_degree=2), 2)
+    assert "conflicts with hybrid_configs sharding_degree=2" in str(e)
+
+
+def _loss():
+    return exported("mlp")[2].clone().loss

@@ -1,0 +1,88 @@
+"""One ZeRO sharding worker (started by test_sharding.py through tests/workers.py).
+
+Each case "model:stage:optimizer[:extra]" exports its model (the same seed on every worker),
+minimizes it with fleet's strategy.sharding at sharding_degree = the world size, trains STEPS
+steps and writes `<out>/<case>.rank<r>.pt`: losses, params, and the executor's measured bytes
+beside `estimate_memory`'s prediction. Every worker is fed the whole batch (the same data):
+data parallel then averages equal grads, which is exact, so a sharded run must equal one
+process bit for bit and any difference is sharding's. The "mlp" cases feed each worker its own
+share instead, as a data-parallel user does.
+
+extra: "recompute" (each block a checkpoint), "bf16" (AMP bfloat16), "clip" (global-norm
+clipping, stage 1).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from training_cases import BATCH, STEPS, batch, build_strategy, export
+
+import metaopt
+from metaopt import fleet
+from metaopt.passes.memory_estimate import estimate_memory
+
+
+def train_case(case: str, rank: int, world: int) -> dict:
+    name, stage, opt, *extra = case.split(":")
+    main = export(name)
+    strategy = build_strategy(name, extra)
+    strategy.sharding = stage != "0"  # "0": data parallel alone, the same otherwise
+    if strategy.sharding:
+        strategy.sharding_configs = {
+            "sharding_degree": world,
+            "stage": int(stage),
+            "segment_broadcast_MB": 0.01,
+        }
+    optimizer = fleet.distributed_optimizer(make_optimizer(opt, "clip" in extra), strategy)
+    optimizer.minimize(main.loss)
+    exe = metaopt.Executor("cpu")
+    losses = []
+    for step in range(STEPS):
+        feed = batch(name, step)
+        if name == "mlp":  # this worker's share of the full batch
+            share = BATCH // world
+            feed = {k: v[rank * share : (rank + 1) * share] for k, v in feed.items()}
+        (loss,) = exe.run(main, feed=feed, fetch_list=[main.loss])
+        losses.append(float(loss))
+    stats = exe.memory_stats()
+    rows = next(iter(feed.values())).shape[0]
+    predicted = estimate_memory(main, dims={"batch": rows})
+    state = {v.name: v for v in main.vars.values() if v.kind == "opt_state" and v.zero is not None}
+    return {
+        "losses": losses,
+        "params": {v.name: exe.scope[v.name].clone() for v in main.params()},
+        "measured_persistable": stats["persistable_bytes"],
+        "predicted_persistable": predicted.persistable_bytes,
+        "measured_peak": stats["peak_bytes"],
+        "predicted_peak": predicted.peak_bytes,
+        "state_bytes": sum(exe.scope[n].numel() * exe.scope[n].element_size() for n in state),
+        "state_full_numel": {n: v.zero.full_numel for n, v in state.items()},
+        "scattered": sum(op.type == "ReduceScatter" for op in main.ops),
+        "program": str(main),
+    }
+
+
+def make_optimizer(opt: str, clip: bool) -> metaopt.optimizer.Optimizer:
+    kw = {"grad_clip": metaopt.optimizer.ClipGradByGlobalNorm(1.0)} if clip else {}
+    if opt == "sgd":
+        return metaopt.optimizer.SGD(learning_rate=0.05, **kw)
+    if opt == "momentum":
+        return metaopt.optimizer.Momentum(learning_rate=0.05, momentum=0.9, **kw)
+    if opt == "adamw":
+        return metaopt.optimizer.AdamW(learning_rate=1e-2, **kw)
+    return metaopt.optimizer.Adam(learning_rate=1e-2, **kw)
+
+
+def main() -> None:
+    out, cases = sys.argv[1], sys.argv[2:]
+    fleet.init(is_collective=True)
+    rank, world = fleet.worker_index(), fleet.worker_num()
+    for case in cases:
+        torch.save(train_case(case, rank, world), f"{out}/{case}.rank{rank}.pt")
+    fleet.barrier_worker()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""The models, batches and strategies of the sharding tests, shared by the workers
+(sharding_worker.py) and the one-process reference (test_sharding.py): the Hugging Face models
+of the zoo built tiny (tests/zoo), and the reference MLP (programs/)."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import export_cache
+import torch
+
+import metaopt
+import programs
+from metaopt import fleet
+
+STEPS = 3
+BATCH = 8
+SEED = 0
+# one checkpoint per block: recompute re-runs each block before its grads
+CHECKPOINTS = {
+    "mlp": ["fc1", "fc2"],
+    "hf-gpt2": ["m.transformer.h.*"],
+    "hf-llama": ["m.model.layers.*"],
+    "hf-bert": ["m.bert.encoder.layer.*"],
+}
+
+
+def _zoo(name: str):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from zoo import harness, models
+
+    return harness, models.get(name)
+
+
+@functools.cache
+def _feed_names(name: str) -> list[str]:
+    harness, entry = _zoo(name)
+    return harness.feed_names(entry.build(0.0), 8)
+
+
+def export(name: str) -> metaopt.Program:
+    """The forward program, the same initial values in every process."""
+    if name.startswith("hf-"):
+        harness, entry = _zoo(name)
+        torch.manual_seed(SEED)
+        return harness.export(entry, 0.0)[1]
+    mod = programs.get(name)
+    model = mod.build("tiny", seed=SEED, dropout=0.0)
+    return export_cache.export(model, mod.example_inputs("tiny", 4, seed=1), name=name)
+
+
+def batch(name: str, step: int) -> dict[str, torch.Tensor]:
+    """The step's whole batch."""
+    if name.startswith("hf-"):
+        inputs = _zoo(name)[1].inputs(BATCH, 10 + step)
+        return dict(zip(_feed_names(name)[: len(inputs)], inputs, strict=True))
+    mod = programs.get(name)
+    return dict(zip(mod.INPUT_NAMES, mod.example_inputs("tiny", BATCH, seed=10 + step), strict=True))
+
+
+def build_strategy(name: str, extra: list[str]) -> fleet.DistributedStrategy:
+    s = fleet.DistributedStrategy()
+    s.fuse_grad_size_in_MB = 1
+    if "recompute" in extra:
+        s.recompute = True
+        s.recompute_configs = {"checkpoints": CHECKPOINTS[name]}
+    if "bf16" in extra:
+        s.amp = True
+        s.amp_configs = {"dtype": "bfloat16"}
+    return s
