@@ -26,24 +26,38 @@ from torch.distributed.checkpoint.planner import (
 from torch.futures import Future
 
 from metaopt.fleet.sharded_io import CheckpointError
-from metaopt.ir import Split
+from metaopt.ir import Split, ZeroShard
 
 
 class Pieces:
-    """One worker's part of a split var as DCP sees it: the pieces of the full tensor it holds,
-    each a view of the local tensor at its offset in the full one (several for a fused
-    projection cut per block). DCP takes any object with these three methods (its
-    ``_Checkpointable`` protocol, the one DTensor implements); the planners below hand DCP
-    the piece at an offset. Loading writes through the views into `local`."""
+    """One worker's part of a var as DCP sees it: the pieces of the full tensor it holds, each
+    a view of the local tensor at its offset in the full one (several for a fused projection cut
+    per block). DCP takes any object with these three methods (its ``_Checkpointable`` protocol,
+    the one DTensor implements); the planners below hand DCP the piece at an offset. Loading
+    writes through the views into `local`. `of_split` (tensor parallel) and `of_zero` (ZeRO's flat
+    slices) build one."""
 
-    def __init__(self, local: torch.Tensor, split: Split, index: int) -> None:
+    def __init__(self, local: torch.Tensor, full: torch.Size, parts: dict[torch.Size, torch.Tensor]) -> None:
         self.local = local
-        self.full = torch.Size(split.full_shape(tuple(local.shape)))
-        self.parts: dict[torch.Size, torch.Tensor] = {}
+        self.full = full
+        self.parts = parts
+
+    @classmethod
+    def of_split(cls, local: torch.Tensor, split: Split, index: int) -> Pieces:
+        parts: dict[torch.Size, torch.Tensor] = {}
         for full_at, local_at, n in split.pieces(index):
             offsets = [0] * local.dim()
             offsets[split.axis] = full_at
-            self.parts[torch.Size(offsets)] = local.narrow(split.axis, local_at, n)
+            parts[torch.Size(offsets)] = local.narrow(split.axis, local_at, n)
+        return cls(local, torch.Size(split.full_shape(tuple(local.shape))), parts)
+
+    @classmethod
+    def of_zero(cls, local: torch.Tensor, zero: ZeroShard, index: int) -> Pieces:
+        """Part `index` of a ZeRO-sharded var: the full tensor is stored flat (1-D, its padding
+        left out), this worker's elements one chunk of it (none when it holds padding only)."""
+        start, n = zero.piece(index)
+        parts = {torch.Size([start]): local[:n]} if n else {}
+        return cls(local, torch.Size([zero.full_numel]), parts)
 
     def size(self) -> torch.Size:  # DCP compares it with the saved full size before loading
         return self.full

@@ -87,7 +87,8 @@ def save_persistables(
     info: dict[str, dict[str, Any]] = {}
     for v in _saved_vars(program):
         t = sharded_io.value_of(exe, program, v)
-        tensors[v.name] = t.detach().to("cpu").clone()
+        t = sharded_io.whole_value(v, t.detach().to("cpu")).clone()
+        tensors[v.name] = t
         info[v.name] = {"kind": v.kind, "dtype": _dtype(t), "shape": list(t.shape)}
     states = sharded_io.rng_states()
     rng = {
@@ -117,6 +118,12 @@ def _refuse_parts(program: Program) -> None:
             "this process is alone: call save_persistables on every worker of the tensor-parallel job"
         )
     for v in _saved_vars(program):
+        if v.zero is not None and v.zero.parts > 1:
+            raise sharded_io.CheckpointError(
+                f"save_persistables: var {v.name!r} of program {program.name!r} is one worker's part "
+                f"({v.zero}) and this process is alone: call save_persistables on every worker of the "
+                "sharded job"
+            )
         if v.split is not None and v.split.parts > 1:
             raise sharded_io.CheckpointError(
                 f"save_persistables: var {v.name!r} of program {program.name!r} is one of "
@@ -230,6 +237,7 @@ def _load_file(exe: Any, path: str, program: Program, *, strict: bool, rng: bool
     want = _saved_vars(program)
     names = {v.name for v in want}
     place = sharded_io.mp_place(program, "load_persistables")
+    zi = sharded_io.zero_index(program, "load_persistables")
 
     missing = [v.name for v in want if v.name not in tensors]
     if missing:
@@ -270,14 +278,16 @@ def _load_file(exe: Any, path: str, program: Program, *, strict: bool, rng: bool
     if problem:
         raise ValueError(f"load_persistables: {path}: {problem}")
 
-    sharded_io.into_scope(exe, {v.name: _part(v, tensors[v.name], place) for v in want})
+    sharded_io.into_scope(exe, {v.name: _part(v, tensors[v.name], place, zi) for v in want})
     if rng:
         _restore_rng(path, obj["rng"], program)
     return [v.name for v in want]
 
 
-def _part(v: Var, t: torch.Tensor, place: sharded_io.MPPlace | None) -> torch.Tensor:
+def _part(v: Var, t: torch.Tensor, place: sharded_io.MPPlace | None, zi: int | None) -> torch.Tensor:
     """What this worker holds of `v` whose whole value is `t`."""
+    if v.zero is not None:
+        return sharded_io.zero_part(v, t, zi)
     if v.split is None:
         return t
     assert place is not None  # mp_place found the group of every split var

@@ -212,6 +212,48 @@ def local_part(full: torch.Tensor, split: Split, index: int) -> torch.Tensor:
     return torch.cat([full.narrow(split.axis, at, n) for at, _, n in split.pieces(index)], split.axis)
 
 
+# --- ZeRO sharding: flat slices (Var.zero) ----------------------------------------------------
+# A checkpoint holds a sharded var whole: DCP stores it flat (1-D, its padding left out; a flat
+# slice of a 2-D tensor is no rectangle of it), metaopt.json says so ("flat") beside its full
+# shape. Loading takes whatever this worker's layout holds of it: its own slice, or all of it.
+
+
+def zero_index(program: Program, what: str) -> int | None:
+    """This worker's index in its sharding group (the part of each ``Var.zero`` it holds); None
+    when no saved var is sharded over more than one worker."""
+    zeros = [v for v in saved_vars(program) if v.zero is not None and v.zero.parts > 1]
+    if not zeros:
+        return None
+    from metaopt.layout.groups import axis_ranks
+
+    rank, size = world()
+    ranks = axis_ranks("sharding") or list(range(size))
+    bad = next((v for v in zeros if v.zero.parts != len(ranks)), zeros[0] if rank not in ranks else None)
+    if bad is not None:
+        raise CheckpointError(
+            f"{what}: var {bad.name!r} is {bad.zero} but this worker's sharding group is {ranks}: the "
+            "program was sharded for another layout"
+        )
+    return ranks.index(rank)
+
+
+def whole_value(v: Var, t: torch.Tensor) -> torch.Tensor:
+    """The value a one-file checkpoint holds of `v` (of which this process holds `t`): a sharded
+    var of a group of one is its slice without the padding, in its full shape."""
+    if v.zero is None:
+        return t
+    if v.zero.parts != 1:
+        raise CheckpointError(f"var {v.name!r} is {v.zero}: one worker holds only its part")
+    return t.reshape(-1)[: v.zero.full_numel].reshape(v.zero.full)
+
+
+def zero_part(v: Var, whole: torch.Tensor, index: int | None) -> torch.Tensor:
+    """What this worker holds of sharded var `v` whose whole value is `whole`."""
+    from metaopt.ops.kernels.partition import take_slice
+
+    return take_slice(whole, v.zero.parts, index or 0)
+
+
 def _digest(t: torch.Tensor) -> str:
     flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
     return hashlib.blake2b(flat.numpy(), digest_size=16).hexdigest()
@@ -392,6 +434,7 @@ def save_sharded(
         mine = _next_step(exe, program, root, step)
         group = model_parallel_group(program, "save_persistables")
         place = mp_place(program, "save_persistables")
+        zi = zero_index(program, "save_persistables")
         if group is not None and max(group) >= size:
             raise CheckpointError(
                 f"program {program.name!r} is split over the model-parallel group {list(group)}, "
@@ -399,7 +442,7 @@ def save_sharded(
             )
         for v in saved_vars(program):
             t = value_of(exe, program, v).detach().to("cpu")
-            state[v.name], info[v.name] = _entry(v, t, place)
+            state[v.name], info[v.name] = _entry(v, t, place, zi)
     except (CheckpointError, OSError) as e:
         problem = str(e)
     _agree_or_raise(problem, f"save_persistables into {root}")
@@ -523,9 +566,15 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _entry(v: Var, t: torch.Tensor, place: MPPlace | None) -> tuple[Any, dict[str, Any]]:
+def _entry(v: Var, t: torch.Tensor, place: MPPlace | None, zi: int | None) -> tuple[Any, dict[str, Any]]:
     """What DCP saves of `v` (its value `t`) and its line in metaopt.json: a split var as this
-    worker's pieces of the full tensor, described by the full shape (and the saving layout)."""
+    worker's pieces of the full tensor, described by the full shape (and the saving layout); a
+    sharded var (ZeRO) as its chunk of the full tensor stored flat."""
+    from metaopt.fleet import dcp_glue
+
+    if v.zero is not None:
+        entry = {"kind": v.kind, "dtype": _dtype(t), "shape": list(v.zero.full), "flat": True}
+        return dcp_glue.Pieces.of_zero(t, v.zero, zi or 0), entry
     if v.split is None:
         return t, {"kind": v.kind, "dtype": _dtype(t), "shape": list(t.shape)}
     assert place is not None  # mp_place found the group of every split var
@@ -538,9 +587,7 @@ def _entry(v: Var, t: torch.Tensor, place: MPPlace | None) -> tuple[Any, dict[st
     layout = {"axis": sp.axis, "parts": sp.parts, "blocks": list(sp.blocks)}
     full = list(sp.full_shape(tuple(t.shape)))
     entry = {"kind": v.kind, "dtype": _dtype(t), "shape": full, "saved_split": layout}
-    from metaopt.fleet import dcp_glue
-
-    return dcp_glue.Pieces(t, sp, place.index), entry
+    return dcp_glue.Pieces.of_split(t, sp, place.index), entry
 
 
 def _merge_info(per_rank: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
@@ -707,7 +754,8 @@ def _check_vars(folder: Path, meta: dict, want: list[Var], md: Metadata) -> str 
             have = f"{s.get('dtype')} {s['shape']}"
             return f"var {v.name!r} is {have} in {folder} but {describe(v)} in the program"
         tm = md.state_dict_metadata[v.name]
-        if not isinstance(tm, dcp_meta.TensorStorageMetadata) or list(tm.size) != list(s["shape"]):
+        stored = [math.prod(s["shape"])] if s.get("flat") else list(s["shape"])
+        if not isinstance(tm, dcp_meta.TensorStorageMetadata) or list(tm.size) != stored:
             return f"var {v.name!r}: DCP's metadata in {folder} disagrees with {INFO}"
         if getattr(tm.properties, "dtype", None) != _torch_dtype(v.dtype):
             got = getattr(tm.properties, "dtype", None)
@@ -743,9 +791,10 @@ def _check_rng_sizes(folder: Path, md: Metadata, rank: int) -> str | None:
 def describe(v: Var) -> str:
     """``float32 [96, 32]``; a split var's full shape and the part this worker holds."""
     full = list(v.full_shape) if v.shape is not None else "?"
-    if v.split is None:
+    layout = v.split or v.zero
+    if layout is None:
         return f"{v.dtype} {full}"
-    return f"{v.dtype} {full} (this worker holds {list(v.shape or ())}: {v.split})"
+    return f"{v.dtype} {full} (this worker holds {list(v.shape or ())}: {layout})"
 
 
 def load_sharded(exe: Any, folder: Path, program: Program, *, strict: bool = True) -> list[str]:
@@ -756,11 +805,12 @@ def load_sharded(exe: Any, folder: Path, program: Program, *, strict: bool = Tru
     from metaopt.fleet import dcp_glue
 
     rank, size = world()
-    problem, meta, md, place, group = None, None, None, None, None
+    problem, meta, md, place, group, zi = None, None, None, None, None, None
     want = saved_vars(program)
     try:
         group = model_parallel_group(program, "load_persistables")
         place = mp_place(program, "load_persistables")
+        zi = zero_index(program, "load_persistables")
         meta = _read_info(folder)
         md = dcp_glue.SafeReader(folder).read_metadata()
         problem = _check_vars(folder, meta, want, md) or _check_rng_sizes(folder, md, rank)
@@ -785,11 +835,17 @@ def load_sharded(exe: Any, folder: Path, program: Program, *, strict: bool = Tru
 
     into: dict[str, Any] = {}
     for v in want:
-        if v.split is None:
-            into[v.name] = torch.empty(meta["vars"][v.name]["shape"], dtype=_torch_dtype(v.dtype))
+        flat = bool(meta["vars"][v.name].get("flat"))
+        if v.zero is not None and flat:  # this worker's chunk, read straight into its slice
+            into[v.name] = dcp_glue.Pieces.of_zero(
+                torch.zeros(v.shape, dtype=_torch_dtype(v.dtype)), v.zero, zi or 0
+            )
+        elif v.split is None:  # whole (flat where it was saved so); a sharded var cut below
+            shape = meta["vars"][v.name]["shape"]
+            into[v.name] = torch.empty([math.prod(shape)] if flat else shape, dtype=_torch_dtype(v.dtype))
         else:  # this worker's pieces of the full tensor, read straight into its local tensor
             assert place is not None  # mp_place found the group of every split var
-            into[v.name] = dcp_glue.Pieces(
+            into[v.name] = dcp_glue.Pieces.of_split(
                 torch.empty(v.shape, dtype=_torch_dtype(v.dtype)), v.split, place.index
             )
     rng_keys = {k for k in md.state_dict_metadata if k.startswith(f"{_RNG}/{rank}/")}
@@ -821,16 +877,20 @@ def load_sharded(exe: Any, folder: Path, program: Program, *, strict: bool = Tru
     rng = {k.rsplit("/", 1)[1]: into[k] for k in rng_keys} if restore_rng else {}
     problem = check_rng(rng) if restore_rng else None
     _agree_or_raise(problem and f"{folder}: {problem}", "load_persistables")
-    into_scope(exe, {v.name: _local(into[v.name]) for v in want})
+    into_scope(exe, {v.name: _held(v, into[v.name], meta["vars"][v.name], zi) for v in want})
     if restore_rng:
         set_rng(rng)
     return [v.name for v in want]
 
 
-def _local(x: Any) -> torch.Tensor:
+def _held(v: Var, x: Any, saved: dict[str, Any], zi: int | None) -> torch.Tensor:
+    """What this worker keeps of `v` from what DCP read into `x`."""
     from metaopt.fleet import dcp_glue
 
-    return x.local if isinstance(x, dcp_glue.Pieces) else x
+    if isinstance(x, dcp_glue.Pieces):
+        return x.local
+    whole = x.view(saved["shape"]) if saved.get("flat") else x
+    return zero_part(v, whole, zi) if v.zero is not None else whole
 
 
 def _short(e: BaseException) -> str:

@@ -172,3 +172,35 @@ def test_a_hybrid_sharding_axis_needs_strategy_sharding():
 
 def _loss():
     return exported("mlp")[2].clone().loss
+
+
+def test_a_one_file_checkpoint_moves_between_sharded_and_unsharded_programs(tmp_path):
+    """sharding_degree 1 holds each state var flat (its own zero_shard layout): its one-file
+    checkpoint holds them in their full shapes, so it loads into an unsharded program, and back."""
+
+    def minimized(**sharding_configs):
+        fleet.init(is_collective=True)
+        main = exported("mlp")[2].clone()
+        s = fleet.DistributedStrategy()
+        if sharding_configs:
+            s.sharding, s.sharding_configs = True, sharding_configs
+        fleet.distributed_optimizer(metaopt.optimizer.Adam(learning_rate=1e-2), s).minimize(main.loss)
+        return main, metaopt.Executor("cpu")
+
+    sharded, exe = minimized(sharding_degree=1)
+    mod = programs.get("mlp")
+    for step in range(2):
+        feed = dict(zip(mod.INPUT_NAMES, mod.example_inputs("tiny", 4, seed=step), strict=True))
+        exe.run(sharded, feed=feed, fetch_list=[sharded.loss])
+    fleet.save_persistables(exe, tmp_path / "a", sharded)
+    plain, exe2 = minimized()
+    fleet.load_persistables(exe2, tmp_path / "a", plain)
+    states = [v for v in sharded.vars.values() if v.zero is not None and v.persistable]
+    assert states
+    for v in states:
+        assert exe2.scope[v.name].shape == v.zero.full
+        assert torch.equal(exe2.scope[v.name].reshape(-1), exe.scope[v.name])
+    fleet.save_persistables(exe2, tmp_path / "b", plain)
+    again, exe3 = minimized(sharding_degree=1)
+    fleet.load_persistables(exe3, tmp_path / "b", again)
+    assert all(torch.equal(exe3.scope[v.name], exe.scope[v.name]) for v in states)

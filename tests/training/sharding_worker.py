@@ -9,11 +9,13 @@ process bit for bit and any difference is sharding's. The "mlp" cases feed each 
 share instead, as a data-parallel user does.
 
 extra: "recompute" (each block a checkpoint), "bf16" (AMP bfloat16), "clip" (global-norm
-clipping, stage 1).
+clipping, stage 1), "save" (save_persistables into $SHARDING_CKPT after training), "load" (load
+$SHARDING_CKPT instead of training: what this worker then holds).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -38,6 +40,9 @@ def train_case(case: str, rank: int, world: int) -> dict:
     optimizer = fleet.distributed_optimizer(make_optimizer(opt, "clip" in extra), strategy)
     optimizer.minimize(main.loss)
     exe = metaopt.Executor("cpu")
+    if "load" in extra:
+        fleet.load_persistables(exe, os.environ["SHARDING_CKPT"], main)
+        return {"held": {n: exe.scope[n].clone() for n in _saved(main)}}
     losses = []
     for step in range(STEPS):
         feed = batch(name, step)
@@ -46,6 +51,8 @@ def train_case(case: str, rank: int, world: int) -> dict:
             feed = {k: v[rank * share : (rank + 1) * share] for k, v in feed.items()}
         (loss,) = exe.run(main, feed=feed, fetch_list=[main.loss])
         losses.append(float(loss))
+    if "save" in extra:
+        fleet.save_persistables(exe, os.environ["SHARDING_CKPT"], main)
     stats = exe.memory_stats()
     rows = next(iter(feed.values())).shape[0]
     predicted = estimate_memory(main, dims={"batch": rows})
@@ -61,7 +68,13 @@ def train_case(case: str, rank: int, world: int) -> dict:
         "state_full_numel": {n: v.zero.full_numel for n, v in state.items()},
         "scattered": sum(op.type == "ReduceScatter" for op in main.ops),
         "program": str(main),
+        "held": {n: exe.scope[n].clone() for n in _saved(main)},
     }
+
+
+def _saved(main: metaopt.Program) -> list[str]:
+    """The params and optimizer state a checkpoint holds (the shaped ones: not the step counter)."""
+    return [v.name for v in main.vars.values() if v.kind in ("param", "opt_state") and v.shape]
 
 
 def make_optimizer(opt: str, clip: bool) -> metaopt.optimizer.Optimizer:

@@ -39,17 +39,19 @@ GROUPS = {
     ],
     "bert-adamw-clip": ["hf-bert:0:adamw:clip", "hf-bert:1:adamw:clip"],
 }
-TWO = [c for cases in GROUPS.values() for c in cases] + ["mlp:2:adam"]
-FOUR = ["hf-gpt2:0:adam:recompute", "hf-gpt2:2:adam:recompute", "hf-llama:1:sgd", "mlp:1:momentum"]
+# "save": the 4 workers' stage-2 checkpoint, which "load" reads at sharding 2 (stage 1)
+TWO = [c for cases in GROUPS.values() for c in cases] + ["mlp:2:adam", "hf-gpt2:1:adam:recompute:load"]
+FOUR = ["hf-gpt2:0:adam:recompute", "hf-gpt2:2:adam:recompute:save", "hf-llama:1:sgd", "mlp:1:momentum"]
 TOL = {"rtol": 1e-5, "atol": 4e-5}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[int, Path]:
-    out = {}
-    for world, cases in ((2, TWO), (4, FOUR)):
+    out = {"ckpt": tmp_path_factory.mktemp("sharding_ckpt")}
+    for world, cases in ((4, FOUR), (2, TWO)):  # 4 first: it saves what 2 loads
         out[world] = tmp_path_factory.mktemp(f"sharding{world}")
-        procs = start_workers(world, [str(HERE / "sharding_worker.py"), str(out[world]), *cases])
+        env = {"SHARDING_CKPT": str(out["ckpt"])}
+        procs = start_workers(world, [str(HERE / "sharding_worker.py"), str(out[world]), *cases], env)
         wait_workers(procs, "sharding", 400)
     return out
 
@@ -90,8 +92,8 @@ def test_a_sharded_run_equals_data_parallel_bit_for_bit_on_every_worker(runs, wo
     compared = 0
     for case in cases:
         name, stage, *rest = case.split(":")
-        base = ":".join([name, "0", *rest])
-        if stage == "0" or base not in cases:
+        base = ":".join([name, "0", *(x for x in rest if x != "save")])
+        if stage == "0" or base not in cases or "load" in rest:
             continue
         for r, (got, want) in enumerate(
             zip(_ranks(runs, world, case), _ranks(runs, world, base), strict=True)
@@ -103,7 +105,7 @@ def test_a_sharded_run_equals_data_parallel_bit_for_bit_on_every_worker(runs, wo
     assert compared == (2 * 7 if world == 2 else 4)
 
 
-@pytest.mark.parametrize("case", [c for c in TWO if c.split(":")[1] != "0"])
+@pytest.mark.parametrize("case", [c for c in TWO if c.split(":")[1] != "0" and "load" not in c])
 def test_two_workers_equal_one_process(runs, case):
     ref = _one_process(case)
     ranks = _ranks(runs, 2, case)
@@ -137,7 +139,8 @@ def _check_losses(case: str, ranks: list[dict], ref: dict) -> None:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_each_worker_holds_its_share_of_the_optimizer_state_measured_as_predicted(runs, world):
-    cases = [c for c in (TWO if world == 2 else FOUR) if c.split(":")[1] != "0" and ":sgd" not in c]
+    cases = [c for c in (TWO if world == 2 else FOUR) if c.split(":")[1] not in "0" and ":sgd" not in c]
+    cases = [c for c in cases if "load" not in c]
     for case in cases:
         for got in _ranks(runs, world, case):
             assert got["measured_persistable"] == got["predicted_persistable"], case
@@ -158,3 +161,43 @@ def test_stage_two_reduce_scatters_and_holds_less_at_the_peak_than_stage_one(run
     assert all(r["measured_peak"] == r["predicted_peak"] for r in (one, two, base))
     # the Adam state alone: half of it gone per worker
     assert base["measured_persistable"] - one["measured_persistable"] == one["state_bytes"]
+
+
+def _whole_checkpoint(folder: Path) -> dict[str, torch.Tensor]:
+    """The 4 workers' checkpoint loaded into one process's unsharded program."""
+    import sharding_worker
+    from training_cases import build_strategy, export
+
+    import metaopt
+    from metaopt import fleet
+    from metaopt.fleet import env
+
+    env.reset()
+    fleet.init()
+    try:
+        main = export("hf-gpt2")
+        strategy = build_strategy("hf-gpt2", ["recompute"])
+        fleet.distributed_optimizer(sharding_worker.make_optimizer("adam", False), strategy).minimize(
+            main.loss
+        )
+        exe = metaopt.Executor("cpu")
+        fleet.load_persistables(exe, folder, main)
+        return {n: exe.scope[n].clone() for n in sharding_worker._saved(main)}
+    finally:
+        env.reset()
+
+
+def test_a_checkpoint_of_four_sharded_workers_loads_at_sharding_two_and_in_one_process(runs):
+    """Stage 2 at sharding 4 saves; stage 1 at sharding 2 and one unsharded process load it: each
+    holds exactly its part of the same whole values (params whole, state its padded 1/N)."""
+    from metaopt.ops.kernels.partition import take_slice
+
+    whole = _whole_checkpoint(runs["ckpt"])
+    states = [n for n in whole if "@" in n]
+    assert states and len(states) == 2 * (len(whole) - len(states))  # Adam: 2 moments per param
+    for world, case in ((4, "hf-gpt2:2:adam:recompute:save"), (2, "hf-gpt2:1:adam:recompute:load")):
+        for r, got in enumerate(_ranks(runs, world, case)):
+            assert got["held"].keys() == whole.keys()
+            for n, t in whole.items():
+                want = take_slice(t, world, r) if n in states else t
+                assert torch.equal(got["held"][n], want), (world, case, r, n)
