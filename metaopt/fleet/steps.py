@@ -390,16 +390,31 @@ def _dp_how(p: Program, ctx: Context) -> dict:
 
     s = ctx.strategy
     mp = _mp_degree(ctx) if s.tensor_parallel else 1
+    scatter = _zero_scatter(ctx)
     return {
         "grads": update_grads(p),
         "world_size": ctx.world_size // mp,
         "bucket_bytes": int(s.fuse_grad_size_in_MB) * 2**20 if s.fuse_all_reduce_ops else 0,
-        "at_update": p.gradient_merge is not None,  # grads final only at the window's end
+        # grads final only at the window's end; ZeRO stage 1 reduces them after the backward
+        "at_update": p.gradient_merge is not None
+        or (scatter is not None and s.sharding_configs["stage"] == 1),
         # beside tensor parallel the replicas holding the same slices are one dp group, not all
         "group": "data_parallel" if mp > 1 else None,
-        # ZeRO stage 2: each worker keeps only its 1/N of the averaged grads (passes/sharding.py)
-        "scatter_parts": _sharding_degree(ctx) if s.sharding and s.sharding_configs["stage"] >= 2 else None,
+        "scatter_parts": scatter,
     }
+
+
+def _zero_scatter(ctx: Context) -> int | None:
+    """ZeRO's reduce-scatter (each worker keeps its 1/N of the averaged grads: data parallel's
+    volume) where the sharding group is every data-parallel worker; else None, an all-reduce of
+    whole grads: stage 1 beside dp_degree > 1 or global-norm clipping, which reads every grad
+    whole (stage 2 refuses both: `_sh_check`)."""
+    s = ctx.strategy
+    if not s.sharding or _sharding_degree(ctx) != ctx.world_size:
+        return None
+    if s.sharding_configs["stage"] == 1 and getattr(ctx.optimizer, "grad_clip", None) is not None:
+        return None
+    return ctx.world_size
 
 
 def _dp_plan(p: Program, ctx: Context) -> Any:

@@ -16,8 +16,12 @@ in update order)::
 so the state vars (``w@MOMENT1`` ...) are declared ``zero_shard(parts=N, full=[...])``: 1/N of
 their bytes on every worker, in the executor's accounting and in `estimate_memory` alike.
 
-* **Stage 1**: the grads are whole on every worker (data parallel's all-reduce); each worker
-  takes its slice. Communication: the all-reduce plus the params' all-gather.
+* **Stage 1**: data parallel reduce-scatters the grads after the backward (its buckets moved to
+  the update phase), so whole grads live through the backward and each worker updates its
+  slice. Communication: data parallel's volume (reduce-scatter + all-gather = one all-reduce).
+  Where the grads must stay whole (global-norm clipping reads them all; dp_degree > 1 beside
+  sharding reduces over more workers than the sharding group) they are all-reduced and each
+  worker takes its slice (`ShardSlice`): 1.5x the volume, said in the plan.
 * **Stage 2**: data parallel reduce-scatters the grads as they are made
   (``passes/data_parallel.py`` with ``scatter_parts``), so a worker holds only its 1/N of each
   grad from its bucket's reduce on; the updates read those slices directly. Communication:
@@ -77,6 +81,8 @@ class ShardingPlan:
     buckets: list[GatherBucket] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
 
+    scattered: bool = False  # the grads the updates read are slices already (data parallel's reduce-scatter)
+
     @property
     def state_bytes(self) -> int:
         return sum(sp.state_bytes for sp in self.params)
@@ -88,9 +94,11 @@ class ShardingPlan:
     def __str__(self) -> str:
         cap = f"{self.bucket_bytes / 2**20:g} MB" if self.bucket_bytes else "one param per"
         grads = (
-            "grads reduce-scattered as they are made (data parallel), each worker keeping its 1/N"
-            if self.stage >= 2
-            else "grads all-reduced whole (data parallel), each worker updating its 1/N slice"
+            "grads reduce-scattered by data parallel, each worker keeping its 1/N"
+            + (" as they are made" if self.stage >= 2 else " after the backward")
+            if self.scattered
+            else "grads all-reduced whole (data parallel: clipping or dp beside sharding), each worker "
+            "updating its 1/N slice"
         )
         lines = [
             f"sharding stage {self.stage} over {self.degree} workers: {len(self.params)} params, "
@@ -133,6 +141,7 @@ def plan_sharding(p: Program, *, degree: int, stage: int = 1, bucket_bytes: int 
                 f"sharding: the update `{fmt_op(op)}` runs before its grad {late[0]!r} is made"
             )
         plan.params.append(sp)
+    plan.scattered = any(p.vars[sp.grad].zero is not None for sp in plan.params)
     current: GatherBucket | None = None
     for sp in plan.params:
         fits = current is not None and bucket_bytes > 0 and current.nbytes + sp.nbytes <= bucket_bytes

@@ -1,7 +1,7 @@
 """The ZeRO sharding pass (passes/sharding.py) in one process: the rewrite as text (goldens),
 its plan and memory arithmetic, its refusals, and, at sharding_degree 1 (a group of one, which
 this process is), training bit-identical to no sharding. The gloo workers (sharding 2 and 4, the
-Hugging Face models) are in tests/training/test_sharding.py."""
+Hugging Face models) are in tests/training/test_sharding_workers.py."""
 
 from __future__ import annotations
 
@@ -26,21 +26,35 @@ def _trained_program(name: str = "mlp", optimizer=None) -> metaopt.Program:
     return p
 
 
-def _sharded(stage: int, degree: int = 2, bucket_bytes: int = 4096) -> metaopt.Program:
-    """The MLP with Adam, data parallel over `degree` workers (stage 2: reduce-scattered), sharded."""
+def _sharded(stage: int, degree: int = 2, bucket_bytes: int = 4096, scatter: bool = True) -> metaopt.Program:
+    """The MLP with Adam, data parallel over `degree` workers (reduce-scattered: after the
+    backward at stage 1, as made at stage 2; or all-reduced whole), sharded, as fleet does."""
     p = _trained_program()
-    scatter = degree if stage == 2 else None
-    p = data_parallel(p, grads=update_grads(p), world_size=degree, bucket_bytes=0, scatter_parts=scatter)
+    how = {"scatter_parts": degree, "at_update": stage == 1} if scatter else {}
+    p = data_parallel(p, grads=update_grads(p), world_size=degree, bucket_bytes=0, **how)
     return sharding(p, degree=degree, stage=stage, bucket_bytes=bucket_bytes)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_the_rewrite_reads_as_its_golden_and_parses_back(golden, stage):
-    q = _sharded(stage)
+@pytest.mark.parametrize("stage, scatter", [(1, True), (2, True), (1, False)])
+def test_the_rewrite_reads_as_its_golden_and_parses_back(golden, stage, scatter):
+    q = _sharded(stage, scatter=scatter)
     verify(q)
     text = print_program(q)
-    golden(f"sharding/mlp_stage{stage}", text)
+    golden(f"sharding/mlp_stage{stage}{'' if scatter else '_allreduce'}", text)
     assert print_program(parse_program(text)) == text
+    plan = plan_sharding(_trained_program(), degree=2, stage=stage)  # before data parallel: whole grads
+    assert "all-reduced whole" in str(plan)
+
+
+def test_stage_one_reduce_scatters_after_the_backward_and_stage_two_as_grads_are_made():
+    def scatters_and_last_backward(q) -> tuple[list[int], int]:
+        at = [i for i, op in enumerate(q.ops) if op.type == "ReduceScatter"]
+        return at, max(i for i, op in enumerate(q.ops) if op.role == "backward")
+
+    at, last = scatters_and_last_backward(_sharded(1))
+    assert len(at) == 6 and min(at) > last  # whole grads through the backward
+    at, last = scatters_and_last_backward(_sharded(2))
+    assert len(at) == 6 and min(at) < last  # the last layer's grads reduced while the backward goes on
 
 
 def test_state_vars_are_declared_as_slices_and_the_estimate_counts_1_over_n():

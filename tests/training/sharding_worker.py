@@ -1,4 +1,4 @@
-"""One ZeRO sharding worker (started by test_sharding.py through tests/workers.py).
+"""One ZeRO sharding worker (started by test_sharding_workers.py through tests/workers.py).
 
 Each case "model:stage:optimizer[:extra]" exports its model (the same seed on every worker),
 minimizes it with fleet's strategy.sharding at sharding_degree = the world size, trains STEPS

@@ -1,5 +1,5 @@
 """The models, batches and strategies of the sharding tests, shared by the workers
-(sharding_worker.py) and the one-process reference (test_sharding.py): the Hugging Face models
+(sharding_worker.py) and the one-process reference (test_sharding_workers.py): the Hugging Face models
 of the zoo built tiny (tests/zoo), and the reference MLP (programs/)."""
 
 from __future__ import annotations

@@ -152,11 +152,13 @@ def test_each_worker_holds_its_share_of_the_optimizer_state_measured_as_predicte
             assert want < sum(numel.values()) * itemsize / world + len(numel) * itemsize  # 1/N + padding
 
 
-def test_stage_two_reduce_scatters_and_holds_less_at_the_peak_than_stage_one(runs):
+def test_both_stages_reduce_scatter_and_hold_less_at_the_peak(runs):
     one, two = (_ranks(runs, 2, f"hf-gpt2:{s}:adam:recompute")[0] for s in (1, 2))
     base = _ranks(runs, 2, "hf-gpt2:0:adam:recompute")[0]
-    assert two["scattered"] >= 1 and one["scattered"] == 0
-    assert "zero_shard(parts=2" in two["program"] and "ReduceScatter(" in two["program"]
+    assert two["scattered"] >= 1 and one["scattered"] >= 1 and base["scattered"] == 0
+
+    # (where each stage's reduce-scatters go: tests/passes/test_sharding.py; here one 1 MB bucket)
+    assert "zero_shard(parts=2" in two["program"]
     assert two["measured_peak"] <= one["measured_peak"] < base["measured_peak"]
     assert all(r["measured_peak"] == r["predicted_peak"] for r in (one, two, base))
     # the Adam state alone: half of it gone per worker
