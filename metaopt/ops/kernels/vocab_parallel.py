@@ -40,7 +40,7 @@ from metaopt.ops.kernels.loss import (
     _lce_workspace,
 )
 from metaopt.ops.kernels.tensor_parallel import _ranks
-from metaopt.ops.registry import register
+from metaopt.ops.registry import register, register_collective
 
 _NO_IGNORE = -100
 
@@ -187,13 +187,10 @@ def _vplce_grad(g, op, dy):
     return [outs[0] or None, outs[1] or None, None] + ([outs[2] or None] if bias else [])
 
 
-@register(
+@register_collective(
     "VocabParallelLinearCrossEntropy",
     grad=_vplce_grad,
-    domain="metaopt",
     needs_outputs=True,
-    needs_runtime=True,
-    collective=True,
     fresh_outputs=True,
     # its all-reduce needs every rank of the group to re-run it in lockstep (as TPReduce)
     recomputable=False,
