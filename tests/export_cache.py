@@ -23,6 +23,7 @@ import contextlib
 import difflib
 import fcntl
 import hashlib
+import inspect
 import os
 from pathlib import Path
 from typing import Any
@@ -30,27 +31,25 @@ from typing import Any
 import torch
 
 import metaopt
+from metaopt.frontend import torch_export
 
 ENV = "METAOPT_TEST_EXPORT_CACHE"
 _PLAIN = (bool, int, float, str, type(None))
 
 
-def export(
-    module: torch.nn.Module,
-    args: tuple | torch.Tensor,
-    kwargs: dict[str, Any] | None = None,
-    dynamic_batch: bool = True,
-    *,
-    name: str | None = None,
-) -> metaopt.Program:
-    """`metaopt.export(module, args, kwargs, dynamic_batch, name=name)`, once per session."""
-    folder = os.environ.get(ENV)
-    if not folder:
-        return metaopt.export(module, args, kwargs, dynamic_batch, name=name)
-    path = Path(folder) / f"{_key(module, args, kwargs, dynamic_batch, name)}.onnx"
+def export(module: torch.nn.Module, *args: Any, **kwargs: Any) -> metaopt.Program:
+    """`metaopt.export(module, *args, **kwargs)`, once per session: its arguments, defaults
+    included, are the ones the key digests."""
+    if not os.environ.get(ENV):
+        return metaopt.export(module, *args, **kwargs)
+    bound = inspect.signature(torch_export.export).bind(module, *args, **kwargs)
+    bound.apply_defaults()
+    given = bound.arguments
+    options = {k: v for k, v in given.items() if k not in ("module", "args", "kwargs")}
+    path = Path(os.environ[ENV]) / f"{_key(module, given['args'], given['kwargs'], options)}.onnx"
     with _locked(path.with_suffix(".lock")):
         if not path.exists():
-            _save_checked(metaopt.export(module, args, kwargs, dynamic_batch, name=name), path)
+            _save_checked(metaopt.export(module, *args, **kwargs), path)
     return metaopt.load(path)
 
 
@@ -96,7 +95,7 @@ def _locked(lock: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _key(module: torch.nn.Module, args: Any, kwargs: Any, dynamic_batch: bool, name: str | None) -> str:
+def _key(module: torch.nn.Module, args: Any, kwargs: Any, options: dict[str, Any]) -> str:
     h = hashlib.sha256()
 
     def add(*parts: Any) -> None:
@@ -108,7 +107,7 @@ def _key(module: torch.nn.Module, args: Any, kwargs: Any, dynamic_batch: bool, n
         add(tuple(t.shape), t.dtype, t.requires_grad)
         add(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
 
-    add(type(module).__module__, type(module).__qualname__, str(module), dynamic_batch, name)
+    add(type(module).__module__, type(module).__qualname__, str(module), sorted(options.items()))
     for path, sub in module.named_modules():
         plain = sorted((k, v) for k, v in vars(sub).items() if isinstance(v, _PLAIN) and k[0] != "_")
         add(path, type(sub).__qualname__, plain)

@@ -7,27 +7,52 @@ what it is. Passes call these functions and `fresh` instead of formatting names.
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Callable, Container
 
 
-def grad(name: str) -> str:
-    """Gradient of `name` (Fleet: ``x@GRAD``)."""
-    return f"{name}@GRAD"
+# Most derived names are `name` with an ``@TAG`` after it: one maker per tag, so the spelling
+# rule lives here once and each name below is a row (its tag, what the var is).
+def _tagged(tag: str, doc: str) -> Callable[[str], str]:
+    def derived(name: str) -> str:
+        return f"{name}@{tag}"
+
+    derived.__doc__ = doc
+    return derived
 
 
-def grad_part(name: str, k: int) -> str:
-    """The k-th gradient contribution to `name`, before they are summed into `grad(name)`."""
-    return f"{name}@GRAD@{k}"
+def _numbered(tag: str, doc: str) -> Callable[[str, int], str]:
+    """As `_tagged`, for the names that carry an index after the tag (``w@MOMENT1``)."""
+
+    def derived(name: str, k: int) -> str:
+        return f"{name}@{tag}{k}"
+
+    derived.__doc__ = doc
+    return derived
 
 
-def grad_temp(name: str) -> str:
-    """An intermediate of the gradient computed for forward var `name` (fresh() numbers it)."""
-    return f"{name}@GRAD@TMP"
+def _fixed(spelling: str, doc: str) -> Callable[[], str]:
+    """A name that is one var per program (the loss scale, the step index): no `name` to derive from."""
+
+    def fixed() -> str:
+        return spelling
+
+    fixed.__doc__ = doc
+    return fixed
 
 
-def grad_const() -> str:
-    """A constant the backward needs (1.0 for the loss grad, reduction axes ...)."""
-    return "grad_const"
+grad = _tagged("GRAD", "Gradient of `name` (Fleet: ``x@GRAD``).")
+grad_part = _numbered(
+    "GRAD@",
+    "The k-th gradient contribution to `name`, before they are summed into `grad(name)`.",
+)
+grad_temp = _tagged(
+    "GRAD@TMP",
+    "An intermediate of the gradient computed for forward var `name` (fresh() numbers it).",
+)
+grad_const = _fixed(
+    "grad_const",
+    "A constant the backward needs (1.0 for the loss grad, reduction axes ...).",
+)
 
 
 def saved(name: str, what: str) -> str:
@@ -35,55 +60,26 @@ def saved(name: str, what: str) -> str:
     return f"{name}@{what}"
 
 
-def recompute(name: str) -> str:
-    """The recomputed copy of activation `name`."""
-    return f"{name}@RECOMPUTE"
-
-
-def pinned(name: str) -> str:
-    """Host (pinned memory) copy of an offloaded checkpoint."""
-    return f"{name}@PINNED"
-
-
-def fetch(name: str) -> str:
-    """Device copy fetched back from the host for the backward."""
-    return f"{name}@FETCH"
-
-
-def merged(name: str) -> str:
-    """Accumulator of `name` across micro-batches."""
-    return f"{name}@MERGED"
-
-
-def new_state(name: str) -> str:
-    """The value that replaces persistable `name` after a step (Program.updates)."""
-    return f"{name}@NEW"
-
-
-def moment(name: str, k: int) -> str:
+recompute = _tagged("RECOMPUTE", "The recomputed copy of activation `name`.")
+pinned = _tagged("PINNED", "Host (pinned memory) copy of an offloaded checkpoint.")
+fetch = _tagged("FETCH", "Device copy fetched back from the host for the backward.")
+merged = _tagged("MERGED", "Accumulator of `name` across micro-batches.")
+new_state = _tagged("NEW", "The value that replaces persistable `name` after a step (Program.updates).")
+moment = _numbered(
+    "MOMENT",
     """The k-th moment accumulator of param `name` (Adam's exp_avg k=1, exp_avg_sq k=2;
-    Paddle: ``fc1.weight_moment1_0``)."""
-    return f"{name}@MOMENT{k}"
-
-
-def max_moment(name: str, k: int) -> str:
-    """The running maximum of the k-th moment of param `name` (AMSGrad's max_exp_avg_sq, k=2)."""
-    return f"{name}@MAX_MOMENT{k}"
-
-
-def velocity(name: str) -> str:
-    """The momentum buffer of param `name` (Paddle: ``fc1.weight_velocity_0``)."""
-    return f"{name}@VELOCITY"
-
-
-def clipped(name: str) -> str:
-    """Gradient `name` after clipping (e.g. by the global norm)."""
-    return f"{name}@CLIP"
-
-
-def reduced(name: str) -> str:
-    """Gradient `name` after the data-parallel all-reduce (averaged over the workers)."""
-    return f"{name}@REDUCED"
+    Paddle: ``fc1.weight_moment1_0``).""",
+)
+max_moment = _numbered(
+    "MAX_MOMENT",
+    "The running maximum of the k-th moment of param `name` (AMSGrad's max_exp_avg_sq, k=2).",
+)
+velocity = _tagged("VELOCITY", "The momentum buffer of param `name` (Paddle: ``fc1.weight_velocity_0``).")
+clipped = _tagged("CLIP", "Gradient `name` after clipping (e.g. by the global norm).")
+reduced = _tagged(
+    "REDUCED",
+    "Gradient `name` after the data-parallel all-reduce (averaged over the workers).",
+)
 
 
 def fresh(base: str, taken: Container[str]) -> str:
@@ -107,52 +103,35 @@ def cast(name: str, dtype: str) -> str:
     return f"{name}@CAST_{_CAST_TAGS.get(dtype, dtype.upper())}"
 
 
-def scaled(name: str) -> str:
-    """The loss multiplied by the loss scale (the var the backward starts from)."""
-    return f"{name}@SCALED"
-
-
-def unscaled(name: str) -> str:
-    """Gradient `name` divided by the loss scale (what the optimizer reads under AMP)."""
-    return f"{name}@UNSCALED"
-
-
-def master(name: str) -> str:
-    """The float32 master copy of a low-precision param (AMP O2, ``use_pure_fp16``)."""
-    return f"{name}@MASTER"
-
-
-def loss_scaling() -> str:
-    """The persistable loss scale (Fleet: ``loss_scaling_0``)."""
-    return "loss_scaling"
-
-
-def good_steps() -> str:
-    """Persistable count of consecutive steps with finite grads (Fleet: ``num_good_steps_0``)."""
-    return "num_good_steps"
-
-
-def bad_steps() -> str:
-    """Persistable count of consecutive steps with inf/nan grads (Fleet: ``num_bad_steps_0``)."""
-    return "num_bad_steps"
-
-
-def found_inf() -> str:
-    """Whether any grad of this step is inf/nan (Fleet: ``find_infinite_scale``)."""
-    return "found_inf"
-
-
-def amp_device_ok() -> str:
-    """What the AMP device check yields (an ONNX node needs an output): true, or it raised."""
-    return "amp_device_ok"
+scaled = _tagged("SCALED", "The loss multiplied by the loss scale (the var the backward starts from).")
+unscaled = _tagged(
+    "UNSCALED",
+    "Gradient `name` divided by the loss scale (what the optimizer reads under AMP).",
+)
+master = _tagged("MASTER", "The float32 master copy of a low-precision param (AMP O2, ``use_pure_fp16``).")
+loss_scaling = _fixed("loss_scaling", "The persistable loss scale (Fleet: ``loss_scaling_0``).")
+good_steps = _fixed(
+    "num_good_steps",
+    "Persistable count of consecutive steps with finite grads (Fleet: ``num_good_steps_0``).",
+)
+bad_steps = _fixed(
+    "num_bad_steps",
+    "Persistable count of consecutive steps with inf/nan grads (Fleet: ``num_bad_steps_0``).",
+)
+found_inf = _fixed("found_inf", "Whether any grad of this step is inf/nan (Fleet: ``find_infinite_scale``).")
+amp_device_ok = _fixed(
+    "amp_device_ok",
+    "What the AMP device check yields (an ONNX node needs an output): true, or it raised.",
+)
 
 
 # --- pipeline (passes/pipeline.py) -------------------------------------------------------
 
 
-def stage_part(name: str, stage: int) -> str:
-    """The part of grad `name` made in pipeline (virtual) stage `stage` (a tied param's)."""
-    return f"{name}@STAGE{stage}"
+stage_part = _numbered(
+    "STAGE",
+    "The part of grad `name` made in pipeline (virtual) stage `stage` (a tied param's).",
+)
 
 
 def divided(const: str, m: int) -> str:
@@ -160,61 +139,61 @@ def divided(const: str, m: int) -> str:
     return f"{const}@DIV{m}"
 
 
-def micro_batch() -> str:
-    """The int64 input the pipeline runtime feeds: which micro-batch of the step runs."""
-    return "micro_batch@PIPELINE"
+micro_batch = _fixed(
+    "micro_batch@PIPELINE",
+    "The int64 input the pipeline runtime feeds: which micro-batch of the step runs.",
+)
 
 
 # --- gradient merge (passes/gradient_merge.py) ---------------------------------------------
 
 
-def merge_step() -> str:
-    """The persistable int64 run index within a gradient-merge window (0 .. k-1)."""
-    return "gradient_merge_step"
+merge_step = _fixed(
+    "gradient_merge_step",
+    "The persistable int64 run index within a gradient-merge window (0 .. k-1).",
+)
 
 
 # --- tensor parallel (passes/tensor_parallel.py) -------------------------------------------
 
 
-def tp_copy(name: str) -> str:
-    """Replicated `name` entering column-parallel layers through TPCopy (Megatron's f)."""
-    return f"{name}@TP_COPY"
-
-
-def tp_partial(name: str) -> str:
-    """A row-parallel layer's partial product for its output `name`, before the all-reduce."""
-    return f"{name}@TP_PARTIAL"
-
-
-def tp_reduced(name: str) -> str:
-    """A row-parallel layer's product summed over the model-parallel group (before its bias)."""
-    return f"{name}@TP_REDUCED"
-
-
-def tp_local(name: str) -> str:
-    """Shape constant `name` rewritten for this model-parallel rank's slice (heads per rank)."""
-    return f"{name}@TP_LOCAL"
+tp_copy = _tagged(
+    "TP_COPY",
+    "Replicated `name` entering column-parallel layers through TPCopy (Megatron's f).",
+)
+tp_partial = _tagged(
+    "TP_PARTIAL",
+    "A row-parallel layer's partial product for its output `name`, before the all-reduce.",
+)
+tp_reduced = _tagged(
+    "TP_REDUCED",
+    "A row-parallel layer's product summed over the model-parallel group (before its bias).",
+)
+tp_local = _tagged(
+    "TP_LOCAL",
+    "Shape constant `name` rewritten for this model-parallel rank's slice (heads per rank).",
+)
 
 
 # --- recompute partition (passes/recompute_partition.py) -------------------------------------
 
 
-def mp_slice(name: str) -> str:
+mp_slice = _tagged(
+    "MP_SLICE",
     """This model-parallel rank's 1/mp slice of replicated checkpoint `name`, held from the
-    forward to its gather (Paddle's recompute partition)."""
-    return f"{name}@MP_SLICE"
-
-
-def mp_gathered(name: str) -> str:
+    forward to its gather (Paddle's recompute partition).""",
+)
+mp_gathered = _tagged(
+    "MP_GATHERED",
     """Checkpoint `name` put back together from every model-parallel rank's slice, before its
-    segment is recomputed."""
-    return f"{name}@MP_GATHERED"
+    segment is recomputed.""",
+)
 
 
 # --- ZeRO sharding (passes/sharding.py) -------------------------------------------------------
 
 
-def zero_shard(name: str) -> str:
-    """This worker's flat 1/N of param or grad `name` over the sharding group (what its
-    sharded update reads)."""
-    return f"{name}@SHARD"
+zero_shard = _tagged(
+    "SHARD",
+    "This worker's flat 1/N of param or grad `name` over the sharding group (what its sharded update reads).",
+)

@@ -119,14 +119,34 @@ def _sqrt(g, op, dy):
     return [g.emit1("Div", [dy[0], two_y], like=op.inputs[0])]
 
 
-@grad_rule("Exp")
-def _exp(g, op, dy):
-    return [g.emit1("Mul", [dy[0], op.outputs[0]], like=op.inputs[0])]
+def _one_op(grad_op: str, reads: str | None, attrs: dict[str, Any]) -> Rule:
+    """The rule of a unary op whose grad is one op: ``grad_op(dy[, saved], **attrs)``."""
+
+    def rule(g, op, dy):
+        saved = {"output": op.outputs[:1], "input": op.inputs[:1], None: []}[reads]
+        kw = {k: op.attrs.get(k, default) for k, default in attrs.items()}
+        return [g.emit1(grad_op, [dy[0], *saved], like=op.inputs[0], **kw)]
+
+    return rule
 
 
-@grad_rule("Log")
-def _log(g, op, dy):
-    return [g.emit1("Div", [dy[0], op.inputs[0]], like=op.inputs[0])]
+# Unary ops whose grad is a single op of dy and, as torch's backward, the forward's output or
+# input (None: dy alone), with the attrs it copies from the forward op and their defaults.
+_ONE_OP_GRADS: dict[str, tuple[str, str | None, dict[str, Any]]] = {
+    "Exp": ("Mul", "output", {}),
+    "Log": ("Div", "input", {}),
+    "Neg": ("Neg", None, {}),
+    "Identity": ("Identity", None, {}),
+    "Relu": ("ReluGrad", "output", {}),
+    "Tanh": ("TanhGrad", "output", {}),
+    "Sigmoid": ("SigmoidGrad", "output", {}),
+    "Gelu": ("GeluGrad", "input", {"approximate": "none"}),
+    "Softmax": ("SoftmaxGrad", "output", {"axis": -1}),
+    "LogSoftmax": ("LogSoftmaxGrad", "output", {"axis": -1}),
+    "HardSwish": ("HardSwishGrad", "input", {}),
+}
+for _type, (_grad_op, _reads, _attrs) in _ONE_OP_GRADS.items():
+    grad_rule(_type)(_one_op(_grad_op, _reads, _attrs))
 
 
 @grad_rule("Where")
@@ -139,57 +159,10 @@ def _where(g, op, dy):
     return [None, da, db]
 
 
-@grad_rule("Neg")
-def _neg(g, op, dy):
-    return [g.emit1("Neg", [dy[0]], like=op.inputs[0])]
-
-
-@grad_rule("Identity")
-def _identity(g, op, dy):
-    return [g.emit1("Identity", [dy[0]], like=op.inputs[0])]
-
-
-@grad_rule("Relu")
-def _relu(g, op, dy):
-    return [g.emit1("ReluGrad", [dy[0], op.outputs[0]], like=op.inputs[0])]
-
-
-@grad_rule("Tanh")
-def _tanh(g, op, dy):
-    return [g.emit1("TanhGrad", [dy[0], op.outputs[0]], like=op.inputs[0])]
-
-
-@grad_rule("Sigmoid")
-def _sigmoid(g, op, dy):
-    return [g.emit1("SigmoidGrad", [dy[0], op.outputs[0]], like=op.inputs[0])]
-
-
-@grad_rule("Gelu")
-def _gelu(g, op, dy):
-    approx = op.attrs.get("approximate", "none")
-    return [g.emit1("GeluGrad", [dy[0], op.inputs[0]], like=op.inputs[0], approximate=approx)]
-
-
-@grad_rule("Softmax")
-def _softmax(g, op, dy):
-    return [g.emit1("SoftmaxGrad", [dy[0], op.outputs[0]], like=op.inputs[0], axis=op.attrs.get("axis", -1))]
-
-
-@grad_rule("LogSoftmax")
-def _log_softmax(g, op, dy):
-    axis = op.attrs.get("axis", -1)
-    return [g.emit1("LogSoftmaxGrad", [dy[0], op.outputs[0]], like=op.inputs[0], axis=axis)]
-
-
 @grad_rule("Cast")
 def _cast(g, op, dy):
     x = op.inputs[0]
     return [g.emit1("Cast", [dy[0]], like=x, to=g.onnx_dtype(x))]
-
-
-@grad_rule("HardSwish")
-def _hard_swish(g, op, dy):
-    return [g.emit1("HardSwishGrad", [dy[0], op.inputs[0]], like=op.inputs[0])]
 
 
 @grad_rule("HardSigmoid")

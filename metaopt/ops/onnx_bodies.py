@@ -24,6 +24,17 @@ def _const(out: str, **kw) -> onnx.NodeProto:
     return helper.make_node("Constant", [], [out], **kw)
 
 
+def _running_update(stat: str, batch: str) -> list[onnx.NodeProto]:
+    """``running_<stat> = <stat> * keep + <batch> * m_x`` (keep = 1 - momentum): torch's running
+    statistics update, the same for the mean and the variance."""
+    n = helper.make_node
+    return [
+        n("Mul", [stat, "keep"], [f"old_{stat}"]),
+        n("Mul", [batch, "m_x"], [f"new_{stat}_part"]),
+        n("Add", [f"old_{stat}", f"new_{stat}_part"], [f"running_{stat}"]),
+    ]
+
+
 def batch_norm_training() -> onnx.FunctionProto:
     """torch's training batch norm: batch stats; running var updated with the unbiased variance."""
     n = helper.make_node
@@ -57,12 +68,8 @@ def batch_norm_training() -> onnx.FunctionProto:
         m,
         n("CastLike", ["m", "X"], ["m_x"]),
         n("Sub", ["one_x", "m_x"], ["keep"]),
-        n("Mul", ["mean", "keep"], ["old_mean"]),
-        n("Mul", ["bmean", "m_x"], ["new_mean_part"]),
-        n("Add", ["old_mean", "new_mean_part"], ["running_mean"]),
-        n("Mul", ["var", "keep"], ["old_var"]),
-        n("Mul", ["uvar", "m_x"], ["new_var_part"]),
-        n("Add", ["old_var", "new_var_part"], ["running_var"]),
+        *_running_update("mean", "bmean"),
+        *_running_update("var", "uvar"),
     ]
     return helper.make_function(
         DOMAIN,

@@ -295,6 +295,12 @@ def register(type: str, **row: Any) -> Callable[[Kernel], Kernel]:
     return deco
 
 
+def register_collective(type: str, **row: Any) -> Callable[[Kernel], Kernel]:
+    """`register` for a collective over workers: every one is our own op, run through the
+    runtime's communicator, so those three fields are set here once rather than per row."""
+    return register(type, domain="metaopt", needs_runtime=True, collective=True, **row)
+
+
 def extend(type: str, **fields: Any) -> OpDef:
     """Set `fields` of `type`'s existing row: knowledge written beside its own family rather than
     beside the kernel (ops/grads.py's gradient rules). A field the row already holds a value for

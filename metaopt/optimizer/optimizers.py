@@ -140,15 +140,7 @@ class Optimizer:
 class SGD(Optimizer):
     """Plain SGD: ``p -= lr * (g + weight_decay * p)`` (torch.optim.SGD with momentum 0)."""
 
-    _op_type = "SGDUpdate"
-
-    def __init__(
-        self,
-        learning_rate: float | LRScheduler = 1e-3,
-        weight_decay: float = 0.0,
-        grad_clip: ClipGradByGlobalNorm | None = None,
-    ) -> None:
-        super().__init__(learning_rate, weight_decay, grad_clip)
+    _op_type = "SGDUpdate"  # constructed as the base: a rate, weight decay and clipping, no state
 
 
 class Momentum(Optimizer):
@@ -208,6 +200,7 @@ class Adam(Optimizer):
 
     _op_type = "AdamUpdate"
     _needs_step = True
+    _default_weight_decay = 0.0  # torch.optim.Adam's
 
     def __init__(
         self,
@@ -215,12 +208,15 @@ class Adam(Optimizer):
         beta1: float = 0.9,
         beta2: float = 0.999,
         epsilon: float = 1e-8,
-        weight_decay: float = 0.0,
+        weight_decay: float | None = None,
         amsgrad: bool = False,
         grad_clip: ClipGradByGlobalNorm | None = None,
         *,
         fused: bool = False,
     ) -> None:
+        """`weight_decay` None: the class's default, as torch's (Adam 0, AdamW 0.01)."""
+        if weight_decay is None:
+            weight_decay = self._default_weight_decay
         super().__init__(learning_rate, weight_decay, grad_clip)
         self.beta1 = _check_float("beta1", beta1, 0.0, 1.0)
         self.beta2 = _check_float("beta2", beta2, 0.0, 1.0)
@@ -251,20 +247,7 @@ class AdamW(Adam):
     """AdamW (torch.optim.AdamW): decoupled decay ``p *= 1 - lr * weight_decay`` before the Adam step."""
 
     _op_type = "AdamWUpdate"
-
-    def __init__(
-        self,
-        learning_rate: float | LRScheduler = 1e-3,
-        beta1: float = 0.9,
-        beta2: float = 0.999,
-        epsilon: float = 1e-8,
-        weight_decay: float = 0.01,
-        amsgrad: bool = False,
-        grad_clip: ClipGradByGlobalNorm | None = None,
-        *,
-        fused: bool = False,
-    ) -> None:
-        super().__init__(learning_rate, beta1, beta2, epsilon, weight_decay, amsgrad, grad_clip, fused=fused)
+    _default_weight_decay = 0.01  # torch.optim.AdamW's: the only difference in construction
 
 
 # --- helpers ------------------------------------------------------------------------

@@ -76,12 +76,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from metaopt.ir import TORCH_TO_ONNX, Op, Program, Var, did_you_mean, names, roles, torch_dtype
 from metaopt.ops import registry
+from metaopt.passes.one_call import one_call
 
 LOW_DTYPES = ("float16", "bfloat16")
 
@@ -317,12 +317,6 @@ class _Rules:
         return KEEP, "no low-precision input"
 
 
-def amp(p: Program, **config: Any) -> Program:
-    """The one-call form: ``apply_amp(p, plan_amp(p, **config))``, the config being
-    `plan_amp`'s keywords."""
-    return apply_amp(p, plan_amp(p, **config))
-
-
 def apply_amp(program: Program, plan: AmpPlan) -> Program:
     """A copy of `program` rewritten as `plan` (made by `plan_amp` for it) says."""
     use_pure_fp16 = plan.pure
@@ -397,6 +391,9 @@ def apply_amp(program: Program, plan: AmpPlan) -> Program:
     guard = Op("CheckAmpDevice", [], [ok], {"dtype": low}, role="forward")
     q.ops = [guard, *out_ops, *q.ops[end:]]
     return q
+
+
+amp = one_call(plan_amp, apply_amp)
 
 
 # --- loss scaling ---------------------------------------------------------------------------

@@ -40,11 +40,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from metaopt.ir import Op, Program, roles
 from metaopt.ops import lm_head
 from metaopt.ops.kernels.loss import DEFAULT_CHUNK_TOKENS
+from metaopt.passes.one_call import one_call
 
 # Fewer classes than this is a classifier head: its logits are small, chunking buys nothing.
 MIN_CLASSES = 1024
@@ -133,12 +133,6 @@ def plan_fuse_linear_cross_entropy(
     return plan
 
 
-def fuse_linear_cross_entropy(p: Program, **config: Any) -> Program:
-    """The one-call form: ``apply_fuse_linear_cross_entropy(p, plan_fuse_linear_cross_entropy(p,
-    **config))``, the config being `plan_fuse_linear_cross_entropy`'s keywords."""
-    return apply_fuse_linear_cross_entropy(p, plan_fuse_linear_cross_entropy(p, **config))
-
-
 def apply_fuse_linear_cross_entropy(p: Program, plan: FuseLinearCrossEntropyPlan) -> Program:
     """A copy of `p` with every head + loss `plan` fuses rewritten into one `LinearCrossEntropy`
     (module doc)."""
@@ -195,3 +189,6 @@ def apply_fuse_linear_cross_entropy(p: Program, plan: FuseLinearCrossEntropyPlan
     q.modules = {m: [v for v in vs if v not in gone] for m, vs in q.modules.items()}
     q.modules = {m: vs for m, vs in q.modules.items() if vs}
     return q
+
+
+fuse_linear_cross_entropy = one_call(plan_fuse_linear_cross_entropy, apply_fuse_linear_cross_entropy)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 from metaopt.ir import Op, Program, eval_dim
 from metaopt.ir.liveness import liveness
@@ -115,32 +116,28 @@ def estimate_memory(
     fetches: tuple[str, ...] = (),
     workspace: bool = True,
     device: str = "cpu",
+    at: int | None = None,
 ) -> MemoryEstimate:
     """The peak of live bytes when `p` runs with symbolic dims bound by `dims` on `device` (a
     `DEVICE_FORMS` entry: vars only another kind of device makes count nothing); `workspace`:
     add the temporaries of ops whose rows declare them (module doc). The result also holds
-    the live bytes at every op (`timeline`) and what is alive at the peak (`where`)."""
+    the live bytes at every op (`timeline`) and what is alive at op `at` (`where`; default the
+    peak's)."""
     replay = _Replay(p, dims, fetches, workspace, device)
     replay.run()
     peak_op = replay.peak_op
-    return MemoryEstimate(replay.peak, replay.persistable, peak_op, replay.timeline, replay.where(peak_op))
+    where = replay.where(peak_op if at is None else at)
+    return MemoryEstimate(replay.peak, replay.persistable, peak_op, replay.timeline, where)
 
 
-def where_alive(
-    p: Program,
-    at: int,
-    *,
-    dims: dict[str, int],
-    fetches: tuple[str, ...] = (),
-    workspace: bool = True,
-    device: str = "cpu",
-) -> MemoryWhere:
-    """What is alive at op `at` (any op, not only the peak's): the `where` view there."""
+def where_alive(p: Program, at: int, **options: Any) -> MemoryWhere:
+    """What is alive at op `at` (any op, not only the peak's): the `where` view there; `options`
+    are `estimate_memory`'s keywords."""
     if not -1 <= at < len(p.ops):
         raise IndexError(f"op index {at} is outside program {p.name!r} (ops 0..{len(p.ops) - 1})")
-    replay = _Replay(p, dims, fetches, workspace, device)
-    replay.run()
-    return replay.where(at)
+    where = estimate_memory(p, at=at, **options).where
+    assert where is not None  # estimate_memory always fills it
+    return where
 
 
 @dataclass

@@ -25,9 +25,9 @@ The pass is pure.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from metaopt.ir import Op, Program, Var, did_you_mean, eval_dim, names, roles
+from metaopt.passes.one_call import one_call
 
 
 class OffloadError(ValueError):
@@ -69,12 +69,6 @@ class OffloadPlan:
         ]
         lines += [f"  skipped {c}: {why}" for c, why in self.skipped]
         return "\n".join(lines)
-
-
-def offload(p: Program, **config: Any) -> Program:
-    """The one-call form: ``apply_offload(p, plan_offload(p, **config))``, the config being
-    `plan_offload`'s keywords."""
-    return apply_offload(p, plan_offload(p, **config))
 
 
 def plan_offload(
@@ -152,6 +146,9 @@ def apply_offload(p: Program, plan: OffloadPlan) -> Program:
                 )
     q.ops = ops
     return q
+
+
+offload = one_call(plan_offload, apply_offload)
 
 
 def _chosen(

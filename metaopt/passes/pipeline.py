@@ -42,13 +42,13 @@ from __future__ import annotations
 import bisect
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from metaopt.ir import Op, PipelineInfo, Program, Var, did_you_mean, names, roles, torch_dtype
 from metaopt.ir.printer import fmt_op
 from metaopt.ops import registry
+from metaopt.passes.one_call import one_call
 
 MICRO_BATCH = names.micro_batch()
 
@@ -512,18 +512,15 @@ def _holders(p: Program, op_stages: list[tuple[int, ...]]) -> dict[str, tuple[in
 # --- rewriting -----------------------------------------------------------------------------
 
 
-def pipeline(p: Program, **config: Any) -> list[Program]:
-    """The one-call form: ``apply_pipeline(p, plan_pipeline(p, **config))``, the config being
-    `plan_pipeline`'s keywords."""
-    return apply_pipeline(p, plan_pipeline(p, **config))
-
-
 def apply_pipeline(p: Program, plan: PipelinePlan) -> list[Program]:
     """One stage program per pipeline worker, as `plan` places the ops; ``Program.pipeline``
     set on each. With ``plan.dp_degree`` > 1 every replica of the pipeline runs the same stage
     programs, and each update reads its grad averaged over the stage's replicas (accumulated
     over micro-batches)."""
     return _Splitter(p, plan, plan.dp_degree, plan.loss_grad).programs()
+
+
+pipeline = one_call(plan_pipeline, apply_pipeline)
 
 
 @dataclass

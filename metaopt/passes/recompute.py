@@ -48,6 +48,7 @@ import torch
 
 from metaopt.ir import Op, Program, Var, did_you_mean, names, roles
 from metaopt.ops import registry, rng_streams
+from metaopt.passes.one_call import one_call
 
 # The CPU generator's state (what RngState records on CPU; a CUDA state is 16 bytes):
 # declared so memory estimates count the states held from forward to recompute.
@@ -113,26 +114,16 @@ def _hint(p: Program, name: str) -> str:
     return f"{hint}; every block of that family: {'.'.join([*parts[:at], '*', *parts[at + 1 :]])!r}"
 
 
-def resolve_checkpoints(
-    p: Program,
-    checkpoints: list,
-    *,
-    memory_budget: int | None = None,
-    batch: int = 8,
-    policy: str = "full",
-    keep_op_types: tuple[str, ...] = (),
-) -> list[str]:
+def resolve_checkpoints(p: Program, checkpoints: list, **auto: Any) -> list[str]:
     """Var names for the given names, module paths and patterns (deduplicated, in order given);
-    "auto" is `auto_checkpoints` (which needs the training program)."""
+    "auto" is `auto_checkpoints` (which needs the training program), `auto` its keywords."""
     out: list[str] = []
     for entry in checkpoints:
         name = entry.name if isinstance(entry, Var) else entry
         if not isinstance(name, str):
             raise RecomputeError(f"checkpoint {entry!r} is not a var name or module pattern")
         if name == "auto":
-            found = auto_checkpoints(
-                p, memory_budget=memory_budget, batch=batch, policy=policy, keep_op_types=keep_op_types
-            )
+            found = auto_checkpoints(p, **auto)
         else:  # a module first: its path names every call's output, not just the first's var
             found = [v for m in _match_modules(p, name) for v in p.modules[m]]
             if not found and name in p.vars:
@@ -353,12 +344,6 @@ def _loss_depends_on(p: Program, fwd: list[Op], prod: dict[str, int]) -> set[str
     return seen
 
 
-def recompute(p: Program, **config: Any) -> Program:
-    """The one-call form: ``apply_recompute(p, plan_recompute(p, **config))``, the config being
-    `plan_recompute`'s keywords."""
-    return apply_recompute(p, plan_recompute(p, **config))
-
-
 def apply_recompute(p: Program, plan: RecomputePlan) -> Program:
     """A copy of `p` in which each of `plan`'s segments is re-emitted before its backward."""
     q = p.clone()
@@ -400,6 +385,9 @@ def apply_recompute(p: Program, plan: RecomputePlan) -> Program:
         rest.append(op)
     q.ops = [*fwd, *rest]
     return q
+
+
+recompute = one_call(plan_recompute, apply_recompute)
 
 
 def _reemit(

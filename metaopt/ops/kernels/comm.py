@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from metaopt.ops.registry import register
+from metaopt.ops.registry import register, register_collective
 
 
-@register(
+@register_collective(
     "AllReduce",
-    domain="metaopt",
-    needs_runtime=True,
-    collective=True,
     fresh_outputs=True,
     recomputable=False,
     notes="outputs = inputs reduced over every worker, one fused buffer per op (a bucket)",
@@ -55,11 +52,8 @@ def hybrid_ranks(axis: str, op: str) -> list[int]:
     return ranks
 
 
-@register(
+@register_collective(
     "Broadcast",
-    domain="metaopt",
-    needs_runtime=True,
-    collective=True,
     recomputable=False,
     writes_inputs=True,
     notes="startup op: every input (a persistable) overwritten in place with worker `src`'s value",

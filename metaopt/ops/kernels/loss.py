@@ -228,6 +228,35 @@ def _lce_grad_workspace(attrs: dict, shapes: list, dtypes: list) -> int:
     return chunk + w[0] * w[1] * (_acc_dtype(low).itemsize + low.itemsize)
 
 
+def lce_grad_start(dloss, x2, w, y, bias, mask, nout: int, ignore_index: int, reduction: str) -> tuple:
+    """(the logit grads' scale, dx, dW, db) of a chunked LinearCrossEntropy backward (the plain
+    one and the vocab-parallel one): dloss / count under "mean", and zeroed accumulators, in the
+    accumulation dtype but dx, for the grads `mask` asks for (None for the others)."""
+    want = [bool(m) for m in (mask or [1] * nout)] + [False] * 3
+    want[2] = want[2] and bias is not None
+    acc = _acc_dtype(x2.dtype)
+    scale = dloss.to(acc).reshape(())
+    if reduction == "mean":
+        scale = scale / (y != ignore_index).sum()
+    dx = torch.empty_like(x2) if want[0] else None
+    dw = torch.zeros(w.shape, dtype=acc, device=x2.device) if want[1] else None  # [V, H]
+    db = torch.zeros(w.shape[0], dtype=acc, device=x2.device) if want[2] else None
+    return scale, dx, dw, db
+
+
+def lce_grad_chunk(g, w, x2, s: int, e: int, dx, dw, db) -> None:
+    """The linear's backward for tokens s:e given their logit grads `g` (the matmul dtype): dx's
+    rows written, dW and db accumulated (those that are not None)."""
+    if dx is not None:
+        torch.mm(g, w, out=dx[s:e])
+    if dw is not None and dw.dtype == g.dtype:
+        dw.addmm_(g.t(), x2[s:e])  # float32 / float64: accumulated by the matmul itself
+    elif dw is not None:
+        dw += g.t().mm(x2[s:e])  # low precision: each chunk's product summed in float32
+    if db is not None:
+        db += g.sum(0, dtype=db.dtype)
+
+
 @register(
     "LinearCrossEntropyGrad",
     domain="metaopt",
@@ -254,17 +283,9 @@ def linear_cross_entropy_grad(
     of the linear's backward. dW and db accumulate over the chunks in float32 (the accumulation
     dtype) and are cast to their params' dtype at the end; dx is written chunk by chunk."""
     _check_reduction(reduction)
-    want = [bool(m) for m in (mask or [1] * _nout)] + [False] * 3
-    want[2] = want[2] and bias is not None
     x2, w, y, b = _lce_operands(x, weight, labels, bias, transB)
-    acc = _acc_dtype(x2.dtype)
     n = x2.shape[0]
-    scale = dloss.to(acc).reshape(())
-    if reduction == "mean":
-        scale = scale / (y != ignore_index).sum()
-    dx = torch.empty_like(x2) if want[0] else None
-    dw = torch.zeros(w.shape, dtype=acc, device=x.device) if want[1] else None  # [V, H]
-    db = torch.zeros(w.shape[0], dtype=acc, device=x.device) if want[2] else None
+    scale, dx, dw, db = lce_grad_start(dloss, x2, w, y, bias, mask, _nout, ignore_index, reduction)
     for s in range(0, n, chunk_size):
         e = min(n, s + chunk_size)
         logits, z, t, valid = _lce_chunk_logits(x2, w, b, y, s, e, ignore_index)
@@ -276,14 +297,7 @@ def linear_cross_entropy_grad(
         p.mul_(torch.where(valid, scale, 0).unsqueeze(1))
         g = p.to(x2.dtype)  # the matmul dtype (no copy for float32)
         del p
-        if dx is not None:
-            torch.mm(g, w, out=dx[s:e])
-        if dw is not None and dw.dtype == g.dtype:
-            dw.addmm_(g.t(), x2[s:e])  # float32 / float64: accumulated by the matmul itself
-        elif dw is not None:
-            dw += g.t().mm(x2[s:e])  # low precision: each chunk's product summed in float32
-        if db is not None:
-            db += g.sum(0, dtype=acc)
+        lce_grad_chunk(g, w, x2, s, e, dx, dw, db)
         del g
     out_dx = dx.reshape(x.shape) if dx is not None else None
     out_dw = None

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from metaopt.ops.registry import register
+from metaopt.ops.registry import register, register_collective
 
 
 def slice_length(numel: int, parts: int) -> int:
@@ -103,11 +103,8 @@ def partition_slice(x: torch.Tensor, group: list[int] | str, parts: int, _rt, _k
     return take_slice(x, parts, _index(ranks, parts, _rt.comm.rank, "PartitionSlice"))
 
 
-@register(
+@register_collective(
     "PartitionGather",
-    domain="metaopt",
-    needs_runtime=True,
-    collective=True,
     fresh_outputs=True,
     recomputable=False,
     notes="recompute partition: every MP rank's slice all-gathered, the checkpoint back in `shape`",

@@ -141,20 +141,23 @@ for _type, _fn, _amp in (
     register(_type, host_inputs=(1,), aliases=_noop_alias, amp=_amp, fuse=_fuse)(_reducer(_fn))
 
 
-@register("ArgMax")
-def arg_max(data: torch.Tensor, axis: int = 0, keepdims: int = 1, select_last_index: int = 0) -> torch.Tensor:
-    if select_last_index:
-        n = data.shape[axis]
-        return (n - 1) - torch.argmax(data.flip(axis), axis, bool(keepdims))
-    return torch.argmax(data, axis, bool(keepdims))
+def _arg_reducer(fn):
+    """An Arg* kernel from torch's `fn(x, dim, keepdim)` (argmax / argmin, which pick the first of
+    equal values); ONNX's select_last_index is the first index in the input flipped along `axis`."""
+
+    def kernel(
+        data: torch.Tensor, axis: int = 0, keepdims: int = 1, select_last_index: int = 0
+    ) -> torch.Tensor:
+        if select_last_index:
+            n = data.shape[axis]
+            return (n - 1) - fn(data.flip(axis), axis, bool(keepdims))
+        return fn(data, axis, bool(keepdims))
+
+    return kernel
 
 
-@register("ArgMin")
-def arg_min(data: torch.Tensor, axis: int = 0, keepdims: int = 1, select_last_index: int = 0) -> torch.Tensor:
-    if select_last_index:
-        n = data.shape[axis]
-        return (n - 1) - torch.argmin(data.flip(axis), axis, bool(keepdims))
-    return torch.argmin(data, axis, bool(keepdims))
+arg_max = register("ArgMax")(_arg_reducer(torch.argmax))
+arg_min = register("ArgMin")(_arg_reducer(torch.argmin))
 
 
 def _scan(

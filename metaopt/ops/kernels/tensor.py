@@ -373,35 +373,28 @@ def center_crop_pad(
     return F.pad(input_data, tp)
 
 
-def _window_n(size: torch.Tensor, periodic: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, int]:
-    n = int(size)
-    return torch.arange(n, dtype=dtype, device=device), n if periodic else n - 1
+def _window(op: str, formula):
+    """The kernel of window op `op`: `formula(i, n)` over i = 0 .. size-1 in float64 (n the
+    period: size when `periodic`, else size - 1), then cast to `output_datatype`."""
+
+    def kernel(size: torch.Tensor, output_datatype: int = 1, periodic: int = 1, _device=None) -> torch.Tensor:
+        dtype = torch_dtype_from_onnx(output_datatype, what=op)
+        n = int(size)
+        i = torch.arange(n, dtype=torch.float64, device=_device)
+        return formula(i, n if periodic else n - 1).to(dtype)
+
+    return kernel
 
 
-@register("HannWindow", needs_device=True, host_inputs=(0,))
-def hann_window(
-    size: torch.Tensor, output_datatype: int = 1, periodic: int = 1, _device=None
-) -> torch.Tensor:
-    dtype = torch_dtype_from_onnx(output_datatype, what="HannWindow")
-    i, n = _window_n(size, periodic, torch.float64, _device)
-    return (torch.sin(i * math.pi / n) ** 2).to(dtype)
+_HAMMING_ALPHA = 25.0 / 46.0  # ONNX's coefficients, not torch's rounded 0.54 / 0.46
 
-
-@register("HammingWindow", needs_device=True, host_inputs=(0,))
-def hamming_window(
-    size: torch.Tensor, output_datatype: int = 1, periodic: int = 1, _device=None
-) -> torch.Tensor:
-    dtype = torch_dtype_from_onnx(output_datatype, what="HammingWindow")
-    i, n = _window_n(size, periodic, torch.float64, _device)
-    alpha = 25.0 / 46.0  # ONNX's coefficients, not torch's rounded 0.54 / 0.46
-    return (alpha - (1 - alpha) * torch.cos(i * 2 * math.pi / n)).to(dtype)
-
-
-@register("BlackmanWindow", needs_device=True, host_inputs=(0,))
-def blackman_window(
-    size: torch.Tensor, output_datatype: int = 1, periodic: int = 1, _device=None
-) -> torch.Tensor:
-    dtype = torch_dtype_from_onnx(output_datatype, what="BlackmanWindow")
-    i, n = _window_n(size, periodic, torch.float64, _device)
-    w = 0.42 - 0.5 * torch.cos(i * 2 * math.pi / n) + 0.08 * torch.cos(i * 4 * math.pi / n)
-    return w.to(dtype)
+# (op type, the window's value at i of period n)
+for _type, _formula in (
+    ("HannWindow", lambda i, n: torch.sin(i * math.pi / n) ** 2),
+    ("HammingWindow", lambda i, n: _HAMMING_ALPHA - (1 - _HAMMING_ALPHA) * torch.cos(i * 2 * math.pi / n)),
+    (
+        "BlackmanWindow",
+        lambda i, n: 0.42 - 0.5 * torch.cos(i * 2 * math.pi / n) + 0.08 * torch.cos(i * 4 * math.pi / n),
+    ),
+):
+    register(_type, needs_device=True, host_inputs=(0,))(_window(_type, _formula))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from metaopt.ops.registry import SAME, register
+from metaopt.ops.registry import SAME, register, register_collective
 
 
 def _tp_copy_grad(g, op, dy):
@@ -45,11 +45,8 @@ def tp_copy(x: torch.Tensor, group: list[int] | str) -> torch.Tensor:
     return x
 
 
-@register(
+@register_collective(
     "TPReduce",
-    domain="metaopt",
-    needs_runtime=True,
-    collective=True,
     fresh_outputs=True,
     # Recompute re-runs it: every rank of the group runs the same program (minimize compares
     # them), so the re-emitted TPReduce meets its peers' in the same order, and a sum of the

@@ -38,9 +38,11 @@ from metaopt.ops.kernels.loss import (
     _check_reduction,
     _lce_grad_workspace,
     _lce_workspace,
+    lce_grad_chunk,
+    lce_grad_start,
 )
 from metaopt.ops.kernels.tensor_parallel import _ranks
-from metaopt.ops.registry import register
+from metaopt.ops.registry import register, register_collective
 
 _NO_IGNORE = -100
 
@@ -187,13 +189,10 @@ def _vplce_grad(g, op, dy):
     return [outs[0] or None, outs[1] or None, None] + ([outs[2] or None] if bias else [])
 
 
-@register(
+@register_collective(
     "VocabParallelLinearCrossEntropy",
     grad=_vplce_grad,
-    domain="metaopt",
     needs_outputs=True,
-    needs_runtime=True,
-    collective=True,
     fresh_outputs=True,
     # its all-reduce needs every rank of the group to re-run it in lockstep (as TPReduce)
     recomputable=False,
@@ -271,18 +270,11 @@ def vocab_parallel_linear_cross_entropy_grad(
     the non-ignored rows, then the linear's two matmuls (as LinearCrossEntropyGrad). No
     communication: dx sums over this rank's vocab only; the TPCopy's grad all-reduces it."""
     _check_reduction(reduction)
-    want = [bool(m) for m in (mask or [1] * _nout)] + [False] * 3
-    want[2] = want[2] and bias is not None
     rows, start, _ = _local_rows(weight, vocab_size, group, _rt)
     x2, y, b = _operands(x, weight, labels, bias)
-    acc, n = _acc_dtype(x2.dtype), x2.shape[0]
-    lse = lse.reshape(-1).to(acc)
-    scale = dloss.to(acc).reshape(())
-    if reduction == "mean":
-        scale = scale / (y != ignore_index).sum()
-    dx = torch.empty_like(x2) if want[0] else None
-    dw = torch.zeros(weight.shape, dtype=acc, device=x.device) if want[1] else None
-    db = torch.zeros(rows, dtype=acc, device=x.device) if want[2] else None
+    n = x2.shape[0]
+    lse = lse.reshape(-1).to(_acc_dtype(x2.dtype))
+    scale, dx, dw, db = lce_grad_start(dloss, x2, weight, y, bias, mask, _nout, ignore_index, reduction)
     for s in range(0, n, chunk_size):
         e = min(n, s + chunk_size)
         z, valid, local, mine = _chunk(x2, weight, b, y, s, e, start, rows, ignore_index)
@@ -292,14 +284,7 @@ def vocab_parallel_linear_cross_entropy_grad(
         p.mul_(torch.where(valid, scale, 0).unsqueeze(1))
         g = p.to(x2.dtype)
         del p
-        if dx is not None:
-            torch.mm(g, weight, out=dx[s:e])
-        if dw is not None and dw.dtype == g.dtype:
-            dw.addmm_(g.t(), x2[s:e])
-        elif dw is not None:
-            dw += g.t().mm(x2[s:e])
-        if db is not None:
-            db += g.sum(0, dtype=acc)
+        lce_grad_chunk(g, weight, x2, s, e, dx, dw, db)
         del g
     out = (
         dx.reshape(x.shape) if dx is not None else None,
