@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from metaopt.ops.kernels.partition import join_slices, slice_length, take_slice
-from metaopt.ops.registry import register
+from metaopt.ops.registry import register, register_collective
 
 
 def sharding_ranks(group: str, parts: int, rt, op: str) -> tuple[list[int], int]:
@@ -60,11 +60,8 @@ def shard_slice(*xs: torch.Tensor, group: str, parts: int, _rt, _key: str) -> tu
     return tuple(take_slice(x, parts, index) for x in xs)
 
 
-@register(
+@register_collective(
     "ReduceScatter",
-    domain="metaopt",
-    needs_runtime=True,
-    collective=True,
     fresh_outputs=True,
     recomputable=False,
     notes="ZeRO stage 2: each input averaged over the sharding group, this worker keeping its 1/parts",
@@ -88,11 +85,8 @@ def reduce_scatter(
     return tuple(mine.split(lengths))
 
 
-@register(
+@register_collective(
     "ShardGather",
-    domain="metaopt",
-    needs_runtime=True,
-    collective=True,
     fresh_outputs=True,
     recomputable=False,
     notes="ZeRO: every worker's 1/parts of each input all-gathered, the tensors whole in their shapes",
