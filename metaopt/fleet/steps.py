@@ -877,7 +877,7 @@ STEPS: tuple[Step, ...] = (
         check=_dp_check,
         doc="AllReduce of the grads, in buckets",
         meta="data_parallel",
-        reads=("strategy", "world_size"),
+        reads=("optimizer", "strategy", "world_size"),
     ),
     Step(
         "broadcast_init",

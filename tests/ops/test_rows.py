@@ -176,6 +176,8 @@ def test_train_repairs_and_collectives():
         "TPReduce",
         "PartitionGather",
         "VocabParallelLinearCrossEntropy",
+        "ReduceScatter",  # ZeRO sharding's (ops/kernels/zero.py)
+        "ShardGather",
     }
     assert all(table[t].needs_runtime for t in collectives)  # they run through the communicator
     assert "ranks" in inspect.signature(table["AllReduce"].kernel).parameters
