@@ -248,16 +248,13 @@ def main() -> None:
 
     metaopt.optimizer.Adam(learning_rate=1e-4).minimize(gpt2.loss)
     psi_gpt2 = sum(v.nbytes({}) // 4 for v in gpt2.vars.values() if v.kind == "param")
-    for stage in STAGES:
-        for n in DEGREES:
-            if stage and n == 1:
-                continue
-            pred = predicted_from_program(gpt2, stage, n)
-            rows.append(
-                ("gpt2-124M" if not args.quick else "gpt2-2L", stage, n, formula(psi_gpt2, stage, n), pred)
-            )
-            psi, pred7 = llama7b_predicted(stage, n)
-            rows.append(("llama-7B", stage, n, formula(psi, stage, n), pred7))
+    cases = [(stage, n) for stage in STAGES for n in DEGREES if not (stage and n == 1)]
+    name = "gpt2-124M" if not args.quick else "gpt2-2L"
+    for stage, n in cases:
+        rows.append((name, stage, n, formula(psi_gpt2, stage, n), predicted_from_program(gpt2, stage, n)))
+    for stage, n in cases:
+        psi, pred7 = llama7b_predicted(stage, n)
+        rows.append(("llama-7B", stage, n, formula(psi, stage, n), pred7))
     measured_rows = {n: measured(n, args.quick) for n in (2, 4)}
     where = machine(torch.device("cpu"))["device"]
     print(f"per-worker model states (MB; float32 Adam: 16 bytes per parameter unsharded), {where}")

@@ -33,7 +33,9 @@ def train_case(case: str, rank: int, world: int) -> dict:
     strategy.sharding = stage != "0"  # "0": data parallel alone, the same otherwise
     if strategy.sharding:
         strategy.sharding_configs = {
-            "sharding_degree": world,
+            "sharding_degree": fleet.get_hybrid_communicate_group().get_sharding_parallel_world_size()
+            if os.environ.get("SHARDING_HYBRID")
+            else world,
             "stage": int(stage),
             "segment_broadcast_MB": 0.01,
         }
@@ -90,7 +92,12 @@ def make_optimizer(opt: str, clip: bool) -> metaopt.optimizer.Optimizer:
 
 def main() -> None:
     out, cases = sys.argv[1], sys.argv[2:]
-    fleet.init(is_collective=True)
+    init = None
+    if os.environ.get("SHARDING_HYBRID"):  # "dp,sharding": fleet.init lays the workers out
+        dp, sh = map(int, os.environ["SHARDING_HYBRID"].split(","))
+        init = fleet.DistributedStrategy()
+        init.hybrid_configs = {"dp_degree": dp, "sharding_degree": sh}
+    fleet.init(is_collective=True, strategy=init)
     rank, world = fleet.worker_index(), fleet.worker_num()
     for case in cases:
         torch.save(train_case(case, rank, world), f"{out}/{case}.rank{rank}.pt")

@@ -42,22 +42,25 @@ GROUPS = {
 # "save": the 4 workers' stage-2 checkpoint, which "load" reads at sharding 2 (stage 1)
 TWO = [c for cases in GROUPS.values() for c in cases] + ["mlp:2:adam", "hf-gpt2:1:adam:recompute:load"]
 FOUR = ["hf-gpt2:0:adam:recompute", "hf-gpt2:2:adam:recompute:save", "hf-llama:1:sgd", "mlp:1:momentum"]
+HYBRID = ["mlp:1:momentum"]  # dp_degree 2 x sharding_degree 2: 4 data replicas, state halved
 TOL = {"rtol": 1e-5, "atol": 4e-5}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[int, Path]:
     out = {"ckpt": tmp_path_factory.mktemp("sharding_ckpt")}
-    for world, cases in ((4, FOUR), (2, TWO)):  # 4 first: it saves what 2 loads
-        out[world] = tmp_path_factory.mktemp(f"sharding{world}")
-        env = {"SHARDING_CKPT": str(out["ckpt"])}
-        procs = start_workers(world, [str(HERE / "sharding_worker.py"), str(out[world]), *cases], env)
+    # 4 first: it saves what 2 loads; "hybrid": dp_degree 2 x sharding_degree 2 (fleet.init's layout)
+    for key, world, cases, hybrid in ((4, 4, FOUR, ""), (2, 2, TWO, ""), ("hybrid", 4, HYBRID, "2,2")):
+        out[key] = tmp_path_factory.mktemp(f"sharding{key}")
+        env = {"SHARDING_CKPT": str(out["ckpt"]), "SHARDING_HYBRID": hybrid}
+        procs = start_workers(world, [str(HERE / "sharding_worker.py"), str(out[key]), *cases], env)
         wait_workers(procs, "sharding", 400)
     return out
 
 
-def _ranks(runs: dict[int, Path], world: int, case: str) -> list[dict]:
-    return [torch.load(runs[world] / f"{case}.rank{r}.pt", weights_only=True) for r in range(world)]
+def _ranks(runs: dict, key: int | str, case: str) -> list[dict]:
+    world = 4 if key == "hybrid" else key
+    return [torch.load(runs[key] / f"{case}.rank{r}.pt", weights_only=True) for r in range(world)]
 
 
 @functools.cache
@@ -203,3 +206,25 @@ def test_a_checkpoint_of_four_sharded_workers_loads_at_sharding_two_and_in_one_p
             for n, t in whole.items():
                 want = take_slice(t, world, r) if n in states else t
                 assert torch.equal(got["held"][n], want), (world, case, r, n)
+
+
+def test_sharding_beside_data_parallel_equals_one_process_and_halves_the_state(runs):
+    """hybrid_configs dp_degree 2 x sharding_degree 2: the grads all-reduced over all 4 workers,
+    the state sharded over each sharding group of 2 (ranks (0, 1) and (2, 3): the sharding axis
+    is inside the data axis)."""
+    from metaopt.ops.kernels.partition import take_slice
+
+    case = HYBRID[0]
+    ref = _one_process(case)
+    ranks = _ranks(runs, "hybrid", case)
+    _check_losses(case, ranks, ref)
+    for got in ranks:
+        for k, want in ref["params"].items():
+            torch.testing.assert_close(got["params"][k], want, **TOL)
+        assert got["measured_persistable"] == got["predicted_persistable"]
+    states = [n for n, t in ranks[0]["held"].items() if n not in ranks[0]["params"]]
+    assert states
+    for n in states:
+        whole = torch.cat([ranks[0]["held"][n], ranks[1]["held"][n]])
+        for r, got in enumerate(ranks):  # same slice across the data axis, halves across sharding
+            assert torch.equal(got["held"][n], take_slice(whole, 2, r % 2)), (n, r)
