@@ -317,8 +317,9 @@ def _unscale_grads(p: Program, plan: Any, ctx: Context) -> Program:
         incr_ratio=cfg["incr_ratio"],
         decr_ratio=cfg["decr_ratio"],
         master_dtype="float32" if cfg["use_pure_fp16"] else None,
-        # a pipeline stage: its stages must agree on which steps they skip
-        across_workers=p.pipeline is not None,
+        # a pipeline stage, or ZeRO's reduce-scattered grads (each worker checks its slices):
+        # the workers must agree on which steps they skip
+        across_workers=p.pipeline is not None or _zero_scatter(ctx) is not None,
         init_loss_scaling=cfg["init_loss_scaling"],
     )
 
@@ -407,12 +408,10 @@ def _dp_how(p: Program, ctx: Context) -> dict:
 def _zero_scatter(ctx: Context) -> int | None:
     """ZeRO's reduce-scatter (each worker keeps its 1/N of the averaged grads: data parallel's
     volume) where the sharding group is every data-parallel worker; else None, an all-reduce of
-    whole grads: stage 1 beside dp_degree > 1 or global-norm clipping, which reads every grad
-    whole (stage 2 refuses both: `_sh_check`)."""
+    whole grads (stage 1 beside dp_degree > 1: the grads are averaged over more workers than the
+    sharding group; stage 2 refuses it, `_sh_check`)."""
     s = ctx.strategy
-    if not s.sharding or _sharding_degree(ctx) != ctx.world_size:
-        return None
-    if s.sharding_configs["stage"] == 1 and getattr(ctx.optimizer, "grad_clip", None) is not None:
+    if not s.sharding or _sharding_degree(ctx) != ctx.world_size or ctx.world_size == 1:
         return None
     return ctx.world_size
 
@@ -475,10 +474,6 @@ def _sh_check(ctx: Context) -> None:
     if s.amp and s.amp_configs["use_pure_fp16"]:
         why.append("amp_configs['use_pure_fp16']=True (sharded float32 master weights)")
     if stage >= 2:
-        if getattr(ctx.optimizer, "grad_clip", None) is not None:
-            why.append("stage 2 with grad_clip (the global norm of sharded grads)")
-        if s.amp and ctx.loss_scaling:
-            why.append("stage 2 with AMP loss scaling (the inf/nan check of sharded grads; bfloat16 works)")
         if ctx.world_size // _sharding_degree(ctx) > 1:
             why.append("stage 2 with dp_degree > 1 beside sharding (reduce-scatter, then all-reduce over dp)")
     if why:
@@ -877,7 +872,7 @@ STEPS: tuple[Step, ...] = (
         check=_dp_check,
         doc="AllReduce of the grads, in buckets",
         meta="data_parallel",
-        reads=("optimizer", "strategy", "world_size"),
+        reads=("strategy", "world_size"),
     ),
     Step(
         "broadcast_init",
@@ -896,7 +891,7 @@ STEPS: tuple[Step, ...] = (
         check=_sh_check,
         doc="updates on 1/N slices: optimizer state (stage 2: grads) sharded",
         meta="sharding",
-        reads=("loss_scaling", "optimizer", "strategy", "world_size"),
+        reads=("strategy", "world_size"),
     ),
     Step(
         "recompute",
@@ -946,7 +941,7 @@ STEPS: tuple[Step, ...] = (
         _unscale_grads,
         doc="check inf/nan, unscale, skip overflowed steps",
         meta="amp",
-        reads=("loss_scaling", "strategy"),
+        reads=("loss_scaling", "strategy", "world_size"),
     ),
     Step(
         "master_weights",

@@ -140,6 +140,14 @@ class OpDef:
     # and state inputs (and on scalars): ZeRO sharding (passes/sharding.py) may run it on flat
     # slices. False for updates that read a whole tensor (LAMB's and LARS's trust ratios).
     sliceable: bool = False
+    # An update-phase op that reads every grad whole (global-norm clipping), named by the op type
+    # that does the same on each worker's 1/N slices plus one all-reduce over the sharding group:
+    # ZeRO swaps it in where the grads are slices (passes/sharding.py). None: refused there.
+    sharded_form: str | None = None
+    # An optimize op whose persistable outputs are made only from update ops' outputs (ZeRO's
+    # ShardGather of the updated slices): on a step AMP skips, those updates keep their old values,
+    # so this op writes them back unchanged and needs no found_inf input of its own.
+    state_from_updates: bool = False
     # The input index of the optional ``found_inf`` scalar that makes the op skip its step
     # (AMP's dynamic loss scaling): every update op and the step counter have one.
     skip_input: int | None = None

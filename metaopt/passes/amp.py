@@ -547,10 +547,15 @@ def unscale_grads(
         k = registry.skip_input(op.type)
         if k is not None:
             op.inputs = op.inputs[:k] + [""] * (k - len(op.inputs)) + [found] + op.inputs[k + 1 :]
-        elif op.role == "optimize" and set(op.outputs) & state_new:
+        elif op.role == "optimize" and set(op.outputs) & state_new and not _from_updates(op):
             raise AmpError(
                 f"optimizer op {op.type} updates state but cannot skip a step with inf/nan grads "
                 f"(no found_inf input: its op-table row has no skip_input)"
             )
     q.ops = head + inserted + tail
     return q
+
+
+def _from_updates(op: Op) -> bool:
+    row = registry.get(op.type)
+    return row is not None and row.state_from_updates

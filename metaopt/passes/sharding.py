@@ -19,14 +19,18 @@ their bytes on every worker, in the executor's accounting and in `estimate_memor
 * **Stage 1**: data parallel reduce-scatters the grads after the backward (its buckets moved to
   the update phase), so whole grads live through the backward and each worker updates its
   slice. Communication: data parallel's volume (reduce-scatter + all-gather = one all-reduce).
-  Where the grads must stay whole (global-norm clipping reads them all; dp_degree > 1 beside
-  sharding reduces over more workers than the sharding group) they are all-reduced and each
-  worker takes its slice (`ShardSlice`): 1.5x the volume, said in the plan.
+  Where the grads are averaged over more workers than the sharding group (dp_degree > 1
+  beside sharding) they are all-reduced whole and each worker takes its slice (`ShardSlice`):
+  1.5x the volume, said in the plan.
 * **Stage 2**: data parallel reduce-scatters the grads as they are made
   (``passes/data_parallel.py`` with ``scatter_parts``), so a worker holds only its 1/N of each
   grad from its bucket's reduce on; the updates read those slices directly. Communication:
   data parallel's volume (reduce-scatter + all-gather = one all-reduce).
 * **Stage 3** (params held as slices, gathered before each use) is not implemented: refused.
+
+An op that reads every grad whole before the updates (global-norm clipping) is swapped for its
+row's ``sharded_form`` where the grads are slices (``ShardedClipByGlobalNorm``: one all-reduce
+of the squared norm); one without such a form is refused naming it.
 
 Exact: the updates this pass may slice are elementwise (``OpDef.sliceable``: SGD, Momentum,
 Adam, AdamW), so each element gets the very operations it gets unsharded; the all-gather puts
@@ -57,11 +61,12 @@ class ShardingError(ValueError):
 @dataclass
 class ShardedParam:
     param: str
-    grad: str  # the grad its update reads: whole (stage 1) or already a slice (stage 2)
+    grad: str  # the grad its update reads: whole (all-reduced) or already a slice (reduce-scattered)
     states: list[str]  # the update's state inputs, in its output order
     update: int  # index of its update op
     nbytes: int  # the param's bytes
     state_bytes: int  # its state's bytes, unsharded
+    grad_sliced: bool = False  # its grad is this worker's slice already: no ShardSlice of it
 
 
 @dataclass
@@ -82,6 +87,8 @@ class ShardingPlan:
     skipped: list[tuple[str, str]] = field(default_factory=list)
 
     scattered: bool = False  # the grads the updates read are slices already (data parallel's reduce-scatter)
+    # ops reading every grad whole (clipping) swapped for their row's form on slices: index -> type
+    sharded_forms: dict[int, str] = field(default_factory=dict)
 
     @property
     def state_bytes(self) -> int:
@@ -97,8 +104,8 @@ class ShardingPlan:
             "grads reduce-scattered by data parallel, each worker keeping its 1/N"
             + (" as they are made" if self.stage >= 2 else " after the backward")
             if self.scattered
-            else "grads all-reduced whole (data parallel: clipping or dp beside sharding), each worker "
-            "updating its 1/N slice"
+            else "grads all-reduced whole (data parallel over more workers than the sharding group), "
+            "each worker updating its 1/N slice"
         )
         lines = [
             f"sharding stage {self.stage} over {self.degree} workers: {len(self.params)} params, "
@@ -128,11 +135,15 @@ def plan_sharding(p: Program, *, degree: int, stage: int = 1, bucket_bytes: int 
         raise ShardingError(f"sharding: bucket_bytes must be >= 0, got {bucket_bytes}")
     plan = ShardingPlan(degree, stage, bucket_bytes)
     producers = p.producers()
+    sliced = {n for n, v in p.vars.items() if v.zero is not None}  # grads reduce-scattered
     for i, op in enumerate(p.ops):
         row = registry.get(op.type)
         if row is None or not row.update:
+            if row is not None and sliced.intersection(op.inputs):
+                plan.sharded_forms[i] = _sharded_form(op, row)
+                sliced.update(op.outputs)
             continue
-        sp = _sharded_param(p, i, op, row)
+        sp = _sharded_param(p, i, op, row, op.inputs[1] in sliced)
         if sp is None:
             continue
         late = [x for x in (sp.grad,) if producers.get(x, -1) > i]
@@ -141,7 +152,7 @@ def plan_sharding(p: Program, *, degree: int, stage: int = 1, bucket_bytes: int 
                 f"sharding: the update `{fmt_op(op)}` runs before its grad {late[0]!r} is made"
             )
         plan.params.append(sp)
-    plan.scattered = any(p.vars[sp.grad].zero is not None for sp in plan.params)
+    plan.scattered = any(sp.grad_sliced for sp in plan.params)
     current: GatherBucket | None = None
     for sp in plan.params:
         fits = current is not None and bucket_bytes > 0 and current.nbytes + sp.nbytes <= bucket_bytes
@@ -155,7 +166,17 @@ def plan_sharding(p: Program, *, degree: int, stage: int = 1, bucket_bytes: int 
     return plan
 
 
-def _sharded_param(p: Program, i: int, op: Op, row: Any) -> ShardedParam | None:
+def _sharded_form(op: Op, row: Any) -> str:
+    """The op type that does `op`'s work on slices (its row's `sharded_form`), else refused."""
+    if row.sharded_form is None:
+        raise NotImplementedError(
+            f"sharding: `{fmt_op(op)}` reads grads that are each worker's 1/N slices (reduce-scattered), "
+            f"and {op.type} has no form for slices"
+        )
+    return row.sharded_form
+
+
+def _sharded_param(p: Program, i: int, op: Op, row: Any, grad_sliced: bool) -> ShardedParam | None:
     param, grad = op.inputs[0], op.inputs[1]
     pv = p.vars[param]
     if pv.zero is not None:
@@ -191,7 +212,8 @@ def _sharded_param(p: Program, i: int, op: Op, row: Any) -> ShardedParam | None:
         raise ShardingError(
             f"sharding: grad {grad!r} is {gv.zero}, not a slice of {param!r} {list(pv.shape)}"
         )
-    return ShardedParam(param, grad, states, i, n, sum(p.vars[s].nbytes({}) or 0 for s in states))
+    state_bytes = sum(p.vars[s].nbytes({}) or 0 for s in states)
+    return ShardedParam(param, grad, states, i, n, state_bytes, grad_sliced)
 
 
 def _slice_bytes(state_bytes: int, count: int, degree: int) -> int:
@@ -217,6 +239,8 @@ def apply_sharding(p: Program, plan: ShardingPlan) -> Program:
     attrs = {"group": GROUP, "parts": plan.degree}
     ops: list[Op] = []
     for i, op in enumerate(p.ops):
+        if i in plan.sharded_forms:
+            op = _on_slices(q, p, op, plan.sharded_forms[i], attrs)
         if i in starts:
             ops.append(_slice_op(q, [info[x] for x in starts[i].params], attrs))
         if i in by_op:
@@ -235,6 +259,16 @@ def _shard_var(q: Program, name: str, full: Var, degree: int, kind: str) -> str:
     return name
 
 
+def _on_slices(q: Program, p: Program, op: Op, form: str, attrs: dict) -> Op:
+    """`op` as its form on slices: its outputs declared as the slices of its inputs'."""
+    for x, o in zip(op.inputs, op.outputs, strict=False):
+        zero = p.vars[x].zero
+        if zero is not None:
+            v = q.vars[o]
+            q.vars[o] = Var(o, v.dtype, (zero.local_numel,), v.kind, zero=zero)
+    return dataclasses.replace(op, type=form, attrs={**op.attrs, **attrs})
+
+
 def _slice_op(q: Program, params: list[ShardedParam], attrs: dict) -> Op:
     """``ShardSlice`` of each param of a bucket (and, in stage 1, of its whole grad)."""
     ins, outs = [], []
@@ -245,7 +279,7 @@ def _slice_op(q: Program, params: list[ShardedParam], attrs: dict) -> Op:
                 q, _fresh(q, names.zero_shard(sp.param)), q.vars[sp.param], attrs["parts"], "activation"
             )
         )
-        if q.vars[sp.grad].zero is None:
+        if not sp.grad_sliced:
             ins.append(sp.grad)
             outs.append(
                 _shard_var(q, _fresh(q, names.zero_shard(sp.grad)), q.vars[sp.grad], attrs["parts"], "grad")
@@ -263,7 +297,7 @@ def _sliced_update(q: Program, op: Op, sp: ShardedParam, degree: int) -> Op:
     """The update on this worker's slices: its param and grad inputs are the slices, its state
     vars (and their new values) are declared as slices, initial zeros of the slice's length."""
     param_slice = names.zero_shard(sp.param)
-    grad = sp.grad if q.vars[sp.grad].zero is not None else names.zero_shard(sp.grad)
+    grad = sp.grad if sp.grad_sliced else names.zero_shard(sp.grad)
     full = q.vars[sp.param]
     for s, new in zip(sp.states, op.outputs[1:], strict=True):
         _shard_var(q, s, q.vars[s], degree, "opt_state")

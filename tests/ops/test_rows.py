@@ -178,6 +178,7 @@ def test_train_repairs_and_collectives():
         "VocabParallelLinearCrossEntropy",
         "ReduceScatter",  # ZeRO sharding's (ops/kernels/zero.py)
         "ShardGather",
+        "ShardedClipByGlobalNorm",
     }
     assert all(table[t].needs_runtime for t in collectives)  # they run through the communicator
     assert "ranks" in inspect.signature(table["AllReduce"].kernel).parameters

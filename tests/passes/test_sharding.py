@@ -218,3 +218,16 @@ def test_a_one_file_checkpoint_moves_between_sharded_and_unsharded_programs(tmp_
     again, exe3 = minimized(sharding_degree=1)
     fleet.load_persistables(exe3, tmp_path / "b", again)
     assert all(torch.equal(exe3.scope[v.name], exe.scope[v.name]) for v in states)
+
+
+def test_clipping_runs_on_the_slices_where_the_grads_are_reduce_scattered():
+    p = _trained_program(
+        optimizer=metaopt.optimizer.Adam(1e-2, grad_clip=metaopt.optimizer.ClipGradByGlobalNorm(1.0))
+    )
+    p = data_parallel(p, grads=update_grads(p), world_size=2, bucket_bytes=0, scatter_parts=2)
+    q = sharding(p, degree=2, stage=2)
+    verify(q)
+    (clip,) = [op for op in q.ops if op.type == "ShardedClipByGlobalNorm"]
+    assert clip.attrs["group"] == "sharding" and clip.attrs["parts"] == 2
+    assert all(q.vars[o].zero is not None for o in clip.outputs)
+    assert not any(op.type == "ShardSlice" and set(op.inputs) & set(clip.outputs) for op in q.ops)

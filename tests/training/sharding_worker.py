@@ -8,9 +8,9 @@ data parallel then averages equal grads, which is exact, so a sharded run must e
 process bit for bit and any difference is sharding's. The "mlp" cases feed each worker its own
 share instead, as a data-parallel user does.
 
-extra: "recompute" (each block a checkpoint), "bf16" (AMP bfloat16), "clip" (global-norm
-clipping, stage 1), "save" (save_persistables into $SHARDING_CKPT after training), "load" (load
-$SHARDING_CKPT instead of training: what this worker then holds).
+extra: "recompute" (each block a checkpoint), "bf16" / "fp16" (AMP; float16 with dynamic loss
+scaling), "clip" (global-norm clipping), "save" (save_persistables into $SHARDING_CKPT after
+training), "load" (load $SHARDING_CKPT instead of training: what this worker then holds).
 """
 
 from __future__ import annotations

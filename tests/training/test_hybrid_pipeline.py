@@ -171,9 +171,7 @@ def test_hybrid_configs_on_some_workers_only_fail_fleet_init_by_name():
     """Rank 0's fleet.init has hybrid_configs, rank 1's none: both fail at fleet.init's exchange of
     the layouts, naming both, well before METAOPT_COMM_TIMEOUT (120 s: a timeout would show as a
     CommError, and the communicate bound below is shorter)."""
-    procs = start_workers(
-        2, [str(HERE / "hybrid_pp_worker.py"), "mismatch"], {"METAOPT_COMM_TIMEOUT": "120"}
-    )
+    procs = start_workers(2, [str(HERE / "hybrid_pp_worker.py"), "mismatch"], {"METAOPT_COMM_TIMEOUT": "120"})
     outs = []
     try:
         for p in procs:

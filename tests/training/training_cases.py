@@ -66,7 +66,7 @@ def build_strategy(name: str, extra: list[str]) -> fleet.DistributedStrategy:
     if "recompute" in extra:
         s.recompute = True
         s.recompute_configs = {"checkpoints": CHECKPOINTS[name]}
-    if "bf16" in extra:
+    if "bf16" in extra or "fp16" in extra:  # fp16: dynamic loss scaling, overflowed steps skipped
         s.amp = True
-        s.amp_configs = {"dtype": "bfloat16"}
+        s.amp_configs = {"dtype": "bfloat16" if "bf16" in extra else "float16"}
     return s

@@ -124,7 +124,13 @@ def _device_factor(step: torch.Tensor, warmup_steps: int, total_steps: int, end_
 # --- clipping -------------------------------------------------------------------------
 
 
-@register("ClipByGlobalNorm", domain="metaopt", needs_outputs=True, recomputable=False)
+@register(
+    "ClipByGlobalNorm",
+    domain="metaopt",
+    needs_outputs=True,
+    recomputable=False,
+    sharded_form="ShardedClipByGlobalNorm",  # ops/kernels/zero.py
+)
 def clip_by_global_norm(*grads: torch.Tensor, clip_norm: float = 1.0, _nout: int = 1):
     """``torch.nn.utils.clip_grad_norm_(params, clip_norm)`` on copies of the grads.
 

@@ -10,9 +10,12 @@ slices have too: ``take_slice`` / ``join_slices``): a tensor flattened, zero-pad
 * ``ReduceScatter(g, ...)``: the grads averaged over the group, each worker getting only its
   chunk of each (stage 2: the whole grad dies right there). One collective per op: row r of
   its buffer is chunk r of every grad, so a bucket of grads is one ``reduce_scatter``.
-* ``ShardGather(s, ..., shapes=[...])``: every worker's chunks of each input, the tensors
-  back whole in their shapes (the updated params, after the sharded update). One all-gather
-  per op (a bucket of ``segment_broadcast_MB``).
+* ``ShardGather(s, ..., ndims=[...], dims=[...])``: every worker's chunks of each input, the
+  tensors back whole in their shapes (the updated params, after the sharded update). One
+  all-gather per op (a bucket of ``segment_broadcast_MB``).
+* ``ShardedClipByGlobalNorm(s, ...)``: ``ClipByGlobalNorm`` on grads held as slices: the squared
+  norms of this worker's slices summed, all-reduced over the group (the padding adds zero),
+  the coefficient applied to each slice.
 
 ``group="sharding"`` is this worker's sharding group of fleet.init's hybrid layout, or every
 worker when fleet.init laid out no hybrid groups (sharding over the whole job). The chunk a
@@ -87,6 +90,7 @@ def reduce_scatter(
 
 @register_collective(
     "ShardGather",
+    state_from_updates=True,  # the updated slices: on a skipped step, the old ones
     fresh_outputs=True,
     recomputable=False,
     notes="ZeRO: every worker's 1/parts of each input all-gathered, the tensors whole in their shapes",
@@ -125,3 +129,30 @@ def _unflatten(ndims: list[int], dims: list[int]) -> list[list[int]]:
         out.append(list(dims[at : at + n]))
         at += n
     return out
+
+
+@register_collective(
+    "ShardedClipByGlobalNorm",
+    needs_outputs=True,
+    recomputable=False,
+    fresh_outputs=True,
+    notes="ZeRO: global-norm clipping of grads held as 1/parts slices (one all-reduce of the squared norm)",
+)
+def sharded_clip_by_global_norm(
+    *slices: torch.Tensor, clip_norm: float = 1.0, group: str, parts: int, _nout: int = 1, _rt, _key: str
+):
+    """`ClipByGlobalNorm`'s coefficient from every worker's slices: the whole grads' norm is the
+    root of the summed squares of the slices' (the same value; its float rounding differs from
+    torch's per-tensor norms)."""
+    ranks, _ = sharding_ranks(group, parts, _rt, "ShardedClipByGlobalNorm")
+    if len(slices) != _nout:
+        raise ValueError(f"ShardedClipByGlobalNorm: {len(slices)} grads in but {_nout} outputs")
+    norms = torch.stack([torch.linalg.vector_norm(s, 2.0, dtype=torch.float32) for s in slices])
+    square = norms.square().sum()
+    if parts > 1:
+        (square,) = _rt.comm.all_reduce(
+            [square], "sum", f"the squared norm of {len(slices)} grads ({_key})", ranks
+        )
+    coef = torch.clamp(float(clip_norm) / (square.sqrt() + 1e-6), max=1.0)
+    out = tuple(s.mul(coef.to(s.dtype)) for s in slices)
+    return out[0] if _nout == 1 else out
