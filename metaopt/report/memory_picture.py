@@ -51,6 +51,7 @@ class MemoryPicture:
     measured_peak_bytes: int | None = None  # exe.memory_stats()["peak_bytes"] of that run
     note: str = ""  # why there is no measured line ("" when there is)
     files: list[str] = field(default_factory=list)  # what `write` wrote
+    persistables: str = ""  # what the persistables are: `persistable_breakdown`
 
     @property
     def predicted_peak(self) -> tuple[int, int]:
@@ -87,6 +88,8 @@ class MemoryPicture:
         else:
             lines.append(f"measured: no run, predicted only ({self.note})")
         lines.append(f"persistables (params, state, constants): {human_bytes(self.persistable_bytes)}")
+        if self.persistables:
+            lines.append(f"  {self.persistables}")
         lines.append(self.where.format(n))
         return "\n".join(lines) + "\n"
 
@@ -140,6 +143,7 @@ def memory_picture(
         predicted=list(est.timeline),
         persistable_bytes=est.persistable_bytes,
         where=est.where,
+        persistables=persistable_breakdown(program),
     )
     full = estimate_memory(program, dims=bound, fetches=keep, workspace=True)
     if full.timeline != est.timeline:
@@ -259,3 +263,26 @@ def unit_for(nbytes: float) -> tuple[str, float]:
     """The binary unit a byte axis up to `nbytes` reads best in, and its size."""
     exp = 0 if nbytes <= 0 else min(3, int(math.log(nbytes, 1024)))
     return ("B", "KiB", "MiB", "GiB")[exp], float(1024**exp)
+
+
+def persistable_breakdown(program: Program) -> str:
+    """One line: params, optimizer state (with ZeRO: this worker's share of the whole state) and
+    the rest (buffers, counters, constants), as this worker holds them."""
+    params = state = state_whole = other = 0
+    for v in program.vars.values():
+        if not v.persistable or v.shape is None:
+            continue
+        n = v.nbytes({}) or 0
+        if v.kind == "param":
+            params += n
+        elif v.kind == "opt_state":
+            state += n
+            itemsize = torch_dtype(v.dtype).itemsize
+            state_whole += v.zero.full_numel * itemsize if v.zero is not None else n
+        else:
+            other += n
+    zero = {v.zero.parts for v in program.vars.values() if v.zero is not None and v.persistable}
+    text = f"params {human_bytes(params)}, optimizer state {human_bytes(state)}"
+    if zero:
+        text += f" (ZeRO: this worker's 1/{max(zero)} of {human_bytes(state_whole)})"
+    return text + f", other {human_bytes(other)}"

@@ -231,3 +231,15 @@ def test_clipping_runs_on_the_slices_where_the_grads_are_reduce_scattered():
     assert clip.attrs["group"] == "sharding" and clip.attrs["parts"] == 2
     assert all(q.vars[o].zero is not None for o in clip.outputs)
     assert not any(op.type == "ShardSlice" and set(op.inputs) & set(clip.outputs) for op in q.ops)
+
+
+def test_the_memory_report_says_what_share_of_the_state_this_worker_holds():
+    from metaopt.report.memory_picture import memory_picture, persistable_breakdown
+
+    plain, q = _trained_program(), _sharded(1, degree=4)
+    assert "ZeRO" not in persistable_breakdown(plain)
+    text = memory_picture(q, batch=4, measure=False).summary()
+    state = sum(v.nbytes({}) for v in plain.vars.values() if v.kind == "opt_state")
+    from metaopt.passes.memory_estimate import human_bytes
+
+    assert f"(ZeRO: this worker's 1/4 of {human_bytes(state)})" in text
