@@ -340,6 +340,84 @@ def _master_weights(p: Program, plan: Any, ctx: Context) -> Program:
 # --- backward and optimizer -------------------------------------------------------------------
 
 
+# --- LAMB and LARS: layer-wise adaptive updates ----------------------------------------------------
+
+# strategy flag -> (the optimizer class it wraps, as Fleet's LambOptimizer / LarsOptimizer do)
+_LAYERWISE = {"lamb": "Adam", "lars": "Momentum"}
+
+
+def _layerwise_on(ctx: Context, kind: str) -> tuple[bool, str]:
+    flag = bool(getattr(ctx.strategy, kind))
+    return flag, f"strategy.{kind}={flag}"
+
+
+def _layerwise_check(ctx: Context, kind: str) -> None:
+    """Refuse an inner optimizer the meta optimizer cannot wrap (Fleet disables it silently)."""
+    import metaopt.optimizer as optimizers
+
+    opt, want = ctx.optimizer, _LAYERWISE[kind]
+    why = None
+    if type(opt) is not getattr(optimizers, want):  # AdamW's decoupled decay is not LAMB's
+        why = f"it wraps a metaopt.optimizer.{want}, got {type(opt).__name__}"
+    elif opt.weight_decay != 0:
+        why = (
+            f"its weight decay is {kind}_configs' (the {want}'s weight_decay={opt.weight_decay} "
+            "would be lost)"
+        )
+    elif kind == "lamb" and (opt.amsgrad or opt.fused):
+        why = "amsgrad and fused have no LAMB form"
+    elif kind == "lars" and (opt.momentum == 0 or opt.nesterov or opt.dampening != 0):
+        why = "LARS is plain momentum: momentum > 0, no nesterov, no dampening"
+    if why:
+        raise ValueError(f"strategy.{kind}=True: {why}")
+
+
+def _layerwise_plan(p: Program, ctx: Context, kind: str) -> Any:
+    from metaopt.passes.layerwise import plan_layerwise
+
+    opt, cfg = ctx.optimizer, getattr(ctx.strategy, f"{kind}_configs")
+    if kind == "lamb":
+        attrs = {"beta1": opt.beta1, "beta2": opt.beta2, "epsilon": opt.epsilon}
+        decay = cfg["lamb_weight_decay"]
+    else:
+        attrs = {"momentum": opt.momentum, "lars_coeff": cfg["lars_coeff"], "epsilon": cfg["epsilon"]}
+        decay = cfg["lars_weight_decay"]
+    exclude = list(cfg["exclude_from_weight_decay"])
+    return plan_layerwise(
+        p, kind=kind, source=opt.update_op_type(), attrs=attrs, weight_decay=decay, exclude=exclude
+    )
+
+
+def _lamb_on(ctx: Context) -> tuple[bool, str]:
+    return _layerwise_on(ctx, "lamb")
+
+
+def _lamb_check(ctx: Context) -> None:
+    _layerwise_check(ctx, "lamb")
+
+
+def _lamb_plan(p: Program, ctx: Context) -> Any:
+    return _layerwise_plan(p, ctx, "lamb")
+
+
+def _lars_on(ctx: Context) -> tuple[bool, str]:
+    return _layerwise_on(ctx, "lars")
+
+
+def _lars_check(ctx: Context) -> None:
+    _layerwise_check(ctx, "lars")
+
+
+def _lars_plan(p: Program, ctx: Context) -> Any:
+    return _layerwise_plan(p, ctx, "lars")
+
+
+def _layerwise(p: Program, plan: Any, ctx: Context) -> Program:
+    from metaopt.passes.layerwise import apply_layerwise
+
+    return apply_layerwise(p, plan)
+
+
 # --- gradient merge ---------------------------------------------------------------------------
 
 
@@ -857,6 +935,26 @@ STEPS: tuple[Step, ...] = (
     APPEND_BACKWARD,  # passes/minimize.py: Optimizer.minimize runs these two alone
     APPLY_OPTIMIZER,
     Step(
+        "lamb",
+        _lamb_on,
+        _layerwise,
+        plan=_lamb_plan,
+        check=_lamb_check,
+        doc="Adam's updates made layer-wise adaptive (LAMB)",
+        meta="lamb",
+        reads=("optimizer", "strategy"),
+    ),
+    Step(
+        "lars",
+        _lars_on,
+        _layerwise,
+        plan=_lars_plan,
+        check=_lars_check,
+        doc="Momentum's updates made layer-wise adaptive (LARS)",
+        meta="lars",
+        reads=("optimizer", "strategy"),
+    ),
+    Step(
         "gradient_merge",
         _gm_on,
         _gradient_merge,
@@ -964,6 +1062,8 @@ STEPS: tuple[Step, ...] = (
 check_declarations(STEPS)  # a step reading what no earlier step writes fails at import
 FLEET_META_OPTIMIZERS = (
     "amp",
+    "lamb",
+    "lars",
     "pipeline",
     "tensor_parallel",
     "recompute",
@@ -1036,6 +1136,7 @@ def partition_errors(strategy: Any, topo: Topology) -> list[Exception]:
 
 # Combinations refused, with the reason (every flag named in a conflict appears in the error).
 CONFLICTS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("lamb", "lars"), "each replaces the optimizer's updates: LAMB wraps Adam, LARS wraps Momentum"),
     (
         ("pipeline", "gradient_merge"),
         "a pipeline already accumulates gradients over pipeline_configs['accumulate_steps'] "

@@ -82,6 +82,7 @@ def _f32(v: float) -> float:
 
 
 _POSITIVE: tuple[Check, ...] = ((lambda v: v > 0, "must be > 0"),)
+_NON_NEGATIVE: tuple[Check, ...] = ((lambda v: v >= 0, "must be >= 0"),)
 _INT32: Check = (lambda v: v <= INT32_MAX, f"must be <= {INT32_MAX} (an int32, as in Fleet's proto)")
 _AT_LEAST_1: tuple[Check, ...] = ((lambda v: v >= 1, "must be >= 1"),)
 _COUNT: tuple[Check, ...] = (*_AT_LEAST_1, _INT32)  # Fleet's int32 counts: steps, sizes, degrees
@@ -379,8 +380,30 @@ SHARDING_CONFIGS: dict[str, Key] = {
     },
 }
 
+# Fleet's lamb_configs and lars_configs: the layer-wise adaptive updates that replace Adam's
+# (LAMB) or Momentum's (LARS) updates (passes/layerwise.py; ops/kernels/layerwise.py).
+_EXCLUDE = Key(
+    [],
+    "list[str]",
+    "params whose name contains one of these strings get no weight decay (e.g. 'bias', 'norm')",
+)
+LAMB_CONFIGS: dict[str, Key] = {
+    "lamb_weight_decay": Key(
+        0.01, "float", "decoupled weight decay inside the trust ratio", check=_NON_NEGATIVE
+    ),
+    "exclude_from_weight_decay": _EXCLUDE,
+}
+LARS_CONFIGS: dict[str, Key] = {
+    "lars_coeff": Key(0.001, "float", "trust coefficient of the local learning rate", check=_NON_NEGATIVE),
+    "lars_weight_decay": Key(0.0005, "float", "weight decay added to the grad", check=_NON_NEGATIVE),
+    "epsilon": Key(0.0, "float", "added to the local learning rate's denominator", check=_NON_NEGATIVE),
+    "exclude_from_weight_decay": _EXCLUDE,
+}
+
 CONFIGS: dict[str, dict[str, Key]] = {
     "amp": AMP_CONFIGS,
+    "lamb": LAMB_CONFIGS,
+    "lars": LARS_CONFIGS,
     "sharding": SHARDING_CONFIGS,
     "recompute": RECOMPUTE_CONFIGS,
     "pipeline": PIPELINE_CONFIGS,
@@ -394,8 +417,6 @@ ALL_CONFIGS: dict[str, dict[str, Key]] = {**CONFIGS, **FLAGLESS_CONFIGS}
 
 # Fleet feature flags metaopt accepts (a Fleet script still parses) but refuses at minimize when True.
 UNSUPPORTED_FEATURES: tuple[str, ...] = (
-    "lamb",
-    "lars",
     "dgc",
     "localsgd",
     "adaptive_localsgd",
@@ -409,6 +430,10 @@ FIELDS: dict[str, Key] = {
     "recompute": Key(False, "bool", "recompute, optionally with offload (recompute_configs)"),
     "pipeline": Key(False, "bool", "pipeline parallelism (pipeline_configs)"),
     "gradient_merge": Key(False, "bool", "gradient accumulation over k steps (gradient_merge_configs)"),
+    "lamb": Key(False, "bool", "LAMB: the Adam optimizer's updates made layer-wise adaptive (lamb_configs)"),
+    "lars": Key(
+        False, "bool", "LARS: the Momentum optimizer's updates made layer-wise adaptive (lars_configs)"
+    ),
     "sharding": Key(
         False, "bool", "ZeRO: optimizer state (stage 2: and grads) split over workers (sharding_configs)"
     ),

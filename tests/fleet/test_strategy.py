@@ -95,6 +95,14 @@ FLEET_DEFAULTS = {
         "row": [],
         "vocab": [],
     },
+    # Fleet's LambConfig and LarsConfig
+    "lamb_configs": {"lamb_weight_decay": 0.01, "exclude_from_weight_decay": []},
+    "lars_configs": {
+        "lars_coeff": 0.001,
+        "lars_weight_decay": 0.0005,
+        "epsilon": 0.0,
+        "exclude_from_weight_decay": [],
+    },
     # Fleet's ShardingConfig (the keys a static-graph sharding script sets)
     "sharding_configs": {
         "sharding_segment_strategy": "segment_broadcast_MB",
@@ -244,6 +252,10 @@ OUT_OF_RANGE = {
     "hybrid_configs.pp_degree": [0, _INT32_TOO_BIG],
     "hybrid_configs.sharding_degree": [0],
     "sharding_configs.segment_broadcast_MB": [0.0, -1.0, 2.0**32],
+    "lamb_configs.lamb_weight_decay": [-0.01],
+    "lars_configs.lars_coeff": [-1.0],
+    "lars_configs.lars_weight_decay": [-1.0],
+    "lars_configs.epsilon": [-1.0],
     "sharding_configs.sharding_degree": [0, _INT32_TOO_BIG],
     "sharding_configs.stage": [0, 4],
     "sharding_configs.gradient_merge_acc_step": [0],
@@ -312,8 +324,8 @@ def test_unknown_attribute_has_did_you_mean():
         s.recompue = True
     with pytest.raises(AttributeError, match=r"no attribute 'amp_config' \(did you mean 'amp_configs'"):
         _ = s.amp_config
-    with pytest.raises(AttributeError, match="lamb meta optimizer"):
-        s.lamb_configs = {"lamb_weight_decay": 0.01}
+    with pytest.raises(AttributeError, match="dgc meta optimizer"):
+        s.dgc_configs = {"rampup_begin_step": 0}
     assert not hasattr(s, "recompue")
     assert s == fleet.DistributedStrategy()
 
@@ -591,7 +603,7 @@ def test_unimplemented_values_still_load_and_print_as_refused(tmp_path):
     s.nccl_comm_num = 2
     s.tensor_parallel = True
     s.tensor_parallel_configs = {"tensor_init_seed": 4}
-    s.lamb = True
+    s.dgc = True
     path = tmp_path / "s.json"
     s.save_to_json(path)
     t = fleet.DistributedStrategy()
@@ -603,7 +615,7 @@ def test_unimplemented_values_still_load_and_print_as_refused(tmp_path):
     assert re.search(
         r"^\s*\|\s+tensor_parallel_configs\['tensor_init_seed'\]\s+4, default -1\s+\|$", text, re.M
     )
-    assert re.search(r"^\s*\|\s+lamb\s+True, default False\s+\|$", text, re.M)
+    assert re.search(r"^\s*\|\s+dgc\s+True, default False\s+\|$", text, re.M)
     assert len({len(line) for line in text.splitlines()}) == 1  # still a box
     assert "refused" not in str(fleet.DistributedStrategy())
 

@@ -27,7 +27,14 @@ def _positional(row: registry.OpDef) -> list[str]:
 def test_update_rows_have_a_skip_input_at_their_found_inf():
     table = registry.table()
     updates = {t for t, row in table.items() if row.update}
-    assert updates == {"SGDUpdate", "MomentumUpdate", "AdamUpdate", "AdamWUpdate"}
+    assert updates == {
+        "SGDUpdate",
+        "MomentumUpdate",
+        "AdamUpdate",
+        "AdamWUpdate",
+        "LambUpdate",  # ops/kernels/layerwise.py
+        "LarsMomentumUpdate",
+    }
     skipping = {t for t, row in table.items() if row.skip_input is not None}
     assert skipping == updates | {"StepCounter"}
     for t in skipping:

@@ -29,7 +29,7 @@ from metaopt.passes.memory_estimate import estimate_memory
 def train_case(case: str, rank: int, world: int) -> dict:
     name, stage, opt, *extra = case.split(":")
     main = export(name)
-    strategy = build_strategy(name, extra)
+    strategy = build_strategy(name, [opt, *extra])
     strategy.sharding = stage != "0"  # "0": data parallel alone, the same otherwise
     if strategy.sharding:
         strategy.sharding_configs = {
@@ -83,11 +83,11 @@ def make_optimizer(opt: str, clip: bool) -> metaopt.optimizer.Optimizer:
     kw = {"grad_clip": metaopt.optimizer.ClipGradByGlobalNorm(1.0)} if clip else {}
     if opt == "sgd":
         return metaopt.optimizer.SGD(learning_rate=0.05, **kw)
-    if opt == "momentum":
+    if opt in ("momentum", "lars"):  # lars: strategy.lars wraps it (training_cases.build_strategy)
         return metaopt.optimizer.Momentum(learning_rate=0.05, momentum=0.9, **kw)
     if opt == "adamw":
         return metaopt.optimizer.AdamW(learning_rate=1e-2, **kw)
-    return metaopt.optimizer.Adam(learning_rate=1e-2, **kw)
+    return metaopt.optimizer.Adam(learning_rate=1e-2, **kw)  # adam, and lamb (strategy.lamb)
 
 
 def main() -> None:

@@ -40,7 +40,13 @@ GROUPS = {
     "bert-adamw-clip": ["hf-bert:0:adamw:clip", "hf-bert:1:adamw:clip", "hf-bert:2:adamw:clip"],
 }
 # "save": the 4 workers' stage-2 checkpoint, which "load" reads at sharding 2 (stage 1)
-TWO = [c for cases in GROUPS.values() for c in cases] + ["mlp:2:adam", "hf-gpt2:1:adam:recompute:load"]
+# "lamb" / "lars": Fleet's meta optimizers (Adam / Momentum wrapped) under data parallel alone
+LAYERWISE = ["mlp:0:lamb", "mlp:0:lars"]
+TWO = [c for cases in GROUPS.values() for c in cases] + [
+    "mlp:2:adam",
+    "hf-gpt2:1:adam:recompute:load",
+    *LAYERWISE,
+]
 FOUR = ["hf-gpt2:0:adam:recompute", "hf-gpt2:2:adam:recompute:save", "hf-llama:1:sgd", "mlp:1:momentum"]
 HYBRID = ["mlp:1:momentum"]  # dp_degree 2 x sharding_degree 2: 4 data replicas, state halved
 TOL = {"rtol": 1e-5, "atol": 4e-5}
@@ -78,7 +84,7 @@ def _one_process(case: str) -> dict:
     fleet.init()
     try:
         main = export(name)
-        strategy = build_strategy(name, extra)
+        strategy = build_strategy(name, [opt, *extra])
         fleet.distributed_optimizer(sharding_worker.make_optimizer(opt, "clip" in extra), strategy).minimize(
             main.loss
         )
@@ -113,7 +119,9 @@ def test_a_sharded_run_equals_data_parallel_bit_for_bit_on_every_worker(runs, wo
     assert compared == (2 * 8 if world == 2 else 4)
 
 
-@pytest.mark.parametrize("case", [c for c in TWO if c.split(":")[1] != "0" and "load" not in c])
+@pytest.mark.parametrize(
+    "case", [c for c in TWO if (c.split(":")[1] != "0" or c in LAYERWISE) and "load" not in c]
+)
 def test_two_workers_equal_one_process(runs, case):
     ref = _one_process(case)
     ranks = _ranks(runs, 2, case)

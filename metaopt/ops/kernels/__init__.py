@@ -11,6 +11,7 @@ from metaopt.ops.kernels import (  # noqa: F401
     elementwise,
     grad,
     indexing,
+    layerwise,
     loss,
     memcpy,
     nn,
