@@ -503,7 +503,38 @@ def _dp_plan(p: Program, ctx: Context) -> Any:
 def _data_parallel(p: Program, plan: Any, ctx: Context) -> Program:
     from metaopt.passes.data_parallel import apply_data_parallel
 
+    ctx.dp_plan = plan
     return apply_data_parallel(p, plan)
+
+
+def _fp16_ar_on(ctx: Context) -> tuple[bool, str]:
+    if not ctx.strategy.fp16_allreduce:
+        return False, "strategy.fp16_allreduce=False"
+    dp, why = _dp_on(ctx)
+    if not dp:
+        return False, f"strategy.fp16_allreduce=True but no data parallel ({why})"
+    return True, "strategy.fp16_allreduce=True"
+
+
+def _fp16_ar_check(ctx: Context) -> None:
+    if _zero_scatter(ctx) is not None:
+        raise NotImplementedError(
+            "strategy.fp16_allreduce=True with strategy.sharding: its reduce-scatter sends float32 "
+            "(float16 reduce-scatter is not implemented)"
+        )
+
+
+def _fp16_ar_plan(p: Program, ctx: Context) -> Any:
+    from metaopt.ir import names
+    from metaopt.passes.fp16_allreduce import plan_fp16_allreduce
+
+    return plan_fp16_allreduce(p, reduced=[names.reduced(g) for b in ctx.dp_plan.buckets for g in b.grads])
+
+
+def _fp16_allreduce(p: Program, plan: Any, ctx: Context) -> Program:
+    from metaopt.passes.fp16_allreduce import apply_fp16_allreduce
+
+    return apply_fp16_allreduce(p, plan)
 
 
 def _broadcast_init(p: Program, plan: Any, ctx: Context) -> Program:
@@ -971,6 +1002,17 @@ STEPS: tuple[Step, ...] = (
         doc="AllReduce of the grads, in buckets",
         meta="data_parallel",
         reads=("strategy", "world_size"),
+        writes=("dp_plan",),
+    ),
+    Step(
+        "fp16_allreduce",
+        _fp16_ar_on,
+        _fp16_allreduce,
+        plan=_fp16_ar_plan,
+        check=_fp16_ar_check,
+        doc="grads sent in float16 by data parallel's all-reduce",
+        meta="fp16_allreduce",
+        reads=("dp_plan", "strategy", "world_size"),
     ),
     Step(
         "broadcast_init",
@@ -1062,6 +1104,7 @@ STEPS: tuple[Step, ...] = (
 check_declarations(STEPS)  # a step reading what no earlier step writes fails at import
 FLEET_META_OPTIMIZERS = (
     "amp",
+    "fp16_allreduce",
     "lamb",
     "lars",
     "pipeline",

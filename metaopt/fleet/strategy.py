@@ -421,7 +421,6 @@ UNSUPPORTED_FEATURES: tuple[str, ...] = (
     "localsgd",
     "adaptive_localsgd",
     "a_sync",
-    "fp16_allreduce",
     "sync_batch_norm",
 )
 
@@ -430,6 +429,12 @@ FIELDS: dict[str, Key] = {
     "recompute": Key(False, "bool", "recompute, optionally with offload (recompute_configs)"),
     "pipeline": Key(False, "bool", "pipeline parallelism (pipeline_configs)"),
     "gradient_merge": Key(False, "bool", "gradient accumulation over k steps (gradient_merge_configs)"),
+    "fp16_allreduce": Key(
+        False,
+        "bool",
+        "data parallel's float32 grads sent in float16 (half the bytes): divided by the worker count, "
+        "cast, summed, cast back",
+    ),
     "lamb": Key(False, "bool", "LAMB: the Adam optimizer's updates made layer-wise adaptive (lamb_configs)"),
     "lars": Key(
         False, "bool", "LARS: the Momentum optimizer's updates made layer-wise adaptive (lars_configs)"

@@ -63,6 +63,7 @@ class Context:
     tied: dict[str, str] = field(default_factory=dict)  # param dropped -> the param it reads instead
     checkpoints: list[str] = field(default_factory=list)  # recompute's, after resolution
     tp_plan: Any = None  # tensor parallel's plan: split params, sharded values, the mp degree
+    dp_plan: Any = None  # data parallel's plan: its buckets of grads (what fp16_allreduce narrows)
     partition_slices: dict[str, str] = field(default_factory=dict)  # checkpoint -> its 1/mp slice var
     memory_report: Any = None  # recompute's predicted effect (recompute.MemoryReport), kept current
     optimize_ops: list = field(default_factory=list)  # the update ops apply_optimizer made (Op objects)

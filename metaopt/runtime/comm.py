@@ -206,19 +206,35 @@ class Communicator:
         self.headers = 0
 
     def all_reduce(
-        self, xs: Sequence[torch.Tensor], reduce: str, what: str, ranks: Sequence[int] | None = None
+        self,
+        xs: Sequence[torch.Tensor],
+        reduce: str,
+        what: str,
+        ranks: Sequence[int] | None = None,
+        comm_dtype: torch.dtype | None = None,
     ) -> list[torch.Tensor]:
         """`xs` summed (``avg``: and divided by the world size) over every worker, as one
-        fused buffer; returns new tensors (views of that buffer) of `xs`' shapes."""
+        fused buffer; returns new tensors (views of that buffer) of `xs`' shapes.
+
+        `comm_dtype` (Fleet's fp16_allreduce): the buffer travels in that dtype, half the bytes
+        of float32; ``avg`` then divides before the cast (torch's fp16 compress hook: the sum of
+        the scaled values stays in the narrow type's range) and the result is cast back."""
         if reduce not in _REDUCTIONS:
             raise ValueError(f"AllReduce: reduce must be one of {_REDUCTIONS}, got {reduce!r}")
         flat = torch.cat([x.reshape(-1) for x in xs]) if len(xs) > 1 else xs[0].reshape(-1).clone()
+        n = self.world_size if ranks is None else len(ranks)
+        wide = None
+        if comm_dtype is not None and comm_dtype != flat.dtype:
+            wide = flat.dtype
+            flat = (flat.div_(n) if reduce == "avg" else flat).to(comm_dtype)
         group = self.group(ranks)
         self._run(
             lambda dist: dist.all_reduce(flat, group=group, async_op=True), f"AllReduce of {what}", [flat]
         )
-        if reduce == "avg":
-            flat.div_(self.world_size if ranks is None else len(ranks))
+        if wide is not None:
+            flat = flat.to(wide)
+        elif reduce == "avg":
+            flat.div_(n)
         out, at = [], 0
         for x in xs:
             out.append(flat[at : at + x.numel()].view(x.shape))

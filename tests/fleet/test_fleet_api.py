@@ -144,6 +144,7 @@ STEP_ORDER = [
     "lars",
     "gradient_merge",
     "data_parallel",
+    "fp16_allreduce",
     "broadcast_init",
     "sharding",
     "recompute",

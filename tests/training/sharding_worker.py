@@ -8,7 +8,8 @@ data parallel then averages equal grads, which is exact, so a sharded run must e
 process bit for bit and any difference is sharding's. The "mlp" cases feed each worker its own
 share instead, as a data-parallel user does.
 
-extra: "recompute" (each block a checkpoint), "bf16" / "fp16" (AMP; float16 with dynamic loss
+extra: "fp16ar" (strategy.fp16_allreduce; the last step's grads before and after the
+all-reduce recorded), "recompute" (each block a checkpoint), "bf16" / "fp16" (AMP; float16 with dynamic loss
 scaling), "clip" (global-norm clipping), "save" (save_persistables into $SHARDING_CKPT after
 training), "load" (load $SHARDING_CKPT instead of training: what this worker then holds).
 """
@@ -51,7 +52,8 @@ def train_case(case: str, rank: int, world: int) -> dict:
         if name == "mlp":  # this worker's share of the full batch
             share = BATCH // world
             feed = {k: v[rank * share : (rank + 1) * share] for k, v in feed.items()}
-        (loss,) = exe.run(main, feed=feed, fetch_list=[main.loss])
+        grads = _sent_grads(main) if "fp16ar" in extra and step == STEPS - 1 else []
+        loss, *sent = exe.run(main, feed=feed, fetch_list=[main.loss, *grads])
         losses.append(float(loss))
     if "save" in extra:
         fleet.save_persistables(exe, os.environ["SHARDING_CKPT"], main)
@@ -71,7 +73,15 @@ def train_case(case: str, rank: int, world: int) -> dict:
         "scattered": sum(op.type == "ReduceScatter" for op in main.ops),
         "program": str(main),
         "held": {n: exe.scope[n].clone() for n in _saved(main)},
+        "sent": {g: torch.as_tensor(t) for g, t in zip(grads, sent, strict=True)},
     }
+
+
+def _sent_grads(main: metaopt.Program) -> list[str]:
+    """Each param's grad before and after data parallel's all-reduce (fp16_allreduce's check)."""
+    from metaopt.ir import names
+
+    return [x for v in main.params() for x in (names.grad(v.name), names.reduced(names.grad(v.name)))]
 
 
 def _saved(main: metaopt.Program) -> list[str]:

@@ -42,10 +42,12 @@ GROUPS = {
 # "save": the 4 workers' stage-2 checkpoint, which "load" reads at sharding 2 (stage 1)
 # "lamb" / "lars": Fleet's meta optimizers (Adam / Momentum wrapped) under data parallel alone
 LAYERWISE = ["mlp:0:lamb", "mlp:0:lars"]
+FP16_ALLREDUCE = "mlp:0:sgd:fp16ar"  # strategy.fp16_allreduce
 TWO = [c for cases in GROUPS.values() for c in cases] + [
     "mlp:2:adam",
     "hf-gpt2:1:adam:recompute:load",
     *LAYERWISE,
+    FP16_ALLREDUCE,
 ]
 FOUR = ["hf-gpt2:0:adam:recompute", "hf-gpt2:2:adam:recompute:save", "hf-llama:1:sgd", "mlp:1:momentum"]
 HYBRID = ["mlp:1:momentum"]  # dp_degree 2 x sharding_degree 2: 4 data replicas, state halved
@@ -120,7 +122,12 @@ def test_a_sharded_run_equals_data_parallel_bit_for_bit_on_every_worker(runs, wo
 
 
 @pytest.mark.parametrize(
-    "case", [c for c in TWO if (c.split(":")[1] != "0" or c in LAYERWISE) and "load" not in c]
+    "case",
+    [
+        c
+        for c in TWO
+        if (c.split(":")[1] != "0" or c in LAYERWISE) and "load" not in c and c != FP16_ALLREDUCE
+    ],
 )
 def test_two_workers_equal_one_process(runs, case):
     ref = _one_process(case)
@@ -241,3 +248,24 @@ def test_sharding_beside_data_parallel_equals_one_process_and_halves_the_state(r
         whole = torch.cat([ranks[0]["held"][n], ranks[1]["held"][n]])
         for r, got in enumerate(ranks):  # same slice across the data axis, halves across sharding
             assert torch.equal(got["held"][n], take_slice(whole, 2, r % 2)), (n, r)
+
+
+def test_fp16_allreduce_sends_float16_and_the_sum_is_the_two_workers_halves(runs):
+    """Each worker's grad halved in float32, cast to float16, the two summed (one float16
+    addition), cast back: what the update read, bit for bit on both workers. Training then stays
+    within float16's precision of one process (rtol 1e-3, atol 1e-4: three decimal digits of
+    the grads, over 3 SGD steps)."""
+    from metaopt.ir import names
+
+    ranks = _ranks(runs, 2, FP16_ALLREDUCE)
+    assert "comm_dtype=float16" in ranks[0]["program"]
+    local = [{k: t for k, t in r["sent"].items() if not k.endswith("@REDUCED")} for r in ranks]
+    assert local[0]
+    for g in local[0]:
+        want = ((local[0][g] / 2).half() + (local[1][g] / 2).half()).float()
+        for r in ranks:
+            assert torch.equal(r["sent"][names.reduced(g)], want), g
+    ref = _one_process(FP16_ALLREDUCE)
+    for got in ranks:
+        for k, want in ref["params"].items():
+            torch.testing.assert_close(got["params"][k], want, rtol=1e-3, atol=1e-4)

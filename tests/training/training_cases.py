@@ -66,6 +66,7 @@ def build_strategy(name: str, extra: list[str]) -> fleet.DistributedStrategy:
     if "recompute" in extra:
         s.recompute = True
         s.recompute_configs = {"checkpoints": CHECKPOINTS[name]}
+    s.fp16_allreduce = "fp16ar" in extra  # data parallel's grads sent in float16
     for kind in ("lamb", "lars"):  # Fleet's meta optimizers around Adam / Momentum
         setattr(s, kind, kind in extra)
     if "bf16" in extra or "fp16" in extra:  # fp16: dynamic loss scaling, overflowed steps skipped

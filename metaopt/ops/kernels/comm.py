@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from metaopt.ir import torch_dtype
 from metaopt.ops.registry import register, register_collective
 
 
@@ -18,13 +19,15 @@ def all_reduce(
     reduce: str = "avg",
     ranks: list[int] | None = None,
     group: str | None = None,
+    comm_dtype: str | None = None,
     _rt,
     _key: str,
 ) -> tuple[torch.Tensor, ...]:
     """`ranks`: pipeline workers sharing a tied param, in this worker's pipeline replica;
     ``group="data_parallel"``: in a pipeline stage, this stage in every replica; else this
     worker's data-parallel group of fleet.init's hybrid layout (dp x mp); neither: every worker.
-    ``avg`` divides by the group's size."""
+    ``avg`` divides by the group's size. `comm_dtype` ("float16", Fleet's fp16_allreduce): the
+    grads travel in that dtype (runtime/comm.py: divided first, cast back after)."""
     if group not in (None, "data_parallel"):
         raise ValueError(f"AllReduce: group must be 'data_parallel' or absent, got {group!r}")
     if ranks is not None and _rt.pipeline is None:
@@ -35,7 +38,8 @@ def all_reduce(
         ranks = [_rt.pipeline.rank_of(r) for r in ranks]
     if ranks is not None and len(ranks) == 1:
         return tuple(x.clone() for x in xs)  # a group of one: nothing to reduce (fresh outputs)
-    return tuple(_rt.comm.all_reduce(xs, reduce, f"{len(xs)} tensor(s) ({_key}, ...)", ranks))
+    dtype = None if comm_dtype is None else torch_dtype(comm_dtype)
+    return tuple(_rt.comm.all_reduce(xs, reduce, f"{len(xs)} tensor(s) ({_key}, ...)", ranks, dtype))
 
 
 def hybrid_ranks(axis: str, op: str) -> list[int]:
