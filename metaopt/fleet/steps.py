@@ -449,6 +449,8 @@ def _init_on(ctx: Context) -> tuple[bool, str]:
 
 def _dp_on(ctx: Context) -> tuple[bool, str]:
     on, why = _init_on(ctx)
+    if on and ctx.strategy.localsgd:
+        return False, "strategy.localsgd=True averages the params instead of the grads"
     mp = _mp_degree(ctx) if on and ctx.strategy.tensor_parallel else 1
     if mp == 1:
         # without a pipeline or tensor parallel the data axis is every worker (pp_degree > 1
@@ -505,6 +507,37 @@ def _data_parallel(p: Program, plan: Any, ctx: Context) -> Program:
 
     ctx.dp_plan = plan
     return apply_data_parallel(p, plan)
+
+
+def _lsgd_on(ctx: Context) -> tuple[bool, str]:
+    if not ctx.strategy.localsgd:
+        return False, "strategy.localsgd=False"
+    if ctx.world_size == 1:
+        return False, "strategy.localsgd=True but fleet.worker_num()=1: nothing to average"
+    cfg = ctx.strategy.localsgd_configs
+    return True, f"strategy.localsgd=True (k_steps={cfg['k_steps']}, begin_step={cfg['begin_step']})"
+
+
+def _lsgd_check(ctx: Context) -> None:
+    s = ctx.strategy
+    env.require_process_group("local SGD")
+    clash = [
+        f"strategy.{f}=True"
+        for f in ("pipeline", "tensor_parallel", "sharding", "optimizer_in_backward")
+        if getattr(s, f)
+    ]
+    if clash:
+        raise NotImplementedError(
+            "strategy.localsgd=True averages every param over every worker after the updates: not "
+            "implemented with " + ", ".join(clash)
+        )
+
+
+def _local_sgd(p: Program, plan: Any, ctx: Context) -> Program:
+    from metaopt.passes.local_sgd import local_sgd
+
+    cfg = ctx.strategy.localsgd_configs
+    return local_sgd(p, k_steps=cfg["k_steps"], begin_step=cfg["begin_step"])
 
 
 def _fp16_ar_on(ctx: Context) -> tuple[bool, str]:
@@ -1005,6 +1038,15 @@ STEPS: tuple[Step, ...] = (
         writes=("dp_plan",),
     ),
     Step(
+        "localsgd",
+        _lsgd_on,
+        _local_sgd,
+        check=_lsgd_check,
+        doc="params averaged every k steps, no grad all-reduce",
+        meta="localsgd",
+        reads=("strategy", "world_size"),
+    ),
+    Step(
         "fp16_allreduce",
         _fp16_ar_on,
         _fp16_allreduce,
@@ -1104,6 +1146,7 @@ STEPS: tuple[Step, ...] = (
 check_declarations(STEPS)  # a step reading what no earlier step writes fails at import
 FLEET_META_OPTIMIZERS = (
     "amp",
+    "localsgd",
     "fp16_allreduce",
     "lamb",
     "lars",
@@ -1179,6 +1222,11 @@ def partition_errors(strategy: Any, topo: Topology) -> list[Exception]:
 
 # Combinations refused, with the reason (every flag named in a conflict appears in the error).
 CONFLICTS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (
+        ("localsgd", "gradient_merge"),
+        "local SGD updates every step from local grads; merge them with k_steps",
+    ),
+    (("localsgd", "fp16_allreduce"), "local SGD all-reduces no grads"),
     (("lamb", "lars"), "each replaces the optimizer's updates: LAMB wraps Adam, LARS wraps Momentum"),
     (
         ("pipeline", "gradient_merge"),

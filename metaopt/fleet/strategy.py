@@ -400,8 +400,14 @@ LARS_CONFIGS: dict[str, Key] = {
     "exclude_from_weight_decay": _EXCLUDE,
 }
 
+LOCALSGD_CONFIGS: dict[str, Key] = {
+    "k_steps": Key(1, "int", "average the params every k steps (after begin_step)", check=_COUNT),
+    "begin_step": Key(1, "int", "average every step up to this one (then every k_steps)", check=_COUNT),
+}
+
 CONFIGS: dict[str, dict[str, Key]] = {
     "amp": AMP_CONFIGS,
+    "localsgd": LOCALSGD_CONFIGS,
     "lamb": LAMB_CONFIGS,
     "lars": LARS_CONFIGS,
     "sharding": SHARDING_CONFIGS,
@@ -418,7 +424,6 @@ ALL_CONFIGS: dict[str, dict[str, Key]] = {**CONFIGS, **FLAGLESS_CONFIGS}
 # Fleet feature flags metaopt accepts (a Fleet script still parses) but refuses at minimize when True.
 UNSUPPORTED_FEATURES: tuple[str, ...] = (
     "dgc",
-    "localsgd",
     "adaptive_localsgd",
     "a_sync",
     "sync_batch_norm",
@@ -434,6 +439,12 @@ FIELDS: dict[str, Key] = {
         "bool",
         "data parallel's float32 grads sent in float16 (half the bytes): divided by the worker count, "
         "cast, summed, cast back",
+    ),
+    "localsgd": Key(
+        False,
+        "bool",
+        "local SGD: no grad all-reduce; the params averaged every step up to begin_step, then every "
+        "k_steps (localsgd_configs)",
     ),
     "lamb": Key(False, "bool", "LAMB: the Adam optimizer's updates made layer-wise adaptive (lamb_configs)"),
     "lars": Key(

@@ -197,3 +197,10 @@ zero_shard = _tagged(
     "SHARD",
     "This worker's flat 1/N of param or grad `name` over the sharding group (what its sharded update reads).",
 )
+
+
+# --- local SGD (passes/local_sgd.py) -----------------------------------------------------------
+
+
+localsgd = _tagged("LOCALSGD", "Param `name` after local SGD's average (or kept, off the averaging steps).")
+localsgd_last_step = _fixed("localsgd_last_step", "The persistable step of local SGD's last average.")

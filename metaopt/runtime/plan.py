@@ -347,7 +347,8 @@ def check_inplace(p: Program, fetches: set[str]) -> tuple[_Aliases, set[str]]:
     nothing sharing it *when it is written* (the input, its views, what it was viewed
     from) may be read by a later op, be a feed (the caller's tensor) or a constant (the
     plan's); a persistable written in place must be updated to exactly that output
-    (`program.updates`). Fetched vars sharing it are returned, to be copied when they
+    (`program.updates`), or to what later in-place writes of that output make (local SGD averages
+    the updated param in place). Fetched vars sharing it are returned, to be copied when they
     are computed (a persistable's own fetch reads its updated value). Returns the alias
     classes of the whole program and those fetches."""
     snapshots: set[str] = set()
@@ -355,6 +356,7 @@ def check_inplace(p: Program, fetches: set[str]) -> tuple[_Aliases, set[str]]:
     aliases = _Aliases()
     defined = set(p.inputs) | {v.name for v in p.vars.values() if v.persistable}
     rows: dict[str, registry.OpDef | None] = {}  # one lookup per op type
+    written_into = _written_into(p, rows)
     for i, op in enumerate(p.ops):
         row = rows[op.type] if op.type in rows else rows.setdefault(op.type, registry.get(op.type))
         if row is not None and not row.inplace and not row.aliases:
@@ -367,14 +369,18 @@ def check_inplace(p: Program, fetches: set[str]) -> tuple[_Aliases, set[str]]:
             if not x:
                 raise ValueError(f"{op.type} writes input {j} in place, which is omitted: {fmt_op(op)}")
             v = p.vars[x]
-            if v.persistable and p.updates.get(x) != op.outputs[k]:
+            if v.persistable and not _becomes(op.outputs[k], p.updates.get(x), written_into):
                 raise ValueError(
                     f"{op.type} writes {x!r} in place, but program.updates does not update {x!r} to "
                     f"{op.outputs[k]!r}: {fmt_op(op)}"
                 )
             for m in aliases.members(x, defined) if x in defined else [x]:
                 kind = p.vars[m].kind
-                if m != x and p.vars[m].persistable and p.updates.get(m) != op.outputs[k]:
+                if (
+                    m != x
+                    and p.vars[m].persistable
+                    and not _becomes(op.outputs[k], p.updates.get(m), written_into)
+                ):
                     raise ValueError(
                         f"{op.type} writes {x!r} in place, which shares storage with {kind} {m!r}, but "
                         f"program.updates does not update {m!r} to {op.outputs[k]!r}: {fmt_op(op)}"
@@ -395,6 +401,26 @@ def check_inplace(p: Program, fetches: set[str]) -> tuple[_Aliases, set[str]]:
         aliases.add(p, op)
         defined.update(o for o in op.outputs if o)
     return aliases, snapshots
+
+
+def _written_into(p: Program, rows: dict) -> dict[str, str]:
+    """value -> the output a later op writes into its storage in place (rows' `inplace`)."""
+    out: dict[str, str] = {}
+    for op in p.ops:
+        row = rows[op.type] if op.type in rows else rows.setdefault(op.type, registry.get(op.type))
+        for k, j in row.inplace if row is not None else ():
+            if k < len(op.outputs) and op.outputs[k] and j < len(op.inputs) and op.inputs[j]:
+                out[op.inputs[j]] = op.outputs[k]
+    return out
+
+
+def _becomes(value: str, target: str | None, written_into: dict[str, str]) -> bool:
+    """Whether `value`'s storage ends as `target`: it is, or in-place writes lead from it there."""
+    seen = set()
+    while value != target and value in written_into and value not in seen:
+        seen.add(value)
+        value = written_into[value]
+    return value == target
 
 
 @dataclass
@@ -525,7 +551,19 @@ def _plan_layout(
         env[slot[name]], env[n + slot[name]] = dev, host
     const_slots = [slot[c] for c in values]
     layout = _Layout(
-        p.name, track, n, env, const_slots, loads, feeds, steps, kernels, releases, returns, reused, grouped,
+        p.name,
+        track,
+        n,
+        env,
+        const_slots,
+        loads,
+        feeds,
+        steps,
+        kernels,
+        releases,
+        returns,
+        reused,
+        grouped,
         static=static_scope_updates(device),
     )
     return layout, {name: dev for name, (dev, _) in values.items()}, used_persist

@@ -144,6 +144,7 @@ STEP_ORDER = [
     "lars",
     "gradient_merge",
     "data_parallel",
+    "localsgd",
     "fp16_allreduce",
     "broadcast_init",
     "sharding",
@@ -214,7 +215,7 @@ def test_data_parallel_without_a_process_group_is_refused_before_rewriting(monke
     assert inner.calls == [] and str(p) == before
 
 
-@pytest.mark.parametrize("flag", ["dgc", "localsgd", "a_sync"])
+@pytest.mark.parametrize("flag", ["dgc", "adaptive_localsgd", "a_sync"])
 def test_unsupported_fleet_features_are_refused(flag):
     fleet.init()
     s = fleet.DistributedStrategy()

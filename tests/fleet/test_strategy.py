@@ -95,6 +95,7 @@ FLEET_DEFAULTS = {
         "row": [],
         "vocab": [],
     },
+    "localsgd_configs": {"k_steps": 1, "begin_step": 1},
     # Fleet's LambConfig and LarsConfig
     "lamb_configs": {"lamb_weight_decay": 0.01, "exclude_from_weight_decay": []},
     "lars_configs": {
@@ -253,6 +254,8 @@ OUT_OF_RANGE = {
     "hybrid_configs.sharding_degree": [0],
     "sharding_configs.segment_broadcast_MB": [0.0, -1.0, 2.0**32],
     "lamb_configs.lamb_weight_decay": [-0.01],
+    "localsgd_configs.k_steps": [0],
+    "localsgd_configs.begin_step": [0],
     "lars_configs.lars_coeff": [-1.0],
     "lars_configs.lars_weight_decay": [-1.0],
     "lars_configs.epsilon": [-1.0],

@@ -186,6 +186,7 @@ def test_train_repairs_and_collectives():
         "ReduceScatter",  # ZeRO sharding's (ops/kernels/zero.py)
         "ShardGather",
         "ShardedClipByGlobalNorm",
+        "LocalSGDAverage",  # local SGD's (passes/local_sgd.py)
     }
     assert all(table[t].needs_runtime for t in collectives)  # they run through the communicator
     assert "ranks" in inspect.signature(table["AllReduce"].kernel).parameters

@@ -43,11 +43,13 @@ GROUPS = {
 # "lamb" / "lars": Fleet's meta optimizers (Adam / Momentum wrapped) under data parallel alone
 LAYERWISE = ["mlp:0:lamb", "mlp:0:lars"]
 FP16_ALLREDUCE = "mlp:0:sgd:fp16ar"  # strategy.fp16_allreduce
+LOCAL_SGD = "mlp:0:sgd:localsgd"  # strategy.localsgd, k_steps 2, begin_step 1
 TWO = [c for cases in GROUPS.values() for c in cases] + [
     "mlp:2:adam",
     "hf-gpt2:1:adam:recompute:load",
     *LAYERWISE,
     FP16_ALLREDUCE,
+    LOCAL_SGD,
 ]
 FOUR = ["hf-gpt2:0:adam:recompute", "hf-gpt2:2:adam:recompute:save", "hf-llama:1:sgd", "mlp:1:momentum"]
 HYBRID = ["mlp:1:momentum"]  # dp_degree 2 x sharding_degree 2: 4 data replicas, state halved
@@ -126,7 +128,9 @@ def test_a_sharded_run_equals_data_parallel_bit_for_bit_on_every_worker(runs, wo
     [
         c
         for c in TWO
-        if (c.split(":")[1] != "0" or c in LAYERWISE) and "load" not in c and c != FP16_ALLREDUCE
+        if (c.split(":")[1] != "0" or c in LAYERWISE)
+        and "load" not in c
+        and c not in (FP16_ALLREDUCE, LOCAL_SGD)
     ],
 )
 def test_two_workers_equal_one_process(runs, case):
@@ -269,3 +273,36 @@ def test_fp16_allreduce_sends_float16_and_the_sum_is_the_two_workers_halves(runs
     for got in ranks:
         for k, want in ref["params"].items():
             torch.testing.assert_close(got["params"][k], want, rtol=1e-3, atol=1e-4)
+
+
+def test_local_sgd_equals_a_reference_of_two_local_sgd_runs_averaged_on_its_schedule(runs):
+    """Each worker steps SGD on its own half of the batch with its own grads; the params are
+    averaged after step 1 (up to begin_step 1) and step 3 (k_steps 2 later), not after step 2.
+    The reference does that in torch, on the module itself (rtol 1e-5 / atol 4e-5: our grads
+    against torch autograd's, as everywhere)."""
+    from training_cases import BATCH, SEED, STEPS, batch
+
+    import programs
+
+    mod = programs.get("mlp")
+    models = [mod.build("tiny", seed=SEED, dropout=0.0) for _ in range(2)]
+    share = BATCH // 2
+    for step in range(1, STEPS + 1):
+        full = list(batch("mlp", step - 1).values())
+        for r, m in enumerate(models):
+            m.zero_grad()
+            m(*(x[r * share : (r + 1) * share] for x in full)).backward()
+            with torch.no_grad():
+                for t in m.parameters():
+                    t.sub_(0.05 * t.grad)
+        if step in (1, 3):
+            with torch.no_grad():
+                for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+                    a.copy_((a + b) / 2)
+                    b.copy_(a)
+    ranks = _ranks(runs, 2, LOCAL_SGD)
+    assert "LocalSGDAverage(" in ranks[0]["program"] and "AllReduce(" not in ranks[0]["program"]
+    for r, got in enumerate(ranks):
+        for name, t in models[r].named_parameters():
+            torch.testing.assert_close(got["params"][name], t.detach(), **TOL)
+    assert all(torch.equal(ranks[0]["params"][k], ranks[1]["params"][k]) for k in ranks[0]["params"])

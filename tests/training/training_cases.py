@@ -67,6 +67,9 @@ def build_strategy(name: str, extra: list[str]) -> fleet.DistributedStrategy:
         s.recompute = True
         s.recompute_configs = {"checkpoints": CHECKPOINTS[name]}
     s.fp16_allreduce = "fp16ar" in extra  # data parallel's grads sent in float16
+    if "localsgd" in extra:  # steps 1 (<= begin_step) and 3 (2 after it) average the params
+        s.localsgd = True
+        s.localsgd_configs = {"k_steps": 2, "begin_step": 1}
     for kind in ("lamb", "lars"):  # Fleet's meta optimizers around Adam / Momentum
         setattr(s, kind, kind in extra)
     if "bf16" in extra or "fp16" in extra:  # fp16: dynamic loss scaling, overflowed steps skipped

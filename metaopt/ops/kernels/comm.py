@@ -122,3 +122,54 @@ def grad_merge(acc: torch.Tensor, grad: torch.Tensor, micro_batch: torch.Tensor)
     if int(micro_batch) == 0:
         return acc.copy_(grad)
     return acc.add_(grad)
+
+
+# --- local SGD ----------------------------------------------------------------------------
+# passes/local_sgd.py: one LocalSGDAverage per param, right after the updates, and LocalSGDStep
+# after them; both read the step number and the step of the last average (host values: the
+# schedule is a branch).
+
+
+def local_sgd_due(step: torch.Tensor, last: torch.Tensor, k_steps: int, begin_step: int) -> bool:
+    """Fleet's rule: average every step up to `begin_step`, then every `k_steps` steps after
+    the last average."""
+    s = int(step.item())
+    return s <= begin_step or s - int(last.item()) >= k_steps
+
+
+@register_collective(
+    "LocalSGDAverage",
+    host_inputs=(1, 2),
+    inplace=((0, 0),),
+    recomputable=False,
+    notes="local SGD: the updated param averaged over every worker in place, on the schedule's steps",
+)
+def local_sgd_average(
+    x: torch.Tensor,
+    step: torch.Tensor,
+    last: torch.Tensor,
+    k_steps: int = 1,
+    begin_step: int = 1,
+    *,
+    _rt,
+    _key: str,
+) -> torch.Tensor:
+    """The param as the update left it, averaged over the workers where the schedule says so,
+    written into its own storage (the param's: the update wrote there in place)."""
+    if local_sgd_due(step, last, k_steps, begin_step):
+        (averaged,) = _rt.comm.all_reduce([x], "avg", f"param {_key}")
+        x.copy_(averaged)
+    return x
+
+
+@register(
+    "LocalSGDStep",
+    domain="metaopt",
+    host_inputs=(0, 1),
+    recomputable=False,
+    notes="local SGD: the step of the last average, moved to this step when it averaged",
+)
+def local_sgd_step(
+    step: torch.Tensor, last: torch.Tensor, k_steps: int = 1, begin_step: int = 1
+) -> torch.Tensor:
+    return step.clone() if local_sgd_due(step, last, k_steps, begin_step) else last.clone()
