@@ -6,15 +6,12 @@ rank), trains 3 SGD steps on the same full batch as every other rank, and writes
 
 from __future__ import annotations
 
-import functools
 import sys
-from pathlib import Path
 
-import export_cache
 import torch
+from training_cases import batch, export  # noqa: F401 - this module's API, shared
 
 import metaopt
-import programs
 from metaopt import fleet
 from metaopt.passes.tensor_parallel import plan_tensor_parallel, tensor_parallel
 
@@ -45,39 +42,6 @@ ROW = {
     "hf-llama": ["m.model.layers.*.self_attn.o_proj", "m.model.layers.*.mlp.down_proj"],
     "bert": ["bert.encoder.layer.*.attention.output.dense", "bert.encoder.layer.*.output.dense"],
 }
-
-
-def _zoo(name: str):
-    """A zoo entry (tests/zoo) for a "hf-..." name: the Hugging Face models built tiny."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from zoo import harness, models
-
-    return harness, models.get(name)
-
-
-@functools.cache
-def _feed_names(name: str) -> list[str]:
-    harness, entry = _zoo(name)
-    return harness.feed_names(entry.build(0.0), 8)
-
-
-def export(name: str) -> metaopt.Program:
-    if name.startswith("hf-"):
-        harness, entry = _zoo(name)
-        torch.manual_seed(SEED)
-        return harness.export(entry, 0.0)[1]
-    mod = programs.get(name)
-    model = mod.build("tiny", seed=SEED, dropout=0.0)
-    return export_cache.export(model, mod.example_inputs("tiny", 4, seed=1), name=name)
-
-
-def batch(name: str, step: int) -> dict[str, torch.Tensor]:
-    """The step's full batch (every MP rank is fed all of it)."""
-    if name.startswith("hf-"):
-        inputs = _zoo(name)[1].inputs(BATCH, 10 + step)
-        return dict(zip(_feed_names(name)[: len(inputs)], inputs, strict=True))
-    mod = programs.get(name)
-    return dict(zip(mod.INPUT_NAMES, mod.example_inputs("tiny", BATCH, seed=10 + step), strict=True))
 
 
 def plan(program: metaopt.Program, name: str, rank: int, world: int):
