@@ -7,7 +7,7 @@ program is replaced once, at the end, so a refused configuration leaves it untou
 ``opt.plan()`` prints the steps in order, each with why it runs or is skipped, and what
 would be refused.
 
-Fleet features metaopt does not have (``UNSUPPORTED_FEATURES``: sharding, lamb, ...),
+Fleet features metaopt does not have (``UNSUPPORTED_FEATURES``: dgc, a_sync, ...),
 strategy fields nothing implements yet (set to a non-default value) and combinations it
 cannot honour (``CONFLICTS``) are refused before anything is rewritten — never silently
 dropped. ``opt.applied_meta_list`` names, in Fleet's words, the meta optimizers that ran.
@@ -71,11 +71,11 @@ class TrainPlan:
 
 def _refusals(strategy: DistributedStrategy) -> list[Exception]:
     errors: list[Exception] = []
-    for name in UNSUPPORTED_FEATURES:
+    for name, why in UNSUPPORTED_FEATURES.items():
         if getattr(strategy, name):
             errors.append(
                 NotImplementedError(
-                    f"strategy.{name}=True: Fleet's {name} meta optimizer is not implemented in metaopt; "
+                    f"strategy.{name}=True: Fleet's {name} is not implemented in metaopt ({why}); "
                     f"set strategy.{name} = False"
                 )
             )

@@ -421,13 +421,22 @@ CONFIGS: dict[str, dict[str, Key]] = {
 FLAGLESS_CONFIGS: dict[str, dict[str, Key]] = {"hybrid": HYBRID_CONFIGS}
 ALL_CONFIGS: dict[str, dict[str, Key]] = {**CONFIGS, **FLAGLESS_CONFIGS}
 
-# Fleet feature flags metaopt accepts (a Fleet script still parses) but refuses at minimize when True.
-UNSUPPORTED_FEATURES: tuple[str, ...] = (
-    "dgc",
-    "adaptive_localsgd",
-    "a_sync",
-    "sync_batch_norm",
-)
+# Fleet 2.x's feature flags metaopt accepts (a Fleet script still parses) but refuses at minimize
+# when True, each with why (and what to use instead, where there is something).
+UNSUPPORTED_FEATURES: dict[str, str] = {
+    "dgc": "deep gradient compression sends top-k sparsified grads; metaopt's collectives are dense",
+    "adaptive_localsgd": "its adaptive averaging interval; strategy.localsgd averages every k_steps",
+    "a_sync": "asynchronous parameter-server training; metaopt trains collectively",
+    "heter_ccl_mode": "heterogeneous parameter-server collectives; metaopt trains collectively",
+    "sync_batch_norm": "BatchNorm statistics are each worker's own; synchronising them is not written",
+    "asp": "automatic 2:4 structured sparsity (pruning masks on the weights) is not written",
+    "qat": "quantization-aware training (fake-quant ops) is not written",
+    "elastic": "elastic jobs; metaoptrun --max_restarts restarts a job from its latest checkpoint",
+    "auto": "the automatic strategy search; set the features yourself",
+    "semi_auto": "auto-parallel by annotation; tensor_parallel_configs names the layers to split instead",
+    "use_hierarchical_allreduce": "two-level (inside / across nodes) all-reduce; metaopt's is flat",
+    "fuse_grad_merge": "gradient merge's fused buffers; gradient_merge merges each grad in its own",
+}
 
 FIELDS: dict[str, Key] = {
     "amp": Key(False, "bool", "automatic mixed precision (amp_configs)"),
@@ -500,8 +509,8 @@ FIELDS: dict[str, Key] = {
         extra=True,
     ),
     **{
-        name: Key(False, "bool", f"Fleet's {name}: not implemented in metaopt (refused at minimize)")
-        for name in UNSUPPORTED_FEATURES
+        name: Key(False, "bool", f"Fleet's {name}: not implemented in metaopt (refused at minimize: {why})")
+        for name, why in UNSUPPORTED_FEATURES.items()
     },
 }
 

@@ -125,5 +125,3 @@ def _pipeline_topology(strategy: Any, world_size: int) -> Topology:
 
 
 # --- Fleet's accessors ------------------------------------------------------------------------
-
-

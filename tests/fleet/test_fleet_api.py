@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import re
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 import metaopt
 from metaopt import fleet
 from metaopt.fleet import env
+from metaopt.fleet.strategy import UNSUPPORTED_FEATURES
 from metaopt.ir import Op, Program, Var
 
 # the module (`fleet.distributed_optimizer` is the function, as in Fleet)
@@ -215,13 +217,15 @@ def test_data_parallel_without_a_process_group_is_refused_before_rewriting(monke
     assert inner.calls == [] and str(p) == before
 
 
-@pytest.mark.parametrize("flag", ["dgc", "adaptive_localsgd", "a_sync"])
+@pytest.mark.parametrize("flag", ["dgc", "adaptive_localsgd", "a_sync", "heter_ccl_mode", "asp", "elastic"])
 def test_unsupported_fleet_features_are_refused(flag):
     fleet.init()
     s = fleet.DistributedStrategy()
     setattr(s, flag, True)
     inner = FakeOptimizer()
-    with pytest.raises(NotImplementedError, match=rf"strategy\.{flag}=True: Fleet's {flag} meta optimizer"):
+    why = UNSUPPORTED_FEATURES[flag]
+    match = rf"strategy\.{flag}=True: Fleet's {flag} is not implemented in metaopt \({re.escape(why)}\)"
+    with pytest.raises(NotImplementedError, match=match):
         fleet.distributed_optimizer(inner, s).minimize(_program().loss)
     assert inner.calls == []
 

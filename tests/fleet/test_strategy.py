@@ -45,6 +45,14 @@ FLEET_DEFAULTS = {
     "localsgd": False,
     "adaptive_localsgd": False,
     "a_sync": False,  # Fleet: True (parameter-server only); see the strategy module docstring
+    "heter_ccl_mode": False,
+    "asp": False,
+    "qat": False,
+    "elastic": False,
+    "auto": False,
+    "semi_auto": False,
+    "use_hierarchical_allreduce": False,
+    "fuse_grad_merge": False,
     "fp16_allreduce": False,
     "sync_batch_norm": False,
     "tensor_parallel": False,
@@ -683,3 +691,35 @@ def test_tensor_init_seed_is_refused_while_tensor_parallel_is_on():
     s.tensor_parallel = True
     (e,) = unimplemented(s)
     assert str(e).startswith("strategy.tensor_parallel_configs['tensor_init_seed']=7: not implemented")
+
+
+# Fleet 2.x's DistributedStrategy feature switches (its documented boolean properties): each is a
+# field here, so a Fleet script sets it without an AttributeError, and minimize either honours it
+# or refuses it naming why. (Its object-valued and tuning fields, execution_strategy,
+# build_strategy, the cudnn_* and hierarchical all-reduce sizes, still raise on assignment.)
+FLEET_SWITCHES = [
+    "amp", "recompute", "pipeline", "gradient_merge", "sharding", "tensor_parallel", "lamb", "lars",
+    "localsgd", "adaptive_localsgd", "dgc", "fp16_allreduce", "a_sync", "heter_ccl_mode",
+    "sync_batch_norm", "asp", "qat", "elastic", "auto", "semi_auto", "use_hierarchical_allreduce",
+    "fuse_grad_merge", "fuse_all_reduce_ops", "sync_nccl_allreduce", "find_unused_parameters",
+    "without_graph_optimization",
+]  # fmt: skip
+
+
+def test_every_fleet_switch_is_a_field_honoured_or_refused_with_its_reason():
+    honoured = {
+        "amp",
+        "recompute",
+        "pipeline",
+        "gradient_merge",
+        "sharding",
+        "tensor_parallel",
+        "lamb",
+        "lars",
+    }
+    honoured |= {"localsgd", "fp16_allreduce", "fuse_all_reduce_ops"}
+    for name in FLEET_SWITCHES:
+        assert name in FIELDS, name
+        refused = name in UNSUPPORTED_FEATURES or name in UNIMPLEMENTED or name in NO_EFFECT
+        assert (name in honoured) != refused, name
+    assert all(why for why in UNSUPPORTED_FEATURES.values())
