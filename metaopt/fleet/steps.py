@@ -486,14 +486,14 @@ def _dp_how(p: Program, ctx: Context) -> dict:
 
 
 def _zero_scatter(ctx: Context) -> int | None:
-    """ZeRO's reduce-scatter (each worker keeps its 1/N of the averaged grads: data parallel's
-    volume) where the sharding group is every data-parallel worker; else None, an all-reduce of
-    whole grads (stage 1 beside dp_degree > 1: the grads are averaged over more workers than the
-    sharding group; stage 2 refuses it, `_sh_check`)."""
+    """ZeRO's reduce-scatter: each worker keeps its 1/N of the averaged grads (data parallel's
+    volume; beside dp_degree > 1 the slices are then all-reduced over the data axis). The
+    sharding degree, or None where there is nothing to shard over."""
     s = ctx.strategy
-    if not s.sharding or _sharding_degree(ctx) != ctx.world_size or ctx.world_size == 1:
+    degree = _sharding_degree(ctx)
+    if not s.sharding or degree == 1 or ctx.world_size % degree:
         return None
-    return ctx.world_size
+    return degree
 
 
 def _dp_plan(p: Program, ctx: Context) -> Any:
@@ -615,9 +615,6 @@ def _sh_check(ctx: Context) -> None:
         )
     if s.amp and s.amp_configs["use_pure_fp16"]:
         why.append("amp_configs['use_pure_fp16']=True (sharded float32 master weights)")
-    if stage >= 2:
-        if ctx.world_size // _sharding_degree(ctx) > 1:
-            why.append("stage 2 with dp_degree > 1 beside sharding (reduce-scatter, then all-reduce over dp)")
     if why:
         raise NotImplementedError(
             f"strategy.sharding=True (stage {stage}) cannot be combined yet with: " + "; ".join(why)

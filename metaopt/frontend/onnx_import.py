@@ -375,9 +375,7 @@ def to_program(
         elif key == onnx_save.PIPELINE_KEY:
             p.pipeline = _model_meta(key, value, PipelineInfo.parse, _check_pipeline)
         elif key == onnx_save.GRADIENT_MERGE_KEY:
-            p.gradient_merge = _model_meta(
-                key, value, GradientMergeInfo.parse, _check_gradient_merge
-            )
+            p.gradient_merge = _model_meta(key, value, GradientMergeInfo.parse, _check_gradient_merge)
     _check_saved_program(p)
     update_outputs = set(p.updates.values())
     p.outputs = [o.name for o in g.output if o.name not in update_outputs]

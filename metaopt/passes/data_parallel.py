@@ -14,9 +14,12 @@ the backward::
                                                                          # role=comm
 
 Every later reader of a grad (clipping, the optimizer's updates) reads its reduced
-copy. ``scatter_parts=N`` (ZeRO stage 2, passes/sharding.py) makes each bucket a
-``ReduceScatter`` over the sharding group instead: a reduced grad is then this worker's flat
-1/N of the average (declared ``zero_shard``), and the whole grad dies at its bucket.
+copy. ``scatter_parts=N`` (ZeRO, passes/sharding.py) makes each bucket a ``ReduceScatter``
+over the sharding group instead: a reduced grad is then this worker's flat 1/N of the average
+(declared ``zero_shard``), and the whole grad dies at its bucket. With more workers than the
+sharding group (hybrid dp x sharding: N divides `world_size`) the slices are then all-reduced
+over this worker's data-parallel group (``group=data_parallel``, the workers holding the same
+slice): ``w@GRAD@SHARD = ReduceScatter(w@GRAD)``, ``w@GRAD@REDUCED = AllReduce(w@GRAD@SHARD)``.
 ``bucket_bytes=0`` gives one op per grad (Fleet's ``fuse_all_reduce_ops=False``).
 With ``at_update=True`` (grads summed over several runs first: gradient merge) every
 bucket goes right before the first update-phase op instead, where the grads are final,
@@ -94,9 +97,9 @@ def plan_data_parallel(
         raise DataParallelError(f"data parallel: group must be 'data_parallel' or None, got {group!r}")
     if bucket_bytes < 0:
         raise DataParallelError(f"data parallel: bucket_bytes must be >= 0, got {bucket_bytes}")
-    if scatter_parts is not None and (group is not None or scatter_parts != world_size):
+    if scatter_parts is not None and (group is not None or world_size % scatter_parts):
         raise DataParallelError(
-            f"data parallel: reduce-scatter over {scatter_parts} workers needs the sharding group to be "
+            f"data parallel: reduce-scatter over {scatter_parts} workers needs sharding groups that divide "
             f"every data-parallel worker ({world_size}{', of each group' if group else ''})"
         )
     producers = p.producers()
@@ -165,7 +168,7 @@ def apply_data_parallel(p: Program, plan: DataParallelPlan) -> Program:
                     )
                 q.vars[r] = _reduced_var(r, q.vars[g], plan.scatter_parts)
                 outs.append(r)
-            ops.append(_reduce_op(list(b.grads), outs, plan))
+            ops += _reduce_ops(q, list(b.grads), outs, plan)
             renamed.update(zip(b.grads, outs, strict=True))
     q.ops = ops
     q.outputs = [renamed.get(x, x) for x in q.outputs]
@@ -179,12 +182,23 @@ def _reduced_var(name: str, grad: Var, scatter_parts: int | None) -> Var:
     return Var(name, grad.dtype, (zs.local_numel,), grad.kind, zero=zs)
 
 
-def _reduce_op(grads: list[str], outs: list[str], plan: DataParallelPlan) -> Op:
-    if plan.scatter_parts is not None:  # the kernel finds the sharding group as ShardGather does
-        attrs = {"reduce": "avg", "group": "sharding", "parts": plan.scatter_parts}
-        return Op("ReduceScatter", grads, outs, attrs, role="comm")
-    attrs = {"reduce": "avg", **({"group": plan.group} if plan.group else {})}
-    return Op("AllReduce", grads, outs, attrs, role="comm")
+def _reduce_ops(q: Program, grads: list[str], outs: list[str], plan: DataParallelPlan) -> list[Op]:
+    if plan.scatter_parts is None:
+        attrs = {"reduce": "avg", **({"group": plan.group} if plan.group else {})}
+        return [Op("AllReduce", grads, outs, attrs, role="comm")]
+    # the kernel finds the sharding group as ShardGather does
+    attrs = {"reduce": "avg", "group": "sharding", "parts": plan.scatter_parts}
+    if plan.scatter_parts == plan.world_size:
+        return [Op("ReduceScatter", grads, outs, attrs, role="comm")]
+    parts = []  # each worker's slice averaged over its sharding group, then over the data axis
+    for g, r in zip(grads, outs, strict=True):
+        s = names.zero_shard(g)
+        q.vars[s] = q.vars[r].copy(name=s)
+        parts.append(s)
+    return [
+        Op("ReduceScatter", grads, parts, attrs, role="comm"),
+        Op("AllReduce", parts, outs, {"reduce": "avg", "group": "data_parallel"}, role="comm"),
+    ]
 
 
 def _nbytes(v: Var) -> int:

@@ -19,9 +19,10 @@ their bytes on every worker, in the executor's accounting and in `estimate_memor
 * **Stage 1**: data parallel reduce-scatters the grads after the backward (its buckets moved to
   the update phase), so whole grads live through the backward and each worker updates its
   slice. Communication: data parallel's volume (reduce-scatter + all-gather = one all-reduce).
-  Where the grads are averaged over more workers than the sharding group (dp_degree > 1
-  beside sharding) they are all-reduced whole and each worker takes its slice (`ShardSlice`):
-  1.5x the volume, said in the plan.
+  Beside dp_degree > 1, data parallel reduce-scatters over the sharding group and all-reduces
+  the slices over the data axis. A program whose grads reach the updates whole (this pass
+  used without data parallel's reduce-scatter) gets its slices cut by `ShardSlice`, said in
+  the plan.
 * **Stage 2**: data parallel reduce-scatters the grads as they are made
   (``passes/data_parallel.py`` with ``scatter_parts``), so a worker holds only its 1/N of each
   grad from its bucket's reduce on; the updates read those slices directly. Communication:
@@ -46,7 +47,7 @@ from typing import Any
 
 import torch
 
-from metaopt.ir import Op, Program, Var, ZeroShard, names, torch_dtype
+from metaopt.ir import Op, Program, Var, ZeroShard, names, roles, torch_dtype
 from metaopt.ir.printer import fmt_op
 from metaopt.ops import registry
 from metaopt.ops.kernels.zero import flatten_shapes
@@ -104,8 +105,8 @@ class ShardingPlan:
             "grads reduce-scattered by data parallel, each worker keeping its 1/N"
             + (" as they are made" if self.stage >= 2 else " after the backward")
             if self.scattered
-            else "grads all-reduced whole (data parallel over more workers than the sharding group), "
-            "each worker updating its 1/N slice"
+            else "grads whole at the updates (no reduce-scatter before them), each worker slicing and "
+            "updating its 1/N"
         )
         lines = [
             f"sharding stage {self.stage} over {self.degree} workers: {len(self.params)} params, "
@@ -139,7 +140,9 @@ def plan_sharding(p: Program, *, degree: int, stage: int = 1, bucket_bytes: int 
     for i, op in enumerate(p.ops):
         row = registry.get(op.type)
         if row is None or not row.update:
-            if row is not None and sliced.intersection(op.inputs):
+            # an update-phase op reading the slices (clipping: every grad whole); the collectives
+            # before it (data parallel's) reduce the slices elementwise and declare their outputs
+            if row is not None and roles.is_update(op.role) and sliced.intersection(op.inputs):
                 plan.sharded_forms[i] = _sharded_form(op, row)
                 sliced.update(op.outputs)
             continue

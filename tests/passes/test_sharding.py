@@ -43,7 +43,18 @@ def test_the_rewrite_reads_as_its_golden_and_parses_back(golden, stage, scatter)
     golden(f"sharding/mlp_stage{stage}{'' if scatter else '_allreduce'}", text)
     assert print_program(parse_program(text)) == text
     plan = plan_sharding(_trained_program(), degree=2, stage=stage)  # before data parallel: whole grads
-    assert "all-reduced whole" in str(plan)
+    assert "grads whole at the updates" in str(plan)
+
+
+def test_beside_data_parallel_the_slices_are_all_reduced_over_the_data_axis():
+    p = _trained_program()
+    q = data_parallel(p, grads=update_grads(p), world_size=4, bucket_bytes=1 << 20, scatter_parts=2)
+    q = sharding(q, degree=2, stage=2)
+    verify(q)
+    scatter, reduce = [op for op in q.ops if op.role == "comm"]
+    assert scatter.type == "ReduceScatter" and reduce.type == "AllReduce"
+    assert reduce.attrs["group"] == "data_parallel" and reduce.inputs == scatter.outputs
+    assert all(q.vars[x].zero == q.vars[y].zero for x, y in zip(reduce.inputs, reduce.outputs, strict=True))
 
 
 def test_stage_one_reduce_scatters_after_the_backward_and_stage_two_as_grads_are_made():
@@ -108,8 +119,10 @@ def test_refusals_name_what_is_at_fault():
     split.vars["fc1.weight"] = w.copy(shape=(16, 16), split=Split(0, 2, (32,)))
     with pytest.raises(NotImplementedError, match=r"param 'fc1.weight' is tensor parallel's split"):
         plan_sharding(split, degree=2, stage=1)
-    with pytest.raises(DataParallelError, match="reduce-scatter over 2 workers needs the sharding group"):
-        data_parallel(p, grads=update_grads(p), world_size=4, bucket_bytes=0, scatter_parts=2)
+    with pytest.raises(
+        DataParallelError, match="reduce-scatter over 3 workers needs sharding groups that divide"
+    ):
+        data_parallel(p, grads=update_grads(p), world_size=4, bucket_bytes=0, scatter_parts=3)
     with pytest.raises(
         ValueError, match=r"var 'm': its layout zero_shard\(parts=2, full=\[5\]\) does not fit"
     ):

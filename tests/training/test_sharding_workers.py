@@ -52,7 +52,7 @@ TWO = [c for cases in GROUPS.values() for c in cases] + [
     LOCAL_SGD,
 ]
 FOUR = ["hf-gpt2:0:adam:recompute", "hf-gpt2:2:adam:recompute:save", "hf-llama:1:sgd", "mlp:1:momentum"]
-HYBRID = ["mlp:1:momentum"]  # dp_degree 2 x sharding_degree 2: 4 data replicas, state halved
+HYBRID = ["mlp:1:momentum", "mlp:2:momentum"]  # dp_degree 2 x sharding_degree 2: state halved
 TOL = {"rtol": 1e-5, "atol": 4e-5}
 
 
@@ -232,13 +232,13 @@ def test_a_checkpoint_of_four_sharded_workers_loads_at_sharding_two_and_in_one_p
                 assert torch.equal(got["held"][n], want), (world, case, r, n)
 
 
-def test_sharding_beside_data_parallel_equals_one_process_and_halves_the_state(runs):
-    """hybrid_configs dp_degree 2 x sharding_degree 2: the grads all-reduced over all 4 workers,
-    the state sharded over each sharding group of 2 (ranks (0, 1) and (2, 3): the sharding axis
-    is inside the data axis)."""
+@pytest.mark.parametrize("case", HYBRID)
+def test_sharding_beside_data_parallel_equals_one_process_and_halves_the_state(runs, case):
+    """hybrid_configs dp_degree 2 x sharding_degree 2: the grads reduce-scattered over each
+    sharding group of 2 (ranks (0, 1) and (2, 3): the sharding axis is inside the data axis),
+    the slices all-reduced over the data axis; the state sharded over each sharding group."""
     from metaopt.ops.kernels.partition import take_slice
 
-    case = HYBRID[0]
     ref = _one_process(case)
     ranks = _ranks(runs, "hybrid", case)
     _check_losses(case, ranks, ref)
@@ -246,6 +246,7 @@ def test_sharding_beside_data_parallel_equals_one_process_and_halves_the_state(r
         for k, want in ref["params"].items():
             torch.testing.assert_close(got["params"][k], want, **TOL)
         assert got["measured_persistable"] == got["predicted_persistable"]
+        assert "ReduceScatter(" in got["program"] and "group=data_parallel" in got["program"]
     states = [n for n, t in ranks[0]["held"].items() if n not in ranks[0]["params"]]
     assert states
     for n in states:

@@ -427,8 +427,13 @@ def average_pool_grad(dy: torch.Tensor, x: torch.Tensor, **attrs: Any) -> torch.
     kernel_shape = attrs["kernel_shape"]
     n = len(kernel_shape)
     strides, dilations, begin, end, _ = _pool_geometry(
-        x, kernel_shape, attrs.get("auto_pad", "NOTSET"), attrs.get("pads"), attrs.get("strides"),
-        attrs.get("dilations"), attrs.get("ceil_mode", 0),
+        x,
+        kernel_shape,
+        attrs.get("auto_pad", "NOTSET"),
+        attrs.get("pads"),
+        attrs.get("strides"),
+        attrs.get("dilations"),
+        attrs.get("ceil_mode", 0),
     )
     backward = _AVG_POOL_BACKWARD.get(n)
     if backward is None or dilations != [1] * n or not _fits_torch(kernel_shape, dilations, begin, end):
