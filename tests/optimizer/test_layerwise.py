@@ -16,6 +16,7 @@ from test_optimizers import STEPS, compute_grads, grads_program, make_model, par
 
 import metaopt
 from metaopt import fleet
+from metaopt.ir import print_program
 from metaopt.passes.layerwise import LayerwiseError, apply_layerwise, plan_layerwise
 from metaopt.passes.optimize import apply_optimizer
 
@@ -120,13 +121,14 @@ def _minimize(optimizer, **flags):
     return main, opt
 
 
-def test_fleet_swaps_the_updates_and_reports_the_meta_optimizer():
+def test_fleet_swaps_the_updates_and_reports_the_meta_optimizer(golden):
     main, opt = _minimize(
         metaopt.optimizer.Adam(1e-3), lamb=True, lamb_configs={"exclude_from_weight_decay": ["bias"]}
     )
     assert "lamb" in opt.applied_meta_list
     lamb = [op for op in main.ops if op.type == "LambUpdate"]
     assert len(lamb) == 6 and {op.attrs["weight_decay"] for op in lamb} == {0.0, 0.01}
+    golden("layerwise/mlp_lamb", print_program(main))
     main, opt = _minimize(metaopt.optimizer.Momentum(0.1), lars=True)
     assert "lars" in opt.applied_meta_list and sum(op.type == "LarsMomentumUpdate" for op in main.ops) == 6
 

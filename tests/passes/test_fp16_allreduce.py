@@ -24,7 +24,7 @@ def _dp(scatter: int | None = None) -> metaopt.Program:
     return data_parallel(p, grads=grads, world_size=2, bucket_bytes=1 << 20, scatter_parts=scatter), grads
 
 
-def test_the_buckets_all_reduce_in_float16_and_the_program_reads_back():
+def test_the_buckets_all_reduce_in_float16_and_the_program_reads_back(golden):
     p, grads = _dp()
     plan = plan_fp16_allreduce(p, reduced=[names.reduced(g) for g in grads])
     q = apply_fp16_allreduce(p, plan)
@@ -36,6 +36,7 @@ def test_the_buckets_all_reduce_in_float16_and_the_program_reads_back():
         and "fp16_allreduce: 1 all-reduce" in str(plan)
     )
     assert print_program(parse_program(print_program(q))) == print_program(q)
+    golden("fp16_allreduce/mlp", print_program(q))
 
 
 def test_narrow_grads_are_skipped_and_a_reduce_scatter_is_refused():
