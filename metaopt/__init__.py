@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from metaopt import fleet, optimizer
 from metaopt.frontend.importer import load
+from metaopt.frontend.onnx_save import save
 from metaopt.frontend.torch_export import export
 from metaopt.ir import Op, Program, Var, verify
 from metaopt.ops import rng_streams
@@ -40,6 +41,7 @@ __all__ = [
     "load",
     "memory_picture",
     "optimizer",
+    "save",
     "seed",
     "verify",
 ]

@@ -16,7 +16,6 @@ import metaopt
 import programs
 from metaopt import fleet
 from metaopt.cli import main
-from metaopt.frontend import onnx_save
 from metaopt.passes.memory_estimate import MemoryWhere, estimate_memory, human_bytes
 from metaopt.report import plot
 from metaopt.report.memory_picture import MemoryPicture, measure_timeline, memory_picture, random_feed
@@ -98,7 +97,7 @@ def test_files_are_written_and_the_page_has_a_tooltip_per_op(tmp_path):
 def test_cli_draws_a_saved_program(tmp_path, capsys):
     p = fleet_program("mlp", "offload")
     path = tmp_path / "mlp_train.onnx"
-    onnx_save.save(p, str(path))
+    metaopt.save(p, path)  # the public form: a training program, backward and updates included
     out = tmp_path / "pictures"
     assert main(["memory", str(path), "--batch", "8", "--out", str(out)]) == 0
     text = capsys.readouterr().out
