@@ -20,7 +20,7 @@ import os
 import sys
 
 import torch
-from training_cases import BATCH, STEPS, batch, build_strategy, export
+from training_cases import BATCH, STEPS, batch, build_strategy, export, runs
 
 import metaopt
 from metaopt import fleet
@@ -53,12 +53,15 @@ def train_case(case: str, rank: int, world: int) -> dict:
             share = BATCH // world
             feed = {k: v[rank * share : (rank + 1) * share] for k, v in feed.items()}
         grads = _sent_grads(main) if "fp16ar" in extra and step == STEPS - 1 else []
-        loss, *sent = exe.run(main, feed=feed, fetch_list=[main.loss, *grads])
-        losses.append(float(loss))
+        step_losses = []
+        for part in runs(feed, extra):  # gradient merge: the step in several runs
+            loss, *sent = exe.run(main, feed=part, fetch_list=[main.loss, *grads])
+            step_losses.append(float(loss))
+        losses.append(sum(step_losses) / len(step_losses))
     if "save" in extra:
         fleet.save_persistables(exe, os.environ["SHARDING_CKPT"], main)
     stats = exe.memory_stats()
-    rows = next(iter(feed.values())).shape[0]
+    rows = next(iter(part.values())).shape[0]
     predicted = estimate_memory(main, dims={"batch": rows})
     state = {v.name: v for v in main.vars.values() if v.kind == "opt_state" and v.zero is not None}
     return {

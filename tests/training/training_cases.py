@@ -17,6 +17,7 @@ from metaopt import fleet
 
 STEPS = 3
 BATCH = 8
+MERGE = 2  # "merge": runs per step under gradient merge
 SEED = 0
 # one checkpoint per block: recompute re-runs each block before its grads
 CHECKPOINTS = {
@@ -60,6 +61,13 @@ def batch(name: str, step: int) -> dict[str, torch.Tensor]:
     return dict(zip(mod.INPUT_NAMES, mod.example_inputs("tiny", BATCH, seed=10 + step), strict=True))
 
 
+def runs(feed: dict[str, torch.Tensor], extra: list[str]) -> list[dict[str, torch.Tensor]]:
+    """One step's feeds: the batch whole, or in MERGE equal parts under gradient merge."""
+    k = MERGE if "merge" in extra else 1
+    n = next(iter(feed.values())).shape[0]
+    return [{name: t[j * n // k : (j + 1) * n // k] for name, t in feed.items()} for j in range(k)]
+
+
 def build_strategy(name: str, extra: list[str]) -> fleet.DistributedStrategy:
     s = fleet.DistributedStrategy()
     s.fuse_grad_size_in_MB = 1
@@ -67,6 +75,9 @@ def build_strategy(name: str, extra: list[str]) -> fleet.DistributedStrategy:
         s.recompute = True
         s.recompute_configs = {"checkpoints": CHECKPOINTS[name]}
     s.fp16_allreduce = "fp16ar" in extra  # data parallel's grads sent in float16
+    if "merge" in extra:  # each step's batch in MERGE runs, one update per step
+        s.gradient_merge = True
+        s.gradient_merge_configs = {"k_steps": MERGE, "avg": True}
     if "localsgd" in extra:  # steps 1 (<= begin_step) and 3 (2 after it) average the params
         s.localsgd = True
         s.localsgd_configs = {"k_steps": 2, "begin_step": 1}
