@@ -67,6 +67,7 @@ class ShardedParam:
     update: int  # index of its update op
     nbytes: int  # the param's bytes
     state_bytes: int  # its state's bytes, unsharded
+    state_slice_bytes: int  # its state's bytes as each worker holds them (padded 1/N per tensor)
     grad_sliced: bool = False  # its grad is this worker's slice already: no ShardSlice of it
 
 
@@ -85,8 +86,6 @@ class ShardingPlan:
     bucket_bytes: int
     params: list[ShardedParam] = field(default_factory=list)
     buckets: list[GatherBucket] = field(default_factory=list)
-    skipped: list[tuple[str, str]] = field(default_factory=list)
-
     scattered: bool = False  # the grads the updates read are slices already (data parallel's reduce-scatter)
     # ops reading every grad whole (clipping) swapped for their row's form on slices: index -> type
     sharded_forms: dict[int, str] = field(default_factory=dict)
@@ -97,7 +96,7 @@ class ShardingPlan:
 
     @property
     def state_bytes_per_worker(self) -> int:
-        return sum(_slice_bytes(sp.state_bytes, len(sp.states), self.degree) for sp in self.params)
+        return sum(sp.state_slice_bytes for sp in self.params)
 
     def __str__(self) -> str:
         cap = f"{self.bucket_bytes / 2**20:g} MB" if self.bucket_bytes else "one param per"
@@ -117,7 +116,6 @@ class ShardingPlan:
             lines.append(
                 f"  bucket {k}: {len(b.params)} params, {b.nbytes:,} bytes, ops {b.first}..{b.after}"
             )
-        lines += [f"  skipped {name}: {why}" for name, why in self.skipped]
         return "\n".join(lines)
 
 
@@ -146,13 +144,10 @@ def plan_sharding(p: Program, *, degree: int, stage: int = 1, bucket_bytes: int 
                 plan.sharded_forms[i] = _sharded_form(op, row)
                 sliced.update(op.outputs)
             continue
-        sp = _sharded_param(p, i, op, row, op.inputs[1] in sliced)
-        if sp is None:
-            continue
-        late = [x for x in (sp.grad,) if producers.get(x, -1) > i]
-        if late:
+        sp = _sharded_param(p, i, op, row, op.inputs[1] in sliced, degree)
+        if producers.get(sp.grad, -1) > i:
             raise ShardingError(
-                f"sharding: the update `{fmt_op(op)}` runs before its grad {late[0]!r} is made"
+                f"sharding: the update `{fmt_op(op)}` runs before its grad {sp.grad!r} is made"
             )
         plan.params.append(sp)
     plan.scattered = any(sp.grad_sliced for sp in plan.params)
@@ -179,7 +174,7 @@ def _sharded_form(op: Op, row: Any) -> str:
     return row.sharded_form
 
 
-def _sharded_param(p: Program, i: int, op: Op, row: Any, grad_sliced: bool) -> ShardedParam | None:
+def _sharded_param(p: Program, i: int, op: Op, row: Any, grad_sliced: bool, degree: int) -> ShardedParam:
     param, grad = op.inputs[0], op.inputs[1]
     pv = p.vars[param]
     if pv.zero is not None:
@@ -215,16 +210,11 @@ def _sharded_param(p: Program, i: int, op: Op, row: Any, grad_sliced: bool) -> S
         raise ShardingError(
             f"sharding: grad {grad!r} is {gv.zero}, not a slice of {param!r} {list(pv.shape)}"
         )
-    state_bytes = sum(p.vars[s].nbytes({}) or 0 for s in states)
-    return ShardedParam(param, grad, states, i, n, state_bytes, grad_sliced)
-
-
-def _slice_bytes(state_bytes: int, count: int, degree: int) -> int:
-    """Bytes of `count` state tensors of `state_bytes` together, each held as its padded 1/degree."""
-    if count == 0:
-        return 0
-    each = state_bytes // count
-    return 0 if each == 0 else count * -(-each // degree)  # padding is at most degree-1 elements
+    whole = sum(p.vars[s].nbytes({}) or 0 for s in states)
+    held = sum(
+        ZeroShard(degree, tuple(pv.shape)).local_numel * torch_dtype(p.vars[s].dtype).itemsize for s in states
+    )
+    return ShardedParam(param, grad, states, i, n, whole, held, grad_sliced)
 
 
 def sharding(p: Program, **config: Any) -> Program:

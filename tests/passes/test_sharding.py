@@ -17,7 +17,7 @@ from metaopt.ir import Split, Var, ZeroShard, parse_program, print_program, veri
 from metaopt.passes.data_parallel import DataParallelError, data_parallel
 from metaopt.passes.memory_estimate import estimate_memory
 from metaopt.passes.optimize import update_grads
-from metaopt.passes.sharding import ShardingError, plan_sharding, sharding
+from metaopt.passes.sharding import ShardingError, apply_sharding, plan_sharding, sharding
 
 
 def _trained_program(name: str = "mlp", optimizer=None) -> metaopt.Program:
@@ -281,3 +281,14 @@ def test_with_gradient_merge_the_sharded_updates_run_on_every_kth_run_only():
     main, sharded = trained(sharding_degree=1)
     assert any(op.type == "ShardGather" for op in main.ops)
     assert all(torch.equal(plain[k], sharded[k]) for k in plain)
+
+
+def test_the_plan_counts_each_state_tensor_padded_by_elements_not_bytes():
+    """At degree 3 the MLP's tensors do not split evenly (fc3.bias: 4 elements, 2 per worker):
+    the plan's per-worker state equals what the rewritten program declares."""
+    p = _trained_program()
+    plan = plan_sharding(p, degree=3, stage=1)
+    q = apply_sharding(p, plan)
+    declared = sum(v.nbytes({}) for v in q.vars.values() if v.kind == "opt_state" and v.zero is not None)
+    assert plan.state_bytes_per_worker == declared
+    assert q.vars["fc3.bias@MOMENT1"].shape == (2,)
