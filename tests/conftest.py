@@ -132,10 +132,12 @@ def backward_links(program) -> dict:
 
 
 def pipeline_split(program, **how) -> list:
-    """passes.pipeline.pipeline with the backward's links of `program` (see backward_links)."""
+    """passes.pipeline.pipeline with the backward's links of `program` (see backward_links), each
+    stage program cut into its phases (passes.pipeline_phases), as minimize leaves it."""
     from metaopt.passes.pipeline import pipeline
+    from metaopt.passes.pipeline_phases import pipeline_phases
 
-    return pipeline(program, **how, **backward_links(program))
+    return [pipeline_phases(q) for q in pipeline(program, **how, **backward_links(program))]
 
 
 # What a launcher sets; a test of fleet's own environment handling starts without any of it.

@@ -943,6 +943,20 @@ def _pipeline_split(p: Program, plan: Any, ctx: Context) -> list[Program]:
     return parts
 
 
+def _phases_plan(p: Program, ctx: Context) -> dict[int, Any]:
+    """Every stage program's cut, by stage (the steps after the split rewrite each part alike;
+    each part is cut by its own plan)."""
+    from metaopt.passes.pipeline_phases import StagePhases, plan_phases
+
+    return StagePhases({q.pipeline.stage: plan_phases(q) for q in ctx.parts})
+
+
+def _pipeline_phases(p: Program, plan: dict[int, Any], ctx: Context) -> Program:
+    from metaopt.passes.pipeline_phases import apply_phases
+
+    return apply_phases(p, plan[p.pipeline.stage])
+
+
 # --- THE list ---------------------------------------------------------------------------------------
 
 STEPS: tuple[Step, ...] = (
@@ -1138,6 +1152,15 @@ STEPS: tuple[Step, ...] = (
         check=_uib_check,
         doc="each update right after its grad's last use",
         reads=("loss_scaling", "optimizer", "strategy"),
+    ),
+    Step(
+        "pipeline_phases",
+        _pp_on,
+        _pipeline_phases,
+        plan=_phases_plan,
+        doc="each stage program cut into the schedule's forward, backward and optimizer programs",
+        meta="pipeline",
+        reads=("strategy",),
     ),
 )
 check_declarations(STEPS)  # a step reading what no earlier step writes fails at import

@@ -413,6 +413,49 @@ class PipelineInfo:
 
 
 @dataclass(frozen=True)
+class Phase:
+    """One sub-program a pipeline schedule runs (passes/pipeline_phases.py cuts them): the
+    forward or the backward of one virtual stage, once per micro-batch, or the optimizer
+    (`chunk` -1), once per step. What an earlier phase made for the same micro-batch comes in
+    as `carried_in`; what a later one reads goes out as `carried_out`."""
+
+    chunk: int  # the virtual stage (-1: the optimizer)
+    phase: str  # roles.FORWARD, BACKWARD or OPTIMIZE
+    program: Program
+    feeds: tuple[str, ...]  # inputs of the whole program (sliced per micro-batch)
+    carried_in: tuple[str, ...]
+    carried_out: tuple[str, ...]
+    last_use: frozenset[str]  # carried_in values no later phase reads
+    produced: frozenset[str]
+    host_out: frozenset[str]  # carried_out values in host memory (offloaded copies)
+
+    @property
+    def key(self) -> tuple[int, str]:
+        return (self.chunk, self.phase)
+
+
+@dataclass(frozen=True)
+class Phases:
+    """A stage program's cut (``Program.phases``), with the signature of the ops it was cut
+    from: a program changed after its cut no longer matches (`matches`), so a stale cut is
+    found, never run."""
+
+    parts: tuple[Phase, ...]
+    signature: int
+
+    def matches(self, p: Program) -> bool:
+        return self.signature == ops_signature(p)
+
+    def get(self, key: tuple[int, str]) -> Phase | None:
+        return next((x for x in self.parts if x.key == key), None)
+
+
+def ops_signature(p: Program) -> int:
+    """What a pipeline cut depends on: each op's type, operands, role and stage, in order."""
+    return hash(tuple((op.type, tuple(op.inputs), tuple(op.outputs), op.role, op.stage) for op in p.ops))
+
+
+@dataclass(frozen=True)
 class GradientMergeInfo:
     """Set on a gradient-merge program (passes/gradient_merge.py): the executor runs the
     update phase on the `k_steps`-th run of each window only; `step` is the persistable
@@ -452,6 +495,8 @@ class Program:
         self.pipeline: PipelineInfo | None = None
         # Set on a gradient-merge program: the executor updates every k-th run.
         self.gradient_merge: GradientMergeInfo | None = None
+        # Set on a pipeline stage program by passes/pipeline_phases.py: the schedule's sub-programs.
+        self.phases: Phases | None = None
         # Inputs whose tensors the caller gives up (a pipeline runner's values carried into their
         # last part): an op may write them in place, as any value at its last read.
         self.donated: frozenset[str] = frozenset()
@@ -555,6 +600,7 @@ class Program:
         p.updates = dict(self.updates)
         p.pipeline = self.pipeline
         p.gradient_merge = self.gradient_merge
+        p.phases = self.phases  # immutable; a clone changed later no longer matches it
         p.donated = self.donated
         return p
 

@@ -1,7 +1,7 @@
 """Run one worker's pipeline stage program: micro-batches through a schedule.
 
 ``Executor.run(stage_program, feed=whole_batch, fetch_list=[loss])`` lands here when
-``program.pipeline`` is set. The stage program (passes/pipeline.py) is cut once into
+``program.pipeline`` is set. The stage program (passes/pipeline.py) comes cut into
 sub-programs by (virtual stage, phase): the forward and the backward of each chunk this
 worker holds, run once per micro-batch, and the optimizer, run once per step. What one
 sub-program makes and a later one reads for the same micro-batch (activations the
@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from metaopt.ir import Op, PipelineInfo, Program, Var, did_you_mean, names, roles
+from metaopt.ir import PipelineInfo, Program, did_you_mean, names, roles
+from metaopt.ir.program import Phase
 from metaopt.layout import groups as comm_groups
 from metaopt.layout.topology import AXES, Topology
 from metaopt.ops import registry
@@ -106,17 +107,6 @@ class StepProfile:
         return sum(times) / len(times) if times else 0.0
 
 
-@dataclass
-class _Part:
-    program: Program
-    feeds: list[str]  # inputs of the whole program (sliced per micro-batch)
-    carried_in: list[str]  # values made by an earlier part for the same micro-batch
-    carried_out: list[str]  # values a later part reads
-    last_use: frozenset[str] = frozenset()  # carried_in values no later part reads
-    produced: frozenset[str] = frozenset()
-    host_out: frozenset[str] = frozenset()  # carried_out values in host memory (offloaded copies)
-
-
 class PipelineRunner:
     def __init__(self, executor: Any, program: Program) -> None:
         info = program.pipeline
@@ -126,7 +116,7 @@ class PipelineRunner:
         self.info = info
         self.program = program
         self.state = PipelineState(info, *_layout(info))
-        self.parts = _cut(program)
+        self.parts = _phases(program)
         self._actions: list | None = None
         self.peers = _peers(program, self.state)
         self.profile: StepProfile | None = None  # the last step's (`last_step_profile`)
@@ -335,98 +325,17 @@ def _layout(info: PipelineInfo) -> tuple[Topology | None, int | None]:
     return topo, rank
 
 
-# --- cutting the stage program ---------------------------------------------------------------
-
-
-def _phase(op: Op) -> str:
-    phase = roles.phase(op.role)
-    if phase is None:
-        raise ValueError(f"pipeline: op role {op.role!r} has no phase ({op.type} -> {op.outputs})")
-    return phase
-
-
-def _cut(p: Program) -> dict[tuple[int, str], _Part]:
-    """Sub-programs keyed (virtual stage, phase); the optimizer is (-1, "optimize")."""
-    groups: dict[tuple[int, str], list[Op]] = {}
-    for op in p.ops:
-        phase = _phase(op)
-        key = (-1, phase) if phase == roles.OPTIMIZE else (op.stage, phase)
-        groups.setdefault(key, []).append(op)
-    keys = list(groups)  # program order: forwards by chunk, backwards, then the optimizer
-    made_in = {o: key for key in keys for op in groups[key] for o in op.outputs if o}
-    reads = {key: {x for op in groups[key] for x in op.inputs if x} for key in keys}
-    update_of = {new: target for target, new in p.updates.items()}
-    parts: dict[tuple[int, str], _Part] = {}
-    for key in keys:
-        ops = groups[key]
-        produced = {o for op in ops for o in op.outputs if o}
-        later = [k2 for k2 in keys[keys.index(key) + 1 :] if k2[1] != roles.OPTIMIZE]
-        carried_out = sorted(
-            {x for k2 in later for x in reads[k2] if x in produced}, key=lambda x: list(p.vars).index(x)
+def _phases(p: Program) -> dict[tuple[int, str], Phase]:
+    """The stage program's sub-programs (passes/pipeline_phases.py), keyed (virtual stage,
+    phase); the optimizer is (-1, "optimize")."""
+    if p.phases is None or not p.phases.matches(p):
+        state = "has no phases" if p.phases is None else "was changed after its phases were cut"
+        raise ValueError(
+            f"pipeline stage program {p.name!r} {state}: the executor runs the sub-programs "
+            "passes.pipeline_phases cuts (fleet's minimize does it last; for a program split by "
+            "passes.pipeline.pipeline directly, call passes.pipeline_phases.pipeline_phases on each stage)"
         )
-        sub, feeds, carried_in = _subprogram(p, key, ops, produced, made_in, update_of)
-        host_out = {
-            o
-            for op in ops
-            if (row := registry.get(op.type)) is not None and row.host_memory and row.host_memory(op.attrs)
-            for o in op.outputs
-            if o in carried_out
-        }
-        parts[key] = _Part(sub, feeds, carried_in, carried_out, produced=frozenset(produced))
-        parts[key].host_out = frozenset(host_out)
-    last_reader: dict[str, tuple[int, str]] = {}
-    sent = {x for part in parts.values() for op in part.program.ops if "peer" in op.attrs for x in op.inputs}
-    for key, part in parts.items():  # key order = the order one micro-batch goes through them
-        for x in part.carried_in:
-            last_reader[x] = key
-    for key, part in parts.items():
-        part.last_use = frozenset(x for x in part.carried_in if last_reader[x] == key)
-        # the runner gives these up (it pops them before the part runs): an op of the part may
-        # write one in place (ScaleGrads on LinearCrossEntropy's unit grads), unless a send may
-        # still be reading it
-        part.program.donated = part.last_use - sent
-    return parts
-
-
-def _subprogram(p, key, ops, produced, made_in, update_of):
-    name = f"{p.name}.{'optimizer' if key[0] < 0 else f'stage{key[0]}.{key[1]}'}"
-    q = Program(name)
-    renames: dict[str, str] = {}
-    if key[1] == roles.OPTIMIZE:
-        # the updates read the accumulated grads: from the scope, where the backward put them
-        renames = {x: update_of[x] for op in ops for x in op.inputs if x in update_of and x not in produced}
-    # A part runs on one worker: the virtual stages of its ops (chunks) need no transfers.
-    ops = [Op(op.type, [renames.get(x, x) for x in op.inputs], *_rest(op)) for op in ops]
-    used = dict.fromkeys(x for op in ops for x in (*op.inputs, *op.outputs) if x)
-    feeds, carried_in = [], []
-    for x in used:
-        v = p.vars[x]
-        if v.persistable or x in produced:
-            q.add_var(_copy(v), p.values.get(x))
-            continue
-        if key[1] == roles.OPTIMIZE:
-            raise ValueError(f"pipeline: the optimizer reads {x!r}, made once per micro-batch")
-        q.add_var(_copy(v, kind="input"))
-        if x == names.micro_batch():
-            continue  # fed by the runner
-        (feeds if v.kind == "input" else carried_in).append(x)
-        if v.kind != "input" and x not in made_in:
-            raise ValueError(f"pipeline: {x!r} is read by {name} but made by no part")
-    q.inputs = feeds + carried_in + ([names.micro_batch()] if names.micro_batch() in used else [])
-    q.ops = ops
-    q.updates = {t: n for t, n in p.updates.items() if n in produced}
-    q.loss_name = p.loss_name if p.loss_name in produced else None
-    q.outputs = [q.loss_name] if q.loss_name else []
-    return q, feeds, carried_in
-
-
-def _rest(op: Op) -> tuple:
-    return (list(op.outputs), dict(op.attrs), op.role, None, op.scope, op.origin)
-
-
-def _copy(v: Var, kind: str | None = None) -> Var:
-    # a tensor-parallel param (and its state) keeps its split layout: checkpoints save it by part
-    return v.copy() if kind is None else v.copy(kind=kind, split=None)
+    return {part.key: part for part in p.phases.parts}
 
 
 def _split_feed(

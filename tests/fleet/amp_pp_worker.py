@@ -25,6 +25,8 @@ POISON = 2
 
 def poison_one_grad(main: metaopt.Program, grad: str) -> None:
     """`grad` * `poison` (a persistable scalar) replaces `grad` for every later reader."""
+    from metaopt.passes.pipeline_phases import pipeline_phases
+
     i = main.producers()[grad]
     main.add_var(Var("poison", "float32", (), "opt_state"), torch.tensor(1.0))
     main.add_var(Var(f"{grad}@POISONED", "float32", main.vars[grad].shape, "grad"))
@@ -32,7 +34,8 @@ def poison_one_grad(main: metaopt.Program, grad: str) -> None:
         op.inputs = [f"{grad}@POISONED" if x == grad else x for x in op.inputs]
     op = Op("Mul", [grad, "poison"], [f"{grad}@POISONED"], role="backward", stage=main.ops[i].stage)
     main.ops.insert(i + 1, op)
-    main.version += 1
+    # an edited stage program is cut into its phases again, as minimize left it
+    main.replace_with(pipeline_phases(main))
 
 
 def main() -> None:

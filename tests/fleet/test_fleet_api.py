@@ -157,6 +157,7 @@ STEP_ORDER = [
     "unscale_grads",
     "master_weights",
     "early_updates",
+    "pipeline_phases",
 ]
 
 

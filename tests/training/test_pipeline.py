@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import backward_links
+from conftest import pipeline_split
 from workers import start_workers
 
 import metaopt
@@ -214,7 +214,6 @@ def test_one_stage_pipeline_offload_counts_host_bytes_and_matches_recompute():
     offload moves every micro-batch's checkpoints to the host account and back, and
     changes no bit of the result."""
     from metaopt.passes.offload import offload
-    from metaopt.passes.pipeline import pipeline
     from metaopt.passes.recompute import plan_recompute, recompute
 
     sys.path.insert(0, str(HERE))
@@ -229,7 +228,7 @@ def test_one_stage_pipeline_offload_counts_host_bytes_and_matches_recompute():
     mod = programs.get("bert")
     results = []
     for prog in (rc, of):
-        (stage,) = pipeline(prog, num_stages=1, cuts=[], micro_batches=4, **backward_links(prog))
+        (stage,) = pipeline_split(prog, num_stages=1, cuts=[], micro_batches=4)
         exe = metaopt.Executor("cpu")
         losses = []
         for step in range(2):
@@ -274,8 +273,6 @@ def test_fleets_micro_batch_size_is_honoured_and_a_batch_of_another_size_is_name
     """pipeline_configs["micro_batch_size"] (what every Fleet pipeline script sets): the fed
     batch must be micro_batch_size x accumulate_steps; it trains as without it when it is, and
     another batch is an error naming both keys before anything runs."""
-    from metaopt.passes.pipeline import pipeline
-
     sys.path.insert(0, str(HERE))
     import dp_worker
     import pp_worker
@@ -286,9 +283,7 @@ def test_fleets_micro_batch_size_is_honoured_and_a_batch_of_another_size_is_name
     feed = dict(zip(mod.INPUT_NAMES, dp_worker.full_batch("mlp", 0), strict=True))  # batch 8
     results = []
     for size in (None, 4):
-        (stage,) = pipeline(
-            base, num_stages=1, cuts=[], micro_batches=2, micro_batch_size=size, **backward_links(base)
-        )
+        (stage,) = pipeline_split(base, num_stages=1, cuts=[], micro_batches=2, micro_batch_size=size)
         assert ("micro_batch_size=4" in str(stage)) == (size == 4)  # printed in the program's header
         exe = metaopt.Executor("cpu")
         (loss,) = exe.run(stage, feed=feed, fetch_list=["loss"], return_numpy=False)
