@@ -22,6 +22,7 @@ def test_dump_after_every_pass(tmp_path, monkeypatch):
         "fuse",
         "channels_last",
         "readable_names",
+        "sort_vars",
         "append_backward",
         "apply_optimizer",
     ]

@@ -1,8 +1,10 @@
-"""The import pipeline: ONNX ModelProto -> a ready Program, steps in a fixed order."""
+"""The import pipeline: ONNX ModelProto -> a ready Program, `IMPORT_STEPS` in order, one driver."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import onnx
 
@@ -16,9 +18,90 @@ from metaopt.ir.gc_pause import without_gc
 from metaopt.limits import LoadLimits, using
 from metaopt.passes.channels_last import channels_last as channels_last_convs
 from metaopt.passes.dead_code import dead_code
-from metaopt.passes.driver import verified
+from metaopt.passes.driver import Run, Step, check_declarations, run_steps
 from metaopt.passes.fold_constants import ConstantTooLarge, fold_constants
 from metaopt.passes.fuse import fuse
+from metaopt.passes.pipeline_phases import pipeline_phases
+
+
+@dataclass
+class ImportRun(Run):
+    """What the import steps read: the caller's options and what the raw import found."""
+
+    training: bool = False
+    bn_momentum: dict[str, float] = field(default_factory=dict)
+    channels_last: bool = True
+    chains: dict = field(default_factory=dict)  # the raw import's FX-name chains (torch exports)
+    stage_program: bool = False  # the file holds a pipeline stage program
+
+
+def _on(flag: str) -> Callable[[ImportRun], tuple[bool, str]]:
+    return lambda run: (bool(getattr(run, flag)), f"{flag}={getattr(run, flag)}")
+
+
+def _always(run: ImportRun) -> tuple[bool, str]:
+    return True, "every import"
+
+
+def _torch_export(run: ImportRun) -> tuple[bool, str]:
+    on = any(run.chains.values())  # a torch export: its FX names mean nothing to users
+    return on, "a torch export (module-scope metadata)" if on else "names as the file's author chose"
+
+
+def _repair(p: Program, plan: None, run: ImportRun) -> Program:
+    repair_training(p, bn_momentum=run.bn_momentum)
+    return p
+
+
+def _names(p: Program, plan: None, run: ImportRun) -> Program:
+    readable_names(p, run.chains)
+    return p
+
+
+def _sorted(p: Program, plan: None, run: ImportRun) -> Program:
+    p.sort_vars()
+    return p
+
+
+def _pure(rewrite: Callable[[Program], Program]) -> Callable[[Program, None, ImportRun], Program]:
+    return lambda p, plan, run: rewrite(p)
+
+
+IMPORT_STEPS = (
+    Step(
+        "repair_training",
+        _on("training"),
+        _repair,
+        doc="Dropout on, BatchNorm with batch statistics",
+        reads=("training", "bn_momentum"),
+    ),
+    Step(
+        "fold_constants", _always, _pure(fold_constants), doc="static shape arithmetic and constants folded"
+    ),
+    Step("dead_code", _always, _pure(dead_code), doc="ops nothing reads dropped"),
+    Step("fuse", _always, _pure(fuse), doc="the op table's fusions"),
+    Step(
+        "channels_last",
+        _on("channels_last"),
+        _pure(channels_last_convs),
+        doc="2-D convolutions channels-last",
+        reads=("channels_last",),
+    ),
+    Step("readable_names", _torch_export, _names, doc="FX names replaced by module paths", reads=("chains",)),
+    Step("sort_vars", _always, _sorted, doc="vars in a stable order"),
+    Step(
+        "pipeline_phases",
+        _on("stage_program"),
+        _pure(pipeline_phases),
+        doc="a saved pipeline stage program cut into its phases",
+        reads=("stage_program",),
+    ),
+)
+check_declarations(
+    IMPORT_STEPS,
+    ImportRun,
+    frozenset({"training", "bn_momentum", "channels_last", "chains", "stage_program"}),
+)
 
 
 @without_gc  # a bulk build: see metaopt.ir.gc_pause
@@ -31,10 +114,11 @@ def import_model(
     name: str = "main",
     channels_last: bool = True,
 ) -> Program:
-    """raw import -> training repairs -> fold constants -> dead code -> fuse -> channels-last
-    convolutions (unless `channels_last=False`) -> names, each step verified (a StepError
-    names the one that broke an invariant; programs over `VERIFY_EACH_STEP_OPS` ops once, at
-    the end) and dumped under ``METAOPT_DUMP``.
+    """The raw import, then `IMPORT_STEPS` through the one driver (passes/driver.py): training
+    repairs, fold constants, dead code, fuse, channels-last convolutions (unless
+    `channels_last=False`), readable names, and a saved pipeline stage program's phases; each
+    step verified (a StepError names the one that broke an invariant; programs over
+    `VERIFY_EACH_STEP_OPS` ops once, at the end) and dumped under ``METAOPT_DUMP``.
 
     Names are rewritten only for torch exports (recognised by their module-scope
     metadata); any other file keeps the names its author chose.
@@ -47,32 +131,20 @@ def import_model(
         except ValueError as e:
             raise ImportError_(f"the file's graph is not a valid program: {e}") from None
     dump(p, "import")
-    if training:
-        repair_training(p, bn_momentum=bn_momentum or {})
-        _after(p, "repair_training", each)
-    for step in (fold_constants, dead_code, fuse, *([channels_last_convs] if channels_last else [])):
-        q = step(p)
-        if q is not p:
-            _drop(p)
-        p = q
-        _after(p, step.__name__, each)
-    if any(chains.values()):  # a torch export: its FX names mean nothing to users
-        readable_names(p, chains)
-    p.sort_vars()
-    _after(p, "readable_names", True)
-    return p
+    run = ImportRun(
+        training=training,
+        bn_momentum=bn_momentum or {},
+        channels_last=channels_last,
+        chains=chains,
+        stage_program=p.pipeline is not None,
+    )
+    return run_steps(p, IMPORT_STEPS, run, owned=True, verify_each=each)
 
 
 # Up to this many ops every import step is verified, so an invariant broken is named by the step
 # that broke it; a larger program is verified once, at the end (a verify costs 0.12 s at 100k
 # ops here: six of them would add a quarter to benchmarks/load_100k.py's 2.4 s load).
 VERIFY_EACH_STEP_OPS = 20_000
-
-
-def _after(p: Program, step: str, check: bool) -> None:
-    if check:
-        verified(p, step)
-    dump(p, step)
 
 
 @without_gc
@@ -115,13 +187,6 @@ def load(
             # Every check we know of raises one of the above; this is the net under them (a
             # fuzzed file found a VerifyError and a TypeError here), the cause kept for a report.
             raise ModelLoadError(f"{label}: {type(e).__name__}: {e}") from e
-
-
-def _drop(p: Program) -> None:
-    """Let a program this import made, and nothing else holds, go at once: its vars point
-    back at it (`Var.program`), a cycle only the garbage collector frees, and the collector
-    is paused during the import (100k ops: 2M objects piled up, then 0.7 s to collect)."""
-    p.vars = {}
 
 
 def _label(source: str | os.PathLike | bytes | onnx.ModelProto) -> str:

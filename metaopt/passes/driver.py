@@ -42,7 +42,17 @@ class StepError(RuntimeError):
 
 
 @dataclass
-class Context:
+class Run:
+    """What the driver keeps of a run of steps, whatever the steps are for: each step's plan,
+    the parts after a split and which part is this worker's."""
+
+    plans: dict[str, Any] = field(default_factory=dict)  # step name -> its plan (for the caller)
+    parts: list[Program] = field(default_factory=list)  # after a split: every part
+    part: int = 0  # after a split: this worker's part
+
+
+@dataclass
+class Context(Run):
     """What the steps of a training rewrite hand each other.
 
     The caller fills `INPUTS`; the driver owns `plans`, `parts` and `part`; each step writes
@@ -50,8 +60,8 @@ class Context:
     (`Step.reads`), which `check_declarations` holds to the order of the steps.
     """
 
-    strategy: Any  # fleet.DistributedStrategy (or any object the steps read)
-    optimizer: Any  # a metaopt.optimizer.Optimizer: its update ops
+    strategy: Any = None  # fleet.DistributedStrategy (or any object the steps read)
+    optimizer: Any = None  # a metaopt.optimizer.Optimizer: its update ops
     world_size: int = 1
     rank: int = 0
     parameter_list: list[str] | None = None
@@ -67,24 +77,21 @@ class Context:
     partition_slices: dict[str, str] = field(default_factory=dict)  # checkpoint -> its 1/mp slice var
     memory_report: Any = None  # recompute's predicted effect (recompute.MemoryReport), kept current
     optimize_ops: list = field(default_factory=list)  # the update ops apply_optimizer made (Op objects)
-    plans: dict[str, Any] = field(default_factory=dict)  # step name -> its plan (for the caller)
-    parts: list[Program] = field(default_factory=list)  # after a split: every part
-    part: int = 0  # after a split: this worker's part
 
     @property
     def grads(self) -> dict[str, str]:
         return dict(self.params_grads)
 
 
-Enabled = Callable[[Context], tuple[bool, str]]
-Rewrite = Callable[[Program, Any, Context], "Program | list[Program]"]
+Enabled = Callable[[Any], tuple[bool, str]]  # of the run's context (a Run: Context for training)
+Rewrite = Callable[[Program, Any, Any], "Program | list[Program]"]
 
 
-def _no_check(ctx: Context) -> None:
+def _no_check(ctx: Run) -> None:
     return None
 
 
-def _no_plan(program: Program, ctx: Context) -> None:
+def _no_plan(program: Program, ctx: Run) -> None:
     return None
 
 
@@ -93,8 +100,8 @@ class Step:
     name: str
     enabled: Enabled
     rewrite: Rewrite
-    plan: Callable[[Program, Context], Any] = _no_plan
-    check: Callable[[Context], None] = _no_check
+    plan: Callable[[Program, Any], Any] = _no_plan
+    check: Callable[[Any], None] = _no_check
     doc: str = ""  # one line: what the step does (printed in the plan)
     meta: str = ""  # Fleet's name of the meta optimizer it belongs to (``applied_meta_list``)
     reads: tuple[str, ...] = ()  # Context fields it reads (beside the caller's `INPUTS`)
@@ -118,12 +125,14 @@ INPUTS = frozenset(
 _DRIVER = frozenset({"plans", "parts"})
 
 
-def check_declarations(steps: Sequence[Step]) -> None:
-    """Each step reads only Context fields the caller gives or an earlier step writes, and
-    declares only fields the Context has: raises StepError naming the step and the field. The
-    step list is checked where it is defined (at import), whatever a strategy enables."""
-    fields = {f.name for f in dataclasses.fields(Context)}
-    written = set(INPUTS)
+def check_declarations(
+    steps: Sequence[Step], context: type[Run] = Context, inputs: frozenset[str] = INPUTS
+) -> None:
+    """Each step reads only fields of `context` the caller gives (`inputs`) or an earlier step
+    writes, and declares only fields `context` has: raises StepError naming the step and the
+    field. A step list is checked where it is defined (at import), whatever a run enables."""
+    fields = {f.name for f in dataclasses.fields(context)}
+    written = set(inputs)
     for s in steps:
         unknown = sorted((set(s.reads) | set(s.writes)) - fields)
         if unknown:
@@ -170,23 +179,43 @@ def verified(program: Program, step: str, where: str = "") -> Program:
     return program
 
 
-def run_steps(program: Program, steps: Sequence[Step], ctx: Context) -> Program:
+def run_steps(
+    program: Program, steps: Sequence[Step], ctx: Run, *, owned: bool = False, verify_each: bool = True
+) -> Program:
     """Run the enabled `steps` on a copy of `program`; returns this worker's result.
 
-    `program` itself is never changed (the caller replaces it once, at the end). The caller
-    has checked the steps first (`refusals`: once), so a refused configuration
-    changes nothing.
+    `program` itself is never changed (the caller replaces it once, at the end), unless it is
+    `owned`: a program the caller made for this run alone (the importer's), rewritten without a
+    copy, each program a step replaced given up at once. The caller has checked the steps
+    first (`refusals`: once), so a refused configuration changes nothing. With
+    `verify_each=False` (a very large import) the result is verified once, after the last step.
     """
     enabled = [s for s in steps if s.enabled(ctx)[0]]
-    ctx.parts = [program.clone()]
+    ctx.parts = [program if owned else program.clone()]
     ctx.part = 0
     for s in enabled:
-        with timed(logger, f"minimize step {s.name}"):
-            _run_step(s, ctx)
+        with timed(logger, f"step {s.name}"):
+            before = ctx.parts
+            _run_step(s, ctx, verify_each)
+            if owned:
+                _drop([q for q in before if all(q is not r for r in ctx.parts)])
+    if not verify_each:
+        for k, q in enumerate(ctx.parts):
+            verified(
+                q, enabled[-1].name if enabled else "(none)", f" (part {k})" if len(ctx.parts) > 1 else ""
+            )
     return ctx.parts[ctx.part]
 
 
-def _run_step(s: Step, ctx: Context) -> None:
+def _drop(programs: list[Program]) -> None:
+    """Let programs a step replaced go at once: their vars point back at them (`Var.program`),
+    a cycle only the garbage collector frees, which a bulk import pauses (100k ops: 2M objects
+    piled up, then 0.7 s to collect)."""
+    for q in programs:
+        q.vars = {}
+
+
+def _run_step(s: Step, ctx: Run, verify_each: bool = True) -> None:
     """One step of `run_steps`: plan, rewrite (every part after a split), verify, dump."""
     current = ctx.parts[ctx.part]
     plan = s.plan(current, ctx)
@@ -203,7 +232,8 @@ def _run_step(s: Step, ctx: Context) -> None:
             if isinstance(out, list):
                 raise StepError(f"step {s.name!r} splits a program that is already split (part {k})")
             parts.append(out)
-    for k, q in enumerate(parts):
-        verified(q, s.name, f" (part {k})" if len(parts) > 1 else "")
+    if verify_each:
+        for k, q in enumerate(parts):
+            verified(q, s.name, f" (part {k})" if len(parts) > 1 else "")
     ctx.parts = parts
     dump(ctx.parts[ctx.part], s.name)
