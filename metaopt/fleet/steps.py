@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
+from functools import partial
 from typing import Any
 
 import torch
@@ -386,30 +387,6 @@ def _layerwise_plan(p: Program, ctx: Context, kind: str) -> Any:
     return plan_layerwise(
         p, kind=kind, source=opt.update_op_type(), attrs=attrs, weight_decay=decay, exclude=exclude
     )
-
-
-def _lamb_on(ctx: Context) -> tuple[bool, str]:
-    return _layerwise_on(ctx, "lamb")
-
-
-def _lamb_check(ctx: Context) -> None:
-    _layerwise_check(ctx, "lamb")
-
-
-def _lamb_plan(p: Program, ctx: Context) -> Any:
-    return _layerwise_plan(p, ctx, "lamb")
-
-
-def _lars_on(ctx: Context) -> tuple[bool, str]:
-    return _layerwise_on(ctx, "lars")
-
-
-def _lars_check(ctx: Context) -> None:
-    _layerwise_check(ctx, "lars")
-
-
-def _lars_plan(p: Program, ctx: Context) -> Any:
-    return _layerwise_plan(p, ctx, "lars")
 
 
 def _layerwise(p: Program, plan: Any, ctx: Context) -> Program:
@@ -1011,20 +988,20 @@ STEPS: tuple[Step, ...] = (
     APPLY_OPTIMIZER,
     Step(
         "lamb",
-        _lamb_on,
+        partial(_layerwise_on, kind="lamb"),
         _layerwise,
-        plan=_lamb_plan,
-        check=_lamb_check,
+        plan=partial(_layerwise_plan, kind="lamb"),
+        check=partial(_layerwise_check, kind="lamb"),
         doc="Adam's updates made layer-wise adaptive (LAMB)",
         meta="lamb",
         reads=("optimizer", "strategy"),
     ),
     Step(
         "lars",
-        _lars_on,
+        partial(_layerwise_on, kind="lars"),
         _layerwise,
-        plan=_lars_plan,
-        check=_lars_check,
+        plan=partial(_layerwise_plan, kind="lars"),
+        check=partial(_layerwise_check, kind="lars"),
         doc="Momentum's updates made layer-wise adaptive (LARS)",
         meta="lars",
         reads=("optimizer", "strategy"),

@@ -21,18 +21,8 @@ from metaopt import limits as _limits
 from metaopt.frontend import onnx_save
 from metaopt.frontend.attrs import attr_value, tensor_value
 from metaopt.frontend.sequences import split_sequences
-from metaopt.ir import (
-    GradientMergeInfo,
-    Op,
-    PipelineInfo,
-    Program,
-    Split,
-    Var,
-    ZeroShard,
-    did_you_mean,
-    dtype_name,
-    torch_dtype_from_onnx,
-)
+from metaopt.ir import Op, Program, Var, did_you_mean, dtype_name, torch_dtype_from_onnx
+from metaopt.ir.program import GradientMergeInfo, PipelineInfo, Split, ZeroShard
 from metaopt.ir.roles import ROLES
 from metaopt.ops import registry
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from metaopt.ops.kernels.optim import _skip
+from metaopt.ops.kernels.optim import _skip, update_row
 from metaopt.ops.registry import register
 
 
@@ -33,16 +33,7 @@ def _ratio(num: torch.Tensor, den: torch.Tensor, value: torch.Tensor, otherwise:
     return torch.where((num > 0) & (den > 0), value, torch.full_like(value, otherwise))
 
 
-@register(
-    "LambUpdate",
-    domain="metaopt",
-    host_inputs=(2, 3, 6),
-    needs_outputs=True,
-    recomputable=False,
-    inplace=((0, 0), (1, 4), (2, 5)),
-    update=True,
-    skip_input=6,
-)
+@register("LambUpdate", **update_row(2))
 def lamb_update(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -72,16 +63,7 @@ def lamb_update(
     return param, exp_avg, exp_avg_sq
 
 
-@register(
-    "LarsMomentumUpdate",
-    domain="metaopt",
-    host_inputs=(2, 3, 5),
-    needs_outputs=True,
-    recomputable=False,
-    inplace=((0, 0), (1, 4)),
-    update=True,
-    skip_input=5,
-)
+@register("LarsMomentumUpdate", **update_row(1))
 def lars_momentum_update(
     param: torch.Tensor,
     grad: torch.Tensor,

@@ -39,6 +39,8 @@ stay bitwise equal to torch.optim's defaults.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from metaopt.ops.registry import register
@@ -150,6 +152,24 @@ def clip_by_global_norm(*grads: torch.Tensor, clip_norm: float = 1.0, _nout: int
 # --- updates --------------------------------------------------------------------------
 
 
+def update_row(states: int, *, step: bool = True) -> dict[str, Any]:
+    """The row fields an update op's input layout fixes (module doc): ``(param, grad, lr[, step],
+    *state[, found_inf])`` with `states` state inputs, outputs ``(param, *state)``. lr, step and
+    found_inf are host reads, the param and each state are written over their inputs, and
+    found_inf is the skip input. One place, so an op's tuples cannot drift from its layout."""
+    first = 4 if step else 3  # the first state input
+    skip = first + states
+    return dict(
+        domain="metaopt",
+        host_inputs=(2, 3, skip) if step else (2, skip),
+        needs_outputs=states > 0,  # outputs (param, *state): the kernel is told how many
+        recomputable=False,
+        inplace=((0, 0),) + tuple((1 + k, first + k) for k in range(states)),
+        update=True,
+        skip_input=skip,
+    )
+
+
 def _sgd_multi(groups: list[tuple], weight_decay: float = 0.0) -> list[tuple]:
     """SGDUpdate over several params (torch's _multi_tensor_sgd, momentum 0; bitwise the
     per-op kernel on the CPU). Each group: (param, grad, lr[, found_inf]), lr and found_inf shared."""
@@ -194,17 +214,7 @@ def _momentum_multi(
     return outs
 
 
-@register(
-    "SGDUpdate",
-    domain="metaopt",
-    multi=_sgd_multi,
-    host_inputs=(2, 3),
-    recomputable=False,
-    inplace=((0, 0),),
-    update=True,
-    sliceable=True,
-    skip_input=3,
-)
+@register("SGDUpdate", multi=_sgd_multi, sliceable=True, **update_row(0, step=False))
 def sgd_update(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -224,18 +234,7 @@ def sgd_update(
     return param.add_(grad, alpha=-lr_)
 
 
-@register(
-    "MomentumUpdate",
-    domain="metaopt",
-    multi=_momentum_multi,
-    host_inputs=(2, 3, 5),
-    needs_outputs=True,
-    recomputable=False,
-    inplace=((0, 0), (1, 4)),
-    update=True,
-    sliceable=True,
-    skip_input=5,
-)
+@register("MomentumUpdate", multi=_momentum_multi, sliceable=True, **update_row(1))
 def momentum_update(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -464,18 +463,9 @@ def _adam_kernel(op: str, decoupled: bool, default_weight_decay: float):
     return kernel
 
 
-# Inputs (param, grad, lr, step, exp_avg, exp_avg_sq[, max_exp_avg_sq][, found_inf]); outputs
-# (param, exp_avg, exp_avg_sq[, max_exp_avg_sq]), each written over its input.
-_ADAM_ROW = dict(
-    domain="metaopt",
-    host_inputs=(2, 3, 7),
-    needs_outputs=True,
-    recomputable=False,
-    inplace=((0, 0), (1, 4), (2, 5), (3, 6)),
-    update=True,
-    sliceable=True,
-    skip_input=7,
-)
+# Inputs (param, grad, lr, step, exp_avg, exp_avg_sq[, max_exp_avg_sq][, found_inf]): the optional
+# amsgrad state counts among the states, so found_inf sits at 7 whether it is there or not.
+_ADAM_ROW = dict(sliceable=True, **update_row(3))
 adam_update = register(
     "AdamUpdate", multi=lambda groups, **attrs: _adam_multi(groups, decoupled=False, **attrs), **_ADAM_ROW
 )(_adam_kernel("AdamUpdate", False, 0.0))

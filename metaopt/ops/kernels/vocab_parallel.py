@@ -34,6 +34,8 @@ from __future__ import annotations
 import torch
 
 from metaopt.ops.kernels.loss import (
+    _NO_IGNORE,
+    DEFAULT_CHUNK_TOKENS,
     _acc_dtype,
     _check_reduction,
     _lce_grad_workspace,
@@ -43,8 +45,6 @@ from metaopt.ops.kernels.loss import (
 )
 from metaopt.ops.kernels.tensor_parallel import _ranks
 from metaopt.ops.registry import register, register_collective
-
-_NO_IGNORE = -100
 
 
 def _local_rows(weight: torch.Tensor, vocab_size: int, group: list[int] | str, _rt) -> tuple[int, int, list]:
@@ -209,7 +209,7 @@ def vocab_parallel_linear_cross_entropy(
     bias: torch.Tensor | None = None,
     ignore_index: int = _NO_IGNORE,
     reduction: str = "mean",
-    chunk_size: int = 1024,
+    chunk_size: int = DEFAULT_CHUNK_TOKENS,
     vocab_size: int = 0,
     group: list[int] | str = "model_parallel",
     _nout: int = 1,
@@ -257,7 +257,7 @@ def vocab_parallel_linear_cross_entropy_grad(
     bias: torch.Tensor | None = None,
     ignore_index: int = _NO_IGNORE,
     reduction: str = "mean",
-    chunk_size: int = 1024,
+    chunk_size: int = DEFAULT_CHUNK_TOKENS,
     vocab_size: int = 0,
     group: list[int] | str = "model_parallel",
     mask: list[int] | None = None,
