@@ -5,7 +5,7 @@
 enables plans once, rewrites with a pure pass from ``metaopt/passes`` given that plan, and
 is verified, dumped (``METAOPT_DUMP``) and logged before the next one runs. The order is
 written once, in `STEPS` below; ``print(opt.plan())`` shows every row with why it runs or not
-(the README's drawing is checked against it: tests/fleet/test_steps_order.py).
+(docs/architecture.md's drawing is checked against it: tests/fleet/test_steps_order.py).
 
 Why this order: the LM-head fusion first, on the exported forward (it replaces ops amp would
 cast, and the backward emits the fused op's chunked grad); tensor parallel next, also on the

@@ -2,7 +2,7 @@
 with fleetrun's flags, environment (PADDLE_*) and logs (``log/workerlog.N``).
 
 ``metaoptrun --nproc_per_node=2 train.py --lr 0.1`` is ``python -m metaopt.launch ...``.
-See README.md, section "Launcher".
+See docs/launcher.md.
 """
 
 from __future__ import annotations

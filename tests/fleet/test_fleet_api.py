@@ -162,7 +162,7 @@ STEP_ORDER = [
 
 
 def test_steps_are_the_documented_literal():
-    """A change of order is deliberate: this literal changes with it (the README's drawing is
+    """A change of order is deliberate: this literal changes with it (docs/architecture.md's drawing is
     checked against STEPS in test_steps_order.py; the module doc no longer repeats the list)."""
     assert [s.name for s in fleet.STEPS] == STEP_ORDER
 

@@ -246,7 +246,7 @@ def _cgroup_possible() -> bool:
 
 def test_sigkill_of_the_launcher_ends_every_process_of_the_job(tmp_path):
     # "hidden" (left the worker's session *and* dropped METAOPT_JOB_ID) is found after the
-    # launcher's death only through the job's cgroup; without one it survives (README)
+    # launcher's death only through the job's cgroup; without one it survives (docs/launcher.md)
     args = ("sleep", "hidden") if _cgroup_possible() else ("sleep",)
     proc = _start(tmp_path, 2, *args)
     try:
@@ -262,7 +262,7 @@ def test_sigkill_of_the_launcher_ends_every_process_of_the_job(tmp_path):
         _cleanup(proc, tmp_path)
 
 
-@pytest.mark.skipif(not _cgroup_possible(), reason="no cgroup can be made here (README: the limit)")
+@pytest.mark.skipif(not _cgroup_possible(), reason="no cgroup can be made here (docs/launcher.md: the limit)")
 def test_a_job_cgroup_holds_every_process_and_goes_with_the_job(tmp_path):
     proc = _start(tmp_path, 1, "sleep", "hidden")
     try:

@@ -8,7 +8,7 @@ op type outside the table are not collected (the report counts
 them). Cases our kernels refuse on principle are listed in KNOWN_UNSUPPORTED and run as
 strict xfails, so a fix shows up as an XPASS failure and the entry must then go.
 
-Summary for the README:  python -m tests.ops.test_onnx_conformance
+Summary for docs/architecture.md:  python -m tests.ops.test_onnx_conformance
 """
 
 from __future__ import annotations
@@ -370,7 +370,7 @@ def test_known_unsupported_are_real_cases() -> None:
 
 
 def conformance_report() -> dict:
-    """Run every in-table case outside pytest and print the summary the README quotes."""
+    """Run every in-table case outside pytest and print the summary docs/architecture.md quotes."""
     cases = node_cases()
     ours = table_cases()
     passed, xfailed, xpassed, failed = 0, [], [], []
