@@ -21,6 +21,7 @@ def test_export_and_minimize_log_each_phase_with_its_seconds_at_info(caplog):
         "export: torch.export capture",
         "export: torch.onnx decomposition",
         "export: import as a program",
+        "import step fold_constants",
         "minimize step append_backward",
         "minimize step apply_optimizer",
     ):

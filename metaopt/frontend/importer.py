@@ -138,7 +138,7 @@ def import_model(
         chains=chains,
         stage_program=p.pipeline is not None,
     )
-    return run_steps(p, IMPORT_STEPS, run, owned=True, verify_each=each)
+    return run_steps(p, IMPORT_STEPS, run, owned=True, verify_each=each, label="import")
 
 
 # Up to this many ops every import step is verified, so an invariant broken is named by the step

@@ -180,7 +180,13 @@ def verified(program: Program, step: str, where: str = "") -> Program:
 
 
 def run_steps(
-    program: Program, steps: Sequence[Step], ctx: Run, *, owned: bool = False, verify_each: bool = True
+    program: Program,
+    steps: Sequence[Step],
+    ctx: Run,
+    *,
+    owned: bool = False,
+    verify_each: bool = True,
+    label: str = "minimize",
 ) -> Program:
     """Run the enabled `steps` on a copy of `program`; returns this worker's result.
 
@@ -189,12 +195,13 @@ def run_steps(
     copy, each program a step replaced given up at once. The caller has checked the steps
     first (`refusals`: once), so a refused configuration changes nothing. With
     `verify_each=False` (a very large import) the result is verified once, after the last step.
+    Each step's seconds are logged at INFO as "<label> step <name>".
     """
     enabled = [s for s in steps if s.enabled(ctx)[0]]
     ctx.parts = [program if owned else program.clone()]
     ctx.part = 0
     for s in enabled:
-        with timed(logger, f"step {s.name}"):
+        with timed(logger, f"{label} step {s.name}"):
             before = ctx.parts
             _run_step(s, ctx, verify_each)
             if owned:
