@@ -433,6 +433,15 @@ def check_workers_agree(lines: Sequence[tuple[str, str]], what: str, hint: str =
     raise WorkersDisagreeError(_disagreement(what, firsts, shown) + hint)
 
 
+def broadcast_from_first(tensors: dict, what: str) -> dict:
+    """Worker 0's `tensors` (name -> tensor) on every worker; `tensors` itself with one worker."""
+    if _env().world_size == 1:
+        return dict(tensors)
+    from metaopt.layout.groups import broadcast_from_first as broadcast
+
+    return broadcast(tensors, what)
+
+
 def _gather(obj, what: str) -> list:
     """`obj` (JSON-able) of every worker, by rank."""
     from metaopt.layout.groups import all_gather_json

@@ -607,12 +607,29 @@ def _sh_plan(p: Program, ctx: Context) -> Any:
         degree=_sharding_degree(ctx),
         stage=cfg["stage"],
         bucket_bytes=int(cfg["segment_broadcast_MB"] * 2**20),
+        index=_sharding_index(ctx),
     )
+
+
+def _sharding_index(ctx: Context) -> int:
+    """This worker's chunk: its place in its sharding group, ascending (as the kernels find it)."""
+    if _sharding_degree(ctx) == 1:
+        return 0
+    topo = _layout(ctx)
+    if topo.sharding_degree > 1:
+        return topo.group_ranks("sharding", ctx.rank).index(ctx.rank)
+    return ctx.rank  # sharding over every worker
 
 
 def _sharding(p: Program, plan: Any, ctx: Context) -> Program:
     from metaopt.passes.sharding import apply_sharding
 
+    if plan.stage == 3 and ctx.world_size > 1:
+        # Stage 3 keeps only this worker's slice of each param: it is cut from worker 0's initial
+        # value, as data parallel's startup broadcast would give every worker (ZeRO-3's init).
+        p = p.clone()
+        held = [sp.param for sp in plan.params]
+        p.values.update(env.broadcast_from_first({x: p.values[x] for x in held}, "stage 3's initial params"))
     return apply_sharding(p, plan)
 
 
@@ -1054,16 +1071,6 @@ STEPS: tuple[Step, ...] = (
         reads=("strategy", "tp_plan", "world_size"),
     ),
     Step(
-        "sharding",
-        _sh_on,
-        _sharding,
-        plan=_sh_plan,
-        check=_sh_check,
-        doc="updates on 1/N slices: optimizer state (stage 2: grads) sharded",
-        meta="sharding",
-        reads=("strategy", "world_size"),
-    ),
-    Step(
         "recompute",
         _rc_on,
         _recompute,
@@ -1093,6 +1100,16 @@ STEPS: tuple[Step, ...] = (
         meta="recompute",
         reads=("checkpoints", "memory_report", "partition_slices", "strategy"),
         writes=("memory_report",),
+    ),
+    Step(
+        "sharding",
+        _sh_on,
+        _sharding,
+        plan=_sh_plan,
+        check=_sh_check,
+        doc="updates on 1/N slices: optimizer state (stage 2: grads) sharded",
+        meta="sharding",
+        reads=("strategy", "world_size"),
     ),
     Step(
         "pipeline_split",

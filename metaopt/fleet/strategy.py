@@ -328,7 +328,7 @@ TENSOR_PARALLEL_CONFIGS: dict[str, Key] = {
 
 # feature flag -> its config table; the order is the printed order (and that of META_OPTIMIZERS).
 # Fleet's sharding_configs (its ShardingConfig proto; the keys a static-graph sharding script
-# sets): ZeRO stages 1 and 2 as a rewrite (passes/sharding.py, the fleet step "sharding").
+# sets): ZeRO stages 1, 2 and 3 as a rewrite (passes/sharding.py, the fleet step "sharding").
 SHARDING_CONFIGS: dict[str, Key] = {
     "sharding_segment_strategy": Key(
         "segment_broadcast_MB",
@@ -353,7 +353,7 @@ SHARDING_CONFIGS: dict[str, Key] = {
         1,
         "int",
         "1: optimizer state sharded; 2: grads too (reduce-scattered as they are made); "
-        "3: params too (UNIMPLEMENTED: refused at minimize)",
+        "3: params too (gathered before their reads in the forward and again in the backward)",
         check=((lambda v: v in (1, 2, 3), "must be 1, 2 or 3"),),
     ),
     "optimize_offload": Key(False, "bool", "optimizer state in host memory (UNIMPLEMENTED)"),

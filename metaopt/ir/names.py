@@ -197,6 +197,15 @@ zero_shard = _tagged(
     "SHARD",
     "This worker's flat 1/N of param or grad `name` over the sharding group (what its sharded update reads).",
 )
+zero_gathered = _tagged(
+    "GATHERED",
+    "ZeRO stage 3: param `name` all-gathered whole from every worker's slice for the forward's reads.",
+)
+zero_regathered = _tagged(
+    "GATHERED@BWD",
+    """ZeRO stage 3: param `name` all-gathered again for the backward's (and recompute's) reads, the
+    forward's copy having been freed after its last forward read.""",
+)
 
 
 # --- local SGD (passes/local_sgd.py) -----------------------------------------------------------

@@ -141,6 +141,30 @@ def all_gather_json(obj: object, what: str) -> list:
     return [json.loads(b) for b in all_gather_bytes(json.dumps(obj).encode(), what)]
 
 
+def broadcast_from_first(tensors: dict[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:
+    """Worker 0's `tensors` on every worker (new tensors; the given ones are left alone), over
+    gloo on the host, flattened into one message per dtype; each wait bounded as in
+    `all_gather_bytes`. Every worker must call it at the same point with the same names, shapes
+    and dtypes (fleet's minimize has checked the programs agree)."""
+    dist = initialized_dist()
+    group = host_group(dist)
+    out: dict[str, torch.Tensor] = {}
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name, t in tensors.items():
+        by_dtype.setdefault(t.dtype, []).append(name)
+    for dtype, keys in by_dtype.items():
+        flat = torch.cat([tensors[k].detach().reshape(-1).cpu() for k in keys])
+        run_gloo(
+            lambda flat=flat: dist.broadcast(flat, 0, group=group, async_op=True), [flat], f"{what} ({dtype})"
+        )
+        at = 0
+        for k in keys:
+            n = tensors[k].numel()
+            out[k] = flat[at : at + n].reshape(tensors[k].shape).clone()
+            at += n
+    return out
+
+
 def host_group(dist):
     """The default group if it is gloo, else (NCCL: device tensors only) a gloo group of all."""
     if dist.get_backend() == "gloo":

@@ -1,6 +1,7 @@
-"""ZeRO sharding, stages 1 and 2: each worker keeps and updates 1/N of the optimizer state.
+"""ZeRO sharding, stages 1 to 3: each worker keeps and updates 1/N of the optimizer state
+(stage 2: of the grads too; stage 3: of the params too).
 
-    plan = plan_sharding(program, degree=2, stage=1, bucket_bytes=32 << 20)
+    plan = plan_sharding(program, degree=2, stage=1, bucket_bytes=32 << 20, index=rank_in_group)
     program = apply_sharding(program, plan)
 
 Every param update the optimizer pass appended runs on flat slices (`metaopt.ir.ZeroShard`:
@@ -27,7 +28,15 @@ their bytes on every worker, in the executor's accounting and in `estimate_memor
   (``passes/data_parallel.py`` with ``scatter_parts``), so a worker holds only its 1/N of each
   grad from its bucket's reduce on; the updates read those slices directly. Communication:
   data parallel's volume (reduce-scatter + all-gather = one all-reduce).
-* **Stage 3** (params held as slices, gathered before each use) is not implemented: refused.
+* **Stage 3**: the params too are held as this worker's flat slices (``w: float32[n/N] param
+  zero_shard(...)``, initial values cut by the plan's `index`), and updated in place as slices
+  (no gather after the update). Before its first read in the forward a bucket of params is
+  all-gathered whole (``w@GATHERED = ShardGather(w, ...)  # role=forward``), and freed after its
+  last forward read like any activation; before its first read in the backward (a grad rule's,
+  or a recompute segment's: the step runs after recompute) it is gathered again
+  (``w@GATHERED@BWD``). Grads are reduce-scattered as they are made (stage 2's). Broadcast_init's
+  startup op leaves the sliced params out: fleet cuts them from worker 0's initial values.
+  Communication: 1.5x data parallel's (a second all-gather of the params per step).
 
 An op that reads every grad whole before the updates (global-norm clipping) is swapped for its
 row's ``sharded_form`` where the grads are slices (``ShardedClipByGlobalNorm``: one all-reduce
@@ -50,6 +59,7 @@ import torch
 from metaopt.ir import Op, Program, Var, ZeroShard, names, roles, torch_dtype
 from metaopt.ir.printer import fmt_op
 from metaopt.ops import registry
+from metaopt.ops.kernels.partition import take_slice
 from metaopt.ops.kernels.zero import flatten_shapes
 
 GROUP = "sharding"  # the kernels look this worker's sharding group up at run time (ops/kernels/zero.py)
@@ -69,6 +79,7 @@ class ShardedParam:
     state_bytes: int  # its state's bytes, unsharded
     state_slice_bytes: int  # its state's bytes as each worker holds them (padded 1/N per tensor)
     grad_sliced: bool = False  # its grad is this worker's slice already: no ShardSlice of it
+    slice_bytes: int = 0  # the param's bytes as each worker holds them in stage 3 (padded 1/N)
 
 
 @dataclass
@@ -80,12 +91,28 @@ class GatherBucket:
 
 
 @dataclass
+class ParamGather:
+    """Stage 3: params all-gathered whole right before op `before`, their first reader in the
+    forward (or, `backward`, in the backward and its recomputes)."""
+
+    params: list[str]
+    nbytes: int
+    before: int
+    backward: bool
+
+
+@dataclass
 class ShardingPlan:
     degree: int
     stage: int
     bucket_bytes: int
+    index: int = 0  # this worker's chunk (stage 3 slices the params' initial values by it)
     params: list[ShardedParam] = field(default_factory=list)
     buckets: list[GatherBucket] = field(default_factory=list)
+    # stage 3: the gathers, and each param's readers in the forward and the backward (op indices)
+    gathers: list[ParamGather] = field(default_factory=list)
+    forward_reads: dict[str, list[int]] = field(default_factory=dict)
+    backward_reads: dict[str, list[int]] = field(default_factory=dict)
     scattered: bool = False  # the grads the updates read are slices already (data parallel's reduce-scatter)
     # ops reading every grad whole (clipping) swapped for their row's form on slices: index -> type
     sharded_forms: dict[int, str] = field(default_factory=dict)
@@ -110,8 +137,22 @@ class ShardingPlan:
         lines = [
             f"sharding stage {self.stage} over {self.degree} workers: {len(self.params)} params, "
             f"optimizer state {self.state_bytes:,} -> {self.state_bytes_per_worker:,} bytes per worker",
-            f"  {grads}; params all-gathered in {len(self.buckets)} bucket(s) ({cap} buckets)",
         ]
+        if self.stage == 3:
+            whole = sum(sp.nbytes for sp in self.params)
+            held = sum(sp.slice_bytes for sp in self.params)
+            lines += [
+                f"  params held as slices: {whole:,} -> {held:,} bytes per worker; {grads}",
+                f"  params all-gathered before their first read in the forward, again in the backward, "
+                f"in {len(self.gathers)} bucket(s) ({cap} buckets), each freed after its last read",
+            ]
+            for g in self.gathers:
+                lines.append(
+                    f"  {'backward' if g.backward else 'forward'} gather before op {g.before}: "
+                    f"{len(g.params)} params, {g.nbytes:,} bytes"
+                )
+            return "\n".join(lines)
+        lines.append(f"  {grads}; params all-gathered in {len(self.buckets)} bucket(s) ({cap} buckets)")
         for k, b in enumerate(self.buckets):
             lines.append(
                 f"  bucket {k}: {len(b.params)} params, {b.nbytes:,} bytes, ops {b.first}..{b.after}"
@@ -119,20 +160,20 @@ class ShardingPlan:
         return "\n".join(lines)
 
 
-def plan_sharding(p: Program, *, degree: int, stage: int = 1, bucket_bytes: int = 32 << 20) -> ShardingPlan:
-    """Which params' updates run sharded, and the buckets their params are gathered in."""
-    if stage == 3:
-        raise NotImplementedError(
-            "sharding_configs['stage']=3 (params held as 1/N slices, gathered before each use in the "
-            "forward and backward) is not implemented yet: use stage 1 or 2"
-        )
-    if stage not in (1, 2):
+def plan_sharding(
+    p: Program, *, degree: int, stage: int = 1, bucket_bytes: int = 32 << 20, index: int = 0
+) -> ShardingPlan:
+    """Which params' updates run sharded, and the buckets their params are gathered in (stage
+    3: before their reads; `index`, this worker's chunk, slices their initial values)."""
+    if stage not in (1, 2, 3):
         raise ShardingError(f"sharding: stage must be 1, 2 or 3, got {stage!r}")
     if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
         raise ShardingError(f"sharding: degree must be an int >= 1, got {degree!r}")
     if bucket_bytes < 0:
         raise ShardingError(f"sharding: bucket_bytes must be >= 0, got {bucket_bytes}")
-    plan = ShardingPlan(degree, stage, bucket_bytes)
+    if not 0 <= index < degree:
+        raise ShardingError(f"sharding: index (this worker's chunk) must be in 0..{degree - 1}, got {index}")
+    plan = ShardingPlan(degree, stage, bucket_bytes, index)
     producers = p.producers()
     sliced = {n for n, v in p.vars.items() if v.zero is not None}  # grads reduce-scattered
     for i, op in enumerate(p.ops):
@@ -151,6 +192,9 @@ def plan_sharding(p: Program, *, degree: int, stage: int = 1, bucket_bytes: int 
             )
         plan.params.append(sp)
     plan.scattered = any(sp.grad_sliced for sp in plan.params)
+    if stage == 3:
+        _plan_param_gathers(p, plan)
+        return plan
     current: GatherBucket | None = None
     for sp in plan.params:
         fits = current is not None and bucket_bytes > 0 and current.nbytes + sp.nbytes <= bucket_bytes
@@ -162,6 +206,54 @@ def plan_sharding(p: Program, *, degree: int, stage: int = 1, bucket_bytes: int 
             current = GatherBucket([sp.param], sp.nbytes, sp.update, sp.update)
             plan.buckets.append(current)
     return plan
+
+
+def _plan_param_gathers(p: Program, plan: ShardingPlan) -> None:
+    """Stage 3: each sharded param's readers, by phase, and the buckets it is gathered in."""
+    info = {sp.param: sp for sp in plan.params}
+    fwd: dict[str, list[int]] = {x: [] for x in info}
+    bwd: dict[str, list[int]] = {x: [] for x in info}
+    for i, op in enumerate(p.ops):
+        if roles.is_startup(op.role):
+            continue  # broadcast_init's: the sliced params leave it (their values are rank 0's)
+        for x in dict.fromkeys(op.inputs):
+            if x not in info or i == info[x].update:
+                continue
+            phase = roles.phase(op.role)
+            if phase == roles.FORWARD:
+                fwd[x].append(i)
+            elif phase == roles.BACKWARD:
+                bwd[x].append(i)
+            else:
+                raise NotImplementedError(
+                    f"sharding stage 3: `{fmt_op(op)}` (role {op.role}) reads param {x!r} whole outside "
+                    "the forward and backward: gathering it there is not implemented"
+                )
+    plan.forward_reads, plan.backward_reads = fwd, bwd
+    plan.gathers = _gather_buckets(p, plan, fwd, False) + _gather_buckets(p, plan, bwd, True)
+
+
+def _gather_buckets(
+    p: Program, plan: ShardingPlan, reads: dict[str, list[int]], backward: bool
+) -> list[ParamGather]:
+    """Params in the order of their first read, grouped up to `bucket_bytes` of one dtype; a
+    bucket is gathered before its first param's first read."""
+    info = {sp.param: sp for sp in plan.params}
+    out: list[ParamGather] = []
+    for first, x in sorted((r[0], x) for x, r in reads.items() if r):
+        g = out[-1] if out else None
+        n = info[x].nbytes
+        if (
+            g is not None
+            and plan.bucket_bytes
+            and g.nbytes + n <= plan.bucket_bytes
+            and (p.vars[g.params[0]].dtype == p.vars[x].dtype)
+        ):
+            g.params.append(x)
+            g.nbytes += n
+        else:
+            out.append(ParamGather([x], n, first, backward))
+    return out
 
 
 def _sharded_form(op: Op, row: Any) -> str:
@@ -214,7 +306,8 @@ def _sharded_param(p: Program, i: int, op: Op, row: Any, grad_sliced: bool, degr
     held = sum(
         ZeroShard(degree, tuple(pv.shape)).local_numel * torch_dtype(p.vars[s].dtype).itemsize for s in states
     )
-    return ShardedParam(param, grad, states, i, n, whole, held, grad_sliced)
+    own = ZeroShard(degree, tuple(pv.shape)).local_numel * torch_dtype(pv.dtype).itemsize
+    return ShardedParam(param, grad, states, i, n, whole, held, grad_sliced, own)
 
 
 def sharding(p: Program, **config: Any) -> Program:
@@ -230,19 +323,72 @@ def apply_sharding(p: Program, plan: ShardingPlan) -> Program:
     ends = {b.after: b for b in plan.buckets}
     info = {sp.param: sp for sp in plan.params}
     attrs = {"group": GROUP, "parts": plan.degree}
+    held = plan.stage == 3
+    gathers_at: dict[int, list[ParamGather]] = {}
+    for g in plan.gathers:
+        gathers_at.setdefault(g.before, []).append(g)
+    renames = _stage3_renames(plan) if held else {}
+    if held:
+        _hold_params(q, p, plan)
     ops: list[Op] = []
     for i, op in enumerate(p.ops):
+        if held and roles.is_startup(op.role):
+            op = dataclasses.replace(op, inputs=[x for x in op.inputs if x not in info])
+            if not op.inputs:
+                continue
         if i in plan.sharded_forms:
             op = _on_slices(q, p, op, plan.sharded_forms[i], attrs)
-        if i in starts:
+        for g in gathers_at.get(i, []):
+            ops.append(_param_gather_op(q, p, g, attrs))
+        if i in renames:
+            op = dataclasses.replace(op, inputs=[renames[i].get(x, x) for x in op.inputs])
+        if held and i in by_op and not by_op[i].grad_sliced:
+            ops.append(_slice_op(q, [by_op[i]], attrs, params_too=False))
+        elif i in starts:
             ops.append(_slice_op(q, [info[x] for x in starts[i].params], attrs))
         if i in by_op:
-            op = _sliced_update(q, op, by_op[i], plan.degree)
+            op = _sliced_update(q, op, by_op[i], plan.degree, held)
         ops.append(op)
         if i in ends:
             ops.append(_gather_op(q, p, [info[x] for x in ends[i].params], attrs))
     q.ops = ops
     return q
+
+
+def _stage3_renames(plan: ShardingPlan) -> dict[int, dict[str, str]]:
+    """Op index -> {param: the gathered copy it reads}: the forward's, or the backward's."""
+    out: dict[int, dict[str, str]] = {}
+    for reads, name in (
+        (plan.forward_reads, names.zero_gathered),
+        (plan.backward_reads, names.zero_regathered),
+    ):
+        for x, idx in reads.items():
+            for i in idx:
+                out.setdefault(i, {})[x] = name(x)
+    return out
+
+
+def _hold_params(q: Program, p: Program, plan: ShardingPlan) -> None:
+    """Stage 3: each sharded param declared, and valued, as this worker's flat slice."""
+    for sp in plan.params:
+        v = p.vars[sp.param]
+        zs = ZeroShard(plan.degree, tuple(v.shape))
+        q.vars[sp.param] = dataclasses.replace(v, shape=(zs.local_numel,), zero=zs)
+        q.vars[sp.param].program = q
+        q.values[sp.param] = take_slice(p.values[sp.param], plan.degree, plan.index)
+
+
+def _param_gather_op(q: Program, p: Program, g: ParamGather, attrs: dict) -> Op:
+    """Stage 3: ``ShardGather`` of a bucket's param slices into whole copies for their readers."""
+    made = names.zero_regathered if g.backward else names.zero_gathered
+    outs = []
+    for x in g.params:
+        v = p.vars[x]
+        outs.append(_fresh(q, made(x)))
+        q.add_var(Var(outs[-1], v.dtype, tuple(v.shape), "activation"))
+    shapes = [list(p.vars[x].shape) for x in g.params]
+    role = roles.BACKWARD if g.backward else roles.FORWARD
+    return Op("ShardGather", list(g.params), outs, {**attrs, **flatten_shapes(shapes)}, role=role)
 
 
 def _shard_var(q: Program, name: str, full: Var, degree: int, kind: str) -> str:
@@ -262,16 +408,18 @@ def _on_slices(q: Program, p: Program, op: Op, form: str, attrs: dict) -> Op:
     return dataclasses.replace(op, type=form, attrs={**op.attrs, **attrs})
 
 
-def _slice_op(q: Program, params: list[ShardedParam], attrs: dict) -> Op:
-    """``ShardSlice`` of each param of a bucket (and, in stage 1, of its whole grad)."""
+def _slice_op(q: Program, params: list[ShardedParam], attrs: dict, *, params_too: bool = True) -> Op:
+    """``ShardSlice`` of each param of a bucket (stage 3 holds them sliced: not theirs) and of its
+    whole grads (those data parallel did not reduce-scatter)."""
     ins, outs = [], []
     for sp in params:
-        ins.append(sp.param)
-        outs.append(
-            _shard_var(
-                q, _fresh(q, names.zero_shard(sp.param)), q.vars[sp.param], attrs["parts"], "activation"
+        if params_too:
+            ins.append(sp.param)
+            outs.append(
+                _shard_var(
+                    q, _fresh(q, names.zero_shard(sp.param)), q.vars[sp.param], attrs["parts"], "activation"
+                )
             )
-        )
         if not sp.grad_sliced:
             ins.append(sp.grad)
             outs.append(
@@ -286,11 +434,20 @@ def _fresh(q: Program, name: str) -> str:
     return name
 
 
-def _sliced_update(q: Program, op: Op, sp: ShardedParam, degree: int) -> Op:
+def _sliced_update(q: Program, op: Op, sp: ShardedParam, degree: int, held: bool = False) -> Op:
     """The update on this worker's slices: its param and grad inputs are the slices, its state
-    vars (and their new values) are declared as slices, initial zeros of the slice's length."""
-    param_slice = names.zero_shard(sp.param)
+    vars (and their new values) are declared as slices, initial zeros of the slice's length.
+    Stage 3 (`held`): the param is a slice already and its new value stays one."""
     grad = sp.grad if sp.grad_sliced else names.zero_shard(sp.grad)
+    if held:
+        new = op.outputs[0]
+        _shard_var(q, new, q.vars[new], degree, q.vars[new].kind)
+        for s, out in zip(sp.states, op.outputs[1:], strict=True):
+            _shard_var(q, s, q.vars[s], degree, "opt_state")
+            _shard_var(q, out, q.vars[out], degree, q.vars[out].kind)
+            q.values[s] = torch.zeros(q.vars[s].shape, dtype=torch_dtype(q.vars[s].dtype))
+        return dataclasses.replace(op, inputs=[sp.param, grad, *op.inputs[2:]], attrs=dict(op.attrs))
+    param_slice = names.zero_shard(sp.param)
     full = q.vars[sp.param]
     for s, new in zip(sp.states, op.outputs[1:], strict=True):
         _shard_var(q, s, q.vars[s], degree, "opt_state")

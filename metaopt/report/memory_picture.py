@@ -266,23 +266,27 @@ def unit_for(nbytes: float) -> tuple[str, float]:
 
 
 def persistable_breakdown(program: Program) -> str:
-    """One line: params, optimizer state (with ZeRO: this worker's share of the whole state) and
-    the rest (buffers, counters, constants), as this worker holds them."""
-    params = state = state_whole = other = 0
+    """One line: params, optimizer state (with ZeRO: this worker's share of the whole state; at
+    stage 3 of the whole params too) and the rest (buffers, counters, constants), as this worker
+    holds them."""
+    held = {"param": 0, "opt_state": 0}
+    whole = {"param": 0, "opt_state": 0}
+    other = 0
     for v in program.vars.values():
         if not v.persistable or v.shape is None:
             continue
         n = v.nbytes({}) or 0
-        if v.kind == "param":
-            params += n
-        elif v.kind == "opt_state":
-            state += n
-            itemsize = torch_dtype(v.dtype).itemsize
-            state_whole += v.zero.full_numel * itemsize if v.zero is not None else n
-        else:
+        if v.kind not in held:
             other += n
+            continue
+        held[v.kind] += n
+        whole[v.kind] += v.zero.full_numel * torch_dtype(v.dtype).itemsize if v.zero is not None else n
     zero = {v.zero.parts for v in program.vars.values() if v.zero is not None and v.persistable}
-    text = f"params {human_bytes(params)}, optimizer state {human_bytes(state)}"
+    share = f"this worker's 1/{max(zero)} of" if zero else ""
+    params = human_bytes(held["param"])
+    if zero and whole["param"] != held["param"]:
+        params += f" (ZeRO: {share} {human_bytes(whole['param'])})"
+    text = f"params {params}, optimizer state {human_bytes(held['opt_state'])}"
     if zero:
-        text += f" (ZeRO: this worker's 1/{max(zero)} of {human_bytes(state_whole)})"
+        text += f" (ZeRO: {share} {human_bytes(whole['opt_state'])})"
     return text + f", other {human_bytes(other)}"

@@ -2,7 +2,8 @@
 
 Each case "model:stage:optimizer[:extra]" exports its model (the same seed on every worker),
 minimizes it with fleet's strategy.sharding at sharding_degree = the world size, trains STEPS
-steps and writes `<out>/<case>.rank<r>.pt`: losses, params, and the executor's measured bytes
+steps and writes `<out>/<case>.rank<r>.pt`: losses, params (whole: stage 3's slices gathered),
+and the executor's measured bytes
 beside `estimate_memory`'s prediction. Every worker is fed the whole batch (the same data):
 data parallel then averages equal grads, which is exact, so a sharded run must equal one
 process bit for bit and any difference is sharding's. The "mlp" cases feed each worker its own
@@ -66,7 +67,10 @@ def train_case(case: str, rank: int, world: int) -> dict:
     state = {v.name: v for v in main.vars.values() if v.kind == "opt_state" and v.zero is not None}
     return {
         "losses": losses,
-        "params": {v.name: exe.scope[v.name].clone() for v in main.params()},
+        "params": _whole_params(exe, main),
+        "param_bytes": sum(
+            exe.scope[v.name].numel() * exe.scope[v.name].element_size() for v in main.params()
+        ),
         "measured_persistable": stats["persistable_bytes"],
         "predicted_persistable": predicted.persistable_bytes,
         "measured_peak": stats["peak_bytes"],
@@ -78,6 +82,25 @@ def train_case(case: str, rank: int, world: int) -> dict:
         "held": {n: exe.scope[n].clone() for n in _saved(main)},
         "sent": {g: torch.as_tensor(t) for g, t in zip(grads, sent, strict=True)},
     }
+
+
+def _whole_params(exe: metaopt.Executor, main: metaopt.Program) -> dict[str, torch.Tensor]:
+    """Every param whole: a stage-3 param (this worker's slice) all-gathered over its sharding group."""
+    import torch.distributed as dist
+
+    from metaopt.layout.groups import axis_ranks, group_of, timeout
+    from metaopt.ops.kernels.partition import join_slices
+
+    out = {}
+    for v in main.params():
+        t = exe.scope[v.name]
+        if v.zero is not None:
+            ranks = axis_ranks("sharding") or list(range(dist.get_world_size()))
+            rows = [torch.empty_like(t) for _ in ranks]
+            dist.all_gather(rows, t, group=group_of(ranks, timeout()))
+            t = join_slices(rows, v.zero.full)
+        out[v.name] = t.clone()
+    return out
 
 
 def _sent_grads(main: metaopt.Program) -> list[str]:

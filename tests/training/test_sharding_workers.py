@@ -30,16 +30,23 @@ GROUPS = {
         "hf-gpt2:0:adam:recompute",
         "hf-gpt2:1:adam:recompute",
         "hf-gpt2:2:adam:recompute",
+        "hf-gpt2:3:adam:recompute",
     ],
-    "gpt2-sgd-fp16": ["hf-gpt2:0:sgd:fp16", "hf-gpt2:1:sgd:fp16", "hf-gpt2:2:sgd:fp16"],
+    "gpt2-sgd-fp16": ["hf-gpt2:0:sgd:fp16", "hf-gpt2:1:sgd:fp16", "hf-gpt2:2:sgd:fp16", "hf-gpt2:3:sgd:fp16"],
     "llama-momentum-bf16": [
         "hf-llama:0:momentum:bf16",
         "hf-llama:1:momentum:bf16",
         "hf-llama:2:momentum:bf16",
+        "hf-llama:3:momentum:bf16",
     ],
-    "bert-adamw-clip": ["hf-bert:0:adamw:clip", "hf-bert:1:adamw:clip", "hf-bert:2:adamw:clip"],
+    "bert-adamw-clip": [
+        "hf-bert:0:adamw:clip",
+        "hf-bert:1:adamw:clip",
+        "hf-bert:2:adamw:clip",
+        "hf-bert:3:adamw:clip",
+    ],
 }
-# "save": the 4 workers' stage-2 checkpoint, which "load" reads at sharding 2 (stage 1)
+# "save": the 4 workers' stage-3 checkpoint, which "load" reads at sharding 2 (stage 1)
 # "lamb" / "lars": Fleet's meta optimizers (Adam / Momentum wrapped) under data parallel alone
 LAYERWISE = ["mlp:0:lamb", "mlp:0:lars"]
 FP16_ALLREDUCE = "mlp:0:sgd:fp16ar"  # strategy.fp16_allreduce
@@ -54,7 +61,13 @@ TWO = [c for cases in GROUPS.values() for c in cases] + [
     LOCAL_SGD,
     *MERGED,
 ]
-FOUR = ["hf-gpt2:0:adam:recompute", "hf-gpt2:2:adam:recompute:save", "hf-llama:1:sgd", "mlp:1:momentum"]
+FOUR = [
+    "hf-gpt2:0:adam:recompute",
+    "hf-gpt2:3:adam:recompute:save",
+    "hf-llama:1:sgd",
+    "hf-llama:3:sgd",
+    "mlp:1:momentum",
+]
 HYBRID = ["mlp:1:momentum", "mlp:2:momentum"]  # dp_degree 2 x sharding_degree 2: state halved
 TOL = {"rtol": 1e-5, "atol": 4e-5}
 
@@ -128,7 +141,7 @@ def test_a_sharded_run_equals_data_parallel_bit_for_bit_on_every_worker(runs, wo
             assert got["losses"] == want["losses"], (case, r)
             differ = [k for k in want["params"] if not torch.equal(got["params"][k], want["params"][k])]
             assert not differ, f"{case} worker {r}: params differ from data parallel: {differ[:5]}"
-    assert compared == (2 * 10 if world == 2 else 4)
+    assert compared == (2 * 14 if world == 2 else 4)
 
 
 @pytest.mark.parametrize(
@@ -154,7 +167,7 @@ def test_two_workers_equal_one_process(runs, case):
             )
 
 
-@pytest.mark.parametrize("world, case", [(4, "hf-llama:1:sgd"), (4, "mlp:1:momentum")])
+@pytest.mark.parametrize("world, case", [(4, "hf-llama:1:sgd"), (4, "hf-llama:3:sgd"), (4, "mlp:1:momentum")])
 def test_four_workers_equal_one_process(runs, world, case):
     ref = _one_process(case)
     ranks = _ranks(runs, world, case)
@@ -188,17 +201,22 @@ def test_each_worker_holds_its_share_of_the_optimizer_state_measured_as_predicte
             assert want < sum(numel.values()) * itemsize / world + len(numel) * itemsize  # 1/N + padding
 
 
-def test_both_stages_reduce_scatter_and_hold_less_at_the_peak(runs):
-    one, two = (_ranks(runs, 2, f"hf-gpt2:{s}:adam:recompute")[0] for s in (1, 2))
+def test_every_stage_reduce_scatters_and_holds_less_at_the_peak(runs):
+    one, two, three = (_ranks(runs, 2, f"hf-gpt2:{s}:adam:recompute")[0] for s in (1, 2, 3))
     base = _ranks(runs, 2, "hf-gpt2:0:adam:recompute")[0]
-    assert two["scattered"] >= 1 and one["scattered"] >= 1 and base["scattered"] == 0
+    assert min(r["scattered"] for r in (one, two, three)) >= 1 and base["scattered"] == 0
 
-    # (where each stage's reduce-scatters go: tests/passes/test_sharding.py; here one 1 MB bucket)
+    # (where each stage's reduce-scatters go: tests/passes/test_sharding.py; here 0.01 MB buckets)
     assert "zero_shard(parts=2" in two["program"]
-    assert two["measured_peak"] <= one["measured_peak"] < base["measured_peak"]
-    assert all(r["measured_peak"] == r["predicted_peak"] for r in (one, two, base))
+    assert three["measured_peak"] < two["measured_peak"] <= one["measured_peak"] < base["measured_peak"]
+    assert all(r["measured_peak"] == r["predicted_peak"] for r in (one, two, three, base))
     # the Adam state alone: half of it gone per worker
     assert base["measured_persistable"] - one["measured_persistable"] == one["state_bytes"]
+    # stage 3: the params too, each held as its padded half
+    whole = sum(t.numel() * t.element_size() for t in base["params"].values())
+    half = sum(-(-t.numel() // 2) * t.element_size() for t in base["params"].values())
+    assert base["param_bytes"] == whole and three["param_bytes"] == half
+    assert two["measured_persistable"] - three["measured_persistable"] == whole - half
 
 
 def _whole_checkpoint(folder: Path) -> dict[str, torch.Tensor]:
@@ -226,19 +244,21 @@ def _whole_checkpoint(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def test_a_checkpoint_of_four_sharded_workers_loads_at_sharding_two_and_in_one_process(runs):
-    """Stage 2 at sharding 4 saves; stage 1 at sharding 2 and one unsharded process load it: each
-    holds exactly its part of the same whole values (params whole, state its padded 1/N)."""
+    """Stage 3 at sharding 4 saves; stage 1 at sharding 2 and one unsharded process load it: each
+    holds exactly its part of the same whole values (state its padded 1/N; params whole, or
+    their padded 1/N at stage 3)."""
     from metaopt.ops.kernels.partition import take_slice
 
     whole = _whole_checkpoint(runs["ckpt"])
-    params = _ranks(runs, 4, "hf-gpt2:2:adam:recompute:save")[0]["params"]
+    params = _ranks(runs, 4, "hf-gpt2:3:adam:recompute:save")[0]["params"]
     states = [n for n in whole if n not in params]  # by kind (the worker's params), not by name
     assert states and len(states) == 2 * (len(whole) - len(states))  # Adam: 2 moments per param
-    for world, case in ((4, "hf-gpt2:2:adam:recompute:save"), (2, "hf-gpt2:1:adam:recompute:load")):
+    for world, case in ((4, "hf-gpt2:3:adam:recompute:save"), (2, "hf-gpt2:1:adam:recompute:load")):
         for r, got in enumerate(_ranks(runs, world, case)):
             assert got["held"].keys() == whole.keys()
             for n, t in whole.items():
-                want = take_slice(t, world, r) if n in states else t
+                sliced = n in states or ":3:" in case
+                want = take_slice(t, world, r) if sliced else t
                 assert torch.equal(got["held"][n], want), (world, case, r, n)
 
 
