@@ -18,13 +18,16 @@ k runs; recompute after data parallel (its re-emitted forward ops land before th
 ops, whatever collectives are there; beside tensor parallel they re-run TPReduce, which every
 MP rank reaches in the same order, as every rank runs the same program); the partition after
 recompute (it slices recompute's checkpoints) and offload after both (it moves the
-checkpoints, or their slices where partitioned); the pipeline splits the finished
+checkpoints, or their slices where partitioned); sharding after them (stage 3 gathers a param
+again before its first backward read, a recompute segment's included, and data parallel has
+already made the grads it slices); the pipeline splits the finished
 single-process program, so every
 recompute and offload op follows the forward var it stems from to its stage; unscaling
 comes late so it checks the grads the updates read (after any all-reduce, on every
 stage) and master weights rewire those updates; updates move into the backward last, so
 they follow every op that reads a param (recomputed forward ops included), every
-all-reduce and every op another step added to the update phase.
+all-reduce and every op another step added to the update phase; the pipeline's stage programs
+are cut into the schedule's phases at the very end, when nothing changes them any more.
 
 A step's ``enabled`` says why it runs or not (``opt.plan()`` prints every row); its
 ``check`` refuses a configuration before any step rewrites anything. Adding a feature
@@ -1107,9 +1110,9 @@ STEPS: tuple[Step, ...] = (
         _sharding,
         plan=_sh_plan,
         check=_sh_check,
-        doc="updates on 1/N slices: optimizer state (stage 2: grads) sharded",
+        doc="updates on 1/N slices: optimizer state (stage 2: grads; stage 3: params) sharded",
         meta="sharding",
-        reads=("strategy", "world_size"),
+        reads=("rank", "strategy", "world_size"),
     ),
     Step(
         "pipeline_split",
