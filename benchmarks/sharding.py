@@ -6,11 +6,12 @@ Model states (ZeRO paper, with metaopt's float32 Adam: 4 bytes of param, 4 of gr
 optimizer state per parameter, Psi parameters):
 
 * formula: stage 0 (data parallel) 16 Psi; stage 1 8 Psi + 8 Psi/N; stage 2 4 Psi + 12 Psi/N;
-  stage 3 16 Psi/N (stage 3 is not implemented: formula only).
+  stage 3 16 Psi/N.
 * predicted: the bytes the rewritten program declares on one worker, from its vars: params
-  (whole), optimizer state (``zero_shard`` slices: padded 1/N per tensor), grads at the peak
-  (stage 0 and 1: every grad whole at the end of the backward; stage 2: every grad's 1/N slice
-  plus the largest reduce-scatter bucket still whole). GPT-2 124M: Hugging Face's GPT2Config
+  (whole; stage 3: padded 1/N slices plus the largest gathered bucket in flight), optimizer
+  state (``zero_shard`` slices: padded 1/N per tensor), grads at the peak (stage 0 and 1: every
+  grad whole at the end of the backward; stages 2 and 3: every grad's 1/N slice plus the
+  largest reduce-scatter bucket still whole). GPT-2 124M: Hugging Face's GPT2Config
   exported and rewritten at each N (`data_parallel` + `sharding`, what fleet runs). LLaMA-7B:
   its parameter shapes (built on the meta device, no weights) under the same slice rule
   (`ZeroShard.local_numel`), as exporting 7B parameters does not fit this machine.
@@ -37,7 +38,7 @@ from common import RESULTS, machine
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 MB = 2**20
-STAGES = (0, 1, 2)
+STAGES = (0, 1, 2, 3)
 DEGREES = (1, 2, 4, 8)
 SMALL = {"n_embd": 256, "n_layer": 4, "n_head": 4, "vocab_size": 8192, "n_positions": 64}
 
@@ -82,7 +83,7 @@ def predicted_from_program(p, stage: int, n: int, bucket_mb: int = 32) -> dict:
     """Per-worker model-state bytes of `p` rewritten as fleet does at sharding `n`, stage `stage`."""
     from metaopt.passes.data_parallel import data_parallel, plan_data_parallel
     from metaopt.passes.optimize import update_grads
-    from metaopt.passes.sharding import sharding
+    from metaopt.passes.sharding import apply_sharding, plan_sharding
 
     grads = update_grads(p)
     q = p
@@ -96,12 +97,15 @@ def predicted_from_program(p, stage: int, n: int, bucket_mb: int = 32) -> dict:
         }
         dp_plan = plan_data_parallel(p, grads=grads, **how)
         q = data_parallel(p, grads=grads, **how)
+    gathered = 0
     if stage >= 1:
-        q = sharding(q, degree=n, stage=stage, bucket_bytes=bucket_mb * MB)
-    params = sum(v.nbytes({}) for v in q.vars.values() if v.kind == "param")
+        plan = plan_sharding(q, degree=n, stage=stage, bucket_bytes=bucket_mb * MB)
+        gathered = max((g.nbytes for g in plan.gathers), default=0) if n > 1 else 0
+        q = apply_sharding(q, plan)
+    params = sum(v.nbytes({}) for v in q.vars.values() if v.kind == "param") + gathered
     state = sum(v.nbytes({}) for v in q.vars.values() if v.kind == "opt_state" and v.shape)
     whole_grads = sum(p.vars[g].nbytes({}) for g in grads)
-    if stage == 2 and n > 1:
+    if stage >= 2 and n > 1:
         from metaopt.ir import names
 
         sliced = sum(q.vars[names.reduced(g)].nbytes({}) for g in grads)
@@ -130,10 +134,13 @@ def llama7b_predicted(stage: int, n: int) -> tuple[int, dict]:
     psi = sum(torch.Size(s).numel() for s in shapes)
     sliced = sum(ZeroShard(n, s).local_numel for s in shapes)
     state = 8 * (sliced if stage >= 1 else psi)
-    grads = 4 * (sliced if stage == 2 else psi)  # stage 2: plus one bucket in flight (32 MB)
-    if stage == 2 and n > 1:
+    grads = 4 * (sliced if stage >= 2 else psi)  # stages 2, 3: plus one bucket in flight (32 MB)
+    params = 4 * (sliced if stage == 3 else psi)  # stage 3: plus one gathered bucket (32 MB)
+    if stage >= 2 and n > 1:
         grads += 32 * MB
-    return psi, {"params": 4 * psi, "grads": grads, "state": state, "total": 4 * psi + grads + state}
+    if stage == 3 and n > 1:
+        params += 32 * MB
+    return psi, {"params": params, "grads": grads, "state": state, "total": params + grads + state}
 
 
 # --- measured on gloo workers --------------------------------------------------------------------
@@ -166,7 +173,7 @@ def measured(world: int, quick: bool) -> dict:
 
 
 def worker(out: str, quick: bool) -> None:
-    """One gloo worker: GPT-2 (SMALL) at stages 0, 1, 2; rank 0 writes the results."""
+    """One gloo worker: GPT-2 (SMALL) at stages 0 to 3; rank 0 writes the results."""
     import metaopt
     from metaopt import fleet
     from metaopt.passes.memory_estimate import estimate_memory

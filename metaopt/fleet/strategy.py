@@ -460,7 +460,7 @@ FIELDS: dict[str, Key] = {
         False, "bool", "LARS: the Momentum optimizer's updates made layer-wise adaptive (lars_configs)"
     ),
     "sharding": Key(
-        False, "bool", "ZeRO: optimizer state (stage 2: and grads) split over workers (sharding_configs)"
+        False, "bool", "ZeRO: optimizer state (2: grads, 3: params) split over workers (sharding_configs)"
     ),
     "tensor_parallel": Key(False, "bool", "tensor (model) parallel layers (tensor_parallel_configs)"),
     # communication flags of data parallel
