@@ -636,6 +636,28 @@ def _sharding(p: Program, plan: Any, ctx: Context) -> Program:
     return apply_sharding(p, plan)
 
 
+def _offload_state_on(ctx: Context) -> tuple[bool, str]:
+    s = ctx.strategy
+    if not s.sharding:
+        return False, "strategy.sharding=False"
+    on = bool(s.sharding_configs["optimize_offload"])
+    return on, f"sharding_configs['optimize_offload']={on}"
+
+
+def _offload_state_plan(p: Program, ctx: Context) -> Any:
+    from metaopt.passes.state_offload import plan_state_offload
+
+    return plan_state_offload(
+        p, bucket_bytes=int(ctx.strategy.sharding_configs["segment_broadcast_MB"] * 2**20)
+    )
+
+
+def _offload_state(p: Program, plan: Any, ctx: Context) -> Program:
+    from metaopt.passes.state_offload import apply_state_offload
+
+    return apply_state_offload(p, plan)
+
+
 def sharding_errors(strategy: Any, topo: Topology, world_size: int) -> list[Exception]:
     """A sharding axis nothing shards over, or a sharding degree that is not the layout's."""
     if not strategy.sharding:
@@ -1113,6 +1135,15 @@ STEPS: tuple[Step, ...] = (
         doc="updates on 1/N slices: optimizer state (stage 2: grads; stage 3: params) sharded",
         meta="sharding",
         reads=("rank", "strategy", "world_size"),
+    ),
+    Step(
+        "state_offload",
+        _offload_state_on,
+        _offload_state,
+        plan=_offload_state_plan,
+        doc="optimizer state held in host memory, brought to the device per bucket for its updates",
+        meta="sharding",
+        reads=("strategy",),
     ),
     Step(
         "pipeline_split",

@@ -356,7 +356,9 @@ SHARDING_CONFIGS: dict[str, Key] = {
         "3: params too (gathered before their reads in the forward and again in the backward)",
         check=((lambda v: v in (1, 2, 3), "must be 1, 2 or 3"),),
     ),
-    "optimize_offload": Key(False, "bool", "optimizer state in host memory (UNIMPLEMENTED)"),
+    "optimize_offload": Key(
+        False, "bool", "optimizer state in host memory, brought to the device per bucket for its updates"
+    ),
     "hybrid_dp": Key(
         False,
         "bool",
@@ -527,7 +529,6 @@ UNIMPLEMENTED: dict[str, str] = {
         "them (replicated ones from rank 0, split ones within the data-parallel group)"
     ),
     "sharding_configs.sharding_segment_strategy": "the all-gather is bucketed by segment_broadcast_MB",
-    "sharding_configs.optimize_offload": "the optimizer state stays in device memory, sharded 1/N",
     "sharding_configs.hybrid_dp": "data parallel beside sharding comes from hybrid_configs' dp_degree",
     "sharding_configs.gradient_merge_acc_step": "gradients are merged by strategy.gradient_merge",
     "sharding_configs.optimize_cast": "master weights are amp_configs['use_pure_fp16']'s",

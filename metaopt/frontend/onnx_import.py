@@ -22,7 +22,7 @@ from metaopt.frontend import onnx_save
 from metaopt.frontend.attrs import attr_value, tensor_value
 from metaopt.frontend.sequences import split_sequences
 from metaopt.ir import Op, Program, Var, did_you_mean, dtype_name, torch_dtype_from_onnx
-from metaopt.ir.program import GradientMergeInfo, PipelineInfo, Split, ZeroShard
+from metaopt.ir.program import PERSISTABLE_KINDS, GradientMergeInfo, PipelineInfo, Split, ZeroShard
 from metaopt.ir.roles import ROLES
 from metaopt.ops import registry
 
@@ -308,6 +308,7 @@ def to_program(
                 trainable=trainable,
                 split=split,
                 zero=zero,
+                host=m.get(onnx_save.HOST_KEY) == "1" and kind in PERSISTABLE_KINDS,
             )
         except ValueError as e:  # a split that does not fit the shape
             raise ImportError_(f"initializer {t.name!r}: {e}") from None

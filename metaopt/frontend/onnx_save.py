@@ -41,6 +41,7 @@ EXTRA_ATTR_PREFIX = "metaopt.extra_attr."
 DEVICE_KEY = "metaopt.device"  # Var.device: the one kind of device whose kernels make the var
 SPLIT_KEY = "metaopt.split"  # a tensor-parallel var's layout (Var.split), JSON: axis, parts, blocks
 ZERO_KEY = "metaopt.zero_shard"  # a ZeRO-sharded var's layout (Var.zero), JSON: parts, full
+HOST_KEY = "metaopt.host"  # "1": a persistable held in host memory (Var.host)
 OP_FIELD_PREFIX = "metaopt."
 DISCARDED_KEY = "metaopt.discarded_outputs"  # output positions named only for the ONNX checker
 DISCARDED_SUFFIX = "@DISCARDED"
@@ -166,6 +167,8 @@ def to_model_proto(p: Program, values: Mapping[str, torch.Tensor] | None = None)
             if v.zero is not None:
                 zs = {"parts": v.zero.parts, "full": list(v.zero.full)}
                 vi.metadata_props.add(key=ZERO_KEY, value=json.dumps(zs))
+            if v.host:
+                vi.metadata_props.add(key=HOST_KEY, value="1")
     opsets = [helper.make_opsetid("", OPSET)]
     functions = []
     if DOMAIN in used_domains:

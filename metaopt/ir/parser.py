@@ -161,6 +161,9 @@ def _parse_var(text: str) -> tuple[Var, torch.Tensor | None]:
             trainable = False
     split = _split(t) if _at_layout(t, "split") else None
     zero = _zero(t) if _at_layout(t, "zero_shard") else None
+    host = t.peek() == ("name", "host")
+    if host:
+        t.next()
     device = None
     if t.peek() == ("name", "on"):
         t.next()
@@ -173,7 +176,7 @@ def _parse_var(text: str) -> tuple[Var, torch.Tensor | None]:
     if not t.done():
         raise ValueError(f"unexpected {t.peek()[1]!r}")  # type: ignore[index]
     return Var(
-        name, dtype, shape, kind=kind, trainable=trainable, split=split, device=device, zero=zero
+        name, dtype, shape, kind=kind, trainable=trainable, split=split, device=device, zero=zero, host=host
     ), value
 
 

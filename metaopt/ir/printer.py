@@ -97,6 +97,8 @@ def fmt_var(var: Var, value: torch.Tensor | None) -> str:
         s += f" {var.split}"
     if var.zero is not None:  # one worker's flat 1/parts (ZeRO sharding)
         s += f" {var.zero}"
+    if var.host:  # held in host memory between steps (ZeRO-Offload)
+        s += " host"
     if var.device is not None:  # made by kernels on that kind of device alone
         s += f" on {var.device}"
     if var.kind == "constant" and value is not None and value.numel() <= INLINE_VALUES:

@@ -250,6 +250,10 @@ class Var:
     # Set when the var holds one worker's flat 1/parts of a larger tensor (ZeRO sharding):
     # `ZeroShard`. Never together with `split` (sharding a tensor-parallel slice is refused).
     zero: ZeroShard | None = None
+    # A persistable held in host memory (pinned on CUDA) between steps: ZeRO-Offload's optimizer
+    # state. The executor materialises it there and counts it as host bytes; an op that reads it
+    # on the device reads a copy (`Memcpy(dst=device)`, passes/state_offload.py).
+    host: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in VAR_KINDS:
@@ -268,6 +272,10 @@ class Var:
             if self.split is not None:
                 raise ValueError(f"var {self.name!r}: both {self.split} and {self.zero}")
             self.zero.check(self.name, self.shape)
+        if self.host and not self.persistable:
+            raise ValueError(
+                f"var {self.name!r}: only a persistable is held in host memory, not a {self.kind}"
+            )
 
     def copy(self, **changes: Any) -> Var:
         """This var with `changes` (field=value), every other field kept, in no program yet."""
@@ -333,6 +341,7 @@ def _copy_var(v: Var, program: Program) -> Var:
     new.split = v.split  # frozen
     new.zero = v.zero  # frozen
     new.device = v.device
+    new.host = v.host
     return new
 
 

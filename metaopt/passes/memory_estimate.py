@@ -166,7 +166,9 @@ class _Replay:
         self.made_at: dict[str, int] = {}
         self.state_freed: dict[str, int] = {}  # state whose storage an update released -> op
         self.holders: dict[str, list[str]] = defaultdict(list)  # storage -> the other vars on it
-        self.live = self.persistable = sum(self.nbytes(x) for x in self.persistent)
+        # state held in host memory (ZeRO-Offload: Var.host) is the executor's host account
+        self.on_host = {x for x in self.persistent if p.vars[x].host}
+        self.live = self.persistable = sum(self.nbytes(x) for x in self.persistent - self.on_host)
         for x in p.inputs:
             if x in self.last:
                 self._new_storage(x, -1, host=False)
@@ -259,7 +261,8 @@ class _Replay:
         self.refs[s] += 1
         self.refs[target] -= 1
         if self.refs[target] == 0:
-            self.live -= self.nbytes(target)
+            if target not in self.on_host:
+                self.live -= self.nbytes(target)
             self.state_freed[target] = i
 
     def _views(self, storage: str, at: int) -> tuple[str, ...]:
@@ -277,7 +280,9 @@ class _Replay:
         host = 0
         for name in self.persistent:
             v = self.p.vars[name]
-            if self.nbytes(name) and at <= self.state_freed.get(name, _FOREVER):
+            if name in self.on_host:
+                host += self.nbytes(name) if at <= self.state_freed.get(name, _FOREVER) else 0
+            elif self.nbytes(name) and at <= self.state_freed.get(name, _FOREVER):
                 out.append(LiveVar(name, self.nbytes(name), v.kind, v.kind, -1, self._views(name, at)))
         for name, st in self.storages.items():
             if not st.born <= at <= st.died:

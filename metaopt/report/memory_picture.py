@@ -267,8 +267,8 @@ def unit_for(nbytes: float) -> tuple[str, float]:
 
 def persistable_breakdown(program: Program) -> str:
     """One line: params, optimizer state (with ZeRO: this worker's share of the whole state; at
-    stage 3 of the whole params too) and the rest (buffers, counters, constants), as this worker
-    holds them."""
+    stage 3 of the whole params too; with optimize_offload, in host memory) and the rest
+    (buffers, counters, constants), as this worker holds them."""
     held = {"param": 0, "opt_state": 0}
     whole = {"param": 0, "opt_state": 0}
     other = 0
@@ -289,4 +289,6 @@ def persistable_breakdown(program: Program) -> str:
     text = f"params {params}, optimizer state {human_bytes(held['opt_state'])}"
     if zero:
         text += f" (ZeRO: {share} {human_bytes(whole['opt_state'])})"
+    if any(v.host for v in program.vars.values()):  # ZeRO-Offload: not device bytes
+        text += " in host memory"
     return text + f", other {human_bytes(other)}"

@@ -253,10 +253,15 @@ class Executor:
             value = p.values.get(name)
             if value is None:
                 raise ValueError(f"persistable var {name!r} has no value in program {p.name!r} or the scope")
-            t = value.detach().to(self.device, copy=True)
+            host = p.vars[name].host  # ZeRO-Offload's state: in (pinned) host memory between steps
+            t = (
+                _on_host(value)
+                if host and self.device.type == "cuda"
+                else value.detach().to(self.device, copy=True)
+            )
             self.scope[name] = t
             if self.track_memory:
-                self._tracker.acquire(t)
+                self._tracker.acquire(t, host)
 
     def _feeds(self, p: Program, feed: Mapping[str, Any], needed: list[str]) -> dict[str, torch.Tensor]:
         unknown = [k for k in feed if k not in p.vars or p.vars[k].kind != "input"]
@@ -289,12 +294,16 @@ class Executor:
     def memory_stats(self) -> dict[str, float]:
         """Peak live bytes counted by the executor (persistables included), and more."""
         t = self._tracker
+        on_host = {k for k, r in self._tracker.refs.items() if r[2]}  # counted as host bytes
         held = [*self.scope.values(), *(t for plan in self._plans.values() for t in plan.constants.values())]
-        persist = sum(_storage_bytes(x) for x in _unique_storages(held))
+        stores = _unique_storages(held)
+        persist = sum(_storage_bytes(x) for x in stores if _storage_key(x) not in on_host)
+        host_persist = sum(_storage_bytes(x) for x in stores if _storage_key(x) in on_host)
         stats = {
             "peak_bytes": max(t.peak, t.live),
             "last_run_peak_bytes": t.run_peak,
             "persistable_bytes": persist,
+            "host_persistable_bytes": host_persist,  # ZeRO-Offload's state (Var.host)
             "host_peak_bytes": t.host_peak,
             # copied to host memory and back in the last run (a pipeline's: its last step)
             "offloaded_bytes": self.runtime.copies.offloaded_bytes,
@@ -368,6 +377,16 @@ def _unique_storages(ts: Iterable[torch.Tensor]) -> list[torch.UntypedStorage]:
 
 def _storage_bytes(s: torch.UntypedStorage) -> int:
     return s.nbytes()
+
+
+def _storage_key(s: torch.UntypedStorage) -> int:
+    return s.data_ptr()  # the memory tracker's key of a storage
+
+
+def _on_host(value: torch.Tensor) -> torch.Tensor:
+    """A host-held persistable's tensor next to a CUDA device: in pinned memory, so its copies to
+    the device and back run on the copy streams."""
+    return value.detach().to("cpu", copy=True).pin_memory()
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:

@@ -153,6 +153,7 @@ STEP_ORDER = [
     "partition",
     "offload",
     "sharding",
+    "state_offload",
     "pipeline_split",
     "unscale_grads",
     "master_weights",

@@ -675,12 +675,12 @@ def test_sharding_configs_refuse_their_unimplemented_keys_by_name_only_while_sha
     s = fleet.DistributedStrategy()
     s.hybrid_configs = {"mp_degree": 2, "sharding_degree": 4}
     assert unimplemented(s) == []  # hybrid sharding_degree lays out the ZeRO group
-    s.sharding_configs = {"optimize_offload": True, "sharding_degree": 4}
+    s.sharding_configs = {"optimize_cast": True, "sharding_degree": 4}
     assert unimplemented(s) == []  # the feature is off: its config is unused
     s.sharding = True
     (e,) = unimplemented(s)
     assert isinstance(e, NotImplementedError)
-    assert str(e).startswith("strategy.sharding_configs['optimize_offload']=True: not implemented in metaopt")
+    assert str(e).startswith("strategy.sharding_configs['optimize_cast']=True: not implemented in metaopt")
     assert unimplemented(s, "hybrid_configs") == []
 
 

@@ -492,9 +492,7 @@ def _no_vjp(q, op_type):
 
 
 @pytest.mark.parametrize("op_type", ["ReduceSum", "ReduceMean"])
-@pytest.mark.parametrize(
-    "axes,keepdims", [([1], 1), ([1], 0), ([0, -1], 0), (None, 0), ([2, 0], 1)], ids=str
-)
+@pytest.mark.parametrize("axes,keepdims", [([1], 1), ([1], 0), ([0, -1], 0), (None, 0), ([2, 0], 1)], ids=str)
 def test_reduce_sum_and_mean_broadcast_the_grad_back(op_type, axes, keepdims):
     extra = [torch.tensor(axes)] if axes is not None else []
     q = _check_against_autograd(

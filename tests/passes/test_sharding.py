@@ -177,8 +177,8 @@ def test_fleet_refuses_a_degree_that_is_not_the_layout_and_an_unused_sharding_ax
         ValueError, match=r"sharding_configs\['sharding_degree'\]=8 but the job has 1 workers"
     ):
         fleet.distributed_optimizer(metaopt.optimizer.SGD(0.1), s).minimize(_loss())
-    s.sharding_configs = {"sharding_degree": 1, "optimize_offload": True}
-    with pytest.raises(NotImplementedError, match=r"sharding_configs\['optimize_offload'\]=True"):
+    s.sharding_configs = {"sharding_degree": 1, "optimize_cast": True}
+    with pytest.raises(NotImplementedError, match=r"sharding_configs\['optimize_cast'\]=True"):
         fleet.distributed_optimizer(metaopt.optimizer.SGD(0.1), s).minimize(_loss())
     s.sharding_configs = {"sharding_degree": 1}
     s.pipeline = True

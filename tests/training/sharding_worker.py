@@ -12,7 +12,8 @@ share instead, as a data-parallel user does.
 extra: "fp16ar" (strategy.fp16_allreduce; the last step's grads before and after the
 all-reduce recorded), "recompute" (each block a checkpoint), "bf16" / "fp16" (AMP; float16 with dynamic loss
 scaling), "clip" (global-norm clipping), "save" (save_persistables into $SHARDING_CKPT after
-training), "load" (load $SHARDING_CKPT instead of training: what this worker then holds).
+training), "load" (load $SHARDING_CKPT instead of training: what this worker then holds),
+"optoffload" (sharding_configs["optimize_offload"]: the optimizer state in host memory).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def train_case(case: str, rank: int, world: int) -> dict:
             else world,
             "stage": int(stage),
             "segment_broadcast_MB": 0.01,
+            "optimize_offload": "optoffload" in extra,
         }
     optimizer = fleet.distributed_optimizer(make_optimizer(opt, "clip" in extra), strategy)
     optimizer.minimize(main.loss)
@@ -72,6 +74,7 @@ def train_case(case: str, rank: int, world: int) -> dict:
             exe.scope[v.name].numel() * exe.scope[v.name].element_size() for v in main.params()
         ),
         "measured_persistable": stats["persistable_bytes"],
+        "measured_host_persistable": stats["host_persistable_bytes"],
         "predicted_persistable": predicted.persistable_bytes,
         "measured_peak": stats["peak_bytes"],
         "predicted_peak": predicted.peak_bytes,

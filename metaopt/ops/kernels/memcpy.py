@@ -28,6 +28,9 @@ def _on_host(attrs: dict) -> bool:
     fresh_outputs=True,
     recomputable=False,
     host_memory=_on_host,
+    # a copy of an update's output (ZeRO-Offload's state back to the host): on a step AMP skips,
+    # of the values the update kept
+    state_from_updates=True,
 )
 def memcpy(x: torch.Tensor, dst: str, _rt, _key: str) -> torch.Tensor:
     if dst not in _DSTS:
