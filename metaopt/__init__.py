@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from metaopt import fleet, optimizer
+from metaopt.compat import make_torchvision_importable
 from metaopt.frontend.importer import load
 from metaopt.frontend.onnx_save import save
 from metaopt.frontend.torch_export import export
@@ -13,6 +14,11 @@ from metaopt.runtime import CPUPlace, CUDAPlace, Executor
 from metaopt.runtime.hostsync import HostSyncError
 
 __version__ = "0.1.0"
+
+# A user's `from transformers import ...` after `import metaopt` must not fail on a torchvision
+# built for another torch (metaopt/compat.py; nothing above imports torchvision). A no-op
+# without torchvision, and with one whose extension loads.
+make_torchvision_importable()
 
 
 def seed(n: int) -> None:

@@ -29,7 +29,14 @@ Differences from Fleet, on purpose:
   strategy still loads, and the optimizer's plan lists every refusal at once.
   ``NO_EFFECT`` fields are accepted with either value: metaopt's behaviour is fixed, and
   it is what the non-default value asks for (the reason says what metaopt does).
-- ``save_to_json`` / ``load_from_json`` replace Fleet's prototxt files.
+- ``save_to_json`` / ``load_from_json`` replace Fleet's prototxt files (``save_to_prototxt`` /
+  ``load_from_prototxt`` raise and name them).
+- Every other documented Fleet 2.x field is here too (issue 32): the cuDNN and all-reduce tuning
+  fields, ``gradient_scale_configs``, the configs of refused features and of parameter servers
+  (``REFUSED_CONFIGS``: Fleet's keys, refused when set), and ``build_strategy`` /
+  ``execution_strategy`` (``OBJECT_TABLES``: Paddle's objects' fields, read back as a
+  ``StrategyObject`` whose attribute assignments are kept, where Fleet's copy drops them). Each
+  works, is ``NO_EFFECT`` (listed in the overview) or is refused at ``minimize``.
 - ``hybrid_configs`` has Fleet 2.x's keys (dp_degree, mp_degree, pp_degree, sharding_degree,
   with its defaults); later Fleet keys (sep_degree, order, mp_configs, pp_configs) are unknown
   keys here, refused with the known ones listed. Its layout: ``metaopt/layout/topology.py``.
@@ -407,6 +414,100 @@ LOCALSGD_CONFIGS: dict[str, Key] = {
     "begin_step": Key(1, "int", "average every step up to this one (then every k_steps)", check=_COUNT),
 }
 
+# Fleet's gradient_scale_configs (its GradientScaleConfig proto, no feature flag): how data
+# parallel scales the summed grads. metaopt averages them over the workers, Fleet's default.
+GRADIENT_SCALE_CONFIGS: dict[str, Key] = {
+    "scale_strategy": Key(
+        "avg",
+        "str",
+        "'avg': the grads summed over the workers are divided by the worker count (metaopt's data "
+        "parallel); 'sum', 'customized': UNIMPLEMENTED",
+        choices=("avg", "sum", "customized"),
+    ),
+    "scale_gradient": Key(
+        False, "bool", "divide after gradient merge instead of before it; metaopt: False (UNIMPLEMENTED)"
+    ),
+}
+
+
+def _refused_table(keys: dict[str, tuple[Any, str]], what: str) -> dict[str, Key]:
+    """A config table of a feature metaopt refuses: Fleet's keys, types and defaults, so a Fleet
+    script's dict is checked (did-you-mean) and reads back; any non-default key is refused."""
+    return {
+        k: Key(
+            default,
+            type_,
+            f"{what}: Fleet's {k} (refused at minimize)",
+            check=_ANY_INT32 if type_ == "int" else (),
+        )
+        for k, (default, type_) in keys.items()
+    }
+
+
+# an int field of Fleet's proto with no range of its own (refused anyway): an int32, as in Fleet
+_ANY_INT32: tuple[Check, ...] = (
+    (
+        lambda v: -(2**31) <= v <= INT32_MAX,
+        f"must be an int32 (as in Fleet's proto), {-(2**31)} .. {INT32_MAX}",
+    ),
+)
+
+
+# Configs of Fleet features metaopt refuses (UNSUPPORTED_FEATURES, parameter servers, Paddle's
+# trainer): Fleet 2.x's keys and defaults (its proto), accepted at assignment so a Fleet script
+# runs, and refused at minimize, each key not at its default, whether its flag is on or not
+# (nothing in metaopt reads them). "dgc" -> strategy.dgc_configs; the why is REFUSED_CONFIGS'.
+REFUSED_CONFIG_TABLES: dict[str, dict[str, Key]] = {
+    "dgc": _refused_table(
+        {"rampup_begin_step": (0, "int"), "rampup_step": (1, "int"), "sparsity": ([], "list[float]")},
+        "deep gradient compression",
+    ),
+    "adaptive_localsgd": _refused_table(
+        {"init_k_steps": (1, "int"), "begin_step": (1, "int")}, "adaptive local SGD"
+    ),
+    "a_sync": _refused_table(
+        {
+            "k_steps": (-1, "int"),
+            "max_merge_var_num": (1, "int"),
+            "send_queue_size": (16, "int"),
+            "independent_recv_thread": (False, "bool"),
+            "min_send_grad_num_before_recv": (1, "int"),
+            "thread_pool_size": (1, "int"),
+            "send_wait_times": (1, "int"),
+            "runtime_split_send_recv": (False, "bool"),
+            "launch_barrier": (True, "bool"),
+            "heter_worker_device_guard": ("cpu", "str"),
+            "lr_decay_steps": (10, "int"),
+            "use_ps_gpu": (0, "int"),
+            "use_gpu_graph": (0, "int"),
+        },
+        "asynchronous parameter-server training",
+    ),
+    "qat": _refused_table(
+        {
+            "channel_wise_abs_max": (True, "bool"),
+            "weight_bits": (8, "int"),
+            "activation_bits": (8, "int"),
+            "not_quant_pattern": ([], "list[str]"),
+            "algo": ("", "str"),
+        },
+        "quantization-aware training",
+    ),
+    "trainer_desc": _refused_table(
+        {
+            "dump_fields_path": ("", "str"),
+            "dump_fields": ([], "list[str]"),
+            "dump_param": ([], "list[str]"),
+            "stat_var_names": ([], "list[str]"),
+            "trainer": ("", "str"),
+            "device_worker": ("", "str"),
+            "local_sparse": ([], "list[str]"),
+            "remote_sparse": ([], "list[str]"),
+        },
+        "Paddle's dataset trainer",
+    ),
+}
+
 CONFIGS: dict[str, dict[str, Key]] = {
     "amp": AMP_CONFIGS,
     "localsgd": LOCALSGD_CONFIGS,
@@ -420,8 +521,80 @@ CONFIGS: dict[str, dict[str, Key]] = {
 }
 # Configs with no feature flag (Fleet has none for them): always in effect, printed when they
 # differ from their defaults. "hybrid" -> strategy.hybrid_configs.
-FLAGLESS_CONFIGS: dict[str, dict[str, Key]] = {"hybrid": HYBRID_CONFIGS}
-ALL_CONFIGS: dict[str, dict[str, Key]] = {**CONFIGS, **FLAGLESS_CONFIGS}
+FLAGLESS_CONFIGS: dict[str, dict[str, Key]] = {
+    "hybrid": HYBRID_CONFIGS,
+    "gradient_scale": GRADIENT_SCALE_CONFIGS,
+}
+ALL_CONFIGS: dict[str, dict[str, Key]] = {**CONFIGS, **FLAGLESS_CONFIGS, **REFUSED_CONFIG_TABLES}
+
+# Fleet's object-valued fields (Paddle's BuildStrategy and ExecutionStrategy, their proto's keys
+# and defaults): read back as an object whose attributes write through to the strategy
+# (``strategy.execution_strategy.num_threads = 4``), assigned as such an object, a dict (replace:
+# defaults plus the keys given), None (the defaults) or any object with those attributes.
+BUILD_STRATEGY: dict[str, Key] = {
+    **{
+        name: Key(default, "bool", f"Paddle's graph pass or scheduling switch {name}")
+        for name, default in (
+            ("enable_sequential_execution", False),
+            ("fuse_elewise_add_act_ops", False),
+            ("fuse_bn_act_ops", False),
+            ("fuse_relu_depthwise_conv", False),
+            ("fuse_broadcast_ops", False),
+            ("fuse_all_optimizer_ops", False),
+            ("enable_inplace", False),
+            ("enable_backward_optimizer_op_deps", True),
+            ("cache_runtime_context", False),
+            ("fuse_bn_add_act_ops", True),
+            ("enable_auto_fusion", False),
+            ("enable_addto", False),
+            ("fix_op_run_order", False),
+            ("allow_cuda_graph_capture", False),
+            ("fuse_gemm_epilogue", False),
+        )
+    },
+    "reduce_strategy": Key(
+        0,
+        "int",
+        "0: grads all-reduced (AllReduce); 1: Reduce, 2: none (UNIMPLEMENTED)",
+        check=((lambda v: v in (0, 1, 2), "must be 0 (AllReduce), 1 (Reduce) or 2 (_NoReduce)"),),
+    ),
+    "debug_graphviz_path": Key("", "str", "where Paddle writes the graph as graphviz (UNIMPLEMENTED)"),
+}
+EXECUTION_STRATEGY: dict[str, Key] = {
+    "num_threads": Key(1, "int", "Paddle's op-scheduling threads (UNIMPLEMENTED)", check=_COUNT),
+    "num_iteration_per_drop_scope": Key(
+        10, "int", "steps between drops of Paddle's local scope (NO_EFFECT)", check=_COUNT
+    ),
+    "num_iteration_per_run": Key(1, "int", "steps per Executor.run call (UNIMPLEMENTED)", check=_COUNT),
+    "use_thread_barrier": Key(False, "bool", "parameter-server worker barrier (UNIMPLEMENTED)"),
+}
+OBJECT_TABLES: dict[str, dict[str, Key]] = {
+    "build_strategy": BUILD_STRATEGY,
+    "execution_strategy": EXECUTION_STRATEGY,
+}
+# Fleet's fs_client_param (its FsClientParameter: the parameter servers' HDFS/AFS client)
+FS_CLIENT_PARAM: dict[str, Key] = {
+    k: Key("", "str", f"parameter-server file-system client's {k} (refused at minimize)")
+    for k in ("uri", "user", "passwd", "hadoop_bin")
+}
+# Every dict- or object-valued attribute -> its table ("amp_configs" -> AMP_CONFIGS).
+TABLES: dict[str, dict[str, Key]] = {
+    **{f"{flag}_configs": table for flag, table in ALL_CONFIGS.items()},
+    **OBJECT_TABLES,
+    "fs_client_param": FS_CLIENT_PARAM,
+}
+# Why each table no code of metaopt reads is refused (each key not at its default, at minimize).
+REFUSED_CONFIGS: dict[str, str] = {
+    "dgc_configs": "a config of deep gradient compression, strategy.dgc, which is refused",
+    "adaptive_localsgd_configs": "a config of strategy.adaptive_localsgd, which is refused",
+    "a_sync_configs": "a config of parameter-server training, strategy.a_sync, which is refused",
+    "qat_configs": "a config of quantization-aware training, strategy.qat, which is refused",
+    "trainer_desc_configs": (
+        "Paddle's dataset trainer (dumps, device workers, sparse tables); metaopt's Executor.run "
+        "runs one step on the batch it is fed"
+    ),
+    "fs_client_param": "the parameter servers' HDFS/AFS client; metaopt trains collectively",
+}
 
 # Fleet 2.x's feature flags metaopt accepts (a Fleet script still parses) but refuses at minimize
 # when True, each with why (and what to use instead, where there is something).
@@ -438,6 +611,10 @@ UNSUPPORTED_FEATURES: dict[str, str] = {
     "semi_auto": "auto-parallel by annotation; tensor_parallel_configs names the layers to split instead",
     "use_hierarchical_allreduce": "two-level (inside / across nodes) all-reduce; metaopt's is flat",
     "fuse_grad_merge": "gradient merge's fused buffers; gradient_merge merges each grad in its own",
+    "auto_search": "the automatic parallel-strategy search; set the features yourself",
+    "is_fl_ps_mode": "federated-learning parameter servers; metaopt trains collectively",
+    "is_with_coordinator": "federated-learning parameter servers' coordinator; metaopt trains collectively",
+    "adam_d2sum": "parameter-server Adam's d2sum; metaopt trains collectively",
 }
 
 FIELDS: dict[str, Key] = {
@@ -497,6 +674,35 @@ FIELDS: dict[str, Key] = {
         "pipeline and AMP loss scaling, which need every grad before any update",
         extra=True,
     ),
+    "fuse_grad_size_in_num": Key(
+        8, "int", "grads per fused all-reduce (Fleet's raw program optimizer; UNIMPLEMENTED)", check=_COUNT
+    ),
+    "last_comm_group_size_MB": Key(
+        1.0, "float", "size of the last fused all-reduce bucket, MB (UNIMPLEMENTED)", check=_POSITIVE
+    ),
+    "calc_comm_same_stream": Key(
+        False,
+        "bool",
+        "fused all-reduces on the compute stream (Fleet's _calc_comm_same_stream; UNIMPLEMENTED)",
+    ),
+    "hierarchical_allreduce_inter_nranks": Key(
+        1, "int", "ranks per node of the hierarchical all-reduce (UNIMPLEMENTED)", check=_COUNT
+    ),
+    "cudnn_exhaustive_search": Key(
+        False,
+        "bool",
+        "Paddle's FLAGS_cudnn_exhaustive_search (UNIMPLEMENTED: torch.backends.cudnn.benchmark)",
+    ),
+    "conv_workspace_size_limit": Key(
+        512, "int", "Paddle's FLAGS_conv_workspace_size_limit, MB (UNIMPLEMENTED)", check=_SIZE
+    ),
+    "cudnn_batchnorm_spatial_persistent": Key(
+        False, "bool", "Paddle's FLAGS_cudnn_batchnorm_spatial_persistent (UNIMPLEMENTED)"
+    ),
+    "split_data": Key(True, "bool", "auto-parallel's split of the fed batch (UNIMPLEMENTED)"),
+    "sparse_table_configs": Key(
+        [], "json", "the parameter servers' sparse tables (Fleet's downpour_table_param; UNIMPLEMENTED)"
+    ),
     "without_graph_optimization": Key(
         True,
         "bool",
@@ -524,6 +730,50 @@ UNIMPLEMENTED: dict[str, str] = {
     "sync_nccl_allreduce": "each all-reduce is waited for before the ops after it run",
     "without_graph_optimization": "the rewritten program runs as is, with no graph optimization passes",
     "cuda_graph": "each step runs op by op; CUDA-graph capture is not written yet",
+    "fuse_grad_size_in_num": "the fused all-reduce buckets are sized by fuse_grad_size_in_MB",
+    "last_comm_group_size_MB": "every fused all-reduce bucket is sized by fuse_grad_size_in_MB",
+    "calc_comm_same_stream": "metaopt's executor decides where the all-reduces run",
+    "hierarchical_allreduce_inter_nranks": "the all-reduce is flat (use_hierarchical_allreduce is refused)",
+    "cudnn_exhaustive_search": (
+        "torch picks the cuDNN algorithms: set torch.backends.cudnn.benchmark = True yourself"
+    ),
+    "conv_workspace_size_limit": "torch sizes the cuDNN convolution workspace itself",
+    "cudnn_batchnorm_spatial_persistent": "torch picks the cuDNN BatchNorm kernel itself",
+    "split_data": "the fed batch is each worker's own (auto-parallel, semi_auto, is refused)",
+    "sparse_table_configs": "parameter-server sparse tables; metaopt trains collectively",
+    "gradient_scale_configs.scale_strategy": (
+        "data parallel divides the summed grads by the worker count ('avg'); for 'sum' scale the loss"
+    ),
+    "gradient_scale_configs.scale_gradient": "grads are averaged over the workers before gradient merge",
+    **{
+        f"build_strategy.{name}": (
+            f"Paddle's graph pass {name}; metaopt rewrites with its own passes (print(optimizer.plan()))"
+        )
+        for name in (
+            "fuse_elewise_add_act_ops",
+            "fuse_bn_act_ops",
+            "fuse_relu_depthwise_conv",
+            "fuse_broadcast_ops",
+            "fuse_all_optimizer_ops",
+            "enable_inplace",
+            "cache_runtime_context",
+            "fuse_bn_add_act_ops",
+            "enable_auto_fusion",
+            "enable_addto",
+            "fuse_gemm_epilogue",
+        )
+    },
+    "build_strategy.enable_backward_optimizer_op_deps": "the program's op order fixes when updates run",
+    "build_strategy.allow_cuda_graph_capture": "CUDA-graph capture is not written yet (strategy.cuda_graph)",
+    "build_strategy.reduce_strategy": (
+        "grads are all-reduced (0); Reduce's one owner per param is what strategy.sharding does"
+    ),
+    "build_strategy.debug_graphviz_path": "print(program) or `python -m metaopt dump` shows the program",
+    "execution_strategy.num_threads": (
+        "ops run one at a time in program order; torch.set_num_threads sets the threads inside each op"
+    ),
+    "execution_strategy.num_iteration_per_run": "Executor.run runs one step per call",
+    "execution_strategy.use_thread_barrier": "a parameter-server barrier; metaopt trains collectively",
     "tensor_parallel_configs.tensor_init_seed": (
         "each worker slices its params from the exported model; data parallel's start broadcasts "
         "them (replicated ones from rank 0, split ones within the data-parallel group)"
@@ -549,6 +799,11 @@ NO_EFFECT: dict[str, str] = {
         "every Send carries the shape and the Recv checks it, so shapes may change from one "
         "step to the next: what False asks"
     ),
+    "build_strategy.enable_sequential_execution": "ops run one at a time in program order: what True asks",
+    "build_strategy.fix_op_run_order": "ops run in program order, the same every step: what True asks",
+    "execution_strategy.num_iteration_per_drop_scope": (
+        "no scope of temporaries outlives a step (each is freed after its last read): nothing to drop"
+    ),
 }
 
 
@@ -557,7 +812,7 @@ def _entry(path: str) -> tuple[str | None, str, Key]:
     config, _, name = path.rpartition(".")
     if not config:
         return None, name, FIELDS[name]
-    return config, name, ALL_CONFIGS[config[: -len("_configs")]][name]
+    return config, name, TABLES[config][name]
 
 
 for _path in (*UNIMPLEMENTED, *NO_EFFECT):  # a typo in the tables above fails at import
@@ -578,7 +833,7 @@ def unimplemented(strategy: DistributedStrategy, config: str | None = None) -> l
     """
     return [
         NotImplementedError(
-            f"{where}={value!r}: not implemented in metaopt ({UNIMPLEMENTED[path]}); "
+            f"{where}={value!r}: not implemented in metaopt ({_reason(path)}); "
             f"leave it at its default {default!r}"
         )
         for path, where, value, default in _unimplemented_set(strategy)
@@ -586,21 +841,52 @@ def unimplemented(strategy: DistributedStrategy, config: str | None = None) -> l
     ]
 
 
+def _reason(path: str) -> str:
+    """Why `path` (a field, or "<table>.<key>") is refused: its UNIMPLEMENTED row, else its table's."""
+    return UNIMPLEMENTED.get(path) or REFUSED_CONFIGS[path.rpartition(".")[0]]
+
+
+def _in_effect(table: str, values: dict[str, Any]) -> bool:
+    """Whether a table's keys are read: a feature's config only while its flag is on (otherwise
+    the whole config is unused: the plan warns); every other table always."""
+    flag = table[: -len("_configs")]
+    return flag not in CONFIGS or values[flag]
+
+
+def _where(config: str, name: str) -> str:
+    if config in OBJECT_TABLES:
+        return f"strategy.{config}.{name}"
+    return f"strategy.{config}[{name!r}]"
+
+
 def _unimplemented_set(strategy: DistributedStrategy) -> list[tuple[str, str, Any, Any]]:
     """(path, 'strategy.<field>' or "strategy.<config>['<key>']", value, default) of each
     UNIMPLEMENTED row not at its default."""
     values = strategy._values
+    paths = [*UNIMPLEMENTED, *(f"{t}.{k}" for t in REFUSED_CONFIGS for k in TABLES[t])]
     out = []
-    for path in UNIMPLEMENTED:
+    for path in paths:
         config, name, key = _entry(path)
         if config is None:
             value, where = values[name], f"strategy.{name}"
-        elif config[: -len("_configs")] in FLAGLESS_CONFIGS or values[config[: -len("_configs")]]:
-            value, where = values[config][name], f"strategy.{config}[{name!r}]"
+        elif config in REFUSED_CONFIGS or _in_effect(config, values):
+            value, where = values[config][name], _where(config, name)
         else:  # the feature is off: its config is unused (the plan warns if it is set)
             continue
         if value != key.default:
             out.append((path, where, value, key.default))
+    return out
+
+
+def _no_effect_set(strategy: DistributedStrategy) -> list[tuple[str, Any, Any]]:
+    """(name as printed, value, default) of each NO_EFFECT row not at its default."""
+    out = []
+    for path in NO_EFFECT:
+        config, name, key = _entry(path)
+        value = strategy._values[name] if config is None else strategy._values[config][name]
+        if value != key.default:
+            label = name if config is None else _where(config, name)[len("strategy.") :]
+            out.append((label, value, key.default))
     return out
 
 
@@ -722,6 +1008,11 @@ def _conform(value: Any, spec: str) -> Any:
     elif spec == "str":
         if isinstance(value, str):
             return value
+    elif spec == "json":  # Fleet's nested parameter-server messages: kept as given, JSON-able
+        try:
+            return json.loads(json.dumps(value, allow_nan=False))
+        except (TypeError, ValueError):
+            raise _Mismatch(f"got {_describe(value)} (must be JSON: dicts, lists, str, numbers)") from None
     else:  # pragma: no cover - a typo in the tables above
         raise AssertionError(f"unknown spec {spec!r}")
     raise _Mismatch(f"got {_describe(value)}")
@@ -794,6 +1085,86 @@ def _fmt(value: Any) -> list[str]:
     return [str(value)]
 
 
+# Fleet's underscored spellings a Fleet script sets (its property is private there) -> the field
+_ALIASES: dict[str, str] = {"_calc_comm_same_stream": "calc_comm_same_stream"}
+
+
+class StrategyObject:
+    """``strategy.build_strategy`` / ``strategy.execution_strategy`` as read back: Paddle's
+    BuildStrategy / ExecutionStrategy, its attributes (the proto's fields) checked and written
+    through to the strategy, so ``strategy.execution_strategy.num_threads = 4`` is kept (in Fleet
+    the getter returns a copy and such an assignment is silently lost)."""
+
+    __slots__ = ("_strategy", "_name")
+
+    def __init__(self, strategy: DistributedStrategy, name: str) -> None:
+        object.__setattr__(self, "_strategy", strategy)
+        object.__setattr__(self, "_name", name)
+
+    def _fields(self) -> dict[str, Any]:
+        return self._strategy._values[self._name]
+
+    def __getattr__(self, key: str) -> Any:
+        if key.startswith("_"):
+            raise AttributeError(key)
+        if key not in self._fields():
+            raise AttributeError(self._unknown(key))
+        return _plain(self._fields()[key])
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        table = OBJECT_TABLES[self._name]
+        if key not in table:
+            raise AttributeError(self._unknown(key))
+        self._fields()[key] = _check_value(_where(self._name, key), table[key], value)
+
+    def _unknown(self, key: str) -> str:
+        table = OBJECT_TABLES[self._name]
+        return (
+            f"strategy.{self._name} has no attribute {key!r}{did_you_mean(key, table)}; "
+            f"Fleet keeps these of it: {', '.join(table)}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(self._fields())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, StrategyObject):
+            return self.to_dict() == other.to_dict()
+        if isinstance(other, Mapping):
+            return self.to_dict() == dict(other)
+        return NotImplemented
+
+    __hash__ = None  # mutable
+
+    def __dir__(self) -> list[str]:
+        return sorted({*object.__dir__(self), *OBJECT_TABLES[self._name]})
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in self._fields().items())
+        return f"{self._name}({fields})"
+
+
+def _object_fields(name: str, value: Any) -> Mapping[str, Any]:
+    """What may be assigned to build_strategy / execution_strategy, as a dict: None (the
+    defaults), a dict, another strategy's object, or any object with those attributes (as
+    Fleet's setter reads Paddle's object: getattr of each proto field it has)."""
+    if value is None:
+        return {}
+    if isinstance(value, StrategyObject):
+        return value.to_dict()
+    if isinstance(value, Mapping):
+        return value
+    if hasattr(value, "__dict__"):
+        return {k: v for k, v in vars(value).items() if not k.startswith("_")}
+    found = {k: getattr(value, k) for k in OBJECT_TABLES[name] if hasattr(value, k)}
+    if not found:
+        raise TypeError(
+            f"strategy.{name}: expected a dict, None or an object with its attributes "
+            f"({', '.join(OBJECT_TABLES[name])}), got {_describe(value)}"
+        )
+    return found
+
+
 # --- the strategy ---------------------------------------------------------------------------
 
 
@@ -810,33 +1181,54 @@ class DistributedStrategy:
 
     def __init__(self) -> None:
         values: dict[str, Any] = {name: _plain(key.default) for name, key in FIELDS.items()}
-        for flag, table in ALL_CONFIGS.items():
-            values[f"{flag}_configs"] = _config_defaults(table)
+        for name, table in TABLES.items():
+            values[name] = _config_defaults(table)
         object.__setattr__(self, "_values", values)
 
     # --- attributes ---------------------------------------------------------------------
     @staticmethod
     def field_names() -> list[str]:
-        """Every settable attribute: the flags and the ``<flag>_configs``."""
-        return [*FIELDS, *(f"{flag}_configs" for flag in ALL_CONFIGS)]
+        """Every settable attribute: the flags, the ``<flag>_configs`` and the other tables
+        (build_strategy, execution_strategy, fs_client_param)."""
+        return [*FIELDS, *TABLES]
 
     def __getattr__(self, name: str) -> Any:
+        name = _ALIASES.get(name, name)
         if name.startswith("_"):
             raise AttributeError(name)
         values = self.__dict__["_values"]
         if name in FIELDS:
-            return values[name]
+            return _plain(values[name])  # a copy: a json field's lists are not the strategy's
+        if name in OBJECT_TABLES:
+            return StrategyObject(self, name)
         if name in values:
             return _view(name, values[name])
         raise AttributeError(self._unknown(name))
 
     def __setattr__(self, name: str, value: Any) -> None:
+        name = _ALIASES.get(name, name)
         if name in FIELDS:
             self._values[name] = _check_value(f"strategy.{name}", FIELDS[name], value)
-        elif name.endswith("_configs") and name[: -len("_configs")] in ALL_CONFIGS:
+        elif name in OBJECT_TABLES:
+            self._values[name] = self._check_config(name, _object_fields(name, value))
+        elif name in TABLES:
             self._values[name] = self._check_config(name, value)
         else:
             raise AttributeError(self._unknown(name))
+
+    def save_to_prototxt(self, output: str | os.PathLike) -> None:
+        """Fleet's protobuf text file: refused (metaopt has no protobuf schema); save_to_json."""
+        raise NotImplementedError(
+            "strategy.save_to_prototxt: not implemented in metaopt (no protobuf schema); "
+            "strategy.save_to_json(path) writes every field, strategy.load_from_json(path) reads it back"
+        )
+
+    def load_from_prototxt(self, pb_file: str | os.PathLike) -> None:
+        """Fleet's protobuf text file: refused (metaopt has no protobuf schema); load_from_json."""
+        raise NotImplementedError(
+            "strategy.load_from_prototxt: not implemented in metaopt (no protobuf schema); "
+            "strategy.load_from_json(path) reads a file written by strategy.save_to_json(path)"
+        )
 
     def unimplemented(self) -> list[NotImplementedError]:
         """What ``minimize`` refuses of this strategy's ``UNIMPLEMENTED`` fields (see the
@@ -863,7 +1255,7 @@ class DistributedStrategy:
         """defaults + `config`, every key known and every value of its type (replace, not merge)."""
         if not isinstance(config, Mapping):
             raise TypeError(f"strategy.{name}: expected a dict, got {_describe(config)}")
-        table = ALL_CONFIGS[name[: -len("_configs")]]
+        table = TABLES[name]
         out = _config_defaults(table)
         for k, v in config.items():
             if k not in table:
@@ -871,7 +1263,7 @@ class DistributedStrategy:
                     f"strategy.{name}: unknown key {k!r}{did_you_mean(str(k), table)}; "
                     f"known keys: {', '.join(table)}"
                 )
-            out[k] = _check_value(f"strategy.{name}[{k!r}]", table[k], v, _COERCE.get((name, k)))
+            out[k] = _check_value(_where(name, k), table[k], v, _COERCE.get((name, k)))
         return out
 
     # --- comparison, copies, dicts -------------------------------------------------------
@@ -957,10 +1349,13 @@ class DistributedStrategy:
         changed = [
             (name, str(self._values[name]))
             for name, key in FIELDS.items()
-            if name not in CONFIGS and self._values[name] != key.default
+            if name not in CONFIGS and name not in NO_EFFECT and self._values[name] != key.default
         ]
         if changed:
             sections.append(("Environment Flags, Communication Flags", changed))
+        no_effect = [(label, f"{value}, default {default}") for label, value, default in _no_effect_set(self)]
+        if no_effect:  # accepted, and said so: metaopt already does what these ask (NO_EFFECT)
+            sections.append(("No effect in metaopt: it already does what these ask", no_effect))
         refused = [(name, "True, default False") for name in UNSUPPORTED_FEATURES if self._values[name]]
         refused += [
             (where[len("strategy.") :], f"{value}, default {default}")

@@ -16,6 +16,8 @@ from metaopt.fleet.strategy import (
     ALL_CONFIGS,
     FIELDS,
     NO_EFFECT,
+    REFUSED_CONFIGS,
+    TABLES,
     UNIMPLEMENTED,
     UNSUPPORTED_FEATURES,
     unimplemented,
@@ -128,6 +130,81 @@ FLEET_DEFAULTS = {
     },
     # Fleet's HybridConfig: dp_degree -1 = inferred from the world size
     "hybrid_configs": {"dp_degree": -1, "mp_degree": 1, "pp_degree": 1, "sharding_degree": 1},
+    # Fleet 2.x's other fields (distributed_strategy.proto): accepted, refused at minimize when set
+    "fuse_grad_size_in_num": 8,
+    "last_comm_group_size_MB": 1.0,
+    "calc_comm_same_stream": False,
+    "hierarchical_allreduce_inter_nranks": 1,
+    "cudnn_exhaustive_search": False,
+    "conv_workspace_size_limit": 512,
+    "cudnn_batchnorm_spatial_persistent": False,
+    "split_data": True,
+    "sparse_table_configs": [],
+    "auto_search": False,
+    "is_fl_ps_mode": False,
+    "is_with_coordinator": False,
+    "adam_d2sum": False,
+    "gradient_scale_configs": {"scale_strategy": "avg", "scale_gradient": False},
+    "dgc_configs": {"rampup_begin_step": 0, "rampup_step": 1, "sparsity": []},
+    "adaptive_localsgd_configs": {"init_k_steps": 1, "begin_step": 1},
+    "a_sync_configs": {
+        "k_steps": -1,
+        "max_merge_var_num": 1,
+        "send_queue_size": 16,
+        "independent_recv_thread": False,
+        "min_send_grad_num_before_recv": 1,
+        "thread_pool_size": 1,
+        "send_wait_times": 1,
+        "runtime_split_send_recv": False,
+        "launch_barrier": True,
+        "heter_worker_device_guard": "cpu",
+        "lr_decay_steps": 10,
+        "use_ps_gpu": 0,
+        "use_gpu_graph": 0,
+    },
+    "qat_configs": {
+        "channel_wise_abs_max": True,
+        "weight_bits": 8,
+        "activation_bits": 8,
+        "not_quant_pattern": [],
+        "algo": "",
+    },
+    "trainer_desc_configs": {
+        "dump_fields_path": "",
+        "dump_fields": [],
+        "dump_param": [],
+        "stat_var_names": [],
+        "trainer": "",
+        "device_worker": "",
+        "local_sparse": [],
+        "remote_sparse": [],
+    },
+    "fs_client_param": {"uri": "", "user": "", "passwd": "", "hadoop_bin": ""},
+    "build_strategy": {
+        "enable_sequential_execution": False,
+        "fuse_elewise_add_act_ops": False,
+        "fuse_bn_act_ops": False,
+        "fuse_relu_depthwise_conv": False,
+        "fuse_broadcast_ops": False,
+        "fuse_all_optimizer_ops": False,
+        "enable_inplace": False,
+        "enable_backward_optimizer_op_deps": True,
+        "cache_runtime_context": False,
+        "fuse_bn_add_act_ops": True,
+        "enable_auto_fusion": False,
+        "enable_addto": False,
+        "fix_op_run_order": False,
+        "allow_cuda_graph_capture": False,
+        "fuse_gemm_epilogue": False,
+        "reduce_strategy": 0,
+        "debug_graphviz_path": "",
+    },
+    "execution_strategy": {
+        "num_threads": 1,
+        "num_iteration_per_drop_scope": 10,
+        "num_iteration_per_run": 1,
+        "use_thread_barrier": False,
+    },
 }
 OURS = {
     "recompute_configs": {
@@ -273,6 +350,20 @@ OUT_OF_RANGE = {
     "sharding_configs.mp_degree": [0],
     "sharding_configs.dp_degree": [0],
     "sharding_configs.pp_degree": [0],
+    "fuse_grad_size_in_num": [0, _INT32_TOO_BIG],
+    "last_comm_group_size_MB": [0.0, -1.0],
+    "hierarchical_allreduce_inter_nranks": [0, _INT32_TOO_BIG],
+    "conv_workspace_size_limit": [0, _INT32_TOO_BIG],
+    "build_strategy.reduce_strategy": [-1, 3],
+    "execution_strategy.num_threads": [0, _INT32_TOO_BIG],
+    "execution_strategy.num_iteration_per_drop_scope": [0],
+    "execution_strategy.num_iteration_per_run": [0],
+    **{
+        f"{table}.{k}": [_INT32_TOO_BIG]
+        for table in ("dgc_configs", "adaptive_localsgd_configs", "a_sync_configs", "qat_configs")
+        for k, key in TABLES[table].items()
+        if key.type == "int"
+    },
 }
 
 
@@ -282,13 +373,11 @@ def _numeric(key) -> bool:
 
 def test_every_numeric_key_has_a_range():
     numeric = [name for name, key in FIELDS.items() if _numeric(key)]
-    numeric += [
-        f"{flag}_configs.{k}" for flag, t in ALL_CONFIGS.items() for k, key in t.items() if _numeric(key)
-    ]
+    numeric += [f"{table}.{k}" for table, t in TABLES.items() for k, key in t.items() if _numeric(key)]
     assert sorted(numeric) == sorted(OUT_OF_RANGE)
     for path in numeric:
         config, _, name = path.rpartition(".")
-        key = FIELDS[name] if not config else ALL_CONFIGS[config[: -len("_configs")]][name]
+        key = FIELDS[name] if not config else TABLES[config][name]
         assert key.check, f"{path} has no range check"
 
 
@@ -297,6 +386,8 @@ def test_out_of_range_numbers_are_refused_naming_the_key(path, value):
     s = fleet.DistributedStrategy()
     config, _, name = path.rpartition(".")
     where = rf"strategy\.{config}\['{name}'\]" if config else rf"strategy\.{name}"
+    if config in ("build_strategy", "execution_strategy"):  # objects: attribute-style
+        where = rf"strategy\.{config}\.{name}"
     with pytest.raises(ValueError, match=rf"^{where}: (every dim )?must be .*, got "):
         if config:
             setattr(s, config, {name: value})
@@ -335,8 +426,8 @@ def test_unknown_attribute_has_did_you_mean():
         s.recompue = True
     with pytest.raises(AttributeError, match=r"no attribute 'amp_config' \(did you mean 'amp_configs'"):
         _ = s.amp_config
-    with pytest.raises(AttributeError, match="dgc meta optimizer"):
-        s.dgc_configs = {"rampup_begin_step": 0}
+    with pytest.raises(AttributeError, match="asp meta optimizer"):
+        s.asp_configs = {}  # Fleet has none either; the flag itself is a field
     assert not hasattr(s, "recompue")
     assert s == fleet.DistributedStrategy()
 
@@ -575,7 +666,7 @@ def test_unimplemented_and_no_effect_rows_name_real_fields():
     for path in (*UNIMPLEMENTED, *NO_EFFECT):
         config, _, name = path.rpartition(".")
         if config:
-            assert name in ALL_CONFIGS[config.removesuffix("_configs")], path
+            assert name in TABLES[config], path
         else:
             assert name in FIELDS, path
     assert not set(UNIMPLEMENTED) & set(NO_EFFECT)
@@ -596,7 +687,8 @@ def test_every_field_and_config_key_is_read_or_refused():
     strategy_py = root / "fleet" / "strategy.py"
     text = "\n".join(p.read_text(encoding="utf-8") for p in root.rglob("*.py") if p != strategy_py)
     accounted = {*UNSUPPORTED_FEATURES, *UNIMPLEMENTED, *NO_EFFECT, *_PENDING}
-    paths = [*FIELDS, *(f"{flag}_configs.{k}" for flag, table in ALL_CONFIGS.items() for k in table)]
+    accounted |= {f"{t}.{k}" for t in REFUSED_CONFIGS for k in TABLES[t]}  # every key refused
+    paths = [*FIELDS, *(f"{table}.{k}" for table, t in TABLES.items() for k in t)]
     unread = []
     for path in paths:
         name = path.rpartition(".")[2]
@@ -695,8 +787,8 @@ def test_tensor_init_seed_is_refused_while_tensor_parallel_is_on():
 
 # Fleet 2.x's DistributedStrategy feature switches (its documented boolean properties): each is a
 # field here, so a Fleet script sets it without an AttributeError, and minimize either honours it
-# or refuses it naming why. (Its object-valued and tuning fields, execution_strategy,
-# build_strategy, the cudnn_* and hierarchical all-reduce sizes, still raise on assignment.)
+# or refuses it naming why. (Every other documented field, execution_strategy, build_strategy and
+# the cudnn_* and all-reduce tuning fields included: tests/fleet/test_fleet_fields.py.)
 FLEET_SWITCHES = [
     "amp", "recompute", "pipeline", "gradient_merge", "sharding", "tensor_parallel", "lamb", "lars",
     "localsgd", "adaptive_localsgd", "dgc", "fp16_allreduce", "a_sync", "heter_ccl_mode",
