@@ -133,11 +133,14 @@ def backward_links(program) -> dict:
 
 def pipeline_split(program, **how) -> list:
     """passes.pipeline.pipeline with the backward's links of `program` (see backward_links), each
-    stage program cut into its phases (passes.pipeline_phases), as minimize leaves it."""
+    stage program's fused grad ops split for a zero-bubble schedule (passes.split_weight_grads)
+    and cut into its phases (passes.pipeline_phases), as minimize leaves it."""
     from metaopt.passes.pipeline import pipeline
     from metaopt.passes.pipeline_phases import pipeline_phases
+    from metaopt.passes.split_weight_grads import split_weight_grads
 
-    return [pipeline_phases(q) for q in pipeline(program, **how, **backward_links(program))]
+    stages = pipeline(program, **how, **backward_links(program))
+    return [pipeline_phases(split_weight_grads(q)) for q in stages]
 
 
 # What a launcher sets; a test of fleet's own environment handling starts without any of it.

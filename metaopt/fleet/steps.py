@@ -47,6 +47,7 @@ import torch
 from metaopt.fleet import env
 from metaopt.fleet.topology import Topology, hybrid_is_set, job_topology
 from metaopt.ir import Program
+from metaopt.ir.program import PADDLE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, UNBUILT_SCHEDULES
 from metaopt.passes.driver import Context, Step, check_declarations
 from metaopt.passes.minimize import APPEND_BACKWARD, APPLY_OPTIMIZER
 
@@ -888,6 +889,9 @@ def _pp_layout(ctx: Context) -> tuple[int, int]:
 
 def _pp_check(ctx: Context) -> None:
     _pp_layout(ctx)
+    mode = ctx.strategy.pipeline_configs["schedule_mode"]
+    if mode in UNBUILT_SCHEDULES:
+        raise NotImplementedError(f"pipeline_configs['schedule_mode']={mode!r}: {UNBUILT_SCHEDULES[mode]}")
 
 
 def _pp_how(ctx: Context) -> dict:
@@ -897,7 +901,7 @@ def _pp_how(ctx: Context) -> dict:
         "cuts": list(cfg["cuts"]) or "auto",
         "micro_batches": cfg["accumulate_steps"],
         "micro_batch_size": cfg["micro_batch_size"],
-        "schedule": cfg["schedule_mode"],
+        "schedule": PADDLE_SCHEDULES.get(cfg["schedule_mode"], cfg["schedule_mode"]),
         "chunks": cfg["chunks"],
     }
 
@@ -960,6 +964,27 @@ def _pipeline_split(p: Program, plan: Any, ctx: Context) -> list[Program]:
     # rank = replica * num_stages + stage (runtime/pipeline.py)
     ctx.part = topo.get_coord(ctx.rank).pipe
     return parts
+
+
+def _zb_on(ctx: Context) -> tuple[bool, str]:
+    if not ctx.strategy.pipeline:
+        return False, "strategy.pipeline=False"
+    mode = ctx.strategy.pipeline_configs["schedule_mode"]
+    on = mode in SPLIT_BACKWARD_SCHEDULES
+    return on, f"pipeline_configs['schedule_mode']={mode!r}" + (" splits the backward" if on else "")
+
+
+def _split_wg_plan(p: Program, ctx: Context) -> dict[int, Any]:
+    from metaopt.passes.pipeline_phases import StagePhases
+    from metaopt.passes.split_weight_grads import plan_split_weight_grads
+
+    return StagePhases({q.pipeline.stage: plan_split_weight_grads(q) for q in ctx.parts})
+
+
+def _split_wg(p: Program, plan: dict[int, Any], ctx: Context) -> Program:
+    from metaopt.passes.split_weight_grads import apply_split_weight_grads
+
+    return apply_split_weight_grads(p, plan[p.pipeline.stage])
 
 
 def _phases_plan(p: Program, ctx: Context) -> dict[int, Any]:
@@ -1180,6 +1205,15 @@ STEPS: tuple[Step, ...] = (
         check=_uib_check,
         doc="each update right after its grad's last use",
         reads=("loss_scaling", "optimizer", "strategy"),
+    ),
+    Step(
+        "split_w_grads",
+        _zb_on,
+        _split_wg,
+        plan=_split_wg_plan,
+        doc="fused grad ops cut into input grads (B) and weight grads (W) for a zero-bubble schedule",
+        meta="pipeline",
+        reads=("strategy",),
     ),
     Step(
         "pipeline_phases",

@@ -223,7 +223,12 @@ PIPELINE_CONFIGS: dict[str, Key] = {
         check=_COUNT,
     ),
     "accumulate_steps": Key(1, "int", "micro-batches per step (gradients accumulated)", check=_COUNT),
-    "schedule_mode": Key("1F1B", "str", "micro-batch schedule", choices=("1F1B", "F-then-B", "interleaved")),
+    "schedule_mode": Key(
+        "1F1B",
+        "str",
+        "micro-batch schedule (Paddle's FThenB and VPP are F-then-B and interleaved; ZBV/ZBVPP refused)",
+        choices=("1F1B", "F-then-B", "interleaved", "ZBH1", "FThenB", "VPP", "ZBV", "ZBVPP"),
+    ),
     "chunks": Key(
         1, "int", "virtual stages per worker (the interleaved schedule)", extra=True, check=_AT_LEAST_1
     ),

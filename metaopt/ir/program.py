@@ -373,6 +373,20 @@ def _copy_attr(x: Any) -> Any:
     return x
 
 
+# The pipeline schedules whose backward runs as two actions per micro-batch: B (the grads the
+# previous stage waits for) and W (the weight grads; Qi et al.'s zero-bubble schedules). The
+# schedules themselves are metaopt.runtime.schedules'; the cut into phases is the IR's.
+SPLIT_BACKWARD_SCHEDULES = ("ZBH1",)
+# Paddle's spellings of pipeline_configs["schedule_mode"] -> the schedule's name here.
+PADDLE_SCHEDULES = {"FThenB": "F-then-B", "VPP": "interleaved"}
+# Schedules Paddle or the zero-bubble paper name that are not built yet: refused by name.
+UNBUILT_SCHEDULES = {
+    "ZBV": "the V-shaped zero-bubble schedule (two chunks per worker) is not implemented yet: use 'ZBH1'",
+    "ZBVPP": "Paddle's ZBVPP (the V-shaped zero-bubble schedule) is not implemented yet: use 'ZBH1'",
+}
+WEIGHT_PHASE = "weight"  # the W half of a split backward (a phase of Phase, not an op role)
+
+
 @dataclass(frozen=True)
 class PipelineInfo:
     """Set on a pipeline stage program (passes/pipeline.py): which worker of the pipeline
@@ -394,6 +408,11 @@ class PipelineInfo:
     # Fleet's pipeline_configs["micro_batch_size"]: the fed batch must be this x micro_batches
     # (None: any batch micro_batches divides)
     micro_batch_size: int | None = None
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether the schedule runs each backward as B and W (`SPLIT_BACKWARD_SCHEDULES`)."""
+        return self.schedule in SPLIT_BACKWARD_SCHEDULES
 
     def __str__(self) -> str:
         text = (
@@ -429,7 +448,7 @@ class Phase:
     as `carried_in`; what a later one reads goes out as `carried_out`."""
 
     chunk: int  # the virtual stage (-1: the optimizer)
-    phase: str  # roles.FORWARD, BACKWARD or OPTIMIZE
+    phase: str  # roles.FORWARD, BACKWARD or OPTIMIZE, or WEIGHT_PHASE (a split backward's W)
     program: Program
     feeds: tuple[str, ...]  # inputs of the whole program (sliced per micro-batch)
     carried_in: tuple[str, ...]

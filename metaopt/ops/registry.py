@@ -140,6 +140,10 @@ class OpDef:
     # and state inputs (and on scalars): ZeRO sharding (passes/sharding.py) may run it on flat
     # slices. False for updates that read a whole tensor (LAMB's and LARS's trust ratios).
     sliceable: bool = False
+    # The op's `mask` attr says which of its outputs it computes, each the same whatever else
+    # is computed: a zero-bubble pipeline splits it into the input grads (B) and the weight
+    # grads (W), passes/split_weight_grads.py.
+    masks_outputs: bool = False
     # An update-phase op that reads every grad whole (global-norm clipping), named by the op type
     # that does the same on each worker's 1/N slices plus one all-reduce over the sharding group:
     # ZeRO swaps it in where the grads are slices (passes/sharding.py). None: refused there.

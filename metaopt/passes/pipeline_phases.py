@@ -18,6 +18,10 @@ pipelined minimize; a stage program changed after its cut no longer matches it
   the runner holds it between them and gives it up (`donated`) at its last reader, unless a
   Send may still be reading it. Offloaded copies (a row with ``host_memory``) are counted as
   host bytes.
+* **A split backward** (a zero-bubble schedule, ``PipelineInfo.splits_backward``): each chunk's
+  backward is cut in two, B (its receives and sends and every op they depend on: the grads
+  the previous stage waits for) and W (the rest: the weight grads, their accumulation, and what
+  only they read), run as separate actions; what W reads of F's and B's values is carried to it.
 * **The optimizer** reads the accumulated grads from the scope: its reads of a grad the
   backward accumulates (``GradMerge``'s result) are renamed to the persistable accumulator.
 """
@@ -27,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from metaopt.ir import Op, Program, Var, names, roles, verify
-from metaopt.ir.program import Phase, Phases, ops_signature
+from metaopt.ir.program import WEIGHT_PHASE, Phase, Phases, ops_signature
 from metaopt.ops import registry
 from metaopt.passes.one_call import one_call
 
@@ -67,7 +71,8 @@ class PhasePlan:
 
 
 class StagePhases(dict):
-    """Stage -> its PhasePlan: the cut of every stage program of one split, printed together."""
+    """Stage -> its plan (a PhasePlan ...): the plans of every stage program of one split,
+    printed together."""
 
     def __str__(self) -> str:
         return "\n".join(str(self[k]) for k in sorted(self))
@@ -87,6 +92,8 @@ def plan_phases(p: Program) -> PhasePlan:
     groups: dict[Key, list[int]] = {}
     for i, op in enumerate(p.ops):
         groups.setdefault(_key(op), []).append(i)
+    if p.pipeline.splits_backward:
+        groups = _split_backwards(p, groups)
     keys = tuple(groups)
     made_in = {o: k for k in keys for i in groups[k] for o in p.ops[i].outputs if o}
     produced = {k: {o for i in groups[k] for o in p.ops[i].outputs if o} for k in keys}
@@ -99,7 +106,7 @@ def plan_phases(p: Program) -> PhasePlan:
     carried_out: dict[Key, tuple[str, ...]] = {}
     host_out: dict[Key, frozenset[str]] = {}
     for n, k in enumerate(keys):
-        later = [k2 for k2 in keys[n + 1 :] if k2[1] != roles.OPTIMIZE]
+        later = [k2 for k2 in keys[n + 1 :] if k2[1] != roles.OPTIMIZE]  # B, then W, per micro-batch
         carried_out[k] = tuple(sorted({x for k2 in later for x in reads[k2] & produced[k]}, key=order.get))
         host_out[k] = frozenset(
             o for i in groups[k] if _in_host_memory(p.ops[i]) for o in p.ops[i].outputs if o in carried_out[k]
@@ -125,6 +132,34 @@ def plan_phases(p: Program) -> PhasePlan:
         donated={k: last_use[k] - sent for k in keys},
         renames=renames,
     )
+
+
+def _split_backwards(p: Program, groups: dict[Key, list[int]]) -> dict[Key, list[int]]:
+    """Each chunk's backward as B, the ops the grads it sends to the previous stage need (its
+    receives and sends and what they depend on), then W, the rest: the weight grads and what
+    only they read (a zero-bubble schedule runs W later). Order kept within each."""
+    out: dict[Key, list[int]] = {}
+    for key, idx in groups.items():
+        if key[1] != roles.BACKWARD:
+            out[key] = idx
+            continue
+        b = needed_by_sends(p, idx)[0]
+        out[key] = [i for i in idx if i in b]
+        out[(key[0], WEIGHT_PHASE)] = [i for i in idx if i not in b]
+    return out
+
+
+def needed_by_sends(p: Program, idx: list[int]) -> tuple[set[int], set[str]]:
+    """Of the backward ops `idx` (program order), those a zero-bubble schedule's B runs: the
+    receives and sends and every op whose outputs they need; and the vars B needs."""
+    needed: set[str] = set()
+    b: set[int] = set()
+    for i in reversed(idx):
+        op = p.ops[i]
+        if "peer" in op.attrs or needed.intersection(o for o in op.outputs if o):
+            b.add(i)
+            needed.update(x for x in op.inputs if x)
+    return b, needed
 
 
 def _in_host_memory(op: Op) -> bool:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from metaopt.ir import PipelineInfo, Program, did_you_mean, names, roles
-from metaopt.ir.program import Phase
+from metaopt.ir.program import WEIGHT_PHASE, Phase
 from metaopt.layout import groups as comm_groups
 from metaopt.layout.topology import AXES, Topology
 from metaopt.ops import registry
@@ -189,11 +189,11 @@ class PipelineRunner:
         held: dict[int, dict[str, torch.Tensor]],
         losses: list[torch.Tensor],
     ) -> None:
-        """One F or B of a micro-batch: its part's program, fed the micro-batch's slice and
+        """One F, B or W of a micro-batch: its part's program, fed the micro-batch's slice and
         what earlier parts made for it; what later parts read is held (and counted)."""
         tracker, loss = self.exe._tracker, self.program.loss_name
         k = action.chunk * self.info.num_stages + self.info.stage
-        part = self.parts[(k, roles.FORWARD if action.kind == "F" else roles.BACKWARD)]
+        part = self.parts[(k, _PHASE_OF[action.kind])]
         i = action.micro_batch
         self.state.stage, self.state.micro_batch = k, i
         self.state.dims = {"batch": micro[i]["__batch__"]}
@@ -323,6 +323,9 @@ def _layout(info: PipelineInfo) -> tuple[Topology | None, int | None]:
         comm_groups.make_topology_groups(topo, rank, AXES)
         _MADE_HERE[:] = [topo]
     return topo, rank
+
+
+_PHASE_OF = {"F": roles.FORWARD, "B": roles.BACKWARD, "W": WEIGHT_PHASE}  # an action's phase
 
 
 def _phases(p: Program) -> dict[tuple[int, str], Phase]:

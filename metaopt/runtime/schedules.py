@@ -1,4 +1,5 @@
-"""Pipeline schedules (F-then-B, 1F1B, interleaved 1F1B) and a process-free simulator.
+"""Pipeline schedules (F-then-B, 1F1B, interleaved 1F1B, zero-bubble ZB-H1) and a process-free
+simulator.
 
 Pure Python: the pipeline runtime asks `schedule()` for one worker's ordered actions
 per step and sizes its activation buffers with `in_flight_limit()`; `simulate()` runs
@@ -21,13 +22,21 @@ Communication, as the runtime does it and the simulator models it:
 
 Activations "in flight" are counted per micro-batch x chunk: F done minus B done.
 With chunks > 1 one unit is a chunk's activations, about 1/v of a worker's share.
+
+Zero-bubble schedules (Qi et al., ICLR 2024) split each backward in two: B, the grads of the
+stage's inputs (what the previous stage waits for), and W, the grads of its weights (what
+nothing waits for). W of i on k needs B of i on k done and talks to nobody; between its B and
+its W a micro-batch holds the values W reads ("held": F done minus W done).
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from metaopt.ir.program import PADDLE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, UNBUILT_SCHEDULES
 
 Cost = float | Sequence[float]  # one cost for every worker, or one per worker
 
@@ -42,7 +51,10 @@ __all__ = [
     "simulate_actions",
 ]
 
-SCHEDULES = ("F-then-B", "1F1B", "interleaved")
+SCHEDULES = ("F-then-B", "1F1B", "interleaved", "ZBH1")
+ZERO_BUBBLE = SPLIT_BACKWARD_SCHEDULES  # the schedules whose backward is split into B and W actions
+PADDLE_NAMES = PADDLE_SCHEDULES  # Paddle's own spellings, accepted as these
+NOT_BUILT = UNBUILT_SCHEDULES  # named by Paddle and the zero-bubble paper, refused by name
 
 # Names users bring from other frameworks; only used to suggest, never accepted silently,
 # so a config always says exactly which schedule it runs.
@@ -53,6 +65,8 @@ _ALIASES = {
     "pipedream-flush": "1F1B",
     "interleaved-1f1b": "interleaved",
     "virtual": "interleaved",
+    "zb-h1": "ZBH1",
+    "zero-bubble": "ZBH1",
 }
 
 
@@ -62,15 +76,16 @@ class ScheduleError(RuntimeError):
 
 @dataclass(frozen=True, repr=False)
 class Action:
-    """One compute step of a worker: forward ("F") or backward ("B") of a micro-batch on a chunk."""
+    """One compute step of a worker: forward ("F"), backward ("B"; with a zero-bubble schedule
+    only the grads of the inputs) or weight grads ("W") of a micro-batch on a chunk."""
 
     kind: str
     micro_batch: int
     chunk: int = 0
 
     def __post_init__(self) -> None:
-        if self.kind not in ("F", "B"):
-            raise ValueError(f"Action kind must be 'F' or 'B', got {self.kind!r}")
+        if self.kind not in ("F", "B", "W"):
+            raise ValueError(f"Action kind must be 'F', 'B' or 'W', got {self.kind!r}")
         _check_int("micro_batch", self.micro_batch, minimum=0)
         _check_int("chunk", self.chunk, minimum=0)
 
@@ -88,6 +103,8 @@ class SimResult:
 
     timeline[w] is worker w's [(start, end, action)] in execution order;
     max_in_flight[w] the peak of F done minus B done on worker w (per micro-batch x chunk);
+    max_held[w] the peak of F done minus W done (micro-batches holding any values: with no W
+    actions, max_in_flight);
     bubble_fraction = 1 - compute_time / (num_stages * makespan).
     out_of_order lists "src->dst" worker pairs whose receives are posted in another order
     than the sends were issued: harmless with tagged point-to-point messages (gloo), a
@@ -99,6 +116,7 @@ class SimResult:
     chunks: int
     timeline: tuple[tuple[tuple[float, float, Action], ...], ...]
     max_in_flight: tuple[int, ...]
+    max_held: tuple[int, ...]
     makespan: float
     compute_time: float
     bubble_fraction: float
@@ -116,9 +134,19 @@ def _check_int(name: str, value: object, *, minimum: int) -> None:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
+def canonical(mode: object) -> str:
+    """`mode` as one of SCHEDULES (Paddle's spellings accepted); a ValueError naming the
+    choices, or NotImplementedError for a named schedule not built yet."""
+    return _check_mode(mode)
+
+
 def _check_mode(mode: object) -> str:
     if mode in SCHEDULES:
         return mode  # type: ignore[return-value]
+    if mode in PADDLE_NAMES:
+        return PADDLE_NAMES[mode]  # type: ignore[index]
+    if mode in NOT_BUILT:
+        raise NotImplementedError(f"pipeline schedule {mode!r}: {NOT_BUILT[mode]}")  # type: ignore[index]
     word = str(mode)
     by_lower = {s.lower(): s for s in SCHEDULES}
     close = [by_lower[word.lower()]] if word.lower() in by_lower else []
@@ -176,8 +204,10 @@ def schedule(mode: str, *, num_stages: int, stage: int, micro_batches: int, chun
       forwards, then alternate one F and one B, then the cool-down backwards.
     - "interleaved" (Megatron-LM interleaved 1F1B): the same shape over m*v chunk-steps;
       see `_interleaved`.
+    - "ZBH1" (zero-bubble H1): F, B and W actions; see `_zero_bubble_h1`.
 
-    Every (F, i, c) and (B, i, c) appears exactly once.
+    Every (F, i, c) and (B, i, c) appears exactly once, and with a zero-bubble schedule every
+    (W, i, c) too.
     """
     mode = _check_mode(mode)
     _check_shape(mode, num_stages, micro_batches, chunks)
@@ -186,6 +216,8 @@ def schedule(mode: str, *, num_stages: int, stage: int, micro_batches: int, chun
         return _f_then_b(micro_batches)
     if mode == "1F1B":
         return _one_f_one_b(num_stages, stage, micro_batches)
+    if mode == "ZBH1":
+        return list(_zero_bubble_h1(num_stages, micro_batches)[stage])
     return _interleaved(num_stages, stage, micro_batches, chunks)
 
 
@@ -201,6 +233,67 @@ def _one_f_one_b(p: int, s: int, m: int) -> list[Action]:
         actions += [Action("F", warmup + j), Action("B", j)]
     actions += [Action("B", j) for j in range(m - warmup, m)]
     return actions
+
+
+@functools.cache
+def _zero_bubble_h1(p: int, m: int) -> tuple[tuple[Action, ...], ...]:
+    """Every worker's ZB-H1 list: the zero-bubble paper's H1 shape, made by a list scheduler
+    run on unit costs (F = B = W = 1, the paper's assumption), deterministic in (p, m).
+
+    Each worker, when free, takes the first of these that can start soonest: a B whose grad has
+    come (the critical path), an F whose activation has come, the oldest W; on a tie an F goes
+    before a B, and a W only fills time nothing else can use. Two limits keep 1F1B's memory:
+    worker s holds at most p - s micro-batches' activations for their B (1F1B's count) and at
+    most p micro-batches' values of any kind (F done, W not done), 1F1B's peak, on stage 0.
+    So stage 0 runs each W right after its B, and the later stages defer theirs into the bubble
+    1F1B leaves at the end of a step: the bubble falls from 1F1B's (p-1)/(m+p-1) to about a
+    third of it (p=4, m=8: 0.273 -> 0.111), at 1F1B's peak memory plus what W holds past B.
+    """
+    free = [0.0] * p  # when each worker is next free
+    acts: list[list[Action]] = [[] for _ in range(p)]
+    made = {}  # ("act"|"grad", i, stage) -> time the message was sent
+    nxt_f, nxt_b = [0] * p, [0] * p
+    waiting_w: list[list[int]] = [[] for _ in range(p)]
+    done_w = [0] * p
+    while any(len(a) < 3 * m for a in acts):
+        best = None
+        for s in range(p):
+            for cand in _zb_candidates(s, p, m, free[s], made, nxt_f[s], nxt_b[s], waiting_w[s], done_w[s]):
+                key = (cand[0], cand[1], s)
+                if best is None or key < best[0]:
+                    best = (key, cand[2], s)
+        if best is None:  # unreachable: some worker always has an action
+            raise ScheduleError(f"ZBH1: no worker can move (p={p}, m={m})")
+        (start, _, s), a = best[0], best[1]
+        free[s] = start + 1.0
+        acts[s].append(a)
+        if a.kind == "F":
+            nxt_f[s] += 1
+            made[("act", a.micro_batch, s)] = free[s]
+        elif a.kind == "B":
+            nxt_b[s] += 1
+            waiting_w[s].append(a.micro_batch)
+            made[("grad", a.micro_batch, s)] = free[s]
+        else:
+            waiting_w[s].pop(0)
+            done_w[s] += 1
+    return tuple(tuple(a) for a in acts)
+
+
+def _zb_candidates(s, p, m, free, made, nxt_f, nxt_b, waiting_w, done_w):  # noqa: ANN001, ANN202
+    """(start, rank, action) of what worker s could run next (rank: F 0, B 1, W 2 on a tie)."""
+    out = []
+    if nxt_b < nxt_f:  # its forward is done
+        ready = made.get(("grad", nxt_b, s + 1)) if s < p - 1 else made[("act", nxt_b, s)]
+        if ready is not None:
+            out.append((max(free, ready), 1, Action("B", nxt_b)))
+    if nxt_f < m and nxt_f - nxt_b < p - s and nxt_f - done_w < p:
+        ready = made.get(("act", nxt_f, s - 1)) if s > 0 else 0.0
+        if ready is not None:
+            out.append((max(free, ready), 0, Action("F", nxt_f)))
+    if waiting_w:
+        out.append((free, 2, Action("W", waiting_w[0])))
+    return out
 
 
 def _interleaved_warmup(p: int, s: int, m: int, v: int) -> int:
@@ -242,6 +335,7 @@ def in_flight_limit(mode: str, num_stages: int, stage: int, micro_batches: int, 
 
     - F-then-B: m (every forward runs before the first backward).
     - 1F1B: min(p - stage, m): the warm-up's p - stage - 1 forwards plus the steady state's one.
+    - ZBH1: min(p - stage, m), as 1F1B (the values W still reads past B: `simulate`'s max_held).
     - interleaved: Megatron-LM's bound, min(2*(p - stage - 1) + (v - 1)*p + 1, m*v) (Megatron
       itself holds all m*v when m == p, see `_interleaved_warmup`). In units of a whole worker's
       activations that is about p + (p - 1)/v on stage 0 (m > p): a little more than 1F1B's p,
@@ -254,7 +348,7 @@ def in_flight_limit(mode: str, num_stages: int, stage: int, micro_batches: int, 
     _check_stage(stage, num_stages)
     if mode == "F-then-B":
         return micro_batches
-    if mode == "1F1B":
+    if mode in ("1F1B", "ZBH1"):
         return min(num_stages - stage, micro_batches)
     warmup = _interleaved_warmup(num_stages, stage, micro_batches, chunks)
     # The steady state runs one more F before each B; with no steady state the peak is the warm-up.
@@ -275,6 +369,7 @@ def simulate(
     chunks: int = 1,
     f_cost: Cost = 1.0,
     b_cost: Cost = 2.0,
+    w_cost: Cost | None = None,
 ) -> SimResult:
     """Run every worker's `schedule(mode, ...)` together; see `simulate_actions`."""
     mode = _check_mode(mode)
@@ -283,7 +378,9 @@ def simulate(
         schedule(mode, num_stages=num_stages, stage=s, micro_batches=micro_batches, chunks=chunks)
         for s in range(num_stages)
     ]
-    return simulate_actions(lists, micro_batches=micro_batches, chunks=chunks, f_cost=f_cost, b_cost=b_cost)
+    return simulate_actions(
+        lists, micro_batches=micro_batches, chunks=chunks, f_cost=f_cost, b_cost=b_cost, w_cost=w_cost
+    )
 
 
 def simulate_actions(
@@ -293,13 +390,16 @@ def simulate_actions(
     chunks: int = 1,
     f_cost: Cost = 1.0,
     b_cost: Cost = 2.0,
+    w_cost: Cost | None = None,
 ) -> SimResult:
     """Discrete-event run of per-worker action lists (actions[w] is worker w's list).
 
     f_cost / b_cost are one micro-batch's forward / backward through a worker's whole share
     of the model, so with chunks > 1 a chunk's action costs f_cost / chunks: makespans of
-    different schedules compare directly. Either one number for every worker or one per
-    worker (stages of unequal cost: the runtime's measured compute times, which give a
+    different schedules compare directly. b_cost is the whole backward: where the lists hold W
+    actions it splits into B (b_cost - w_cost) and W (w_cost, default half of b_cost), so a
+    zero-bubble schedule does the same work as the others. Either one number for every worker
+    or one per worker (stages of unequal cost: the runtime's measured compute times, which give a
     step's ideal time, `makespan`, to compare a real step with). Communication is free; a
     worker waits only on receives. Raises ScheduleError on a malformed list, a B before its
     F, a deadlock (naming every blocked worker and the message it waits for) or an
@@ -311,9 +411,17 @@ def simulate_actions(
         raise ValueError("actions must hold one list per worker, got none")
     f = _per_worker("f_cost", f_cost, len(actions))
     b = _per_worker("b_cost", b_cost, len(actions))
-    for w, acts in enumerate(actions):
-        _check_list(w, acts, micro_batches, chunks)
-    return _Sim(actions, micro_batches, chunks, [x / chunks for x in f], [x / chunks for x in b]).run()
+    for k, acts in enumerate(actions):
+        _check_list(k, acts, micro_batches, chunks)
+    split = any(a.kind == "W" for acts in actions for a in acts)
+    w = [x / 2 for x in b] if w_cost is None or not split else _per_worker("w_cost", w_cost, len(actions))
+    if split and any(wi >= bi for wi, bi in zip(w, b, strict=True)):
+        raise ValueError(f"w_cost {w} must be below b_cost {b}: b_cost is the whole backward, B and W")
+    costs = [
+        {"F": fi / chunks, "B": (bi - wi if split else bi) / chunks, "W": wi / chunks}
+        for fi, bi, wi in zip(f, b, w, strict=True)
+    ]
+    return _Sim(actions, micro_batches, chunks, costs).run()
 
 
 def _per_worker(name: str, cost: Cost, workers: int) -> list[float]:
@@ -328,7 +436,8 @@ def _per_worker(name: str, cost: Cost, workers: int) -> list[float]:
 
 
 def _check_list(worker: int, acts: Sequence[Action], m: int, v: int) -> None:
-    """Each (F, i, c) and (B, i, c) exactly once, nothing out of range."""
+    """Each (F, i, c) and (B, i, c) exactly once, with W actions each (W, i, c) once too,
+    nothing out of range."""
     seen: set[Action] = set()
     for a in acts:
         if not isinstance(a, Action):
@@ -338,7 +447,8 @@ def _check_list(worker: int, acts: Sequence[Action], m: int, v: int) -> None:
         if a in seen:
             raise ScheduleError(f"worker {worker} runs {a} twice")
         seen.add(a)
-    missing = [Action(k, i, c) for c in range(v) for i in range(m) for k in "FB"]
+    kinds = "FBW" if any(a.kind == "W" for a in acts) else "FB"
+    missing = [Action(k, i, c) for c in range(v) for i in range(m) for k in kinds]
     missing = [a for a in missing if a not in seen]
     if missing:
         raise ScheduleError(
@@ -350,20 +460,22 @@ def _check_list(worker: int, acts: Sequence[Action], m: int, v: int) -> None:
 class _Sim:
     """State of one simulation; `run` advances workers until all finish or none can move."""
 
-    def __init__(
-        self, actions: Sequence[Sequence[Action]], m: int, v: int, f: list[float], b: list[float]
-    ) -> None:
+    def __init__(self, actions: Sequence[Sequence[Action]], m: int, v: int, costs: list[dict]) -> None:
         self.actions = [list(a) for a in actions]
         self.p, self.m, self.v = len(actions), m, v
-        self.cost = [{"F": fw, "B": bw} for fw, bw in zip(f, b, strict=True)]  # per worker
+        self.cost = costs  # per worker: {"F": ..., "B": ..., "W": ...}
         self.last_vstage = self.p * v - 1
         self.sent: dict[_Msg, float] = {}  # message -> time its send was issued
         self.received: set[_Msg] = set()
         self.pos = [0] * self.p
         self.clock = [0.0] * self.p
         self.forwarded: list[set[tuple[int, int]]] = [set() for _ in range(self.p)]
+        self.backwarded: list[set[tuple[int, int]]] = [set() for _ in range(self.p)]
         self.in_flight = [0] * self.p
         self.peak = [0] * self.p
+        self.held = [0] * self.p  # F done, W (or, without W actions, B) not done
+        self.held_peak = [0] * self.p
+        self.split = [any(a.kind == "W" for a in acts) for acts in self.actions]
         self.timeline: list[list[tuple[float, float, Action]]] = [[] for _ in range(self.p)]
         # Per directed worker pair, message order at the sender and at the receiver.
         self.send_order: dict[tuple[int, int], list[_Msg]] = {}
@@ -374,12 +486,16 @@ class _Sim:
 
     def recv_of(self, worker: int, a: Action) -> _Msg | None:
         k = self.vstage(worker, a)
+        if a.kind == "W":
+            return None
         if a.kind == "F":
             return ("act", a.micro_batch, k - 1) if k > 0 else None
         return ("grad", a.micro_batch, k + 1) if k < self.last_vstage else None
 
     def send_of(self, worker: int, a: Action) -> _Msg | None:
         k = self.vstage(worker, a)
+        if a.kind == "W":
+            return None
         if a.kind == "F":
             return ("act", a.micro_batch, k) if k < self.last_vstage else None
         return ("grad", a.micro_batch, k) if k > 0 else None
@@ -415,6 +531,11 @@ class _Sim:
             raise ScheduleError(
                 f"worker {w} runs {a} before {forward}: a backward needs its forward's activations"
             )
+        if a.kind == "W" and (a.micro_batch, a.chunk) not in self.backwarded[w]:
+            raise ScheduleError(
+                f"worker {w} runs {a} before {Action('B', a.micro_batch, a.chunk)}: the weight grads "
+                "need the grads of the outputs B makes"
+            )
         start = self.clock[w] if need is None else max(self.clock[w], self.sent[need])
         end = start + self.cost[w][a.kind]
         if need is not None:
@@ -435,8 +556,14 @@ class _Sim:
             self.forwarded[w].add((a.micro_batch, a.chunk))
             self.in_flight[w] += 1
             self.peak[w] = max(self.peak[w], self.in_flight[w])
-        else:
+            self.held[w] += 1
+            self.held_peak[w] = max(self.held_peak[w], self.held[w])
+        elif a.kind == "B":
+            self.backwarded[w].add((a.micro_batch, a.chunk))
             self.in_flight[w] -= 1
+            self.held[w] -= 0 if self.split[w] else 1
+        else:
+            self.held[w] -= 1
 
     def describe_block(self, w: int) -> str:
         a = self.actions[w][self.pos[w]]
@@ -461,6 +588,7 @@ class _Sim:
             chunks=self.v,
             timeline=tuple(tuple(tl) for tl in self.timeline),
             max_in_flight=tuple(self.peak),
+            max_held=tuple(self.held_peak),
             makespan=makespan,
             compute_time=compute,
             bubble_fraction=1.0 - compute / (self.p * makespan),

@@ -158,6 +158,7 @@ STEP_ORDER = [
     "unscale_grads",
     "master_weights",
     "early_updates",
+    "split_w_grads",
     "pipeline_phases",
 ]
 

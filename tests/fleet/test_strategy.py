@@ -303,7 +303,7 @@ def test_values_are_range_and_choice_checked():
     with pytest.raises(ValueError, match=r"gradient_merge_configs\['k_steps'\]: must be >= 1, got 0"):
         s.gradient_merge_configs = {"k_steps": 0}
     with pytest.raises(
-        ValueError, match=r"schedule_mode'\]: 'FthenB' is not one of .*did you mean 'F-then-B'"
+        ValueError, match=r"schedule_mode'\]: 'FthenB' is not one of .*did you mean 'FThenB' or 'F-then-B'"
     ):
         s.pipeline_configs = {"schedule_mode": "FthenB"}
     with pytest.raises(ValueError, match=r"decr_ratio'\]: must be in \(0, 1\)"):

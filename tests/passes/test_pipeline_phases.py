@@ -94,3 +94,46 @@ def test_a_saved_stage_program_loads_cut_and_trains_as_before(tmp_path):
         out.append((loss, {v.name: exe.scope[v.name] for v in prog.params()}))
     assert torch.equal(out[0][0], out[1][0])
     assert all(torch.equal(out[0][1][k], out[1][1][k]) for k in out[0][1])
+
+
+def test_a_zero_bubble_stage_cuts_each_backward_into_b_and_w():
+    """ZB-H1: B holds the receives, the sends and all they need (the grads the previous stage
+    waits for); W the rest: every param grad and its accumulation, fused grad ops cut in two
+    (passes/split_weight_grads.py). Together they make what 1F1B's backward makes."""
+    from metaopt.ir.program import WEIGHT_PHASE
+
+    train = _trained("gpt")
+    grads = set(backward_links(train)["grads"].values())
+    how = {"num_stages": 2, "cuts": ["transformer.h.1"], "micro_batches": 2}
+    one = pipeline_split(train, schedule="1F1B", **how)
+    zb = pipeline_split(train, schedule="ZBH1", **how)
+    for a, z in zip(one, zb, strict=True):
+        k = a.pipeline.stage
+        assert a.phases.get((k, WEIGHT_PHASE)) is None
+        b = z.phases.get((k, roles.BACKWARD)).program.ops
+        w = z.phases.get((k, WEIGHT_PHASE)).program.ops
+        made = {o for op in a.phases.get((k, roles.BACKWARD)).program.ops for o in op.outputs if o}
+        assert {o for op in b + w for o in op.outputs if o} == made
+        assert all("peer" not in op.attrs for op in w) and any("peer" in op.attrs for op in b)
+        assert not grads & {o for op in b for o in op.outputs}  # no weight grad left in B
+        assert grads & {o for op in w for o in op.outputs}
+    split = [op for op in zb[1].ops if op.type == "LinearGrad"]
+    assert {tuple(op.attrs["mask"]) for op in split} >= {(1, 0, 0), (0, 1, 1)}
+
+
+def test_fleet_takes_zbh1_and_paddles_names_and_refuses_the_v_shape_by_name():
+    from metaopt import fleet
+
+    fleet.init(is_collective=True)
+    for mode, want in (("ZBH1", "ZBH1"), ("FThenB", "F-then-B")):
+        main = exported("mlp")[2].clone()
+        s = fleet.DistributedStrategy()
+        s.pipeline = True
+        s.pipeline_configs = {"accumulate_steps": 2, "schedule_mode": mode, "cuts": []}
+        fleet.distributed_optimizer(metaopt.optimizer.SGD(learning_rate=0.1), s).minimize(main.loss)
+        assert main.pipeline.schedule == want
+    s.pipeline_configs = {"accumulate_steps": 2, "schedule_mode": "ZBV", "cuts": []}
+    with pytest.raises(NotImplementedError, match="schedule_mode'\\]='ZBV': the V-shaped zero-bubble"):
+        fleet.distributed_optimizer(metaopt.optimizer.SGD(learning_rate=0.1), s).minimize(
+            exported("mlp")[2].clone().loss
+        )

@@ -41,12 +41,13 @@ def _feed_names(name: str) -> list[str]:
     return harness.feed_names(entry.build(0.0), 8)
 
 
-def export(name: str) -> metaopt.Program:
-    """The forward program, the same initial values in every process."""
+def export(name: str, dropout: float = 0.0) -> metaopt.Program:
+    """The forward program, the same initial values in every process (`dropout`: the Hugging
+    Face models' dropout probability)."""
     if name.startswith("hf-"):
         harness, entry = _zoo(name)
         torch.manual_seed(SEED)
-        return harness.export(entry, 0.0)[1]
+        return harness.export(entry, dropout)[1]
     mod = programs.get(name)
     model = mod.build("tiny", seed=SEED, dropout=0.0)
     return export_cache.export(model, mod.example_inputs("tiny", 4, seed=1), name=name)

@@ -134,7 +134,7 @@ def dropout_grad(
     return aten.native_dropout_backward(dy, mask, 1.0 / (1.0 - p)) if p > 0.0 else dy * mask
 
 
-@register("LayerNormGrad", domain="metaopt", needs_outputs=True, fresh_outputs=True)
+@register("LayerNormGrad", domain="metaopt", needs_outputs=True, fresh_outputs=True, masks_outputs=True)
 def layer_norm_grad(
     dy: torch.Tensor,
     x: torch.Tensor,
@@ -162,7 +162,7 @@ def layer_norm_grad(
     return (dx, dw, db)[:_nout]
 
 
-@register("RMSNormGrad", domain="metaopt", needs_outputs=True, fresh_outputs=True)
+@register("RMSNormGrad", domain="metaopt", needs_outputs=True, fresh_outputs=True, masks_outputs=True)
 def rms_norm_grad(
     dy: torch.Tensor,
     x: torch.Tensor,
@@ -257,7 +257,9 @@ def silu_mul_grad(
     return (da, db)[:_nout]
 
 
-@register("BatchNormTrainingGrad", domain="metaopt", needs_outputs=True, fresh_outputs=True)
+@register(
+    "BatchNormTrainingGrad", domain="metaopt", needs_outputs=True, fresh_outputs=True, masks_outputs=True
+)
 def batch_norm_training_grad(
     dy: torch.Tensor,
     x: torch.Tensor,
@@ -276,7 +278,7 @@ def batch_norm_training_grad(
     return (dx, dw, db)[:_nout]
 
 
-@register("LinearGrad", domain="metaopt", needs_outputs=True, fresh_outputs=True)
+@register("LinearGrad", domain="metaopt", needs_outputs=True, fresh_outputs=True, masks_outputs=True)
 def linear_grad(
     dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mask: list[int] | None = None, _nout: int = 3
 ):
@@ -291,7 +293,7 @@ def linear_grad(
     return (dx, dw, db)[:_nout]
 
 
-@register("MatMulGrad", domain="metaopt", needs_outputs=True, fresh_outputs=True)
+@register("MatMulGrad", domain="metaopt", needs_outputs=True, fresh_outputs=True, masks_outputs=True)
 def matmul_grad(
     dy: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: list[int] | None = None, _nout: int = 2
 ):
@@ -342,7 +344,7 @@ def embedding_grad_accumulate(
     return acc.index_put_((flat,), rows, accumulate=True)
 
 
-@register("ConvGrad", domain="metaopt", needs_outputs=True, fresh_outputs=True)
+@register("ConvGrad", domain="metaopt", needs_outputs=True, fresh_outputs=True, masks_outputs=True)
 def conv_grad(
     dy: torch.Tensor,
     x: torch.Tensor,

@@ -1,0 +1,133 @@
+"""Zero-bubble pipelines (issue 34): ZB-H1 on 2 gloo workers, the zoo's Hugging Face GPT-2 (its
+embedding tied to the LM head, so held by both stages).
+
+The ZB-H1 stage programs are 1F1B's with each backward cut into B and W (passes/pipeline_phases.py):
+the same ops, and each param's grad accumulated over the micro-batches in the same order, so a
+ZB-H1 run equals 1F1B's BIT FOR BIT (losses and params, every worker), dropout included; with
+recompute it equals the same schedule without recompute bit for bit. Against one process (whose
+float sums run in another order) the bar is DESIGN's for pipelines: rtol 1e-5, atol 4e-5, on SGD
+params and Adam losses.
+
+Memory: a micro-batch's values that W reads stay alive from its B to its W; ZB-H1 defers W on
+the last stage by one micro-batch (p - 1), so its peak is at most 1F1B's plus one micro-batch's
+W-held values (the W phase's carried inputs, counted from the program) plus the part of them
+the next B makes before that W runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from workers import start_workers, wait_workers
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+
+CASES = [
+    "hf-gpt2:1F1B:sgd",
+    "hf-gpt2:ZBH1:sgd",
+    "hf-gpt2:ZBH1:adam",
+    "hf-gpt2:1F1B:sgd:drop",
+    "hf-gpt2:ZBH1:sgd:drop",
+    "hf-gpt2:ZBH1:sgd:drop:recompute",
+]
+TOL = {"rtol": 1e-5, "atol": 4e-5}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("zero_bubble")
+    wait_workers(start_workers(2, [str(HERE / "zb_worker.py"), str(out), *CASES]), "zero bubble", 400)
+    return out
+
+
+def _ranks(out: Path, case: str) -> list[dict]:
+    return [torch.load(out / f"{case}.rank{r}.pt", weights_only=True) for r in range(2)]
+
+
+def _bitwise(out: Path, a: str, b: str) -> None:
+    for r, (x, y) in enumerate(zip(_ranks(out, a), _ranks(out, b), strict=True)):
+        assert x["losses"] == y["losses"], (a, b, r)
+        differ = [k for k in x["params"] if not torch.equal(x["params"][k], y["params"][k])]
+        assert x["params"].keys() == y["params"].keys() and not differ, (a, b, r, differ[:5])
+
+
+def test_zbh1_runs_b_and_w_as_the_schedule_says(runs):
+    from metaopt.runtime.schedules import schedule
+
+    for r, got in enumerate(_ranks(runs, "hf-gpt2:ZBH1:sgd")):
+        want = schedule("ZBH1", num_stages=2, stage=r, micro_batches=4)
+        assert got["actions"] == [str(a) for a in want]
+
+
+@pytest.mark.parametrize("extra", ["", ":drop"])
+def test_zbh1_equals_1f1b_bit_for_bit(runs, extra):
+    _bitwise(runs, f"hf-gpt2:1F1B:sgd{extra}", f"hf-gpt2:ZBH1:sgd{extra}")
+
+
+def test_zbh1_with_recompute_and_dropout_equals_it_without_recompute(runs):
+    _bitwise(runs, "hf-gpt2:ZBH1:sgd:drop", "hf-gpt2:ZBH1:sgd:drop:recompute")
+
+
+@functools.cache
+def _one_process(opt: str) -> dict:
+    import zb_worker
+    from training_cases import STEPS, batch, export
+
+    import metaopt
+
+    main = export("hf-gpt2")
+    zb_worker.make_optimizer(opt).minimize(main.loss)
+    exe = metaopt.Executor("cpu")
+    losses = [float(exe.run(main, feed=batch("hf-gpt2", s), fetch_list=[main.loss])[0]) for s in range(STEPS)]
+    return {"losses": losses, "params": {v.name: exe.scope[v.name].clone() for v in main.params()}}
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_zbh1_equals_one_process(runs, opt):
+    ref = _one_process(opt)
+    first, last = _ranks(runs, f"hf-gpt2:ZBH1:{opt}")
+    assert all(x is None for x in first["losses"])  # the loss lives on the last stage
+    torch.testing.assert_close(torch.tensor(last["losses"]), torch.tensor(ref["losses"]), **TOL)
+    if opt == "adam":
+        return  # Adam: losses only (DESIGN.md's bar)
+    seen = set()
+    for got in (first, last):
+        for k, t in got["params"].items():
+            torch.testing.assert_close(t, ref["params"][k], **TOL, msg=lambda m, k=k: f"{k}: {m}")
+            seen.add(k)
+    assert seen == set(ref["params"])
+
+
+def test_the_tied_embedding_stays_one_value_on_both_stages(runs):
+    first, last = _ranks(runs, "hf-gpt2:ZBH1:sgd")
+    tied = set(first["params"]) & set(last["params"])
+    assert tied, "GPT-2's embedding is read by the first stage and the LM head by the last"
+    assert all(torch.equal(first["params"][k], last["params"][k]) for k in tied)
+
+
+def test_the_peak_is_1f1bs_plus_what_deferred_w_actions_hold(runs):
+    """Each worker's measured peak: ZB-H1 at most 1F1B's plus one micro-batch's values carried
+    into its W phase (from F and B: held while a deferred W waits), plus the part of them the
+    next B makes (a B keeps what its W will read, where 1F1B's whole backward frees it at once),
+    all counted from the stage program's cut at the micro-batch's size."""
+    from training_cases import BATCH
+
+    from metaopt.ir import parse_program, roles
+    from metaopt.ir.program import WEIGHT_PHASE
+    from metaopt.passes.pipeline_phases import plan_phases
+
+    for one, zb in zip(_ranks(runs, "hf-gpt2:1F1B:sgd"), _ranks(runs, "hf-gpt2:ZBH1:sgd"), strict=True):
+        stage = parse_program(zb["program"])
+        plan = plan_phases(stage)
+        k, dims = stage.pipeline.stage, {"batch": BATCH // 4}
+        w_in = plan.carried_in[(k, WEIGHT_PHASE)]
+        from_b = set(plan.carried_out[(k, roles.BACKWARD)])
+        held = sum(stage.vars[x].nbytes(dims) for x in w_in)
+        made_by_b = sum(stage.vars[x].nbytes(dims) for x in w_in if x in from_b)
+        assert held > made_by_b > 0
+        assert zb["peak"] <= one["peak"] + held + made_by_b, (one["peak"], zb["peak"], held, made_by_b)
