@@ -1,0 +1,198 @@
+"""Zero-bubble pipelines: ZB-H1 against 1F1B, measured on gloo workers, one table.
+
+    python benchmarks/zero_bubble.py [--m 4 8] [--steps 15] [--json out.json]
+
+Two workers (metaoptrun --nproc_per_node=2, one thread each), a BERT of `--layers` layers of
+width `--hidden` (seq `--seq`, a 1000-token vocabulary so the last stage's head does not dwarf
+the layers) cut into 2 equal stages, `--mbs` samples per micro-batch, Adam. For each m both
+schedules are minimized from one export and their steps run interleaved (1F1B, ZB-H1, 1F1B, ...
+after a barrier each), so the machine's drift falls on both alike; the first two steps of each
+(plans built, edges verified) are not timed. Per schedule and m: the median step time (the
+slower worker's), its ratio to 1F1B's, each worker's measured bubble (1 - its actions' compute
+over the step) beside the simulator's ideal from the measured per-action means (F, B, W; for
+1F1B B is the whole backward), and each worker's peak bytes (executor accounting).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+from common import RESULTS, machine
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+
+import metaopt  # noqa: E402
+import programs  # noqa: E402
+from metaopt import fleet  # noqa: E402
+from metaopt.runtime.pipeline import last_step_profile  # noqa: E402
+from metaopt.runtime.schedules import simulate  # noqa: E402
+
+SCHEDULES = ("1F1B", "ZBH1")
+
+
+def _cfg(args: argparse.Namespace) -> dict:
+    h = args.hidden
+    return {
+        "hidden_size": h,
+        "num_layers": args.layers,
+        "num_heads": max(1, h // 64),
+        "intermediate_size": 4 * h,
+        "seq_len": args.seq,
+        "vocab_size": 1000,
+        "dropout": 0.0,
+    }
+
+
+def worker(args: argparse.Namespace) -> None:
+    bert, cfg = programs.get("bert"), _cfg(args)
+    fleet.init(is_collective=True)
+    rank = fleet.worker_index()
+    base = metaopt.export(
+        bert.build("base", seed=0, **cfg), bert.example_inputs("base", 2, **cfg), name="bert"
+    )
+    out: dict = {}
+    for m in args.m:
+        runs = {}
+        for schedule in SCHEDULES:
+            main = base.clone()
+            s = fleet.DistributedStrategy()
+            s.pipeline = True
+            cut = f"bert.encoder.layer.{args.layers // 2}"
+            s.pipeline_configs = {"accumulate_steps": m, "schedule_mode": schedule, "cuts": [cut]}
+            fleet.distributed_optimizer(metaopt.optimizer.Adam(learning_rate=1e-4), s).minimize(main.loss)
+            runs[schedule] = (main, metaopt.Executor("cpu"), [])
+        for step in range(args.steps + 2):
+            inputs = bert.example_inputs("base", m * args.mbs, seed=step, **cfg)
+            feed = dict(zip(bert.INPUT_NAMES, inputs, strict=True))
+            for schedule in SCHEDULES if step % 2 else SCHEDULES[::-1]:
+                main, exe, steps = runs[schedule]
+                fleet.barrier_worker()
+                t0 = time.perf_counter()
+                exe.run(main, feed=feed, fetch_list=["loss"])
+                wall = time.perf_counter() - t0
+                prof = last_step_profile(exe, main)
+                if step >= 2:
+                    means = {k: prof.mean_compute(k) for k in "FBW"}
+                    compute = sum(t for _, t in prof.actions)
+                    steps.append({"step_s": wall, "compute_s": compute, **means})
+        for schedule, (_, exe, steps) in runs.items():
+            out[f"{schedule}:{m}"] = {"steps": steps, "peak": exe.memory_stats()["peak_bytes"]}
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    fleet.barrier_worker()
+
+
+def launch(args: argparse.Namespace, out: str) -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "metaopt.launch",
+        "--nproc_per_node=2",
+        f"--log_dir={os.path.join(out, 'log')}",
+        os.path.abspath(__file__),
+        "--worker",
+        f"--out={out}",
+        f"--layers={args.layers}",
+        f"--hidden={args.hidden}",
+        f"--seq={args.seq}",
+        f"--mbs={args.mbs}",
+        f"--steps={args.steps}",
+        "--m",
+        *[str(m) for m in args.m],
+    ]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    env["CUDA_VISIBLE_DEVICES"], env["OMP_NUM_THREADS"] = "", "1"
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"metaoptrun --nproc_per_node=2 failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+
+
+def rows(ranks: list[dict], m: int) -> list[dict]:
+    """Per schedule: median step time (the slower worker's per step), measured and ideal bubble."""
+    out = []
+    for schedule in SCHEDULES:
+        per = [r[f"{schedule}:{m}"] for r in ranks]
+        n = len(per[0]["steps"])
+        step_s = statistics.median(max(w["steps"][i]["step_s"] for w in per) for i in range(n))
+        measured = [statistics.median(1 - s["compute_s"] / s["step_s"] for s in w["steps"]) for w in per]
+        mean = {k: [statistics.mean(s[k] for s in w["steps"]) for w in per] for k in "FBW"}
+        w_cost = mean["W"] if schedule == "ZBH1" else None
+        b_cost = [b + w for b, w in zip(mean["B"], mean["W"], strict=True)]
+        ideal = simulate(
+            schedule, num_stages=2, micro_batches=m, f_cost=mean["F"], b_cost=b_cost, w_cost=w_cost
+        ).bubble_fraction
+        out.append(
+            {
+                "schedule": schedule,
+                "m": m,
+                "step_s": step_s,
+                "measured_bubble": measured,
+                "ideal_bubble": ideal,
+            }
+        )
+        out[-1]["peak"] = [w["peak"] for w in per]
+    base = out[0]["step_s"]
+    for r in out:
+        r["vs_1f1b"] = r["step_s"] / base
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--m", type=int, nargs="+", default=[4, 8], help="micro-batches per step")
+    ap.add_argument("--steps", type=int, default=15, help="timed steps per schedule and m")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--mbs", type=int, default=4, help="samples per micro-batch")
+    ap.add_argument("--json", default=os.path.join(RESULTS, "zero_bubble.json"))
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    out = tempfile.mkdtemp(prefix="zero_bubble_")
+    launch(args, out)
+    ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
+    table = [row for m in args.m for row in rows(ranks, m)]
+    where = machine(torch.device("cpu"))["device"]
+    print(
+        f"ZB-H1 vs 1F1B, 2 gloo workers, BERT {args.layers} x {args.hidden} seq {args.seq}, "
+        f"{args.mbs} samples per micro-batch, {args.steps} steps interleaved, {where}"
+    )
+    head = (
+        "m",
+        "schedule",
+        "step ms",
+        "vs 1F1B",
+        "bubble w0",
+        "bubble w1",
+        "ideal",
+        "peak MB w0",
+        "peak MB w1",
+    )
+    print("{:>3} {:>8} {:>8} {:>8} {:>9} {:>9} {:>6} {:>10} {:>10}".format(*head))
+    for r in table:
+        print(
+            f"{r['m']:>3} {r['schedule']:>8} {r['step_s'] * 1e3:>8.1f} {r['vs_1f1b']:>8.3f} "
+            f"{r['measured_bubble'][0]:>9.3f} {r['measured_bubble'][1]:>9.3f} {r['ideal_bubble']:>6.3f} "
+            f"{r['peak'][0] / 2**20:>10.2f} {r['peak'][1] / 2**20:>10.2f}"
+        )
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"machine": machine(torch.device("cpu")), "args": vars(args), "rows": table}, f, indent=1)
+    print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
