@@ -10,7 +10,9 @@ after a barrier each), so the machine's drift falls on both alike; the first two
 (plans built, edges verified) are not timed. Per schedule and m: the median step time (the
 slower worker's), its ratio to 1F1B's, each worker's measured bubble (1 - its actions' compute
 over the step) beside the simulator's ideal from the measured per-action means (F, B, W; for
-1F1B B is the whole backward), and each worker's peak bytes (executor accounting).
+1F1B B is the whole backward), and each worker's peak bytes (executor accounting). The last
+step of each schedule and m is drawn (`metaopt.schedule_picture`) under
+results/zero_bubble_pictures/.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -84,8 +87,12 @@ def worker(args: argparse.Namespace) -> None:
                     means = {k: prof.mean_compute(k) for k in "FBW"}
                     compute = sum(t for _, t in prof.actions)
                     steps.append({"step_s": wall, "compute_s": compute, **means})
-        for schedule, (_, exe, steps) in runs.items():
+        for schedule, (main, exe, steps) in runs.items():
             out[f"{schedule}:{m}"] = {"steps": steps, "peak": exe.memory_stats()["peak_bytes"]}
+            # the last step of each, drawn (worker 0 writes it; every worker takes part)
+            metaopt.schedule_picture(
+                exe, main, out=os.path.join(args.out, "pictures"), name=f"{schedule}_m{m}"
+            )
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     fleet.barrier_worker()
@@ -188,6 +195,10 @@ def main() -> None:
             f"{r['measured_bubble'][0]:>9.3f} {r['measured_bubble'][1]:>9.3f} {r['ideal_bubble']:>6.3f} "
             f"{r['peak'][0] / 2**20:>10.2f} {r['peak'][1] / 2**20:>10.2f}"
         )
+    pictures = os.path.join(os.path.dirname(args.json) or ".", "zero_bubble_pictures")
+    shutil.rmtree(pictures, ignore_errors=True)
+    shutil.copytree(os.path.join(out, "pictures"), pictures)
+    print(f"schedule pictures of each schedule's last step: {pictures}/")
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump({"machine": machine(torch.device("cpu")), "args": vars(args), "rows": table}, f, indent=1)

@@ -10,6 +10,7 @@ from metaopt.frontend.torch_export import export
 from metaopt.ir import Op, Program, Var, verify
 from metaopt.ops import rng_streams
 from metaopt.report import memory_picture
+from metaopt.report.schedule_picture import schedule_picture
 from metaopt.runtime import CPUPlace, CUDAPlace, Executor
 from metaopt.runtime.hostsync import HostSyncError
 
@@ -46,6 +47,7 @@ __all__ = [
     "fleet",
     "load",
     "memory_picture",
+    "schedule_picture",
     "optimizer",
     "save",
     "seed",

@@ -84,9 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     show.add_argument("--training", action="store_true", help="import an ONNX file with train-mode repairs")
     show.add_argument("--summary-only", action="store_true", help="print only the summary")
     _add_memory_parser(sub)
+    _add_schedule_parser(sub)
     args = ap.parse_args(argv)
     try:
-        return _memory(args) if args.cmd == "memory" else _show(args)
+        return {"memory": _memory, "schedule": _schedule}.get(args.cmd, _show)(args)
     except Exception as e:  # noqa: BLE001 - the CLI's one line; --debug shows the rest
         if args.debug:
             raise
@@ -105,6 +106,42 @@ def _show(args: argparse.Namespace) -> int:
 
         onnx_save.save(program, args.onnx)
         sys.stdout.write(f"# wrote {args.onnx}\n")
+    return 0
+
+
+def _add_schedule_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
+    sch = sub.add_parser(
+        "schedule",
+        help="draw a pipeline schedule: a run's (the JSON metaopt.schedule_picture wrote) or a simulated one",
+    )
+    sch.add_argument(
+        "source", nargs="?", help="a schedule picture's JSON (metaopt.schedule_picture(out=...))"
+    )
+    sch.add_argument(
+        "--simulate", metavar="SCHEDULE", help="draw the simulator's run of this schedule instead"
+    )
+    sch.add_argument("--stages", type=int, default=4, help="with --simulate: workers (default 4)")
+    sch.add_argument("--micro-batches", type=int, default=8, help="with --simulate: per step (default 8)")
+    sch.add_argument(
+        "--out", default="schedule_picture", help="folder for the files (default schedule_picture/)"
+    )
+
+
+def _schedule(args: argparse.Namespace) -> int:
+    import json
+
+    from metaopt.report.schedule_picture import SchedulePicture, simulated, write
+
+    if (args.source is None) == (args.simulate is None):
+        raise ValueError("schedule: give a schedule picture's JSON file or --simulate SCHEDULE (one of them)")
+    if args.simulate is not None:
+        pic = simulated(args.simulate, num_stages=args.stages, micro_batches=args.micro_batches)
+    else:
+        with open(args.source) as f:
+            pic = SchedulePicture.from_json(json.load(f))
+    print(pic.summary())
+    for path in write(pic, args.out):
+        print(f"wrote {path}")
     return 0
 
 

@@ -98,11 +98,14 @@ class StepProfile:
     before_s: float = 0.0  # before the first action: feed split, the handshake's start
     after_s: float = 0.0  # after the last action, less waits: the optimizer
     actions: list[tuple[str, float]] = field(default_factory=list)
+    # (action, start, end, seconds of it spent waiting on communication), from the step's start:
+    # what the schedule picture draws (report/schedule_picture.py); a few floats per action
+    intervals: list[tuple[str, float, float, float]] = field(default_factory=list)
     messages: int = 0  # pipeline messages sent and received
     headers: int = 0  # of them with a header (first use of an edge, a new shape, the switch)
 
     def mean_compute(self, kind: str) -> float:
-        """Mean compute seconds of this worker's "F" (or "B") actions."""
+        """Mean compute seconds of this worker's "F" (or "B", "W") actions."""
         times = [t for a, t in self.actions if a.startswith(kind)]
         return sum(times) / len(times) if times else 0.0
 
@@ -167,8 +170,9 @@ class PipelineRunner:
             for action in self.actions:
                 t0, c0 = time.perf_counter(), _comm_seconds(comm)
                 self._run_action(action, micro, held, losses)
-                waited = _comm_seconds(comm) - c0
-                profile.actions.append((str(action), time.perf_counter() - t0 - waited))
+                waited, t1 = _comm_seconds(comm) - c0, time.perf_counter()
+                profile.actions.append((str(action), t1 - t0 - waited))
+                profile.intervals.append((str(action), t0 - t_step, t1 - t_step, waited))
             if comm is not None:
                 comm.finish_sends()
             opt = self.parts.get((-1, roles.OPTIMIZE))

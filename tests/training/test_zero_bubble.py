@@ -131,3 +131,24 @@ def test_the_peak_is_1f1bs_plus_what_deferred_w_actions_hold(runs):
         made_by_b = sum(stage.vars[x].nbytes(dims) for x in w_in if x in from_b)
         assert held > made_by_b > 0
         assert zb["peak"] <= one["peak"] + held + made_by_b, (one["peak"], zb["peak"], held, made_by_b)
+
+
+def test_the_schedule_picture_of_the_run_shows_each_worker_and_the_ideal(runs):
+    """metaopt.schedule_picture after a ZB-H1 step, on both workers: worker 0 wrote the PNG,
+    HTML and JSON; each worker's bars are the schedule's actions; the bubble measured per worker
+    is a fraction, the simulator's ideal from the measured per-action times beside it."""
+    import json
+
+    from metaopt.runtime.schedules import schedule
+
+    got = _ranks(runs, "hf-gpt2:ZBH1:sgd")
+    assert got[0]["picture"] == got[1]["picture"]  # every worker gets the same picture
+    pic = got[0]["picture"]
+    assert all(0 <= b < 1 for b in pic["bubble"]) and 0 <= pic["ideal_bubble"] < 1
+    files = {p.suffix for p in (runs / "picture").iterdir()}
+    assert files == {".png", ".html", ".json"}
+    saved = json.loads(next((runs / "picture").glob("*.json")).read_text())
+    for w, bars in enumerate(saved["workers"]):
+        want = [str(a) for a in schedule("ZBH1", num_stages=2, stage=w, micro_batches=4)]
+        assert [b[0] for b in bars] == want
+        assert all(s <= e for _, s, e, _ in bars)

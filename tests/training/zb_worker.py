@@ -10,6 +10,7 @@ bytes and the step's profile (each action's compute seconds). extra: "drop" (dro
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -46,7 +47,12 @@ def train_case(case: str, world: int) -> dict:
         (loss,) = exe.run(main, feed=batch(name, step), fetch_list=[loss_name])
         losses.append(None if loss is None else float(loss))
     prof = last_step_profile(exe, main)
+    picture = None
+    if extra == [] and opt == "sgd":  # the last step's picture, every worker's (a collective)
+        pic = metaopt.schedule_picture(exe, main, out=os.path.join(OUT[0], "picture"), name=schedule)
+        picture = {"bubble": pic.bubble, "ideal_bubble": pic.ideal_bubble, "step_s": pic.step_s}
     return {
+        "picture": picture,
         "losses": losses,
         "params": {v.name: exe.scope[v.name].clone() for v in main.params()},
         "peak": exe.memory_stats()["peak_bytes"],
@@ -55,8 +61,12 @@ def train_case(case: str, world: int) -> dict:
     }
 
 
+OUT: list[str] = []  # the folder the results go to
+
+
 def main() -> None:
     out, cases = sys.argv[1], sys.argv[2:]
+    OUT.append(out)
     fleet.init(is_collective=True)
     rank, world = fleet.worker_index(), fleet.worker_num()
     for case in cases:
