@@ -40,6 +40,7 @@ def poison_one_grad(main: metaopt.Program, grad: str) -> None:
 
 def main() -> None:
     out = sys.argv[1]
+    schedule = sys.argv[2] if len(sys.argv) > 2 else "1F1B"
     fleet.init(is_collective=True)
     rank = fleet.worker_index()
     mod = programs.get("mlp")
@@ -48,7 +49,7 @@ def main() -> None:
     strategy.amp = True
     strategy.amp_configs = {"init_loss_scaling": 1024.0, "decr_every_n_nan_or_inf": 1, "decr_ratio": 0.5}
     strategy.pipeline = True
-    strategy.pipeline_configs = {"accumulate_steps": 2, "cuts": ["fc2"]}
+    strategy.pipeline_configs = {"accumulate_steps": 2, "cuts": ["fc2"], "schedule_mode": schedule}
     opt = fleet.distributed_optimizer(metaopt.optimizer.Adam(learning_rate=1e-2), strategy)
     opt.minimize(main.loss)
     assert opt.applied_meta_list == ["amp", "pipeline"], opt.applied_meta_list

@@ -434,8 +434,8 @@ def test_amp_optimizer_takes_loss_scaling_for_bf16():
 # --- data parallel: every rank skips the same step --------------------------------------------
 
 
-def _two_workers(script: str, out: Path) -> list:
-    procs = start_workers(2, [str(HERE / script), str(out)])
+def _two_workers(script: str, out: Path, *args: str) -> list:
+    procs = start_workers(2, [str(HERE / script), str(out), *args])
     wait_workers(procs, script, 180)
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
@@ -454,10 +454,12 @@ def test_data_parallel_ranks_skip_the_same_step(tmp_path):
     )
 
 
-def test_pipeline_stages_skip_the_same_step(tmp_path):
+@pytest.mark.parametrize("schedule", ["1F1B", "ZBH1"])
+def test_pipeline_stages_skip_the_same_step(tmp_path, schedule):
     """Only stage 0's grads overflow at step 2 (stage 1's are finite): the stages sum their
-    flags, so both skip that step (params untouched on both), halve the scale alike and go on."""
-    traces = _two_workers("amp_pp_worker.py", tmp_path)
+    flags, so both skip that step (params untouched on both), halve the scale alike and go on.
+    With ZB-H1 the check waits for the last W (it runs in the update phase)."""
+    traces = _two_workers("amp_pp_worker.py", tmp_path, schedule)
     for stage in traces:
         assert [t["global_step"] for t in stage] == [1, 2, 2, 3, 4]
         assert [t["loss_scaling"] for t in stage] == [1024.0, 1024.0, 512.0, 512.0, 512.0]

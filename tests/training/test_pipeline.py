@@ -92,11 +92,12 @@ def check_traffic(case: str, rank: int, traffic: list[tuple[int, int, int]]) -> 
     expected shapes changed (mode shrink) verifies every edge again; the switch keeps a
     header on every message (check; check1: on one worker, so every worker's step
     signatures differ and all messages keep their headers)."""
-    _, _, m, mode, *rest = case.split(":")
+    _, schedule, m, mode, *rest = case.split(":")
     m, chunks = int(m), int(rest[0]) if rest else 1
+    per = 3 if schedule == "ZBH1" else 2  # F, B (and W) of each micro-batch
     for step, (messages, headers, actions) in enumerate(traffic):
         where = f"{case} worker {rank} step {step}"
-        assert actions == 2 * m * chunks, where  # every F and B timed
+        assert actions == per * m * chunks, where  # every action timed
         assert messages > 0 and messages % m == 0, where
         if mode in ("check", "check1"):
             assert headers == messages, where
@@ -125,6 +126,8 @@ CASES_2 = [
     "bert:1F1B:4:shrink",  # a smaller batch in step 2: every edge verified again, twice
     "gpt:1F1B:2:check",  # METAOPT_PIPELINE_CHECK=1: a header on every message
     "mlp:F-then-B:2:check1",  # the switch on one worker only: headers on every message, no error
+    "bert:ZBH1:4:offload",  # zero bubble: W after B, offloaded checkpoints fetched for both
+    "gpt:ZBH1:4:recompute",  # zero bubble with recompute, the tied embedding on both stages
 ]
 CASES_4 = [
     "mlp:1F1B:8:plain",
@@ -133,10 +136,16 @@ CASES_4 = [
     "gpt:1F1B:8:recompute",
     "mlp:interleaved:8:plain:2",
     "mlp:1F1B:4:shrink",
+    "mlp:ZBH1:8:plain",  # zero bubble over 4 stages
 ]
 TIED = "gpt:1F1B:2:plain:1:20"
 # 2 stages x 2 replicas on 4 workers, each replica half the batch (tied gpt too)
-CASES_DP = ["mlp:1F1B:2:plain:1:3:2", "bert:F-then-B:2:recompute:1:3:2", "gpt:1F1B:2:plain:1:3:2"]
+CASES_DP = [
+    "mlp:1F1B:2:plain:1:3:2",
+    "bert:F-then-B:2:recompute:1:3:2",
+    "gpt:1F1B:2:plain:1:3:2",
+    "gpt:ZBH1:4:plain:1:3:2",  # zero bubble: the grads all-reduced over the replicas after the last W
+]
 
 
 @pytest.fixture(scope="module")
