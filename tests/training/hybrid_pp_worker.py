@@ -45,7 +45,8 @@ def strategy(dp: int, mp: int, pp: int) -> fleet.DistributedStrategy:
 
 
 def optimizer(name: str) -> metaopt.optimizer.Optimizer:
-    if name == "sgd":
+    """ "sgd" or "adam"; a "-zbh1" suffix (the ZB-H1 schedule: `train`) is not the optimizer's."""
+    if name.split("-")[0] == "sgd":
         return metaopt.optimizer.SGD(learning_rate=tp_worker.LR)
     return metaopt.optimizer.Adam(learning_rate=1e-2)
 
@@ -61,6 +62,9 @@ def train(exported: metaopt.Program, opt: str, s: fleet.DistributedStrategy) -> 
     hcg = fleet.get_hybrid_communicate_group()
     program = exported.clone()
     loss_name = program.loss.name  # a stage other than the last has no loss var: fetch by name
+    if opt.endswith("-zbh1"):  # the zero-bubble schedule beside tensor parallel
+        s = s.copy()
+        s.pipeline_configs = {**s.pipeline_configs, "schedule_mode": "ZBH1"}
     fleet.distributed_optimizer(optimizer(opt), s).minimize(program.loss)
     exe = metaopt.Executor("cpu")
     losses = []
