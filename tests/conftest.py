@@ -168,3 +168,19 @@ def clean_env(monkeypatch):
     env.reset()
     yield
     env.reset()
+
+
+def tiny_program():
+    """x [batch, 4] @ w [4, 3], mean: the smallest trainable program (fleet's API tests)."""
+    import torch
+
+    from metaopt.ir import Op, Program, Var
+
+    p = Program("tiny")
+    p.add_var(Var("x", "float32", ("batch", 4), "input"))
+    p.add_var(Var("w", "float32", (4, 3), "param", trainable=True), torch.randn(4, 3))
+    p.add_var(Var("h", "float32", ("batch", 3)))
+    p.add_var(Var("loss", "float32", ()))
+    p.inputs, p.outputs, p.loss_name = ["x"], ["loss"], "loss"
+    p.ops = [Op("MatMul", ["x", "w"], ["h"]), Op("ReduceMean", ["h"], ["loss"], {"keepdims": 0}, role="loss")]
+    return p

@@ -185,15 +185,21 @@ def write_png(pic: MemoryPicture, path: str) -> str:
     return path
 
 
-def svg_with_tooltips(pic: MemoryPicture) -> str:
-    """The chart as SVG text, each op's column carrying a ``<title>`` tooltip."""
-    fig = draw(pic, tooltips=True)
+SVG = "http://www.w3.org/2000/svg"
+
+
+def svg_tree(fig: Figure) -> ET.Element:
+    """`fig` as an SVG element tree, to which tooltips (``<title>``) can be added by element id."""
     buf = io.BytesIO()
     fig.savefig(buf, format="svg")
-    ns = "http://www.w3.org/2000/svg"
-    ET.register_namespace("", ns)
+    ET.register_namespace("", SVG)
     ET.register_namespace("xlink", "http://www.w3.org/1999/xlink")
-    root = ET.fromstring(buf.getvalue())
+    return ET.fromstring(buf.getvalue())
+
+
+def svg_with_tooltips(pic: MemoryPicture) -> str:
+    """The chart as SVG text, each op's column carrying a ``<title>`` tooltip."""
+    root, ns = svg_tree(draw(pic, tooltips=True)), SVG
     n = len(pic.roles)
     per = max(1, math.ceil(n / MAX_TOOLTIPS))
     for g in root.iter(f"{{{ns}}}g"):

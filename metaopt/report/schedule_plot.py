@@ -6,11 +6,10 @@ when a picture is drawn; figures are `matplotlib.figure.Figure`, never pyplot.""
 from __future__ import annotations
 
 import html
-import io
 import xml.etree.ElementTree as ET
 from typing import TYPE_CHECKING
 
-from metaopt.report.plot import _matplotlib
+from metaopt.report.plot import SVG, _matplotlib, svg_tree
 from metaopt.report.schedule_picture import Bar, SchedulePicture
 
 if TYPE_CHECKING:
@@ -80,13 +79,7 @@ def write_png(pic: SchedulePicture, path: str) -> str:
 
 
 def _tooltips(pic: SchedulePicture) -> str:
-    fig = draw(pic, tooltips=True)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="svg")
-    ns = "http://www.w3.org/2000/svg"
-    ET.register_namespace("", ns)
-    ET.register_namespace("xlink", "http://www.w3.org/1999/xlink")
-    root = ET.fromstring(buf.getvalue())
+    root, ns = svg_tree(draw(pic, tooltips=True)), SVG
     panels = [pic.workers] if pic.workers else []
     panels += [pic.ideal] if pic.ideal else []
     for g in root.iter(f"{{{ns}}}g"):

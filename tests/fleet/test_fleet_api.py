@@ -8,29 +8,19 @@ import re
 
 import pytest
 import torch
+from conftest import tiny_program
 
 import metaopt
 from metaopt import fleet
 from metaopt.fleet import env
 from metaopt.fleet.strategy import UNSUPPORTED_FEATURES
-from metaopt.ir import Op, Program, Var
+from metaopt.ir import Op, Var
 
 # the module (`fleet.distributed_optimizer` is the function, as in Fleet)
 dopt = importlib.import_module("metaopt.fleet.distributed_optimizer")
 
 
 pytestmark = pytest.mark.usefixtures("clean_env")  # tests/conftest.py
-
-
-def _program() -> Program:
-    p = Program("tiny")
-    p.add_var(Var("x", "float32", ("batch", 4), "input"))
-    p.add_var(Var("w", "float32", (4, 3), "param", trainable=True), torch.randn(4, 3))
-    p.add_var(Var("h", "float32", ("batch", 3)))
-    p.add_var(Var("loss", "float32", ()))
-    p.inputs, p.outputs, p.loss_name = ["x"], ["loss"], "loss"
-    p.ops = [Op("MatMul", ["x", "w"], ["h"]), Op("ReduceMean", ["h"], ["loss"], {"keepdims": 0}, role="loss")]
-    return p
 
 
 class FakeOptimizer:
@@ -171,7 +161,7 @@ def test_steps_are_the_documented_literal():
 
 def test_plain_path_delegates_to_the_inner_optimizer(caplog):
     fleet.init(is_collective=True)
-    p = _program()
+    p = tiny_program()
     inner = FakeOptimizer()
     opt = fleet.distributed_optimizer(inner, fleet.DistributedStrategy())
     with caplog.at_level(logging.INFO, logger="metaopt.fleet"):
@@ -202,7 +192,7 @@ def test_a_rewriting_step_needs_a_metaopt_optimizer():
     s = fleet.DistributedStrategy()
     s.gradient_merge = True
     inner = FakeOptimizer()
-    p = _program()
+    p = tiny_program()
     before = str(p)
     with pytest.raises(TypeError, match=r"steps \['gradient_merge'\] rewrite .* need a metaopt.optimizer"):
         fleet.distributed_optimizer(inner, s).minimize(p.loss)
@@ -213,7 +203,7 @@ def test_data_parallel_without_a_process_group_is_refused_before_rewriting(monke
     fleet.init()
     monkeypatch.setattr(env._STATE, "env", env.WorkerEnv(rank=0, world_size=2))
     inner = FakeOptimizer()
-    p = _program()
+    p = tiny_program()
     before = str(p)
     with pytest.raises(RuntimeError, match=r"needs torch.distributed: call fleet.init\(is_collective=True\)"):
         fleet.distributed_optimizer(inner).minimize(p.loss)
@@ -229,7 +219,7 @@ def test_unsupported_fleet_features_are_refused(flag):
     why = UNSUPPORTED_FEATURES[flag]
     match = rf"strategy\.{flag}=True: Fleet's {flag} is not implemented in metaopt \({re.escape(why)}\)"
     with pytest.raises(NotImplementedError, match=match):
-        fleet.distributed_optimizer(inner, s).minimize(_program().loss)
+        fleet.distributed_optimizer(inner, s).minimize(tiny_program().loss)
     assert inner.calls == []
 
 
@@ -238,7 +228,7 @@ def test_pipeline_with_gradient_merge_is_refused_naming_both():
     s = fleet.DistributedStrategy()
     s.pipeline = s.gradient_merge = True
     with pytest.raises(ValueError, match=r"strategy\.pipeline=True and strategy\.gradient_merge=True cannot"):
-        fleet.distributed_optimizer(FakeOptimizer(), s).minimize(_program().loss)
+        fleet.distributed_optimizer(FakeOptimizer(), s).minimize(tiny_program().loss)
 
 
 def test_steps_run_in_list_order_and_report_fleet_names():
@@ -246,7 +236,7 @@ def test_steps_run_in_list_order_and_report_fleet_names():
     s = fleet.DistributedStrategy()
     s.recompute = True
     s.recompute_configs = {"checkpoints": ["h"]}
-    p = _program()
+    p = tiny_program()
     opt = fleet.distributed_optimizer(metaopt.optimizer.SGD(0.1), s)
     # the LM-head fusion is on by default (it finds no cross-entropy here and changes nothing)
     assert opt.plan().steps == ["fuse_linear_ce", "append_backward", "apply_optimizer", "recompute"]
@@ -269,7 +259,7 @@ def test_a_step_that_breaks_an_invariant_is_named(monkeypatch):
     bad = Step("dangling_read", lambda ctx: (True, "test"), dangle)
     monkeypatch.setattr(dopt, "STEPS", (*steps.STEPS, bad))
     fleet.init()
-    p = _program()
+    p = tiny_program()
     before = str(p)
     with pytest.raises(StepError, match=r"step 'dangling_read' broke an invariant of 'tiny'.*nowhere") as e:
         fleet.distributed_optimizer(metaopt.optimizer.SGD(0.1)).minimize(p.loss)
@@ -306,7 +296,7 @@ def test_bad_arguments():
 
 def test_minimize_before_init_raises():
     with pytest.raises(RuntimeError, match=r"fleet\.init"):
-        fleet.distributed_optimizer(FakeOptimizer()).minimize(_program().loss)
+        fleet.distributed_optimizer(FakeOptimizer()).minimize(tiny_program().loss)
 
 
 def test_the_step_order_is_pinned_by_a_golden_plan(monkeypatch, golden):
@@ -332,7 +322,7 @@ def test_minimize_twice_says_the_program_is_already_minimized():
     from metaopt.passes.minimize import AlreadyMinimized
 
     fleet.init(is_collective=True)
-    p = _program()
+    p = tiny_program()
     metaopt.optimizer.SGD(learning_rate=0.1).minimize(p.loss)
     before = str(p)
     with pytest.raises(

@@ -5,7 +5,7 @@ AttributeError, never a silent no-op (a field metaopt already honours is NO_EFFE
 from __future__ import annotations
 
 import pytest
-import torch
+from conftest import tiny_program
 
 from metaopt import fleet
 from metaopt.fleet.strategy import (
@@ -18,7 +18,6 @@ from metaopt.fleet.strategy import (
     UNSUPPORTED_FEATURES,
     Key,
 )
-from metaopt.ir import Op, Program, Var
 
 pytestmark = pytest.mark.usefixtures("clean_env")  # tests/conftest.py
 
@@ -58,17 +57,6 @@ OBJECT_FIELDS = {
     "execution_strategy.num_iteration_per_run": REFUSED,
     "execution_strategy.use_thread_barrier": REFUSED,
 }
-
-
-def _program() -> Program:
-    p = Program("tiny")
-    p.add_var(Var("x", "float32", ("batch", 4), "input"))
-    p.add_var(Var("w", "float32", (4, 3), "param", trainable=True), torch.randn(4, 3))
-    p.add_var(Var("h", "float32", ("batch", 3)))
-    p.add_var(Var("loss", "float32", ()))
-    p.inputs, p.outputs, p.loss_name = ["x"], ["loss"], "loss"
-    p.ops = [Op("MatMul", ["x", "w"], ["h"]), Op("ReduceMean", ["h"], ["loss"], {"keepdims": 0}, role="loss")]
-    return p
 
 
 class _Inner:
@@ -127,7 +115,7 @@ def _status(path: str) -> str:
 def _minimize(s: fleet.DistributedStrategy) -> _Inner:
     fleet.init(is_collective=True)
     inner = _Inner()
-    fleet.distributed_optimizer(inner, s).minimize(_program().loss)
+    fleet.distributed_optimizer(inner, s).minimize(tiny_program().loss)
     return inner
 
 
