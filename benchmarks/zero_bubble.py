@@ -10,7 +10,9 @@ after a barrier each), so the machine's drift falls on both alike; the first two
 (plans built, edges verified) are not timed. Per schedule and m: the median step time (the
 slower worker's), its ratio to 1F1B's, each worker's measured bubble (1 - its actions' compute
 over the step) beside the simulator's ideal from the measured per-action means (F, B, W; for
-1F1B B is the whole backward), and each worker's peak bytes (executor accounting). The last
+1F1B B is the whole backward), and each worker's peak bytes (executor accounting). A second
+table simulates F-then-B, 1F1B and ZB-H1 at p = 2, 4 and m = 4, 8, 16 (4 workers do not fit 2
+cores: simulated only). The last
 step of each schedule and m is drawn (`metaopt.schedule_picture`) under
 results/zero_bubble_pictures/.
 """
@@ -153,9 +155,31 @@ def rows(ranks: list[dict], m: int) -> list[dict]:
     return out
 
 
+def simulated_rows() -> list[dict]:
+    """F-then-B, 1F1B and ZB-H1 at p = 2, 4 and m = 4, 8, 16 in the simulator: bubble, makespan
+    against 1F1B's, and the most micro-batches holding values on each worker."""
+    out = []
+    for p in (2, 4):
+        for m in (4, 8, 16):
+            base = simulate("1F1B", num_stages=p, micro_batches=m).makespan
+            for schedule in ("F-then-B", "1F1B", "ZBH1"):
+                r = simulate(schedule, num_stages=p, micro_batches=m)
+                out.append(
+                    {
+                        "p": p,
+                        "m": m,
+                        "schedule": schedule,
+                        "bubble": r.bubble_fraction,
+                        "vs_1f1b": r.makespan / base,
+                        "max_held": list(r.max_held),
+                    }
+                )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--m", type=int, nargs="+", default=[4, 8], help="micro-batches per step")
+    ap.add_argument("--m", type=int, nargs="+", default=[4, 8, 16], help="micro-batches per step")
     ap.add_argument("--steps", type=int, default=15, help="timed steps per schedule and m")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
@@ -199,9 +223,20 @@ def main() -> None:
     shutil.rmtree(pictures, ignore_errors=True)
     shutil.copytree(os.path.join(out, "pictures"), pictures)
     print(f"schedule pictures of each schedule's last step: {pictures}/")
+    sim = simulated_rows()
+    print("\nsimulated (F = 1, B + W = 2, W = 1 where split): bubble fraction and step time vs 1F1B")
+    print(
+        "{:>3} {:>3} {:>9} {:>8} {:>8} {:>12}".format("p", "m", "schedule", "bubble", "vs 1F1B", "max held")
+    )
+    for r in sim:
+        print(
+            f"{r['p']:>3} {r['m']:>3} {r['schedule']:>9} {r['bubble']:>8.3f} {r['vs_1f1b']:>8.3f} "
+            f"{str(r['max_held']):>12}"
+        )
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump({"machine": machine(torch.device("cpu")), "args": vars(args), "rows": table}, f, indent=1)
+        out = {"machine": machine(torch.device("cpu")), "args": vars(args), "rows": table, "simulated": sim}
+        json.dump(out, f, indent=1)
     print(f"\nwrote {args.json}")
 
 
