@@ -48,19 +48,19 @@ def _torch_export(run: ImportRun) -> tuple[bool, str]:
     return on, "a torch export (module-scope metadata)" if on else "names as the file's author chose"
 
 
-def _repair(p: Program, plan: None, run: ImportRun) -> Program:
-    repair_training(p, bn_momentum=run.bn_momentum)
-    return p
+def _in_place(edit: Callable[[Program, ImportRun], object]) -> Callable[[Program, None, ImportRun], Program]:
+    """A step that edits the importer's own program in place (`run_steps(owned=True)`)."""
+
+    def rewrite(p: Program, plan: None, run: ImportRun) -> Program:
+        edit(p, run)
+        return p
+
+    return rewrite
 
 
-def _names(p: Program, plan: None, run: ImportRun) -> Program:
-    readable_names(p, run.chains)
-    return p
-
-
-def _sorted(p: Program, plan: None, run: ImportRun) -> Program:
-    p.sort_vars()
-    return p
+_repair = _in_place(lambda p, run: repair_training(p, bn_momentum=run.bn_momentum))
+_names = _in_place(lambda p, run: readable_names(p, run.chains))
+_sorted = _in_place(lambda p, run: p.sort_vars())
 
 
 def _pure(rewrite: Callable[[Program], Program]) -> Callable[[Program, None, ImportRun], Program]:

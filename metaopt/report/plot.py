@@ -219,14 +219,24 @@ def svg_with_tooltips(pic: MemoryPicture) -> str:
 def write_html(pic: MemoryPicture, path: str) -> str:
     """A self-contained page: the SVG chart (hover an op for its tooltip) and the summary."""
     svg = svg_with_tooltips(pic)
+    return write_page(
+        path,
+        f"memory picture: {pic.name}",
+        "Hover over the chart for each op's line and bytes.",
+        svg,
+        pic.summary(n=30),
+    )
+
+
+def write_page(path: str, title: str, hint: str, svg: str, summary: str) -> str:
+    """A self-contained HTML page: a heading, a hint, the SVG chart and a text summary."""
     page = (
         "<!DOCTYPE html>\n<html><head><meta charset='utf-8'>"
-        f"<title>memory picture: {html.escape(pic.name)}</title>"
+        f"<title>{html.escape(title)}</title>"
         "<style>body{font-family:sans-serif;margin:1em}svg{max-width:100%;height:auto}"
         "pre{font-size:12px}</style></head><body>\n"
-        f"<h2>memory picture: {html.escape(pic.name)}</h2>\n"
-        "<p>Hover over the chart for each op's line and bytes.</p>\n"
-        f"{svg}\n<pre>{html.escape(pic.summary(n=30))}</pre>\n</body></html>\n"
+        f"<h2>{html.escape(title)}</h2>\n<p>{html.escape(hint)}</p>\n"
+        f"{svg}\n<pre>{html.escape(summary)}</pre>\n</body></html>\n"
     )
     with open(path, "w", encoding="utf-8") as f:
         f.write(page)

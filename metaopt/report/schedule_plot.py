@@ -5,11 +5,10 @@ when a picture is drawn; figures are `matplotlib.figure.Figure`, never pyplot.""
 
 from __future__ import annotations
 
-import html
 import xml.etree.ElementTree as ET
 from typing import TYPE_CHECKING
 
-from metaopt.report.plot import SVG, _matplotlib, svg_tree
+from metaopt.report.plot import SVG, _matplotlib, svg_tree, write_page
 from metaopt.report.schedule_picture import Bar, SchedulePicture
 
 if TYPE_CHECKING:
@@ -97,15 +96,5 @@ def _tooltips(pic: SchedulePicture) -> str:
 
 
 def write_html(pic: SchedulePicture, path: str) -> str:
-    page = (
-        "<!DOCTYPE html>\n<html><head><meta charset='utf-8'>"
-        f"<title>schedule picture: {html.escape(pic.name)}</title>"
-        "<style>body{font-family:sans-serif;margin:1em}svg{max-width:100%;height:auto}</style>"
-        "</head><body>\n"
-        f"<h2>schedule picture: {html.escape(pic.name)}</h2>\n"
-        "<p>Hover over a bar for its action, times and waits.</p>\n"
-        f"{_tooltips(pic)}\n<pre>{html.escape(pic.summary())}</pre>\n</body></html>\n"
-    )
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(page)
-    return path
+    hint = "Hover over a bar for its action, times and waits."
+    return write_page(path, f"schedule picture: {pic.name}", hint, _tooltips(pic), pic.summary())
