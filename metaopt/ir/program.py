@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import hashlib
 import itertools
 import math
 import operator
@@ -469,7 +470,7 @@ class Phases:
     found, never run."""
 
     parts: tuple[Phase, ...]
-    signature: int
+    signature: str
 
     def matches(self, p: Program) -> bool:
         return self.signature == ops_signature(p)
@@ -478,9 +479,13 @@ class Phases:
         return next((x for x in self.parts if x.key == key), None)
 
 
-def ops_signature(p: Program) -> int:
-    """What a pipeline cut depends on: each op's type, operands, role and stage, in order."""
-    return hash(tuple((op.type, tuple(op.inputs), tuple(op.outputs), op.role, op.stage) for op in p.ops))
+def ops_signature(p: Program) -> str:
+    """What a pipeline cut depends on: each op's type, operands, role and stage, in order (a
+    digest, the same in every process: a copy of the program elsewhere still matches its cut)."""
+    h = hashlib.blake2b(digest_size=16)
+    for op in p.ops:
+        h.update(f"{op.type}({','.join(op.inputs)})->{','.join(op.outputs)}|{op.role}|{op.stage}\n".encode())
+    return h.hexdigest()
 
 
 @dataclass(frozen=True)
