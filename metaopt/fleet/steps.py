@@ -48,7 +48,7 @@ from metaopt.fleet import env
 from metaopt.fleet.topology import Topology, hybrid_is_set, job_topology
 from metaopt.ir import Program
 from metaopt.ir.program import PADDLE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, UNBUILT_SCHEDULES
-from metaopt.passes.driver import Context, Step, check_declarations
+from metaopt.passes.driver import Context, PartPlans, Step, check_declarations
 from metaopt.passes.minimize import APPEND_BACKWARD, APPLY_OPTIMIZER
 
 logger = logging.getLogger("metaopt.fleet")
@@ -974,31 +974,31 @@ def _zb_on(ctx: Context) -> tuple[bool, str]:
     return on, f"pipeline_configs['schedule_mode']={mode!r}" + (" splits the backward" if on else "")
 
 
-def _split_wg_plan(p: Program, ctx: Context) -> dict[int, Any]:
-    from metaopt.passes.pipeline_phases import StagePhases
+# The two steps after the split whose plan is each stage program's own (`PartPlans`).
+
+
+def _split_wg_plan(p: Program, ctx: Context) -> PartPlans:
     from metaopt.passes.split_weight_grads import plan_split_weight_grads
 
-    return StagePhases({q.pipeline.stage: plan_split_weight_grads(q) for q in ctx.parts})
+    return PartPlans.of(plan_split_weight_grads, ctx.parts)
 
 
-def _split_wg(p: Program, plan: dict[int, Any], ctx: Context) -> Program:
+def _split_wg(p: Program, plan: PartPlans, ctx: Context) -> Program:
     from metaopt.passes.split_weight_grads import apply_split_weight_grads
 
-    return apply_split_weight_grads(p, plan[p.pipeline.stage])
+    return apply_split_weight_grads(p, plan.of_part(p, ctx.parts))
 
 
-def _phases_plan(p: Program, ctx: Context) -> dict[int, Any]:
-    """Every stage program's cut, by stage (the steps after the split rewrite each part alike;
-    each part is cut by its own plan)."""
-    from metaopt.passes.pipeline_phases import StagePhases, plan_phases
+def _phases_plan(p: Program, ctx: Context) -> PartPlans:
+    from metaopt.passes.pipeline_phases import plan_phases
 
-    return StagePhases({q.pipeline.stage: plan_phases(q) for q in ctx.parts})
+    return PartPlans.of(plan_phases, ctx.parts)
 
 
-def _pipeline_phases(p: Program, plan: dict[int, Any], ctx: Context) -> Program:
+def _pipeline_phases(p: Program, plan: PartPlans, ctx: Context) -> Program:
     from metaopt.passes.pipeline_phases import apply_phases
 
-    return apply_phases(p, plan[p.pipeline.stage])
+    return apply_phases(p, plan.of_part(p, ctx.parts))
 
 
 # --- THE list ---------------------------------------------------------------------------------------

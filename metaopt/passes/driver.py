@@ -125,6 +125,22 @@ INPUTS = frozenset(
 _DRIVER = frozenset({"plans", "parts"})
 
 
+class PartPlans(dict):
+    """Part index -> that part's own plan: for a step after a split whose plan depends on the part
+    (the pipeline's cut of each stage program), made for every part at once and printed together."""
+
+    @classmethod
+    def of(cls, plan: Callable[[Program], Any], parts: Sequence[Program]) -> PartPlans:
+        return cls({k: plan(q) for k, q in enumerate(parts)})
+
+    def of_part(self, p: Program, parts: Sequence[Program]) -> Any:
+        """The plan of part `p`, one of `parts` (the driver hands each rewrite the part itself)."""
+        return self[next(k for k, q in enumerate(parts) if q is p)]
+
+    def __str__(self) -> str:
+        return "\n".join(str(self[k]) for k in sorted(self))
+
+
 def check_declarations(
     steps: Sequence[Step], context: type[Run] = Context, inputs: frozenset[str] = INPUTS
 ) -> None:

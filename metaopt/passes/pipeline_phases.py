@@ -70,14 +70,6 @@ class PhasePlan:
         return "\n".join(lines)
 
 
-class StagePhases(dict):
-    """Stage -> its plan (a PhasePlan ...): the plans of every stage program of one split,
-    printed together."""
-
-    def __str__(self) -> str:
-        return "\n".join(str(self[k]) for k in sorted(self))
-
-
 def _key(op: Op) -> Key:
     phase = roles.phase(op.role)
     if phase is None:

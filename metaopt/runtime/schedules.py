@@ -280,7 +280,17 @@ def _zero_bubble_h1(p: int, m: int) -> tuple[tuple[Action, ...], ...]:
     return tuple(tuple(a) for a in acts)
 
 
-def _zb_candidates(s, p, m, free, made, nxt_f, nxt_b, waiting_w, done_w):  # noqa: ANN001, ANN202
+def _zb_candidates(
+    s: int,
+    p: int,
+    m: int,
+    free: float,
+    made: dict[tuple[str, int, int], float],
+    nxt_f: int,
+    nxt_b: int,
+    waiting_w: list[int],
+    done_w: int,
+) -> list[tuple[float, int, Action]]:
     """(start, rank, action) of what worker s could run next (rank: F 0, B 1, W 2 on a tie)."""
     out = []
     if nxt_b < nxt_f:  # its forward is done

@@ -130,8 +130,11 @@ def test_fleet_takes_zbh1_and_paddles_names_and_refuses_the_v_shape_by_name():
         s = fleet.DistributedStrategy()
         s.pipeline = True
         s.pipeline_configs = {"accumulate_steps": 2, "schedule_mode": mode, "cuts": []}
-        fleet.distributed_optimizer(metaopt.optimizer.SGD(learning_rate=0.1), s).minimize(main.loss)
+        opt = fleet.distributed_optimizer(metaopt.optimizer.SGD(learning_rate=0.1), s)
+        opt.minimize(main.loss)
         assert main.pipeline.schedule == want
+        cut = str(opt.context.plans["pipeline_phases"])  # each stage's cut, printed
+        assert ("chunk 0 weight" in cut) == (want == "ZBH1") and "chunk 0 backward" in cut
     s.pipeline_configs = {"accumulate_steps": 2, "schedule_mode": "ZBV", "cuts": []}
     with pytest.raises(NotImplementedError, match="schedule_mode'\\]='ZBV': the V-shaped zero-bubble"):
         fleet.distributed_optimizer(metaopt.optimizer.SGD(learning_rate=0.1), s).minimize(
