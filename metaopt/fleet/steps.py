@@ -18,11 +18,12 @@ k runs; recompute after data parallel (its re-emitted forward ops land before th
 ops, whatever collectives are there; beside tensor parallel they re-run TPReduce, which every
 MP rank reaches in the same order, as every rank runs the same program); the partition after
 recompute (it slices recompute's checkpoints) and offload after both (it moves the
-checkpoints, or their slices where partitioned); sharding after them (stage 3 gathers a param
-again before its first backward read, a recompute segment's included, and data parallel has
-already made the grads it slices); the pipeline splits the finished
-single-process program, so every
-recompute and offload op follows the forward var it stems from to its stage; unscaling
+checkpoints, or their slices where partitioned); the pipeline splits the finished
+single-process program, so every recompute and offload op follows the forward var it stems
+from to its stage; sharding after them all (stage 3 gathers a param again before its first
+backward read, a recompute segment's included; data parallel, or beside a pipeline the split,
+has already reduce-scattered the grads it updates; after a split it shards each stage
+program's own updates); unscaling
 comes late so it checks the grads the updates read (after any all-reduce, on every
 stage) and master weights rewire those updates; updates move into the backward last, so
 they follow every op that reads a param (recomputed forward ops included), every
@@ -586,8 +587,11 @@ def _sh_check(ctx: Context) -> None:
     if _sharding_degree(ctx) > 1:
         env.require_process_group("sharding")
     why = []
-    if s.pipeline:
-        why.append("strategy.pipeline=True (sharding inside a pipeline stage)")
+    if s.pipeline and stage > 1:
+        why.append(
+            f"strategy.pipeline=True at stage {stage} (a pipeline sums each grad over its micro-batches "
+            "whole before the update; stage 1 shards the optimizer state beside it)"
+        )
     if s.tensor_parallel:
         why.append("strategy.tensor_parallel=True (sharding a tensor-parallel slice)")
     if s.optimizer_in_backward:
@@ -602,17 +606,19 @@ def _sh_check(ctx: Context) -> None:
         )
 
 
-def _sh_plan(p: Program, ctx: Context) -> Any:
+def _sh_plan(p: Program, ctx: Context) -> PartPlans:
+    """Each part's own plan: after a pipeline's split, each stage program shards its updates
+    (its grads reduce-scattered by the split), before it the one program."""
     from metaopt.passes.sharding import plan_sharding
 
     cfg = ctx.strategy.sharding_configs
-    return plan_sharding(
-        p,
-        degree=_sharding_degree(ctx),
-        stage=cfg["stage"],
-        bucket_bytes=int(cfg["segment_broadcast_MB"] * 2**20),
-        index=_sharding_index(ctx),
-    )
+    how = {
+        "degree": _sharding_degree(ctx),
+        "stage": cfg["stage"],
+        "bucket_bytes": int(cfg["segment_broadcast_MB"] * 2**20),
+        "index": _sharding_index(ctx),
+    }
+    return PartPlans.of(partial(plan_sharding, **how), ctx.parts)
 
 
 def _sharding_index(ctx: Context) -> int:
@@ -625,9 +631,10 @@ def _sharding_index(ctx: Context) -> int:
     return ctx.rank  # sharding over every worker
 
 
-def _sharding(p: Program, plan: Any, ctx: Context) -> Program:
+def _sharding(p: Program, plans: PartPlans, ctx: Context) -> Program:
     from metaopt.passes.sharding import apply_sharding
 
+    plan = plans.of_part(p, ctx.parts)
     if plan.stage == 3 and ctx.world_size > 1:
         # Stage 3 keeps only this worker's slice of each param: it is cut from worker 0's initial
         # value, as data parallel's startup broadcast would give every worker (ZeRO-3's init).
@@ -645,18 +652,17 @@ def _offload_state_on(ctx: Context) -> tuple[bool, str]:
     return on, f"sharding_configs['optimize_offload']={on}"
 
 
-def _offload_state_plan(p: Program, ctx: Context) -> Any:
+def _offload_state_plan(p: Program, ctx: Context) -> PartPlans:
     from metaopt.passes.state_offload import plan_state_offload
 
-    return plan_state_offload(
-        p, bucket_bytes=int(ctx.strategy.sharding_configs["segment_broadcast_MB"] * 2**20)
-    )
+    bucket = int(ctx.strategy.sharding_configs["segment_broadcast_MB"] * 2**20)
+    return PartPlans.of(partial(plan_state_offload, bucket_bytes=bucket), ctx.parts)
 
 
-def _offload_state(p: Program, plan: Any, ctx: Context) -> Program:
+def _offload_state(p: Program, plans: PartPlans, ctx: Context) -> Program:
     from metaopt.passes.state_offload import apply_state_offload
 
-    return apply_state_offload(p, plan)
+    return apply_state_offload(p, plans.of_part(p, ctx.parts))
 
 
 def sharding_errors(strategy: Any, topo: Topology, world_size: int) -> list[Exception]:
@@ -941,7 +947,13 @@ def _pp_plan(p: Program, ctx: Context) -> Any:
     from metaopt.passes.pipeline import check_replicated_cuts, plan_pipeline
 
     topo = _layout(ctx)
-    how = {**_pp_how(ctx), "grads": ctx.grads, "loss_grad": ctx.loss_grad, "dp_degree": topo.dp_degree}
+    how = {
+        **_pp_how(ctx),
+        "grads": ctx.grads,
+        "loss_grad": ctx.loss_grad,
+        "dp_degree": topo.dp_degree,
+        "scatter_parts": _zero_scatter(ctx),  # ZeRO stage 1 beside the pipeline
+    }
     plan = plan_pipeline(p, **how)
     for group in _shared(ctx):
         if group[0] not in plan.shared:
@@ -1152,6 +1164,17 @@ STEPS: tuple[Step, ...] = (
         writes=("memory_report",),
     ),
     Step(
+        "pipeline_split",
+        _pp_on,
+        _pipeline_split,
+        plan=_pp_plan,
+        check=_pp_check,
+        doc="one program per stage",
+        meta="pipeline",
+        reads=("loss_grad", "params_grads", "rank", "strategy", "tp_plan", "world_size"),
+        writes=("part",),
+    ),
+    Step(
         "sharding",
         _sh_on,
         _sharding,
@@ -1169,17 +1192,6 @@ STEPS: tuple[Step, ...] = (
         doc="optimizer state held in host memory, brought to the device per bucket for its updates",
         meta="sharding",
         reads=("strategy",),
-    ),
-    Step(
-        "pipeline_split",
-        _pp_on,
-        _pipeline_split,
-        plan=_pp_plan,
-        check=_pp_check,
-        doc="one program per stage",
-        meta="pipeline",
-        reads=("loss_grad", "params_grads", "rank", "strategy", "tp_plan", "world_size"),
-        writes=("part",),
     ),
     Step(
         "unscale_grads",

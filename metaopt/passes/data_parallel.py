@@ -166,38 +166,61 @@ def apply_data_parallel(p: Program, plan: DataParallelPlan) -> Program:
                     raise DataParallelError(
                         f"data parallel: {r!r} exists already: is the program reduced twice?"
                     )
-                q.vars[r] = _reduced_var(r, q.vars[g], plan.scatter_parts)
+                q.vars[r] = reduced_var(r, q.vars[g], plan.scatter_parts)
                 outs.append(r)
-            ops += _reduce_ops(q, list(b.grads), outs, plan)
+            ops += reduce_ops(
+                q.vars,
+                list(b.grads),
+                outs,
+                scatter_parts=plan.scatter_parts,
+                replicas=plan.scatter_parts is not None and plan.scatter_parts != plan.world_size,
+                group=plan.group,
+            )
             renamed.update(zip(b.grads, outs, strict=True))
     q.ops = ops
     q.outputs = [renamed.get(x, x) for x in q.outputs]
     return q
 
 
-def _reduced_var(name: str, grad: Var, scatter_parts: int | None) -> Var:
+def reduced_var(name: str, grad: Var, scatter_parts: int | None) -> Var:
+    """The var a reduce of `grad` makes: like it, or its flat 1/`scatter_parts` slice (ZeRO)."""
     if scatter_parts is None:
         return Var(name, grad.dtype, grad.shape, grad.kind)
     zs = ZeroShard(scatter_parts, tuple(grad.shape))
     return Var(name, grad.dtype, (zs.local_numel,), grad.kind, zero=zs)
 
 
-def _reduce_ops(q: Program, grads: list[str], outs: list[str], plan: DataParallelPlan) -> list[Op]:
-    if plan.scatter_parts is None:
-        attrs = {"reduce": "avg", **({"group": plan.group} if plan.group else {})}
-        return [Op("AllReduce", grads, outs, attrs, role="comm")]
+def reduce_ops(
+    declared: dict[str, Var],
+    grads: list[str],
+    outs: list[str],
+    *,
+    scatter_parts: int | None,
+    replicas: bool,
+    group: str | None = None,
+    role: str = "comm",
+) -> list[Op]:
+    """The collectives averaging `grads` into `outs` (declared already in `declared`, where any
+    var between them is declared too): one ``AllReduce`` over `group` (None: every worker); with
+    `scatter_parts` (ZeRO) a ``ReduceScatter`` over the sharding group, each worker keeping its
+    1/N, then, where the workers holding the same slice are several (`replicas`: a data axis
+    beside the sharding one), an ``AllReduce`` of the slices over the data-parallel group. Data
+    parallel's buckets and a pipeline's merged grads (passes/pipeline.py) use it alike."""
+    if scatter_parts is None:
+        attrs = {"reduce": "avg", **({"group": group} if group else {})}
+        return [Op("AllReduce", grads, outs, attrs, role=role)]
     # the kernel finds the sharding group as ShardGather does
-    attrs = {"reduce": "avg", "group": "sharding", "parts": plan.scatter_parts}
-    if plan.scatter_parts == plan.world_size:
-        return [Op("ReduceScatter", grads, outs, attrs, role="comm")]
+    attrs = {"reduce": "avg", "group": "sharding", "parts": scatter_parts}
+    if not replicas:
+        return [Op("ReduceScatter", grads, outs, attrs, role=role)]
     parts = []  # each worker's slice averaged over its sharding group, then over the data axis
     for g, r in zip(grads, outs, strict=True):
         s = names.zero_shard(g)
-        q.vars[s] = q.vars[r].copy(name=s)
+        declared[s] = declared[r].copy(name=s)
         parts.append(s)
     return [
-        Op("ReduceScatter", grads, parts, attrs, role="comm"),
-        Op("AllReduce", parts, outs, {"reduce": "avg", "group": "data_parallel"}, role="comm"),
+        Op("ReduceScatter", grads, parts, attrs, role=role),
+        Op("AllReduce", parts, outs, {"reduce": "avg", "group": "data_parallel"}, role=role),
     ]
 
 

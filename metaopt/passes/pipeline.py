@@ -48,6 +48,7 @@ import torch
 from metaopt.ir import Op, PipelineInfo, Program, Var, did_you_mean, names, roles, torch_dtype
 from metaopt.ir.printer import fmt_op
 from metaopt.ops import registry
+from metaopt.passes.data_parallel import reduce_ops, reduced_var
 from metaopt.passes.one_call import one_call
 
 MICRO_BATCH = names.micro_batch()
@@ -87,6 +88,9 @@ class PipelinePlan:
     loss_grad: str | None = None  # the backward's seed: the split scales it by 1/M
     dp_degree: int = 1  # replicas of the whole pipeline: each update reads its grad averaged over them
     micro_batch_size: int | None = None  # Fleet's: the fed batch must be it x micro_batches (runtime)
+    # ZeRO stage 1 (sharding x pipeline): the merged grads are reduce-scattered over the sharding
+    # group, each worker keeping its 1/N for the sharding step's updates on slices
+    scatter_parts: int | None = None
 
     @property
     def virtual_stages(self) -> int:
@@ -119,6 +123,12 @@ class PipelinePlan:
                 f"  stage {k} (worker {self.worker(k)}): begins at {begins[k]}, {n} ops, "
                 f"{100 * self.costs[k] / total:.0f}% of the forward cost"
             )
+        if self.scatter_parts:
+            lines.append(
+                f"  merged grads reduce-scattered over the {self.scatter_parts} workers of each sharding "
+                "group (ZeRO), each keeping its 1/N"
+                + (f", then all-reduced over {self.dp_degree} replicas" if self.dp_degree > 1 else "")
+            )
         for w, workers in self.shared.items():
             lines.append(f"  shared {w}: workers {list(workers)} (grads all-reduced among them)")
         for c, stages in self.partitioned.items():
@@ -142,11 +152,14 @@ def plan_pipeline(
     loss_grad: str | None = None,
     dp_degree: int = 1,
     micro_batch_size: int | None = None,
+    scatter_parts: int | None = None,
 ) -> PipelinePlan:
     """Assign every op of `p` to its virtual stage(s) and list the transfers (see module doc).
 
     `grads`: each param's grad as the backward made it (append_backward's pairs); `loss_grad`:
-    the backward's seed; `dp_degree`: replicas of the whole pipeline (data parallel)."""
+    the backward's seed; `dp_degree`: replicas of the whole pipeline (data parallel) beside the
+    `scatter_parts` workers of a sharding group (ZeRO), over which the merged grads are
+    reduce-scattered."""
     if dp_degree < 1:
         raise PipelineError(f"pipeline: dp_degree must be >= 1, got {dp_degree}")
     if num_stages < 1 or chunks < 1 or micro_batches < 1:
@@ -228,6 +241,9 @@ def plan_pipeline(
     )
     plan.partitioned = placed_partition
     plan.loss_grad, plan.dp_degree, plan.micro_batch_size = loss_grad, dp_degree, micro_batch_size
+    if scatter_parts is not None and scatter_parts < 1:
+        raise PipelineError(f"pipeline: scatter_parts must be >= 1, got {scatter_parts}")
+    plan.scatter_parts = scatter_parts if scatter_parts != 1 else None
     plan.substitute = _cross_stage_recomputes(p, op_stages, skip=in_partition)
     _plan_transfers(p, plan)
     return plan
@@ -615,25 +631,9 @@ class _Splitter:
                 k = next(s for s in self.plan.holders[op.origin] if self.plan.worker(s) == w)
                 made = names.stage_part(g, k) if op.origin in self.shared else g
                 reads[g] = self._merge(stages[k], made, g, w, k)
-            comm = []
-            if self.dp_degree > 1 and reads:
-                # data parallel over pipeline replicas: this stage's grads averaged over its replicas
-                avg = {}
-                for g, merged in reads.items():
-                    avg[g] = names.reduced(merged)
-                    v = self.p.vars[g]
-                    self.extra_vars[avg[g]] = Var(avg[g], v.dtype, v.shape, "grad")
-                comm.append(
-                    Op(
-                        "AllReduce",
-                        list(reads.values()),
-                        list(avg.values()),
-                        {"reduce": "avg", "group": "data_parallel"},
-                        role="optimize",
-                        stage=w,
-                    )
-                )
-                reads = avg
+            comm: list[Op] = []
+            if reads and (self.dp_degree > 1 or self.plan.scatter_parts):
+                reads = self._average(reads, comm, w)
             renamed = []
             for op in ops:
                 renamed.append(_with(op, inputs=[reads.get(x, x) for x in op.inputs]))
@@ -641,8 +641,8 @@ class _Splitter:
             for param, workers in self.shared.items():
                 g = self.grads.get(param)
                 if w in workers and g in reads:
-                    out = names.reduced(g)
-                    self.extra_vars[out] = Var(out, self.p.vars[g].dtype, self.p.vars[g].shape, "grad")
+                    out = names.reduced(g)  # like what it sums: whole, or a ZeRO slice
+                    self.extra_vars[out] = self.extra_vars[reads[g]].copy(name=out)
                     comm.append(
                         Op(
                             "AllReduce",
@@ -658,6 +658,28 @@ class _Splitter:
                         _with(op, inputs=[out if x == reads[g] else x for x in op.inputs]) for op in renamed
                     ]
             optimize[w] = comm + renamed
+
+    def _average(self, reads: dict[str, str], comm: list[Op], w: int) -> dict[str, str]:
+        """Data parallel over pipeline replicas: this stage's merged grads averaged over the
+        stage's replicas (`comm` gets the collectives); beside sharding (ZeRO stage 1), reduce-
+        scattered over the sharding group first, each worker keeping its 1/N slice, which the
+        sharding step's updates read (then all-reduced over the data group, if any)."""
+        parts = self.plan.scatter_parts
+        avg = {}
+        for g, merged in reads.items():
+            avg[g] = names.reduced(merged)
+            self.extra_vars[avg[g]] = reduced_var(avg[g], self.extra_vars[merged], parts)
+        ops = reduce_ops(
+            self.extra_vars,
+            list(reads.values()),
+            list(avg.values()),
+            scatter_parts=parts,
+            replicas=self.dp_degree > 1,
+            group="data_parallel",
+            role="optimize",
+        )
+        comm += [_with(op, stage=w) for op in ops]
+        return avg
 
     def _merge(self, st: _StageOps, grad: str, param_grad: str, w: int, k: int) -> str:
         acc = names.merged(grad)

@@ -38,6 +38,11 @@ their bytes on every worker, in the executor's accounting and in `estimate_memor
   startup op leaves the sliced params out: fleet cuts them from worker 0's initial values.
   Communication: 1.5x data parallel's (a second all-gather of the params per step).
 
+Beside a pipeline (stage 1), fleet runs this pass after the split, on each stage program: the
+split reduce-scatters each merged grad (``PipelinePlan.scatter_parts``), so the updates find
+their grads sliced, as after data parallel's reduce-scatter; a collective that makes slices
+from slices (a tied param's grad halves summed between its stages) is left as it is.
+
 An op that reads every grad whole before the updates (global-norm clipping) is swapped for its
 row's ``sharded_form`` where the grads are slices (``ShardedClipByGlobalNorm``: one all-reduce
 of the squared norm); one without such a form is refused naming it.
@@ -181,7 +186,10 @@ def plan_sharding(
         if row is None or not row.update:
             # an update-phase op reading the slices (clipping: every grad whole); the collectives
             # before it (data parallel's) reduce the slices elementwise and declare their outputs
+            outs = [o for o in op.outputs if o]
             if row is not None and roles.is_update(op.role) and sliced.intersection(op.inputs):
+                if outs and sliced.issuperset(outs):
+                    continue  # makes slices already (a pipeline's sum of a tied param's grad slices)
                 plan.sharded_forms[i] = _sharded_form(op, row)
                 sliced.update(op.outputs)
             continue
@@ -342,15 +350,17 @@ def apply_sharding(p: Program, plan: ShardingPlan) -> Program:
             ops.append(_param_gather_op(q, p, g, attrs))
         if i in renames:
             op = dataclasses.replace(op, inputs=[renames[i].get(x, x) for x in op.inputs])
+        # a bucket's slice and gather run where its updates do (a pipeline stage program's)
+        at = {"stage": op.stage}
         if held and i in by_op and not by_op[i].grad_sliced:
-            ops.append(_slice_op(q, [by_op[i]], attrs, params_too=False))
+            ops.append(_slice_op(q, [by_op[i]], attrs, params_too=False, **at))
         elif i in starts:
-            ops.append(_slice_op(q, [info[x] for x in starts[i].params], attrs))
+            ops.append(_slice_op(q, [info[x] for x in starts[i].params], attrs, **at))
         if i in by_op:
             op = _sliced_update(q, op, by_op[i], plan.degree, held)
         ops.append(op)
         if i in ends:
-            ops.append(_gather_op(q, p, [info[x] for x in ends[i].params], attrs))
+            ops.append(_gather_op(q, p, [info[x] for x in ends[i].params], attrs, **at))
     q.ops = ops
     return q
 
@@ -408,7 +418,9 @@ def _on_slices(q: Program, p: Program, op: Op, form: str, attrs: dict) -> Op:
     return dataclasses.replace(op, type=form, attrs={**op.attrs, **attrs})
 
 
-def _slice_op(q: Program, params: list[ShardedParam], attrs: dict, *, params_too: bool = True) -> Op:
+def _slice_op(
+    q: Program, params: list[ShardedParam], attrs: dict, *, params_too: bool = True, stage: int | None = None
+) -> Op:
     """``ShardSlice`` of each param of a bucket (stage 3 holds them sliced: not theirs) and of its
     whole grads (those data parallel did not reduce-scatter)."""
     ins, outs = [], []
@@ -425,7 +437,7 @@ def _slice_op(q: Program, params: list[ShardedParam], attrs: dict, *, params_too
             outs.append(
                 _shard_var(q, _fresh(q, names.zero_shard(sp.grad)), q.vars[sp.grad], attrs["parts"], "grad")
             )
-    return Op("ShardSlice", ins, outs, dict(attrs), role="optimize")
+    return Op("ShardSlice", ins, outs, dict(attrs), role="optimize", stage=stage)
 
 
 def _fresh(q: Program, name: str) -> str:
@@ -458,9 +470,11 @@ def _sliced_update(q: Program, op: Op, sp: ShardedParam, degree: int, held: bool
     return dataclasses.replace(op, inputs=inputs, outputs=[new_param, *op.outputs[1:]], attrs=dict(op.attrs))
 
 
-def _gather_op(q: Program, p: Program, params: list[ShardedParam], attrs: dict) -> Op:
+def _gather_op(
+    q: Program, p: Program, params: list[ShardedParam], attrs: dict, stage: int | None = None
+) -> Op:
     """``ShardGather`` of a bucket's updated slices into the new params the updates made."""
     slices = [names.new_state(names.zero_shard(sp.param)) for sp in params]
     news = [p.ops[sp.update].outputs[0] for sp in params]
     shapes = [list(p.vars[sp.param].shape) for sp in params]
-    return Op("ShardGather", slices, news, {**attrs, **flatten_shapes(shapes)}, role="optimize")
+    return Op("ShardGather", slices, news, {**attrs, **flatten_shapes(shapes)}, role="optimize", stage=stage)

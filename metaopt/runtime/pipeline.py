@@ -244,12 +244,16 @@ class PipelineRunner:
         for pipe in topo.get_comm_list("pipe"):
             for group in self.info.groups:
                 comm.group([pipe[r] for r in group])
-        if self.info.dp_degree > 1:
+        # a stage's copies: its replicas (data axis) and, beside ZeRO, its sharding group's workers,
+        # which are data-parallel replicas too (each updates its slice, from equal params)
+        for axis in ("sharding", "data"):
+            copies = self.state.topology.group_ranks(axis, self.state.rank)
+            if len(copies) == 1:
+                continue
             persist = [v.name for v in self.program.vars.values() if v.kind in ("param", "buffer")]
             self.exe._materialise(self.program, persist)
-            replicas = self.state.dp_ranks()
             for name in persist:
-                comm.broadcast(self.exe.scope[name], replicas[0], f"{name!r} (replica 0's)", replicas)
+                comm.broadcast(self.exe.scope[name], copies[0], f"{name!r} ({axis} rank 0's)", copies)
         tied: list[tuple[str, tuple[int, ...]]] = []
         for op in self.program.ops:  # the collectives over the copies of a tied param
             row = registry.get(op.type)

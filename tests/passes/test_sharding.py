@@ -180,11 +180,9 @@ def test_fleet_refuses_a_degree_that_is_not_the_layout_and_an_unused_sharding_ax
     s.sharding_configs = {"sharding_degree": 1, "optimize_cast": True}
     with pytest.raises(NotImplementedError, match=r"sharding_configs\['optimize_cast'\]=True"):
         fleet.distributed_optimizer(metaopt.optimizer.SGD(0.1), s).minimize(_loss())
-    s.sharding_configs = {"sharding_degree": 1}
+    s.sharding_configs = {"sharding_degree": 1, "stage": 2}
     s.pipeline = True
-    with pytest.raises(
-        NotImplementedError, match=r"strategy.pipeline=True \(sharding inside a pipeline stage\)"
-    ):
+    with pytest.raises(NotImplementedError, match=r"strategy.pipeline=True at stage 2 \(a pipeline sums"):
         fleet.distributed_optimizer(metaopt.optimizer.SGD(0.1), s).minimize(_loss())
 
 
@@ -301,3 +299,37 @@ def test_the_plan_counts_each_state_tensor_padded_by_elements_not_bytes():
     declared = sum(v.nbytes({}) for v in q.vars.values() if v.kind == "opt_state" and v.zero is not None)
     assert plan.state_bytes_per_worker == declared
     assert q.vars["fc3.bias@MOMENT1"].shape == (2,)
+
+
+def test_beside_a_pipeline_each_stage_updates_the_slices_its_merged_grads_are_scattered_to(golden):
+    """Sharding after the pipeline's split, per stage program (as fleet runs it): the split
+    reduce-scatters each stage's merged grads over the sharding group (then all-reduces the slices
+    over the data axis: dp_degree 2), and the sharding pass finds them sliced, so it slices only
+    the params for the updates and all-gathers the new ones."""
+    from conftest import backward_links
+
+    from metaopt.passes.pipeline import pipeline
+
+    stages = pipeline(
+        _trained_program(),
+        num_stages=2,
+        cuts=["fc2"],
+        micro_batches=2,
+        dp_degree=2,
+        scatter_parts=2,
+        **backward_links(_trained_program()),
+    )
+    texts = []
+    for q in stages:
+        plan = plan_sharding(q, degree=2, stage=1, bucket_bytes=4096)
+        assert plan.scattered and all(sp.grad_sliced for sp in plan.params) and plan.params
+        q = apply_sharding(q, plan)
+        verify(q)
+        scatter, reduce = [op for op in q.ops if op.type in ("ReduceScatter", "AllReduce")]
+        assert reduce.inputs == scatter.outputs and reduce.attrs["group"] == "data_parallel"
+        assert {q.vars[x].zero.parts for x in reduce.outputs} == {2}
+        assert not any(op.type == "ShardSlice" and set(op.inputs) & set(scatter.inputs) for op in q.ops)
+        texts.append(print_program(q))
+    text = "\n".join(texts)
+    golden("sharding/mlp_pipeline_stage1", text)
+    assert all(print_program(parse_program(t)) == t for t in texts)

@@ -13,7 +13,9 @@ extra: "fp16ar" (strategy.fp16_allreduce; the last step's grads before and after
 all-reduce recorded), "recompute" (each block a checkpoint), "bf16" / "fp16" (AMP; float16 with dynamic loss
 scaling), "clip" (global-norm clipping), "save" (save_persistables into $SHARDING_CKPT after
 training), "load" (load $SHARDING_CKPT instead of training: what this worker then holds),
-"optoffload" (sharding_configs["optimize_offload"]: the optimizer state in host memory).
+"optoffload" (sharding_configs["optimize_offload"]: the optimizer state in host memory), "pp"
+(a 1F1B pipeline of 2 micro-batches, cuts "auto", over fleet.init's pp_degree: the last stage
+reports the losses, the others None).
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ def train_case(case: str, rank: int, world: int) -> dict:
             "segment_broadcast_MB": 0.01,
             "optimize_offload": "optoffload" in extra,
         }
+    if "pp" in extra:
+        strategy.pipeline = True
+        strategy.pipeline_configs = {"accumulate_steps": 2, "schedule_mode": "1F1B"}
+    loss_name = main.loss.name  # a pipeline stage other than the last has no loss var
     optimizer = fleet.distributed_optimizer(make_optimizer(opt, "clip" in extra), strategy)
     optimizer.minimize(main.loss)
     exe = metaopt.Executor("cpu")
@@ -58,9 +64,9 @@ def train_case(case: str, rank: int, world: int) -> dict:
         grads = _sent_grads(main) if "fp16ar" in extra and step == STEPS - 1 else []
         step_losses = []
         for part in runs(feed, extra):  # gradient merge: the step in several runs
-            loss, *sent = exe.run(main, feed=part, fetch_list=[main.loss, *grads])
-            step_losses.append(float(loss))
-        losses.append(sum(step_losses) / len(step_losses))
+            loss, *sent = exe.run(main, feed=part, fetch_list=[loss_name, *grads])
+            step_losses.append(None if loss is None else float(loss))
+        losses.append(None if None in step_losses else sum(step_losses) / len(step_losses))
     if "save" in extra:
         fleet.save_persistables(exe, os.environ["SHARDING_CKPT"], main)
     stats = exe.memory_stats()
@@ -132,10 +138,10 @@ def make_optimizer(opt: str, clip: bool) -> metaopt.optimizer.Optimizer:
 def main() -> None:
     out, cases = sys.argv[1], sys.argv[2:]
     init = None
-    if os.environ.get("SHARDING_HYBRID"):  # "dp,sharding": fleet.init lays the workers out
-        dp, sh = map(int, os.environ["SHARDING_HYBRID"].split(","))
+    if os.environ.get("SHARDING_HYBRID"):  # "dp,sharding[,pp]": fleet.init lays the workers out
+        dp, sh, pp = (*map(int, os.environ["SHARDING_HYBRID"].split(",")), 1)[:3]
         init = fleet.DistributedStrategy()
-        init.hybrid_configs = {"dp_degree": dp, "sharding_degree": sh}
+        init.hybrid_configs = {"dp_degree": dp, "sharding_degree": sh, "pp_degree": pp}
     fleet.init(is_collective=True, strategy=init)
     rank, world = fleet.worker_index(), fleet.worker_num()
     for case in cases:

@@ -70,23 +70,33 @@ FOUR = [
     "mlp:1:momentum",
 ]
 HYBRID = ["mlp:1:momentum", "mlp:2:momentum"]  # dp_degree 2 x sharding_degree 2: state halved
+# pp_degree 2 x sharding_degree 2 (ZeRO stage 1 beside a 1F1B pipeline of 2 micro-batches): GPT-2's
+# tied wte held by both stages, its grad slices summed between them; "save" is loaded in one process
+PIPELINE = ["hf-gpt2:1:adam:pp:recompute:save", "hf-gpt2:1:sgd:pp", "hf-llama:1:momentum:pp:bf16"]
 TOL = {"rtol": 1e-5, "atol": 4e-5}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[int, Path]:
-    out = {"ckpt": tmp_path_factory.mktemp("sharding_ckpt")}
-    # 4 first: it saves what 2 loads; "hybrid": dp_degree 2 x sharding_degree 2 (fleet.init's layout)
-    for key, world, cases, hybrid in ((4, 4, FOUR, ""), (2, 2, TWO, ""), ("hybrid", 4, HYBRID, "2,2")):
+    out = {"ckpt": tmp_path_factory.mktemp("sharding_ckpt"), "pp_ckpt": tmp_path_factory.mktemp("pp_ckpt")}
+    # 4 first: it saves what 2 loads; "hybrid": dp_degree 2 x sharding_degree 2 (fleet.init's layout);
+    # "pp": dp_degree 1 x sharding_degree 2 x pp_degree 2
+    launches = (
+        (4, 4, FOUR, "", "ckpt"),
+        (2, 2, TWO, "", "ckpt"),
+        ("hybrid", 4, HYBRID, "2,2", "ckpt"),
+        ("pp", 4, PIPELINE, "1,2,2", "pp_ckpt"),
+    )
+    for key, world, cases, hybrid, ckpt in launches:
         out[key] = tmp_path_factory.mktemp(f"sharding{key}")
-        env = {"SHARDING_CKPT": str(out["ckpt"]), "SHARDING_HYBRID": hybrid}
+        env = {"SHARDING_CKPT": str(out[ckpt]), "SHARDING_HYBRID": hybrid}
         procs = start_workers(world, [str(HERE / "sharding_worker.py"), str(out[key]), *cases], env)
         wait_workers(procs, "sharding", 400)
     return out
 
 
 def _ranks(runs: dict, key: int | str, case: str) -> list[dict]:
-    world = 4 if key == "hybrid" else key
+    world = 4 if key in ("hybrid", "pp") else key
     return [torch.load(runs[key] / f"{case}.rank{r}.pt", weights_only=True) for r in range(world)]
 
 
@@ -354,3 +364,50 @@ def test_local_sgd_equals_a_reference_of_two_local_sgd_runs_averaged_on_its_sche
         for name, t in models[r].named_parameters():
             torch.testing.assert_close(got["params"][name], t.detach(), **TOL)
     assert all(torch.equal(ranks[0]["params"][k], ranks[1]["params"][k]) for k in ranks[0]["params"])
+
+
+@pytest.mark.parametrize("case", PIPELINE)
+def test_sharding_beside_a_pipeline_equals_one_process_and_halves_the_state(runs, case):
+    """pp_degree 2 x sharding_degree 2: each stage's merged grads reduce-scattered over its
+    sharding group (ranks (0, 1) run stage 0, (2, 3) stage 1), each worker updating its half of
+    the state, the params all-gathered; the tied wte's grad halves summed between the stages.
+    Against one process without a pipeline (other float sums: micro-batches, threads): DESIGN's
+    data-parallel bar, rtol 1e-5 / atol 4e-5, on losses (the last stage's) and SGD/Momentum params."""
+    ref = _one_process(case)
+    ranks = _ranks(runs, "pp", case)
+    _check_losses(case, ranks[2:], ref)
+    assert all(r["losses"] == [None] * len(ref["losses"]) for r in ranks[:2])  # stage 0: no loss
+    if ":adam:" not in case:
+        for got in ranks:
+            assert got["params"]
+            for k, t in got["params"].items():
+                torch.testing.assert_close(t, ref["params"][k], **TOL)
+    for stage in (0, 1):
+        a, b = ranks[2 * stage : 2 * stage + 2]
+        assert "ReduceScatter(" in a["program"] and "ShardGather(" in a["program"]
+        assert a["program"] == b["program"]  # every worker of a sharding group runs one program
+        numel = a["state_full_numel"]
+        assert bool(numel) == (":sgd:" not in case)  # SGD keeps no state
+        assert a["state_bytes"] == sum(-(-n // 2) for n in numel.values()) * 4  # float32 state
+        for n, t in a["held"].items():  # the two halves are different parts of one whole
+            if n in numel:
+                assert t.shape == b["held"][n].shape == (-(-numel[n] // 2),)
+    wte = "m.transformer.wte.weight"
+    if case.startswith("hf-gpt2"):  # tied: held by both stages, equal after every step
+        assert torch.equal(ranks[0]["params"][wte], ranks[2]["params"][wte])
+
+
+def test_a_checkpoint_of_a_sharded_pipeline_loads_in_one_process(runs):
+    """The 4 workers' checkpoint (each stage's params, each worker's half of its stage's Adam
+    state) loaded into one unsharded process: every value it holds equals a worker's, whole or
+    as that worker's half (its index in its sharding group: rank % 2)."""
+    from metaopt.ops.kernels.partition import take_slice
+
+    whole = _whole_checkpoint(runs["pp_ckpt"])
+    ranks = _ranks(runs, "pp", "hf-gpt2:1:adam:pp:recompute:save")
+    assert set().union(*(r["held"] for r in ranks)) >= whole.keys()
+    for r, got in enumerate(ranks):
+        for n, t in got["held"].items():
+            if n in whole:
+                want = whole[n] if t.shape == whole[n].shape else take_slice(whole[n], 2, r % 2)
+                assert torch.equal(t, want), (r, n)
