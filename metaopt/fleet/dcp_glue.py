@@ -6,6 +6,7 @@ multi-worker save or load runs, not in every worker that never checkpoints."""
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
 from pathlib import Path
@@ -59,6 +60,27 @@ class Pieces:
         parts = {torch.Size([start]): local[:n]} if n else {}
         return cls(local, torch.Size([zero.full_numel]), parts)
 
+    @classmethod
+    def of_zero_split(
+        cls, local: torch.Tensor, zero: ZeroShard, index: int, split: Split, mp_index: int
+    ) -> Pieces:
+        """Part `index` of the ZeRO slices of this worker's tensor-parallel part (sharding beside
+        tensor parallel): its flat elements are a run of the part `split` places at `mp_index`,
+        stored as the boxes of the full tensor (n-d, not flat) that run covers: a partial row, whole
+        rows, a partial row, at each depth, each box cut where the split's blocks end."""
+        start, n = zero.piece(index)
+        parts: dict[torch.Size, torch.Tensor] = {}
+        for offsets, sizes, at in flat_boxes(zero.full, start, start + n):
+            box = local[at - start : at - start + math.prod(sizes)].view(sizes)
+            a, length = offsets[split.axis], sizes[split.axis]
+            for full_at, local_at, m in split.pieces(mp_index):  # the box's rows in each block
+                lo, hi = max(a, local_at), min(a + length, local_at + m)
+                if lo < hi:
+                    off = list(offsets)
+                    off[split.axis] = full_at + lo - local_at
+                    parts[torch.Size(off)] = box.narrow(split.axis, lo - a, hi - lo)
+        return cls(local, torch.Size(split.full_shape(zero.full)), parts)
+
     def size(self) -> torch.Size:  # DCP compares it with the saved full size before loading
         return self.full
 
@@ -84,6 +106,34 @@ class Pieces:
 
     def __get_tensor_shard__(self, index: dcp_meta.MetadataIndex) -> torch.Tensor:
         return self.piece(index.offset)
+
+
+def flat_boxes(
+    shape: tuple[int, ...], start: int, stop: int
+) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """The elements [start, stop) of a row-major tensor of `shape` as boxes: (offsets, sizes, flat
+    index of the box's first element), in order, each box's elements a contiguous run."""
+    if start >= stop:
+        return []
+    if not shape:
+        return [((), (), start)]
+    inner = math.prod(shape[1:])
+    (r0, o0), (r1, o1) = divmod(start, inner), divmod(stop, inner)
+
+    def row(r: int, a: int, b: int) -> list:
+        return [((r, *off), (1, *sz), r * inner + at) for off, sz, at in flat_boxes(shape[1:], a, b)]
+
+    if r0 == r1:
+        return row(r0, o0, o1)
+    out = []
+    if o0:
+        out += row(r0, o0, inner)
+        r0 += 1
+    if r1 > r0:
+        out.append(((r0, *[0] * (len(shape) - 1)), (r1 - r0, *shape[1:]), r0 * inner))
+    if o1:
+        out += row(r1, 0, o1)
+    return out
 
 
 def _own_storage(t: torch.Tensor) -> torch.Tensor:

@@ -572,6 +572,10 @@ def _entry(v: Var, t: torch.Tensor, place: MPPlace | None, zi: int | None) -> tu
     sharded var (ZeRO) as its chunk of the full tensor stored flat."""
     from metaopt.fleet import dcp_glue
 
+    if v.zero is not None and v.split is not None:  # ZeRO slices of a tensor-parallel part: n-d boxes
+        assert place is not None  # mp_place found the group of every split var
+        entry = {"kind": v.kind, "dtype": _dtype(t), "shape": list(v.full_shape)}
+        return dcp_glue.Pieces.of_zero_split(t, v.zero, zi or 0, v.split, place.index), entry
     if v.zero is not None:
         entry = {"kind": v.kind, "dtype": _dtype(t), "shape": list(v.zero.full), "flat": True}
         return dcp_glue.Pieces.of_zero(t, v.zero, zi or 0), entry
@@ -791,8 +795,8 @@ def _check_rng_sizes(folder: Path, md: Metadata, rank: int) -> str | None:
 def describe(v: Var) -> str:
     """``float32 [96, 32]``; a split var's full shape and the part this worker holds."""
     full = list(v.full_shape) if v.shape is not None else "?"
-    layout = v.split or v.zero
-    if layout is None:
+    layout = " ".join(str(x) for x in (v.split, v.zero) if x is not None)
+    if not layout:
         return f"{v.dtype} {full}"
     return f"{v.dtype} {full} (this worker holds {list(v.shape or ())}: {layout})"
 
@@ -836,7 +840,14 @@ def load_sharded(exe: Any, folder: Path, program: Program, *, strict: bool = Tru
     into: dict[str, Any] = {}
     for v in want:
         flat = bool(meta["vars"][v.name].get("flat"))
-        if v.zero is not None and flat:  # this worker's chunk, read straight into its slice
+        if v.zero is not None and v.split is not None:  # its tensor-parallel part read whole, cut below
+            assert place is not None
+            into[v.name] = dcp_glue.Pieces.of_split(
+                torch.empty(v.zero.full, dtype=_torch_dtype(v.dtype)), v.split, place.index
+            )
+            if flat:  # saved flat (ZeRO without tensor parallel): the whole tensor, cut below
+                into[v.name] = torch.empty([math.prod(v.full_shape)], dtype=_torch_dtype(v.dtype))
+        elif v.zero is not None and flat:  # this worker's chunk, read straight into its slice
             into[v.name] = dcp_glue.Pieces.of_zero(
                 torch.zeros(v.shape, dtype=_torch_dtype(v.dtype)), v.zero, zi or 0
             )
@@ -877,19 +888,25 @@ def load_sharded(exe: Any, folder: Path, program: Program, *, strict: bool = Tru
     rng = {k.rsplit("/", 1)[1]: into[k] for k in rng_keys} if restore_rng else {}
     problem = check_rng(rng) if restore_rng else None
     _agree_or_raise(problem and f"{folder}: {problem}", "load_persistables")
-    into_scope(exe, {v.name: _held(v, into[v.name], meta["vars"][v.name], zi) for v in want})
+    held = {v.name: _held(v, into[v.name], meta["vars"][v.name], zi, place) for v in want}
+    into_scope(exe, held)
     if restore_rng:
         set_rng(rng)
     return [v.name for v in want]
 
 
-def _held(v: Var, x: Any, saved: dict[str, Any], zi: int | None) -> torch.Tensor:
-    """What this worker keeps of `v` from what DCP read into `x`."""
+def _held(v: Var, x: Any, saved: dict[str, Any], zi: int | None, place: MPPlace | None) -> torch.Tensor:
+    """What this worker keeps of `v` from what DCP read into `x`: a ZeRO slice beside tensor
+    parallel is cut from its tensor-parallel part (read whole, or cut from the whole tensor)."""
     from metaopt.fleet import dcp_glue
 
+    split_zero = v.zero is not None and v.split is not None
     if isinstance(x, dcp_glue.Pieces):
-        return x.local
+        return zero_part(v, x.local, zi) if split_zero else x.local
     whole = x.view(saved["shape"]) if saved.get("flat") else x
+    if split_zero:
+        assert place is not None
+        whole = local_part(whole, v.split, place.index)
     return zero_part(v, whole, zi) if v.zero is not None else whole
 
 

@@ -555,8 +555,10 @@ def _fp16_allreduce(p: Program, plan: Any, ctx: Context) -> Program:
 def _broadcast_init(p: Program, plan: Any, ctx: Context) -> Program:
     from metaopt.passes.broadcast_init import broadcast_init
 
-    # split params: within the data-parallel group (each MP rank holds its own slice)
-    return broadcast_init(p, src=0, split=split_params(ctx))
+    # split params: within the data-parallel group (each MP rank holds its own slice), and beside
+    # sharding within the sharding group too (its workers are replicas as well)
+    groups = ("data_parallel", "sharding") if _zero_scatter(ctx) is not None else ("data_parallel",)
+    return broadcast_init(p, src=0, split=split_params(ctx), split_groups=groups)
 
 
 # --- sharding (ZeRO) --------------------------------------------------------------------------------
@@ -592,8 +594,8 @@ def _sh_check(ctx: Context) -> None:
             f"strategy.pipeline=True at stage {stage} (a pipeline sums each grad over its micro-batches "
             "whole before the update; stage 1 shards the optimizer state beside it)"
         )
-    if s.tensor_parallel:
-        why.append("strategy.tensor_parallel=True (sharding a tensor-parallel slice)")
+    if s.tensor_parallel and stage == 3:
+        why.append("strategy.tensor_parallel=True at stage 3 (holding a tensor-parallel slice as slices)")
     if s.optimizer_in_backward:
         why.append(
             "strategy.optimizer_in_backward=True (the updates run bucket by bucket after the backward)"

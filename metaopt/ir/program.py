@@ -249,7 +249,8 @@ class Var:
     # it holds no bytes, and `estimate_memory` for that device does not count it.
     device: str | None = None
     # Set when the var holds one worker's flat 1/parts of a larger tensor (ZeRO sharding):
-    # `ZeroShard`. Never together with `split` (sharding a tensor-parallel slice is refused).
+    # `ZeroShard`. With `split` too (sharding beside tensor parallel), the flat 1/parts is of this
+    # worker's tensor-parallel part: `zero.full` is the local shape `split` describes.
     zero: ZeroShard | None = None
     # A persistable held in host memory (pinned on CUDA) between steps: ZeRO-Offload's optimizer
     # state. The executor materialises it there and counts it as host bytes; an op that reads it
@@ -267,12 +268,10 @@ class Var:
                 f"var {self.name!r}: unknown device {self.device!r} (one of {', '.join(DEVICE_FORMS)})"
                 f"{did_you_mean(self.device, DEVICE_FORMS)}"
             )
-        if self.split is not None:
-            self.split.check(self.name, self.shape)
         if self.zero is not None:
-            if self.split is not None:
-                raise ValueError(f"var {self.name!r}: both {self.split} and {self.zero}")
             self.zero.check(self.name, self.shape)
+        if self.split is not None:  # with `zero`: the layout of the tensor the flat slice is cut from
+            self.split.check(self.name, self.zero.full if self.zero is not None else self.shape)
         if self.host and not self.persistable:
             raise ValueError(
                 f"var {self.name!r}: only a persistable is held in host memory, not a {self.kind}"
@@ -284,12 +283,12 @@ class Var:
 
     @property
     def full_shape(self) -> Shape | None:
-        """The whole tensor's shape: the var's own, or, for a split var, all parts together."""
-        if self.zero is not None:
-            return self.zero.full
-        if self.split is None or self.shape is None:
-            return self.shape
-        return self.split.full_shape(self.shape)
+        """The whole tensor's shape: the var's own, or, for a split var, all parts together (of
+        a ZeRO slice: the tensor it is cut from, whole)."""
+        local = self.zero.full if self.zero is not None else self.shape
+        if self.split is None or local is None:
+            return local
+        return self.split.full_shape(local)
 
     @property
     def persistable(self) -> bool:

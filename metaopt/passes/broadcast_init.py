@@ -12,7 +12,10 @@ errors naming the op).
 Beside tensor parallel, `split` names the params each model-parallel rank holds its own slice
 of: a second op broadcasts those within this worker's data-parallel group only
 (``group="data_parallel"``, from its first rank), the first op everything else from `src`, so
-replicated params stay equal across the model-parallel group too.
+replicated params stay equal across the model-parallel group too. Beside sharding (ZeRO), whose
+workers are data-parallel replicas too, `split_groups` is ("data_parallel", "sharding"): a third
+op then broadcasts the split params within this worker's sharding group (from its first rank,
+which holds the data group's first value by then).
 """
 
 from __future__ import annotations
@@ -32,9 +35,18 @@ def startup_vars(p: Program) -> list[str]:
     return [v.name for v in p.vars.values() if v.kind in ("param", "buffer")]
 
 
-def broadcast_init(p: Program, *, src: int = 0, split: Sequence[str] = ()) -> Program:
+def broadcast_init(
+    p: Program, *, src: int = 0, split: Sequence[str] = (), split_groups: Sequence[str] = ("data_parallel",)
+) -> Program:
     """`p` with ``Broadcast(params and buffers, src=src)  # role=startup`` first, and the
-    `split` ones in ``Broadcast(..., src=0, group="data_parallel")`` after it (module doc)."""
+    `split` ones in ``Broadcast(..., src=0, group=g)`` after it, for each of `split_groups` in
+    order (module doc)."""
+    bad = [g for g in split_groups if g not in ("data_parallel", "sharding")]
+    if bad or not split_groups:
+        raise BroadcastInitError(
+            "broadcast_init: split_groups must be 'data_parallel' and/or 'sharding', got "
+            f"{list(split_groups)}"
+        )
     if not isinstance(src, int) or isinstance(src, bool) or src < 0:
         raise BroadcastInitError(f"broadcast_init: src must be a worker rank >= 0, got {src!r}")
     xs = startup_vars(p)
@@ -56,6 +68,6 @@ def broadcast_init(p: Program, *, src: int = 0, split: Sequence[str] = ()) -> Pr
     ops = [Op("Broadcast", whole, [], {"src": src}, role="startup")] if whole else []
     if split:
         group = [x for x in xs if x in local]  # program order, as the first op's
-        ops.append(Op("Broadcast", group, [], {"src": 0, "group": "data_parallel"}, role="startup"))
+        ops += [Op("Broadcast", group, [], {"src": 0, "group": g}, role="startup") for g in split_groups]
     q.ops = [*ops, *q.ops]
     return q

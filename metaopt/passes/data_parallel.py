@@ -97,7 +97,7 @@ def plan_data_parallel(
         raise DataParallelError(f"data parallel: group must be 'data_parallel' or None, got {group!r}")
     if bucket_bytes < 0:
         raise DataParallelError(f"data parallel: bucket_bytes must be >= 0, got {bucket_bytes}")
-    if scatter_parts is not None and (group is not None or world_size % scatter_parts):
+    if scatter_parts is not None and world_size % scatter_parts:
         raise DataParallelError(
             f"data parallel: reduce-scatter over {scatter_parts} workers needs sharding groups that divide "
             f"every data-parallel worker ({world_size}{', of each group' if group else ''})"

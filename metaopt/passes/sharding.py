@@ -49,8 +49,11 @@ of the squared norm); one without such a form is refused naming it.
 
 Exact: the updates this pass may slice are elementwise (``OpDef.sliceable``: SGD, Momentum,
 Adam, AdamW), so each element gets the very operations it gets unsharded; the all-gather puts
-the same bits back. An update that reads whole tensors, a tensor-parallel split param, and a
-param whose optimizer state is not at its initial zeros are refused by name. Pure.
+the same bits back. Beside tensor parallel (stages 1 and 2) a split param's state is the flat
+1/N of this worker's tensor-parallel part (``split(...) zero_shard(...)``), over the sharding
+group of workers holding the same part. An update that reads whole tensors, a split param at
+stage 3, and a param whose optimizer state is not at its initial zeros are refused by name.
+Pure.
 """
 
 from __future__ import annotations
@@ -193,7 +196,7 @@ def plan_sharding(
                 plan.sharded_forms[i] = _sharded_form(op, row)
                 sliced.update(op.outputs)
             continue
-        sp = _sharded_param(p, i, op, row, op.inputs[1] in sliced, degree)
+        sp = _sharded_param(p, i, op, row, op.inputs[1] in sliced, degree, stage)
         if producers.get(sp.grad, -1) > i:
             raise ShardingError(
                 f"sharding: the update `{fmt_op(op)}` runs before its grad {sp.grad!r} is made"
@@ -274,7 +277,9 @@ def _sharded_form(op: Op, row: Any) -> str:
     return row.sharded_form
 
 
-def _sharded_param(p: Program, i: int, op: Op, row: Any, grad_sliced: bool, degree: int) -> ShardedParam:
+def _sharded_param(
+    p: Program, i: int, op: Op, row: Any, grad_sliced: bool, degree: int, stage: int
+) -> ShardedParam:
     param, grad = op.inputs[0], op.inputs[1]
     pv = p.vars[param]
     if pv.zero is not None:
@@ -286,10 +291,10 @@ def _sharded_param(p: Program, i: int, op: Op, row: Any, grad_sliced: bool, degr
             f"sharding: `{fmt_op(op)}` reads whole tensors ({op.type} is not elementwise): running it "
             "on 1/N slices is not implemented"
         )
-    if pv.split is not None:
+    if pv.split is not None and stage == 3:
         raise NotImplementedError(
-            f"sharding: param {param!r} is tensor parallel's {pv.split}: sharding a split param's "
-            "optimizer state is not implemented"
+            f"sharding stage 3: param {param!r} is tensor parallel's {pv.split}: holding a split param as "
+            "slices is not implemented (stages 1 and 2 shard its optimizer state and grads)"
         )
     n = pv.nbytes({})
     if n is None:
@@ -402,9 +407,10 @@ def _param_gather_op(q: Program, p: Program, g: ParamGather, attrs: dict) -> Op:
 
 
 def _shard_var(q: Program, name: str, full: Var, degree: int, kind: str) -> str:
-    """Declare `name` as a flat 1/degree slice of a tensor like `full`."""
+    """Declare `name` as a flat 1/degree slice of a tensor like `full` (of this worker's tensor-
+    parallel part, where `full` is split: the slice keeps that layout, for checkpoints)."""
     zs = ZeroShard(degree, tuple(full.shape))
-    q.vars[name] = Var(name, full.dtype, (zs.local_numel,), kind, zero=zs)
+    q.vars[name] = Var(name, full.dtype, (zs.local_numel,), kind, zero=zs, split=full.split)
     return name
 
 

@@ -193,3 +193,69 @@ def test_the_plan_shows_the_step_and_the_grouped_data_parallel(monkeypatch):
     assert "tensor_parallel  run   strategy.tensor_parallel=True (mp_degree=2)" in text
     assert "data_parallel    run   dp_degree=2 x mp_degree=2: over each data-parallel group" in text
     assert "refused" not in text
+
+
+def test_mp2_x_sharding2_through_fleet_equals_one_process_and_each_worker_holds_half_its_state(tmp_path):
+    """hybrid_configs mp_degree 2 x sharding_degree 2 (ZeRO stage 1 beside tensor parallel): each
+    MP rank's grads reduce-scattered over its sharding group (ranks (0, 2) and (1, 3)), its state
+    the flat half of its tensor-parallel part (``split(...) zero_shard(...)``). Against one
+    process on the full batch (each sharding replica fed half): the replicas' mean loss, and SGD
+    params put back together, at TOL; Adam's losses at TOL. The Adam checkpoint the 4 workers save
+    loads back into the same layout bit for bit and into one unsharded process, each worker's
+    state there being its half of its tensor-parallel part of the whole value."""
+    from metaopt.fleet.sharded_io import local_part
+    from metaopt.ops.kernels.partition import take_slice
+
+    args = [str(TRAINING / "fleet_tp_worker.py"), str(tmp_path), "1", "2", "2", "1", "sgd", "adam-save"]
+    procs = start_workers(4, [*args, "adam-load"], {"METAOPT_COMM_TIMEOUT": "60"})
+    wait_workers(procs, "tensor-parallel x sharding", 300)
+    runs = {
+        opt: [torch.load(tmp_path / f"{NAME}{sfx}.rank{r}.pt", weights_only=False) for r in range(4)]
+        for opt, sfx in (("sgd", ""), ("adam", ".adam-save"), ("load", ".adam-load"))
+    }
+    sgd, adam = runs["sgd"], runs["adam"]
+    assert [(r["mp_rank"], r["sharding_rank"]) for r in sgd] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    for opt, ref in (
+        ("sgd", _single_process()),
+        ("adam", tp_worker.train(tp_worker.export(NAME), NAME, "adam")),
+    ):
+        mean = [(a + b) / 2 for a, b in zip(runs[opt][0]["losses"], runs[opt][2]["losses"], strict=True)]
+        assert mean == pytest.approx(ref["losses"], rel=1e-5, abs=4e-5), opt
+    _check_params(sgd[:2])
+    for a, b in ((0, 2), (1, 3)):  # the two sharding replicas of each MP rank: bitwise equal params
+        assert all(torch.equal(t, sgd[b]["params"][k]) for k, t in sgd[a]["params"].items())
+    assert "ReduceScatter [('group', 'sharding'), ('parts', 2), ('reduce', 'avg')]" in sgd[0]["ops"]
+    assert "Broadcast [('group', 'sharding'), ('src', 0)]" in sgd[0]["ops"]  # split params' replicas
+    split = _split()
+    for r, got in enumerate(adam):
+        assert got["held"] and all(torch.equal(t, runs["load"][r]["held"][n]) for n, t in got["held"].items())
+        for n in got["held"]:
+            layout_split, layout_zero = got["layouts"][n]
+            assert layout_zero.startswith("zero_shard(parts=2"), n
+            assert (layout_split != "None") == (n.split("@")[0] in split), n
+    whole = _one_process_checkpoint(tmp_path / "ckpt")
+    for r, got in enumerate(adam):
+        for n, t in got["held"].items():
+            part = whole[n]
+            param = n.split("@")[0]  # the moment's param (test-side only: which split it follows)
+            if param in split:
+                sp = split[param]
+                part = local_part(part, metaopt.ir.Split(sp.axis, 2, tuple(sp.blocks)), got["mp_rank"])
+            assert torch.equal(t, take_slice(part, 2, got["sharding_rank"])), (r, n)
+
+
+def _one_process_checkpoint(folder: Path) -> dict[str, torch.Tensor]:
+    env.reset()
+    fleet.init()
+    try:
+        program = tp_worker.export(NAME)
+        metaopt.optimizer.Adam(learning_rate=1e-2).minimize(program.loss)
+        exe = metaopt.Executor("cpu")
+        fleet.load_persistables(exe, folder, program)
+        return {
+            v.name: exe.scope[v.name].clone()
+            for v in program.vars.values()
+            if v.kind == "opt_state" and v.shape
+        }
+    finally:
+        env.reset()

@@ -535,3 +535,43 @@ def test_a_shard_declared_beyond_its_file_is_refused(tmp_path):
     beyond = r"'w' is declared at bytes \d+\.\.\d+ of a \d+-byte"
     with pytest.raises(sharded_io.CheckpointError, match=beyond):
         fleet.load_persistables(metaopt.Executor("cpu"), tmp_path / "ckpt", _program())
+
+
+@pytest.mark.parametrize(
+    "full, axis, blocks, mp",
+    [((6, 4), 0, (6,), 2), ((6, 4), 1, (4,), 2), ((12, 5), 0, (4, 4, 4), 2), ((5, 12), 1, (6, 6), 3)],
+)
+def test_the_zero_slices_of_tensor_parallel_parts_tile_the_full_tensor_once(full, axis, blocks, mp):
+    """Sharding beside tensor parallel: every worker's checkpoint pieces (`Pieces.of_zero_split`:
+    the boxes its flat run of its tensor-parallel part covers, cut at the split's blocks) land
+    where the full tensor has those values, and together they cover it exactly once, at every
+    sharding degree (3 does not divide the parts evenly: padding holds nothing)."""
+    import math
+
+    from metaopt.fleet.dcp_glue import Pieces, flat_boxes
+    from metaopt.fleet.sharded_io import local_part
+    from metaopt.ir import Split, ZeroShard
+    from metaopt.ops.kernels.partition import take_slice
+
+    for shape, (a, b) in (((2, 3, 4), (5, 19)), ((3, 4), (4, 8)), ((5,), (1, 4))):
+        idx = torch.arange(math.prod(shape)).view(shape)
+        runs = [
+            idx[tuple(slice(o, o + s) for o, s in zip(off, sz))].reshape(-1)
+            for off, sz, _ in flat_boxes(shape, a, b)
+        ]
+        assert torch.cat(runs).tolist() == list(range(a, b))  # in order, each box one contiguous run
+    sp = Split(axis, mp, blocks)
+    whole = torch.arange(math.prod(full), dtype=torch.float32).view(full)
+    for n in (1, 2, 3, 4):
+        out = torch.full(full, -1.0)
+        for m in range(mp):
+            part = local_part(whole, sp, m)
+            zs = ZeroShard(n, tuple(part.shape))
+            for i in range(n):
+                pieces = Pieces.of_zero_split(take_slice(part, n, i), zs, i, sp, m)
+                assert pieces.size() == torch.Size(full)
+                for off, t in pieces.parts.items():
+                    region = tuple(slice(o, o + s) for o, s in zip(off, t.shape))
+                    assert (out[region] == -1).all()  # nothing written twice
+                    out[region] = t
+        assert torch.equal(out, whole), n

@@ -122,8 +122,8 @@ def test_refusals_name_what_is_at_fault():
     split = p.clone()
     w = split.vars["fc1.weight"]
     split.vars["fc1.weight"] = w.copy(shape=(16, 16), split=Split(0, 2, (32,)))
-    with pytest.raises(NotImplementedError, match=r"param 'fc1.weight' is tensor parallel's split"):
-        plan_sharding(split, degree=2, stage=1)
+    with pytest.raises(NotImplementedError, match=r"stage 3: param 'fc1.weight' is tensor parallel's split"):
+        plan_sharding(split, degree=2, stage=3)
     with pytest.raises(
         DataParallelError, match="reduce-scatter over 3 workers needs sharding groups that divide"
     ):
@@ -132,6 +132,34 @@ def test_refusals_name_what_is_at_fault():
         ValueError, match=r"var 'm': its layout zero_shard\(parts=2, full=\[5\]\) does not fit"
     ):
         Var("m", "float32", (2,), "opt_state", zero=ZeroShard(2, (5,)))
+    with pytest.raises(
+        ValueError, match=r"var 'm': its layout split\(axis=0, parts=2, blocks=\[6\]\) does not"
+    ):
+        Var("m", "float32", (4,), "opt_state", zero=ZeroShard(2, (4, 2)), split=Split(0, 2, (6,)))
+
+
+def test_beside_tensor_parallel_a_split_params_state_is_the_flat_half_of_its_part():
+    """Stages 1 and 2 on a program whose fc1 is tensor parallel's [16, 32] part of [32, 32]: its
+    state is declared ``split(...) zero_shard(...)``: the flat 1/2 of the local part; the full
+    shape is the whole tensor's; the text parses back."""
+    p = _trained_program()
+    local = (16, 32)
+    for name in ("fc1.weight", "fc1.weight@MOMENT1", "fc1.weight@MOMENT2"):
+        p.vars[name] = p.vars[name].copy(shape=local, split=Split(0, 2, (32,)))
+        p.vars[name].program = p
+        p.values[name] = p.values[name][:16].clone()
+    for n in ("fc1.weight@GRAD",):
+        p.vars[n] = p.vars[n].copy(shape=local)
+        p.vars[n].program = p
+    q = sharding(p, degree=2, stage=1)
+    m = q.vars["fc1.weight@MOMENT1"]
+    assert m.zero == ZeroShard(2, local) and m.split == Split(0, 2, (32,)) and m.shape == (256,)
+    assert m.full_shape == (32, 32)
+    text = print_program(q)
+    assert (
+        "fc1.weight@MOMENT1: float32[256] opt_state split(axis=0, parts=2, blocks=[32]) zero_shard(" in text
+    )
+    assert print_program(parse_program(text)) == text
 
 
 # --- through fleet, in this process: sharding_degree 1 ------------------------------------------

@@ -1,10 +1,13 @@
 """One worker of tensor parallel through fleet (started by tests/fleet/test_fleet_tensor_parallel.py
-with RANK/WORLD_SIZE/MASTER_*): ``python fleet_tp_worker.py OUT DP MP``.
+with RANK/WORLD_SIZE/MASTER_*): ``python fleet_tp_worker.py OUT DP MP [SHARDING STAGE OPT ...]``.
 
-fleet.init lays the DP x MP workers out from hybrid_configs; the optimizer's strategy turns on
-tensor parallel with tp_worker's gpt column/row layers. Each data-parallel replica is fed its
-half (1/DP) of tp_worker's full batch, every MP rank of a replica the same half. 3 SGD steps;
-writes its losses, (local) params and plans to ``OUT/gpt.rank<r>.pt``."""
+fleet.init lays the DP x MP (x SHARDING) workers out from hybrid_configs; the optimizer's strategy
+turns on tensor parallel with tp_worker's gpt column/row layers (and ZeRO sharding at STAGE over
+the sharding axis). Each data-parallel replica (a sharding rank is one too) is fed its share of
+tp_worker's full batch, every MP rank of a replica the same share. 3 steps of each OPT ("sgd",
+the default; "adam"; "adam-save": Adam, then save_persistables into OUT/ckpt; "adam-load": no
+steps, what load_persistables of OUT/ckpt gives this worker); writes its
+losses, (local) params, held state and plans to ``OUT/gpt[.OPT].rank<r>.pt``."""
 
 from __future__ import annotations
 
@@ -19,11 +22,14 @@ from metaopt import fleet
 NAME = "gpt"
 
 
-def strategy(dp: int, mp: int) -> fleet.DistributedStrategy:
+def strategy(dp: int, mp: int, sharding: int = 1, stage: int = 1) -> fleet.DistributedStrategy:
     s = fleet.DistributedStrategy()
-    s.hybrid_configs = {"dp_degree": dp, "mp_degree": mp}
+    s.hybrid_configs = {"dp_degree": dp, "mp_degree": mp, "sharding_degree": sharding}
     s.tensor_parallel = True
     s.tensor_parallel_configs = {"column": tp_worker.COLUMN[NAME], "row": tp_worker.ROW[NAME]}
+    if sharding > 1:
+        s.sharding = True
+        s.sharding_configs = {"stage": stage, "segment_broadcast_MB": 0.01}
     return s
 
 
@@ -34,33 +40,64 @@ def replica_batch(step: int, dp_rank: int, dp: int) -> dict[str, torch.Tensor]:
     return {k: v[dp_rank * n : (dp_rank + 1) * n] for k, v in full.items()}
 
 
-def main() -> None:
-    out, dp, mp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    s = strategy(dp, mp)
-    fleet.init(is_collective=True, strategy=s)
+def train(s: fleet.DistributedStrategy, opt: str, out: str) -> dict:
     hcg = fleet.get_hybrid_communicate_group()
+    sh = hcg.get_sharding_parallel_world_size()
+    replica = hcg.get_data_parallel_rank() * sh + hcg.get_sharding_parallel_rank()
     program = tp_worker.export(NAME)
-    opt = fleet.distributed_optimizer(metaopt.optimizer.SGD(learning_rate=tp_worker.LR), s)
-    opt.minimize(program.loss)
+    optimizer = (
+        metaopt.optimizer.SGD(learning_rate=tp_worker.LR)
+        if opt == "sgd"
+        else metaopt.optimizer.Adam(learning_rate=1e-2)
+    )
+    opt_ = fleet.distributed_optimizer(optimizer, s)
+    opt_.minimize(program.loss)
     exe = metaopt.Executor("cpu")
     losses = []
-    for step in range(tp_worker.STEPS):
-        feed = replica_batch(step, hcg.get_data_parallel_rank(), dp)
+    if opt.endswith("-load"):  # what this worker holds of OUT/ckpt, untrained
+        fleet.load_persistables(exe, f"{out}/ckpt", program)
+    for step in range(0 if opt.endswith("-load") else tp_worker.STEPS):
+        feed = replica_batch(step, replica, hcg.get_data_parallel_world_size() * sh)
         (loss,) = exe.run(program, feed=feed, fetch_list=[program.loss])
         losses.append(float(loss))
-    result = {
+    if opt.endswith("-save"):
+        fleet.save_persistables(exe, f"{out}/ckpt", program)
+    return {
         "losses": losses,
         "params": {v.name: exe.scope[v.name].clone() for v in program.params()},
-        "applied": list(opt.applied_meta_list),
-        "plan": str(opt.plan()),
-        "dp_plan": str(opt.data_parallel_plan),
+        "held": {
+            v.name: exe.scope[v.name].clone()
+            for v in program.vars.values()
+            if v.kind == "opt_state" and v.shape
+        },
+        "layouts": {v.name: (str(v.split), str(v.zero)) for v in program.vars.values() if v.persistable},
+        "applied": list(opt_.applied_meta_list),
+        "plan": str(opt_.plan()),
+        "dp_plan": str(opt_.data_parallel_plan),
+        "program": str(program),
         "ops": [
             f"{op.type} {sorted(op.attrs.items())}" for op in program.ops if op.role in ("comm", "startup")
         ],
         "dp_rank": hcg.get_data_parallel_rank(),
         "mp_rank": hcg.get_model_parallel_rank(),
+        "sharding_rank": hcg.get_sharding_parallel_rank(),
     }
-    torch.save(result, f"{out}/{NAME}.rank{fleet.worker_index()}.pt")
+
+
+def _state(program: metaopt.Program) -> list[str]:
+    """The shaped optimizer state (the Adam moments: not the step counter)."""
+    return [v.name for v in program.vars.values() if v.kind == "opt_state" and v.shape]
+
+
+def main() -> None:
+    out, dp, mp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    rest = sys.argv[4:]  # [SHARDING STAGE [OPT ...]]
+    s = strategy(dp, mp, *map(int, rest[:2]))
+    opts = rest[2:] or ["sgd"]
+    fleet.init(is_collective=True, strategy=s)
+    for opt in opts:
+        suffix = "" if opt == "sgd" else f".{opt}"
+        torch.save(train(s, opt, out), f"{out}/{NAME}{suffix}.rank{fleet.worker_index()}.pt")
     fleet.barrier_worker()
 
 

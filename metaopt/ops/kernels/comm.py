@@ -64,16 +64,17 @@ def hybrid_ranks(axis: str, op: str) -> list[int]:
 )
 def broadcast(*xs: torch.Tensor, src: int = 0, group: str | None = None, _rt, _key: str) -> None:
     """Data parallel's start (as DDP's constructor): every worker takes worker `src`'s initial
-    params and buffers. ``group="data_parallel"``: only within this worker's data-parallel
-    group of the hybrid layout, from its `src`-th rank (tensor parallel's split params: each
-    model-parallel rank holds its own slice). A startup op: the executor runs it once, on the
-    program's first run, and it writes the scope's tensors themselves (the program's `values`
-    are never touched)."""
-    if group not in (None, "data_parallel"):
-        raise ValueError(f"Broadcast: group must be 'data_parallel' or absent, got {group!r}")
+    params and buffers. ``group="data_parallel"`` (``"sharding"``): only within this worker's
+    data-parallel (sharding) group of the hybrid layout, from its `src`-th rank (tensor parallel's
+    split params: each model-parallel rank holds its own slice). A startup op: the executor runs
+    it once, on the program's first run, and it writes the scope's tensors themselves (the
+    program's `values` are never touched)."""
+    axes = {"data_parallel": "data", "sharding": "sharding"}
+    if group is not None and group not in axes:
+        raise ValueError(f"Broadcast: group must be 'data_parallel', 'sharding' or absent, got {group!r}")
     ranks = None
     if group is not None:
-        ranks = hybrid_ranks("data", "Broadcast")
+        ranks = hybrid_ranks(axes[group], "Broadcast")
         if len(ranks) == 1:
             return  # a replica of one: its values are the ones
         src = ranks[src]
