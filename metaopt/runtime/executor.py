@@ -19,7 +19,7 @@ from metaopt.ops.kernels.amp import watch_loss_scale
 from metaopt.runtime.context import Runtime
 from metaopt.runtime.memory import MemoryTracker, TimelineTracker
 from metaopt.runtime.place import Place, resolve
-from metaopt.runtime.plan import Plan, build_plan
+from metaopt.runtime.plan import Plan, SharedConstants, build_plan
 
 logger = logging.getLogger("metaopt.runtime")
 
@@ -58,6 +58,7 @@ class Executor:
         self.scope = Scope()
         self.track_memory = track_memory
         self._tracker = TimelineTracker() if record_timeline else MemoryTracker()
+        self._constants = SharedConstants()  # one device copy of a constant for all its plans
         # a timeline has one entry per op: updates then run op by op, not as multi-tensor calls
         self._multi = not record_timeline
         self.runtime = Runtime(self.device)  # copy streams, pinned buffers, communicator
@@ -129,7 +130,13 @@ class Executor:
         plan = self._plans.pop(key, None)
         if plan is None:
             plan = build_plan(
-                program, fetches, self.device, self.track_memory, self.runtime, multi=self._multi
+                program,
+                fetches,
+                self.device,
+                self.track_memory,
+                self.runtime,
+                multi=self._multi,
+                shared_constants=self._constants,
             )
             if self.track_memory:
                 for t in plan.constants.values():

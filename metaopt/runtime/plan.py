@@ -466,13 +466,15 @@ def build_plan(
     *,
     compile_now: bool | None = None,
     multi: bool = True,
+    shared_constants: SharedConstants | None = None,
 ) -> Plan:
     """Plan `p`; `runtime` (a `runtime.context.Runtime`) is what `needs_runtime` rows get.
     `compile_now`: compile now (True), interpret first (False), or by the op count (None).
     `multi`: run consecutive updates as one multi-tensor call (`_group_multi`); off, every op
-    is its own step (a memory timeline records one entry per op)."""
+    is its own step (a memory timeline records one entry per op). `shared_constants`: the
+    device copies of constants other plans of the same executor made (`SharedConstants`)."""
     verify(p)  # once per program version: a broken program fails here, naming its line
-    layout, consts, persist = _plan_layout(p, fetches, device, track, runtime, multi)
+    layout, consts, persist = _plan_layout(p, fetches, device, track, runtime, multi, shared_constants)
     feeds = [name for name, _ in layout.feeds]
     plan = Plan(persist, consts, feeds, list(fetches), list(p.ops), layout, reused=layout.reused)
     if compile_now or (compile_now is None and len(p.ops) <= COMPILE_AT_ONCE_OPS):
@@ -500,7 +502,13 @@ class _Slots(dict):
 
 
 def _plan_layout(
-    p: Program, fetches: list[str], device: torch.device, track: bool, runtime, multi: bool = True
+    p: Program,
+    fetches: list[str],
+    device: torch.device,
+    track: bool,
+    runtime,
+    multi: bool = True,
+    shared: SharedConstants | None = None,
 ) -> tuple[_Layout, dict[str, torch.Tensor], list[str]]:
     """(layout, the constants on the device, the persistables used)."""
     # Constants belong to their program, not to the shared scope (two programs may
@@ -522,7 +530,7 @@ def _plan_layout(
     host_reads, uploads = host_placement(p)[1:] if device.type != "cpu" else (set(), {})
     slot = _Slots()
     values = _constants(
-        p, sorted(consts & set(last)), {p.ops[i].inputs[j] for i, j in host_reads}, device, slot
+        p, sorted(consts & set(last)), {p.ops[i].inputs[j] for i, j in host_reads}, device, slot, shared
     )
     used_persist = [x for x in persist if x in last or x in p.updates]
     loads = [(name, slot[name]) for name in used_persist]
@@ -693,13 +701,44 @@ def _multi_kernel(row: registry.OpDef, ops: list[Op]):
     return run
 
 
-def _constants(p: Program, names: list[str], host: set[str], device: torch.device, slot: _Slots) -> dict:
+class SharedConstants:
+    """One executor's device copies of program constants, by the value tensor they copy: the
+    programs a pipeline stage is cut into (its phases) share their value tensors (Program.clone
+    shares `values`, which are read-only), so their plans share one device copy of each
+    constant, as `estimate_memory` counts it, instead of one per plan. An entry is found only
+    while its value tensor lives and is unchanged (a weak reference and its version counter),
+    and while a plan holds its copy (held weakly here: a copy no plan holds is freed)."""
+
+    def __init__(self) -> None:
+        self._copies: dict[tuple[int, str], tuple[weakref.ref, int, weakref.ref]] = {}
+
+    def get(self, value: torch.Tensor, device: torch.device) -> torch.Tensor:
+        key = (id(value), str(device))
+        hit = self._copies.get(key)
+        copy = hit[2]() if hit is not None and hit[0]() is value and hit[1] == value._version else None
+        if copy is not None:
+            return copy
+        copy = value.detach().to(device, copy=True)
+        self._copies = {k: e for k, e in self._copies.items() if e[0]() is not None and e[2]() is not None}
+        self._copies[key] = (weakref.ref(value), value._version, weakref.ref(copy))
+        return copy
+
+
+def _constants(
+    p: Program,
+    names: list[str],
+    host: set[str],
+    device: torch.device,
+    slot: _Slots,
+    shared: SharedConstants | None = None,
+) -> dict:
     """name -> (the constant on the device, its host copy where an op reads one, else None)."""
     out = {}
     for name in names:
         value = p.values[name].detach()
         slot[name]  # numbered in this order (the generated names follow it)
-        out[name] = (value.to(device, copy=True), value.cpu() if name in host else None)
+        on_device = shared.get(p.values[name], device) if shared is not None else value.to(device, copy=True)
+        out[name] = (on_device, value.cpu() if name in host else None)
     return out
 
 

@@ -194,6 +194,33 @@ def test_two_programs_with_same_constant_names_share_one_executor():
     assert float(c) == 5.0
 
 
+def test_clones_share_one_device_copy_of_each_constant_and_a_new_value_gets_its_own():
+    """A pipeline stage's phases are clones sharing value tensors: their plans hold one device
+    copy of each constant (as estimate_memory counts it), not one each. A program whose
+    constant is another tensor, or the same tensor changed in place, gets its own copy."""
+    p = Program("c")
+    p.add_var(Var("x", "float32", (256,), kind="input"))
+    p.add_var(Var("const", "float32", (256,), kind="constant"), torch.full((256,), 2.0))
+    p.add_var(Var("y", "float32", (256,)))
+    p.ops = [Op("Mul", ["x", "const"], ["y"])]
+    p.inputs, p.outputs = ["x"], ["y"]
+    exe = metaopt.Executor()
+    x = np.ones(256, np.float32)
+    exe.run(p, feed={"x": x}, fetch_list=["y"])
+    one = exe.memory_stats()["persistable_bytes"]
+    assert one == 1024
+    q = p.clone()
+    (b,) = exe.run(q, feed={"x": x}, fetch_list=["y"])
+    assert exe.memory_stats()["persistable_bytes"] == one and b.tolist() == [2.0] * 256
+    r = p.clone()
+    r.values["const"] = torch.full((256,), 3.0)
+    (c,) = exe.run(r, feed={"x": x}, fetch_list=["y"])
+    assert exe.memory_stats()["persistable_bytes"] == 2 * one and c.tolist() == [3.0] * 256
+    p.values["const"].mul_(2.0)  # values are read-only; were one changed, a new plan copies it anew
+    (d,) = exe.run(p.clone(), feed={"x": x}, fetch_list=["y"])
+    assert d.tolist() == [4.0] * 256
+
+
 def test_in_place_update_of_a_value_read_later_is_refused():
     p = Program("inplace")
     p.add_var(Var("w", "float32", (3,), kind="param", trainable=True), torch.ones(3))
