@@ -433,13 +433,15 @@ def check_workers_agree(lines: Sequence[tuple[str, str]], what: str, hint: str =
     raise WorkersDisagreeError(_disagreement(what, firsts, shown) + hint)
 
 
-def broadcast_from_first(tensors: dict, what: str) -> dict:
-    """Worker 0's `tensors` (name -> tensor) on every worker; `tensors` itself with one worker."""
+def broadcast_from_first(tensors: dict, what: str, axes: tuple[str, ...] = ()) -> dict:
+    """Worker 0's `tensors` (name -> tensor) on every worker; `tensors` itself with one worker.
+    `axes`: from the first worker of this worker's group on each hybrid axis in turn
+    (``layout.groups.broadcast_from_first``)."""
     if _env().world_size == 1:
         return dict(tensors)
     from metaopt.layout.groups import broadcast_from_first as broadcast
 
-    return broadcast(tensors, what)
+    return broadcast(tensors, what, axes)
 
 
 def _gather(obj, what: str) -> list:

@@ -594,8 +594,6 @@ def _sh_check(ctx: Context) -> None:
             f"strategy.pipeline=True at stage {stage} (a pipeline sums each grad over its micro-batches "
             "whole before the update; stage 1 shards the optimizer state beside it)"
         )
-    if s.tensor_parallel and stage == 3:
-        why.append("strategy.tensor_parallel=True at stage 3 (holding a tensor-parallel slice as slices)")
     if s.optimizer_in_backward:
         why.append(
             "strategy.optimizer_in_backward=True (the updates run bucket by bucket after the backward)"
@@ -639,10 +637,13 @@ def _sharding(p: Program, plans: PartPlans, ctx: Context) -> Program:
     plan = plans.of_part(p, ctx.parts)
     if plan.stage == 3 and ctx.world_size > 1:
         # Stage 3 keeps only this worker's slice of each param: it is cut from worker 0's initial
-        # value, as data parallel's startup broadcast would give every worker (ZeRO-3's init).
+        # value, as data parallel's startup broadcast would give every worker (ZeRO-3's init);
+        # beside tensor parallel, from the first replica holding this worker's part
         p = p.clone()
         held = [sp.param for sp in plan.params]
-        p.values.update(env.broadcast_from_first({x: p.values[x] for x in held}, "stage 3's initial params"))
+        axes = ("sharding", "data") if any(p.vars[x].split is not None for x in held) else ()
+        values = {x: p.values[x] for x in held}
+        p.values.update(env.broadcast_from_first(values, "stage 3's initial params", axes))
     return apply_sharding(p, plan)
 
 

@@ -141,26 +141,46 @@ def all_gather_json(obj: object, what: str) -> list:
     return [json.loads(b) for b in all_gather_bytes(json.dumps(obj).encode(), what)]
 
 
-def broadcast_from_first(tensors: dict[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:
+def broadcast_from_first(
+    tensors: dict[str, torch.Tensor], what: str, axes: Sequence[str] = ()
+) -> dict[str, torch.Tensor]:
     """Worker 0's `tensors` on every worker (new tensors; the given ones are left alone), over
     gloo on the host, flattened into one message per dtype; each wait bounded as in
     `all_gather_bytes`. Every worker must call it at the same point with the same names, shapes
-    and dtypes (fleet's minimize has checked the programs agree)."""
+    and dtypes (fleet's minimize has checked the programs agree). With `axes` (hybrid axes of
+    fleet.init's layout, e.g. ("sharding", "data")): from the first rank of this worker's group
+    on each axis in turn, so a worker gets the value of the first worker with its coordinates on
+    the other axes (tensor parallel's split params: each model-parallel rank its own part)."""
+    if axes:
+        out = dict(tensors)
+        for axis in axes:
+            ranks = axis_ranks(axis)
+            if ranks is not None and len(ranks) > 1:
+                out = _broadcast(out, what, group_of(ranks, timeout()), ranks[0])
+        return out
     dist = initialized_dist()
-    group = host_group(dist)
+    return _broadcast(tensors, what, host_group(dist), 0)
+
+
+def _broadcast(tensors: dict[str, torch.Tensor], what: str, group, src: int) -> dict[str, torch.Tensor]:
+    dist = initialized_dist()
     out: dict[str, torch.Tensor] = {}
     by_dtype: dict[torch.dtype, list[str]] = {}
     for name, t in tensors.items():
         by_dtype.setdefault(t.dtype, []).append(name)
     for dtype, keys in by_dtype.items():
         flat = torch.cat([tensors[k].detach().reshape(-1).cpu() for k in keys])
+        if dist.get_backend(group) == "nccl":  # a hybrid axis's group of a NCCL job: device tensors
+            flat = flat.cuda()
         run_gloo(
-            lambda flat=flat: dist.broadcast(flat, 0, group=group, async_op=True), [flat], f"{what} ({dtype})"
+            lambda flat=flat: dist.broadcast(flat, src, group=group, async_op=True),
+            [flat],
+            f"{what} ({dtype})",
         )
         at = 0
         for k in keys:
             n = tensors[k].numel()
-            out[k] = flat[at : at + n].reshape(tensors[k].shape).clone()
+            out[k] = flat[at : at + n].reshape(tensors[k].shape).cpu().clone()
             at += n
     return out
 

@@ -49,11 +49,10 @@ of the squared norm); one without such a form is refused naming it.
 
 Exact: the updates this pass may slice are elementwise (``OpDef.sliceable``: SGD, Momentum,
 Adam, AdamW), so each element gets the very operations it gets unsharded; the all-gather puts
-the same bits back. Beside tensor parallel (stages 1 and 2) a split param's state is the flat
-1/N of this worker's tensor-parallel part (``split(...) zero_shard(...)``), over the sharding
-group of workers holding the same part. An update that reads whole tensors, a split param at
-stage 3, and a param whose optimizer state is not at its initial zeros are refused by name.
-Pure.
+the same bits back. Beside tensor parallel a split param's state (and at stage 3 the param)
+is the flat 1/N of this worker's tensor-parallel part (``split(...) zero_shard(...)``), over the
+sharding group of workers holding the same part. An update that reads whole tensors and a
+param whose optimizer state is not at its initial zeros are refused by name. Pure.
 """
 
 from __future__ import annotations
@@ -196,7 +195,7 @@ def plan_sharding(
                 plan.sharded_forms[i] = _sharded_form(op, row)
                 sliced.update(op.outputs)
             continue
-        sp = _sharded_param(p, i, op, row, op.inputs[1] in sliced, degree, stage)
+        sp = _sharded_param(p, i, op, row, op.inputs[1] in sliced, degree)
         if producers.get(sp.grad, -1) > i:
             raise ShardingError(
                 f"sharding: the update `{fmt_op(op)}` runs before its grad {sp.grad!r} is made"
@@ -277,9 +276,7 @@ def _sharded_form(op: Op, row: Any) -> str:
     return row.sharded_form
 
 
-def _sharded_param(
-    p: Program, i: int, op: Op, row: Any, grad_sliced: bool, degree: int, stage: int
-) -> ShardedParam:
+def _sharded_param(p: Program, i: int, op: Op, row: Any, grad_sliced: bool, degree: int) -> ShardedParam:
     param, grad = op.inputs[0], op.inputs[1]
     pv = p.vars[param]
     if pv.zero is not None:
@@ -290,11 +287,6 @@ def _sharded_param(
         raise NotImplementedError(
             f"sharding: `{fmt_op(op)}` reads whole tensors ({op.type} is not elementwise): running it "
             "on 1/N slices is not implemented"
-        )
-    if pv.split is not None and stage == 3:
-        raise NotImplementedError(
-            f"sharding stage 3: param {param!r} is tensor parallel's {pv.split}: holding a split param as "
-            "slices is not implemented (stages 1 and 2 shard its optimizer state and grads)"
         )
     n = pv.nbytes({})
     if n is None:

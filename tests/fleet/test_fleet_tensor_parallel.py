@@ -195,18 +195,31 @@ def test_the_plan_shows_the_step_and_the_grouped_data_parallel(monkeypatch):
     assert "refused" not in text
 
 
-def test_mp2_x_sharding2_through_fleet_equals_one_process_and_each_worker_holds_half_its_state(tmp_path):
-    """hybrid_configs mp_degree 2 x sharding_degree 2 (ZeRO stage 1 beside tensor parallel): each
-    MP rank's grads reduce-scattered over its sharding group (ranks (0, 2) and (1, 3)), its state
-    the flat half of its tensor-parallel part (``split(...) zero_shard(...)``). Against one
-    process on the full batch (each sharding replica fed half): the replicas' mean loss, and SGD
-    params put back together, at TOL; Adam's losses at TOL. The Adam checkpoint the 4 workers save
-    loads back into the same layout bit for bit and into one unsharded process, each worker's
-    state there being its half of its tensor-parallel part of the whole value."""
+@pytest.mark.parametrize("stage", [1, 3])
+def test_mp2_x_sharding2_through_fleet_equals_one_process_and_each_worker_holds_half_its_state(
+    tmp_path, stage
+):
+    """hybrid_configs mp_degree 2 x sharding_degree 2 (ZeRO beside tensor parallel): each MP
+    rank's grads reduce-scattered over its sharding group (ranks (0, 2) and (1, 3)), its state
+    (stage 3: and its params) the flat half of its tensor-parallel part (``split(...)
+    zero_shard(...)``). Against one process on the full batch (each sharding replica fed half):
+    the replicas' mean loss, and SGD params put back together, at TOL; Adam's losses at TOL. The
+    Adam checkpoint the 4 workers save loads back into the same layout bit for bit and into one
+    unsharded process, each worker's part there being its half of its tensor-parallel part of
+    the whole value."""
     from metaopt.fleet.sharded_io import local_part
     from metaopt.ops.kernels.partition import take_slice
 
-    args = [str(TRAINING / "fleet_tp_worker.py"), str(tmp_path), "1", "2", "2", "1", "sgd", "adam-save"]
+    args = [
+        str(TRAINING / "fleet_tp_worker.py"),
+        str(tmp_path),
+        "1",
+        "2",
+        "2",
+        str(stage),
+        "sgd",
+        "adam-save",
+    ]
     procs = start_workers(4, [*args, "adam-load"], {"METAOPT_COMM_TIMEOUT": "60"})
     wait_workers(procs, "tensor-parallel x sharding", 300)
     runs = {
@@ -225,23 +238,33 @@ def test_mp2_x_sharding2_through_fleet_equals_one_process_and_each_worker_holds_
     for a, b in ((0, 2), (1, 3)):  # the two sharding replicas of each MP rank: bitwise equal params
         assert all(torch.equal(t, sgd[b]["params"][k]) for k, t in sgd[a]["params"].items())
     assert "ReduceScatter [('group', 'sharding'), ('parts', 2), ('reduce', 'avg')]" in sgd[0]["ops"]
-    assert "Broadcast [('group', 'sharding'), ('src', 0)]" in sgd[0]["ops"]  # split params' replicas
+    # the split params' replicas start equal: a startup broadcast over the sharding group too (stage
+    # 3 holds every param as slices, cut at minimize from values broadcast over both axes)
+    assert ("Broadcast [('group', 'sharding'), ('src', 0)]" in sgd[0]["ops"]) == (stage == 1)
     split = _split()
     for r, got in enumerate(adam):
         assert got["held"] and all(torch.equal(t, runs["load"][r]["held"][n]) for n, t in got["held"].items())
+        assert all(torch.equal(t, runs["load"][r]["params"][n]) for n, t in got["params"].items())
         for n in got["held"]:
             layout_split, layout_zero = got["layouts"][n]
             assert layout_zero.startswith("zero_shard(parts=2"), n
             assert (layout_split != "None") == (n.split("@")[0] in split), n
     whole = _one_process_checkpoint(tmp_path / "ckpt")
+
+    def part(n: str, mp_rank: int) -> torch.Tensor:  # this MP rank's part of whole value `n`
+        param = n.split("@")[0]  # a moment's param (test-side only: which split it follows)
+        if param not in split:
+            return whole[n]
+        sp = split[param]
+        return local_part(whole[n], metaopt.ir.Split(sp.axis, 2, tuple(sp.blocks)), mp_rank)
+
     for r, got in enumerate(adam):
         for n, t in got["held"].items():
-            part = whole[n]
-            param = n.split("@")[0]  # the moment's param (test-side only: which split it follows)
-            if param in split:
-                sp = split[param]
-                part = local_part(part, metaopt.ir.Split(sp.axis, 2, tuple(sp.blocks)), got["mp_rank"])
-            assert torch.equal(t, take_slice(part, 2, got["sharding_rank"])), (r, n)
+            assert torch.equal(t, take_slice(part(n, got["mp_rank"]), 2, got["sharding_rank"])), (r, n)
+        for n, t in got["params"].items():  # whole parts (stage 3's gathered by the worker)
+            assert torch.equal(t, part(n, got["mp_rank"])), (r, n)
+    if stage == 3:
+        assert all(got["layouts"][n][1].startswith("zero_shard(") for got in adam for n in got["params"])
 
 
 def _one_process_checkpoint(folder: Path) -> dict[str, torch.Tensor]:
@@ -252,10 +275,7 @@ def _one_process_checkpoint(folder: Path) -> dict[str, torch.Tensor]:
         metaopt.optimizer.Adam(learning_rate=1e-2).minimize(program.loss)
         exe = metaopt.Executor("cpu")
         fleet.load_persistables(exe, folder, program)
-        return {
-            v.name: exe.scope[v.name].clone()
-            for v in program.vars.values()
-            if v.kind == "opt_state" and v.shape
-        }
+        kept = [v.name for v in program.vars.values() if v.kind in ("opt_state", "param") and v.shape]
+        return {n: exe.scope[n].clone() for n in kept}
     finally:
         env.reset()

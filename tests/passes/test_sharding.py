@@ -119,11 +119,6 @@ def test_refusals_name_what_is_at_fault():
     resumed.values[state] = torch.ones_like(p.values[state])
     with pytest.raises(ShardingError, match=rf"optimizer state {state!r} is not at its initial zeros"):
         plan_sharding(resumed, degree=2, stage=1)
-    split = p.clone()
-    w = split.vars["fc1.weight"]
-    split.vars["fc1.weight"] = w.copy(shape=(16, 16), split=Split(0, 2, (32,)))
-    with pytest.raises(NotImplementedError, match=r"stage 3: param 'fc1.weight' is tensor parallel's split"):
-        plan_sharding(split, degree=2, stage=3)
     with pytest.raises(
         DataParallelError, match="reduce-scatter over 3 workers needs sharding groups that divide"
     ):
@@ -139,9 +134,9 @@ def test_refusals_name_what_is_at_fault():
 
 
 def test_beside_tensor_parallel_a_split_params_state_is_the_flat_half_of_its_part():
-    """Stages 1 and 2 on a program whose fc1 is tensor parallel's [16, 32] part of [32, 32]: its
-    state is declared ``split(...) zero_shard(...)``: the flat 1/2 of the local part; the full
-    shape is the whole tensor's; the text parses back."""
+    """Sharding a program whose fc1 is tensor parallel's [16, 32] part of [32, 32]: its state
+    (stage 3: and the param) is declared ``split(...) zero_shard(...)``: the flat 1/2 of the
+    local part; the full shape is the whole tensor's; the text parses back."""
     p = _trained_program()
     local = (16, 32)
     for name in ("fc1.weight", "fc1.weight@MOMENT1", "fc1.weight@MOMENT2"):
@@ -160,6 +155,10 @@ def test_beside_tensor_parallel_a_split_params_state_is_the_flat_half_of_its_par
         "fc1.weight@MOMENT1: float32[256] opt_state split(axis=0, parts=2, blocks=[32]) zero_shard(" in text
     )
     assert print_program(parse_program(text)) == text
+    three = sharding(p, degree=2, stage=3)  # the param too: the flat half of its part, gathered whole
+    w = three.vars["fc1.weight"]
+    assert w.zero == ZeroShard(2, local) and w.split == Split(0, 2, (32,)) and w.full_shape == (32, 32)
+    assert three.vars["fc1.weight@GATHERED"].shape == local
 
 
 # --- through fleet, in this process: sharding_degree 1 ------------------------------------------
