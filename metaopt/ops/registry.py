@@ -99,6 +99,9 @@ class OpDef:
     # input j's storage and returns it). Same values bit for bit, fewer allocations: relu's and the
     # residual add's, which eager code writes in place by hand.
     reuse: tuple[tuple[int, ...], Callable[[int], Kernel]] | None = field(default=None, compare=False)
+    # The op another op runs, given this one (RngReplay: the random op it replays, with its own
+    # inputs and attrs): memory estimates learn its outputs' layouts from that op's kernel.
+    inner: Callable[[Any], Any] | None = field(default=None, compare=False)
     # Outputs are views of input 0 (no new storage): memory estimates count them as free.
     view: bool = False
     # Outputs are views of input 0 only when this holds, given (op, its input shapes): Gather

@@ -2,7 +2,8 @@
 
 It replays what the executor does: persistables, constants and feeds are live from
 the start; each op's outputs become live when it runs (a `view` row's outputs share
-their input's storage and add nothing, as do outputs written in place into an
+their input's storage and add nothing, unless its kernel copies a value it cannot view:
+`memory_layout.Layouts`; as do outputs written in place into an
 input); a value dies after its last reader, and its
 storage when the last value holding it dies. The executor's own accounting is the
 measurement this predicts (`exe.memory_stats()["peak_bytes"]`).
@@ -29,6 +30,7 @@ from metaopt.ir.liveness import liveness
 from metaopt.ir.printer import fmt_op
 from metaopt.ops import registry
 from metaopt.ops.reuse import plan_reuse
+from metaopt.passes.memory_layout import Layouts
 
 _FOREVER = 1 << 62  # the death of a storage alive at the end of the step
 
@@ -176,6 +178,7 @@ class _Replay:
         self.peak, self.peak_op = self.live, -1
         self.timeline: list[int] = []
         self.workspaces: dict[int, int] = {}  # op -> its kernel temporaries (nonzero only)
+        self.layouts = Layouts(p, self._shape)  # which view rows' kernels copy instead
 
     def nbytes(self, name: str) -> int:
         v = self.p.vars[name]
@@ -214,7 +217,15 @@ class _Replay:
         shares = {k: j for k, j in (row.inplace if row is not None else ())}
         if i in self.reused:
             shares[0] = self.reused[i]
-        if row is not None and (row.view or (row.view_if is not None and row.view_if(op, self._shapes(op)))):
+        view = row is not None and (
+            row.view or (row.view_if is not None and row.view_if(op, self._shapes(op)))
+        )
+        # which outputs are an input's storage, as its kernel ran on meta tensors (a view row's
+        # copy, reshape of a transposed value, is new storage), else as the row says
+        found = self.layouts.step(op, row, view)
+        if found is not None:
+            shares.update(found)
+        elif view:
             shares.update({k: 0 for k in range(len(op.outputs))})
         # Outputs in host memory (offload's copies) are not device bytes: the executor
         # counts them in its host account.

@@ -108,3 +108,32 @@ def test_offloaded_copies_are_host_bytes_in_the_where_view():
     moved = p.vars[p.ops[copy].inputs[0]].nbytes({"batch": 4})
     assert w.host_bytes == moved > 0
     assert p.ops[copy].outputs[0] not in {v.name for v in w.vars}
+
+
+@pytest.mark.parametrize(
+    "name, extra",
+    [("hf-gpt2", ["fp16"]), ("hf-llama", ["bf16"]), ("hf-bert", []), ("hf-gpt2", ["recompute"])],
+)
+def test_timeline_is_the_executors_count_at_every_op_on_the_zoos_transformers(name, extra):
+    """Hugging Face models from the zoo, trained through fleet (AMP, recompute): every op's live
+    bytes as the executor counts them. Their attention reshapes transposed values, which torch
+    copies (a view row that makes new storage), and GPT-2 casts its labels to the dtype they have
+    (no new storage): the estimate learns both from the kernels' layouts on the meta device."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "training"))
+    from training_cases import batch, build_strategy, export
+
+    main = export(name)
+    fleet.init(is_collective=True)
+    opt = metaopt.optimizer.Momentum(learning_rate=0.05, momentum=0.9)
+    fleet.distributed_optimizer(opt, build_strategy(name, extra)).minimize(main.loss)
+    feed = batch(name, 0)
+    exe = metaopt.Executor("cpu", record_timeline=True)
+    for _ in range(2):  # the second run: the state made, as every later step
+        exe.run(main, feed=feed, fetch_list=[main.loss])
+    rows = next(iter(feed.values())).shape[0]
+    est = estimate_memory(main, dims={"batch": rows}, workspace=False)
+    assert est.timeline == exe.memory_timeline()
+    assert est.peak_bytes == exe.memory_stats()["peak_bytes"]

@@ -205,6 +205,8 @@ def test_each_worker_holds_its_share_of_the_optimizer_state_measured_as_predicte
         for got in _ranks(runs, world, case):
             if "merge" not in case:  # gradient merge's host step counter: see the session note
                 assert got["measured_persistable"] == got["predicted_persistable"], case
+                # AMP included: its casts' layouts are the estimate's too (passes/memory_layout.py)
+                assert got["measured_peak"] == got["predicted_peak"], case
             numel = got["state_full_numel"]
             assert numel, case
             itemsize = 4  # float32 state (bf16 AMP keeps float32 params and state)

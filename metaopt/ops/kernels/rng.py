@@ -30,15 +30,15 @@ def rng_state(_device: torch.device, **stream: object) -> torch.Tensor:
     return rng_streams.generator(stream, _device).get_state()
 
 
+def _replayed(op) -> SimpleNamespace:  # noqa: ANN001
+    """The random op an RngReplay runs: its type, its inputs (past the state), its own attrs."""
+    attrs = {k.removeprefix("f_"): v for k, v in op.attrs.items() if k.startswith("f_")}
+    return SimpleNamespace(type=op.attrs["op"], inputs=op.inputs[1:], outputs=op.outputs, attrs=attrs)
+
+
 def _replay_aliases(op) -> list[tuple[int, int]]:
     # The replayed op's own pairs (its row, its attrs), its inputs shifted past the state input.
-    inner = SimpleNamespace(
-        type=op.attrs["op"],
-        inputs=op.inputs[1:],
-        outputs=op.outputs,
-        attrs={k.removeprefix("f_"): v for k, v in op.attrs.items()},
-    )
-    pairs = registry.alias_pairs(inner)
+    pairs = registry.alias_pairs(_replayed(op))
     if pairs is None:  # no row: anything may alias anything
         return [(k, j) for k in range(len(op.outputs)) for j in range(1, len(op.inputs))]
     return [(k, j + 1) for k, j in pairs]
@@ -59,6 +59,7 @@ def _replay_host_inputs(op, program) -> tuple[int, ...]:  # noqa: ANN001
     needs_device=True,
     host_inputs=_replay_host_inputs,
     aliases=_replay_aliases,
+    inner=_replayed,
 )
 def rng_replay(
     state: torch.Tensor,
