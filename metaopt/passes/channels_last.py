@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from metaopt.ir import Op, Program
 from metaopt.ops import registry
+from metaopt.passes.driver import plan_text
 
 CHANNELS_LAST = "channels_last"
 
@@ -39,10 +40,8 @@ class ChannelsLastPlan:
     skipped: tuple[tuple[str, str], ...]
 
     def __str__(self) -> str:
-        lines = [f"channels_last: {len(self.convs)} convolution(s) channels-last"]
-        lines += [f"  {out}" for out in self.convs]
-        lines += [f"  skipped {out}: {why}" for out, why in self.skipped]
-        return "\n".join(lines)
+        head = f"channels_last: {len(self.convs)} convolution(s) channels-last"
+        return plan_text(head, self.convs, self.skipped)
 
 
 def plan_channels_last(p: Program) -> ChannelsLastPlan:

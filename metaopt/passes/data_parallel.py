@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from metaopt.ir import Op, Program, Var, ZeroShard, did_you_mean, names, roles
+from metaopt.passes.driver import plan_text
 
 
 class DataParallelError(ValueError):
@@ -70,14 +71,15 @@ class DataParallelPlan:
         if self.group:
             who = f"the {who} of each data-parallel group"
         kind = "all_reduce" if self.scatter_parts is None else f"reduce_scatter (1/{self.scatter_parts} kept)"
-        lines = [
+        return plan_text(
             f"data parallel over {who} ({cap}): {kind} ops: {self.num_grads}, "
-            f"after fusion: {len(self.buckets)}"
-        ]
-        for k, b in enumerate(self.buckets):
-            lines.append(f"  bucket {k}: {len(b.grads)} grads, {b.nbytes:,} bytes, after op {b.after}")
-        lines += [f"  skipped {g}: {why}" for g, why in self.skipped]
-        return "\n".join(lines)
+            f"after fusion: {len(self.buckets)}",
+            [
+                f"bucket {k}: {len(b.grads)} grads, {b.nbytes:,} bytes, after op {b.after}"
+                for k, b in enumerate(self.buckets)
+            ],
+            self.skipped,
+        )
 
 
 def plan_data_parallel(

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,6 +160,15 @@ def check_declarations(
         if missing:
             raise StepError(f"step {s.name!r} reads {missing}, which no earlier step writes")
         written |= set(s.writes)
+
+
+def plan_text(head: str, items: Iterable[str] = (), skipped: Iterable[tuple[str, str]] = ()) -> str:
+    """A plan as every pass prints it (the log, ``METAOPT_DUMP``, the golden files): its head line,
+    a line per item, then a line per candidate it skipped with why; one writer so that all plans
+    read alike."""
+    lines = [head, *(f"  {item}" for item in items)]
+    lines += [f"  skipped {name}: {why}" for name, why in skipped]
+    return "\n".join(lines)
 
 
 def plan_rows(steps: Sequence[Step], ctx: Context) -> list[StepRow]:

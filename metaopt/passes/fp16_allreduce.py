@@ -21,6 +21,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from metaopt.ir import Program
+from metaopt.passes.driver import plan_text
 
 COMM_DTYPE = "float16"
 
@@ -35,9 +36,8 @@ class Fp16AllReducePlan:
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (reduced grad, why not)
 
     def __str__(self) -> str:
-        lines = [f"fp16_allreduce: {len(self.ops)} all-reduce op(s) send float16"]
-        lines += [f"  skipped {g}: {why}" for g, why in self.skipped]
-        return "\n".join(lines)
+        head = f"fp16_allreduce: {len(self.ops)} all-reduce op(s) send float16"
+        return plan_text(head, skipped=self.skipped)
 
 
 def plan_fp16_allreduce(p: Program, *, reduced: list[str]) -> Fp16AllReducePlan:

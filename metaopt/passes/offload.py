@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from metaopt.ir import Op, Program, Var, did_you_mean, eval_dim, names, roles
+from metaopt.passes.driver import plan_text
 from metaopt.passes.one_call import one_call
 
 
@@ -62,13 +63,14 @@ class OffloadPlan:
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (checkpoint, why it stays)
 
     def __str__(self) -> str:
-        lines = [f"offload plan: {len(self.offloaded)} checkpoints to host memory and back"]
-        lines += [
-            f"  {c}: prefetched before op {self.fetch_at[c]}, first read by op {self.first_use[c]}"
-            for c in self.offloaded
-        ]
-        lines += [f"  skipped {c}: {why}" for c, why in self.skipped]
-        return "\n".join(lines)
+        return plan_text(
+            f"offload plan: {len(self.offloaded)} checkpoints to host memory and back",
+            [
+                f"{c}: prefetched before op {self.fetch_at[c]}, first read by op {self.first_use[c]}"
+                for c in self.offloaded
+            ],
+            self.skipped,
+        )
 
 
 def plan_offload(

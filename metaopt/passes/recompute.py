@@ -48,6 +48,7 @@ import torch
 
 from metaopt.ir import Op, Program, Var, did_you_mean, names, roles
 from metaopt.ops import registry, rng_streams
+from metaopt.passes.driver import plan_text
 from metaopt.passes.one_call import one_call
 
 # The CPU generator's state (what RngState records on CPU; a CUDA state is 16 bytes):
@@ -83,22 +84,21 @@ class RecomputePlan:
         return set(self.checkpoints) | set(self.held) | set(self.kept_by_policy) | set(self.stats)
 
     def __str__(self) -> str:
-        lines = [f"recompute plan: {len(self.checkpoints)} checkpoints, {len(self.segments)} segments"]
+        items = []
         if self.head_held and self.checkpoints:
-            lines.append(f"  <head> -> {self.checkpoints[0]}: held, not recomputed (recompute_head=False)")
+            items.append(f"<head> -> {self.checkpoints[0]}: held, not recomputed (recompute_head=False)")
         for s in self.segments:
-            lines.append(f"  segment {s.start or '<head>'} -> {s.end}: {len(s.ops)} ops recomputed")
+            items.append(f"segment {s.start or '<head>'} -> {s.end}: {len(s.ops)} ops recomputed")
         if self.held:
-            lines.append(f"  held (read across segments): {', '.join(self.held)}")
+            items.append(f"held (read across segments): {', '.join(self.held)}")
         if self.kept_by_policy:
-            lines.append(f"  kept by the selective policy: {len(self.kept_by_policy)} values")
+            items.append(f"kept by the selective policy: {len(self.kept_by_policy)} values")
         if self.stats:
-            lines.append(
-                f"  statistics held (BatchNorm's saved mean and inverse std): {len(self.stats)} values"
+            items.append(
+                f"statistics held (BatchNorm's saved mean and inverse std): {len(self.stats)} values"
             )
-        for name, why in self.skipped:
-            lines.append(f"  skipped {name}: {why}")
-        return "\n".join(lines)
+        head = f"recompute plan: {len(self.checkpoints)} checkpoints, {len(self.segments)} segments"
+        return plan_text(head, items, self.skipped)
 
 
 def _hint(p: Program, name: str) -> str:

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 
 from metaopt.ir import Op, Program, Var, did_you_mean, names, roles
 from metaopt.ir.printer import fmt_op
+from metaopt.passes.driver import plan_text
 
 
 class RecomputePartitionError(ValueError):
@@ -79,17 +80,15 @@ class PartitionPlan:
         return {c.checkpoint: c.slice for c in self.partitioned}
 
     def __str__(self) -> str:
-        n = len(self.partitioned)
-        lines = [
-            f"recompute partition: {n} checkpoint(s) held as 1/{self.mp_degree} slices over the "
-            f"model-parallel group ({self.group})"
-        ]
-        for c, where in zip(self.partitioned, self.gather_lines, strict=True):
-            lines.append(
-                f"  {c.checkpoint}: {c.slice} {list(c.slice_shape)}, gathered before `{where.strip()}`"
-            )
-        lines += [f"  skipped {name}: {why}" for name, why in self.skipped]
-        return "\n".join(lines)
+        return plan_text(
+            f"recompute partition: {len(self.partitioned)} checkpoint(s) held as 1/{self.mp_degree} "
+            f"slices over the model-parallel group ({self.group})",
+            [
+                f"{c.checkpoint}: {c.slice} {list(c.slice_shape)}, gathered before `{where.strip()}`"
+                for c, where in zip(self.partitioned, self.gather_lines, strict=True)
+            ],
+            self.skipped,
+        )
 
 
 def plan_recompute_partition(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -244,17 +246,46 @@ def lce_grad_start(dloss, x2, w, y, bias, mask, nout: int, ignore_index: int, re
     return scale, dx, dw, db
 
 
-def lce_grad_chunk(g, w, x2, s: int, e: int, dx, dw, db) -> None:
-    """The linear's backward for tokens s:e given their logit grads `g` (the matmul dtype): dx's
-    rows written, dW and db accumulated (those that are not None)."""
-    if dx is not None:
-        torch.mm(g, w, out=dx[s:e])
-    if dw is not None and dw.dtype == g.dtype:
-        dw.addmm_(g.t(), x2[s:e])  # float32 / float64: accumulated by the matmul itself
-    elif dw is not None:
-        dw += g.t().mm(x2[s:e])  # low precision: each chunk's product summed in float32
-    if db is not None:
-        db += g.sum(0, dtype=db.dtype)
+def lce_grad_chunks(
+    probs: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
+    chunk_size: int,
+    scale: torch.Tensor,
+    w: torch.Tensor,
+    x2: torch.Tensor,
+    dx: torch.Tensor | None,
+    dw: torch.Tensor | None,
+    db: torch.Tensor | None,
+) -> None:
+    """The chunk loop of a chunked LinearCrossEntropy backward (the plain one and the
+    vocab-parallel one): `probs(s, e)` gives tokens s:e's (softmax - onehot) in the accumulation
+    dtype, and their labels' validity; here they become logit grads (scaled, in the matmul dtype),
+    then the linear's backward: dx's rows written, dW and db accumulated (those not None)."""
+    n = x2.shape[0]
+    for s in range(0, n, chunk_size):
+        e = min(n, s + chunk_size)
+        p, valid = probs(s, e)  # no other reference: `del p` below frees it under AMP
+        p.mul_(torch.where(valid, scale, 0).unsqueeze(1))
+        g = p.to(x2.dtype)  # the matmul dtype (no copy for float32)
+        del p
+        if dx is not None:
+            torch.mm(g, w, out=dx[s:e])
+        if dw is not None and dw.dtype == g.dtype:
+            dw.addmm_(g.t(), x2[s:e])  # float32 / float64: accumulated by the matmul itself
+        elif dw is not None:
+            dw += g.t().mm(x2[s:e])  # low precision: each chunk's product summed in float32
+        if db is not None:
+            db += g.sum(0, dtype=db.dtype)
+        del g
+
+
+def lce_grad_outputs(dx, dw, db, x, weight, bias, nout: int, transB: int = 1) -> tuple:
+    """The accumulated grads in their inputs' shapes and dtypes (dW transposed back for transB=0)."""
+    out_dx = dx.reshape(x.shape) if dx is not None else None
+    out_dw = None
+    if dw is not None:
+        out_dw = (dw if transB else dw.t()).to(weight.dtype).contiguous()
+    out_db = db.to(bias.dtype).reshape(bias.shape) if db is not None else None
+    return (out_dx, out_dw, out_db)[:nout]
 
 
 @register(
@@ -284,24 +315,16 @@ def linear_cross_entropy_grad(
     dtype) and are cast to their params' dtype at the end; dx is written chunk by chunk."""
     _check_reduction(reduction)
     x2, w, y, b = _lce_operands(x, weight, labels, bias, transB)
-    n = x2.shape[0]
     scale, dx, dw, db = lce_grad_start(dloss, x2, w, y, bias, mask, _nout, ignore_index, reduction)
-    for s in range(0, n, chunk_size):
-        e = min(n, s + chunk_size)
+
+    def probs(s: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         logits, z, t, valid = _lce_chunk_logits(x2, w, b, y, s, e, ignore_index)
         del logits
         p = torch.softmax(z, 1)
         del z
         rows = torch.arange(e - s, device=x.device)
         p[rows, torch.where(valid, t, 0)] -= valid.to(p.dtype)  # subtract the one-hot where valid
-        p.mul_(torch.where(valid, scale, 0).unsqueeze(1))
-        g = p.to(x2.dtype)  # the matmul dtype (no copy for float32)
-        del p
-        lce_grad_chunk(g, w, x2, s, e, dx, dw, db)
-        del g
-    out_dx = dx.reshape(x.shape) if dx is not None else None
-    out_dw = None
-    if dw is not None:
-        out_dw = (dw if transB else dw.t()).to(weight.dtype).contiguous()
-    out_db = db.to(bias.dtype).reshape(bias.shape) if db is not None else None
-    return (out_dx, out_dw, out_db)[:_nout]
+        return p, valid
+
+    lce_grad_chunks(probs, chunk_size, scale, w, x2, dx, dw, db)
+    return lce_grad_outputs(dx, dw, db, x, weight, bias, _nout, transB)

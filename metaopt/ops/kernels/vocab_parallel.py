@@ -40,7 +40,8 @@ from metaopt.ops.kernels.loss import (
     _check_reduction,
     _lce_grad_workspace,
     _lce_workspace,
-    lce_grad_chunk,
+    lce_grad_chunks,
+    lce_grad_outputs,
     lce_grad_start,
 )
 from metaopt.ops.kernels.tensor_parallel import _ranks
@@ -272,23 +273,15 @@ def vocab_parallel_linear_cross_entropy_grad(
     _check_reduction(reduction)
     rows, start, _ = _local_rows(weight, vocab_size, group, _rt)
     x2, y, b = _operands(x, weight, labels, bias)
-    n = x2.shape[0]
     lse = lse.reshape(-1).to(_acc_dtype(x2.dtype))
     scale, dx, dw, db = lce_grad_start(dloss, x2, weight, y, bias, mask, _nout, ignore_index, reduction)
-    for s in range(0, n, chunk_size):
-        e = min(n, s + chunk_size)
+
+    def probs(s: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         z, valid, local, mine = _chunk(x2, weight, b, y, s, e, start, rows, ignore_index)
         p = torch.exp(z - lse[s:e].unsqueeze(1))
         del z
         p[torch.arange(e - s, device=x.device), local] -= mine.to(p.dtype)  # the one-hot, where owned
-        p.mul_(torch.where(valid, scale, 0).unsqueeze(1))
-        g = p.to(x2.dtype)
-        del p
-        lce_grad_chunk(g, weight, x2, s, e, dx, dw, db)
-        del g
-    out = (
-        dx.reshape(x.shape) if dx is not None else None,
-        dw.to(weight.dtype) if dw is not None else None,
-        db.to(bias.dtype).reshape(bias.shape) if db is not None else None,
-    )
-    return out[:_nout]
+        return p, valid
+
+    lce_grad_chunks(probs, chunk_size, scale, weight, x2, dx, dw, db)
+    return lce_grad_outputs(dx, dw, db, x, weight, bias, _nout)
