@@ -69,3 +69,25 @@ def wait_workers(procs: Sequence[subprocess.Popen], what: str, timeout: float) -
     failed.sort(key=lambda f: "Connection closed by peer" in f[2] or "Connection reset" in f[2])
     assert not failed, "\n".join(f"worker {r} exited {rc}:\n{log[-4000:]}" for r, rc, log in failed)
     return logs
+
+
+def gathered_params(exe, program) -> dict:  # noqa: ANN001 - an Executor and a Program
+    """Inside a worker: each param as this worker's program means it, whole (its tensor-parallel
+    part, where split): a ZeRO stage-3 param (this worker's flat slice) all-gathered over its
+    sharding group (every worker, without hybrid groups)."""
+    import torch
+    import torch.distributed as dist
+
+    from metaopt.layout.groups import axis_ranks, group_of, timeout
+    from metaopt.ops.kernels.partition import join_slices
+
+    out = {}
+    for v in program.params():
+        t = exe.scope[v.name]
+        if v.zero is not None:
+            ranks = axis_ranks("sharding") or list(range(dist.get_world_size()))
+            rows = [torch.empty_like(t) for _ in ranks]
+            dist.all_gather(rows, t, group=group_of(ranks, timeout()))
+            t = join_slices(rows, v.zero.full)
+        out[v.name] = t.clone()
+    return out

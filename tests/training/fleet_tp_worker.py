@@ -15,6 +15,7 @@ import sys
 
 import torch
 import tp_worker
+from workers import gathered_params
 
 import metaopt
 from metaopt import fleet
@@ -64,7 +65,7 @@ def train(s: fleet.DistributedStrategy, opt: str, out: str) -> dict:
         fleet.save_persistables(exe, f"{out}/ckpt", program)
     return {
         "losses": losses,
-        "params": _local_params(exe, program),
+        "params": gathered_params(exe, program),
         "held": {
             v.name: exe.scope[v.name].clone()
             for v in program.vars.values()
@@ -82,26 +83,6 @@ def train(s: fleet.DistributedStrategy, opt: str, out: str) -> dict:
         "mp_rank": hcg.get_model_parallel_rank(),
         "sharding_rank": hcg.get_sharding_parallel_rank(),
     }
-
-
-def _local_params(exe: metaopt.Executor, program: metaopt.Program) -> dict[str, torch.Tensor]:
-    """Each param as this MP rank holds it: a stage-3 param (this worker's flat slice of its
-    part) all-gathered over its sharding group."""
-    import torch.distributed as dist
-
-    from metaopt.layout.groups import axis_ranks, group_of, timeout
-    from metaopt.ops.kernels.partition import join_slices
-
-    out = {}
-    for v in program.params():
-        t = exe.scope[v.name]
-        if v.zero is not None:
-            ranks = axis_ranks("sharding")
-            rows = [torch.empty_like(t) for _ in ranks]
-            dist.all_gather(rows, t, group=group_of(ranks, timeout()))
-            t = join_slices(rows, v.zero.full)
-        out[v.name] = t.clone()
-    return out
 
 
 def _state(program: metaopt.Program) -> list[str]:

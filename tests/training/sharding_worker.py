@@ -25,6 +25,7 @@ import sys
 
 import torch
 from training_cases import BATCH, STEPS, batch, build_strategy, export, runs
+from workers import gathered_params
 
 import metaopt
 from metaopt import fleet
@@ -75,7 +76,7 @@ def train_case(case: str, rank: int, world: int) -> dict:
     state = {v.name: v for v in main.vars.values() if v.kind == "opt_state" and v.zero is not None}
     return {
         "losses": losses,
-        "params": _whole_params(exe, main),
+        "params": gathered_params(exe, main),
         "param_bytes": sum(
             exe.scope[v.name].numel() * exe.scope[v.name].element_size() for v in main.params()
         ),
@@ -91,25 +92,6 @@ def train_case(case: str, rank: int, world: int) -> dict:
         "held": {n: exe.scope[n].clone() for n in _saved(main)},
         "sent": {g: torch.as_tensor(t) for g, t in zip(grads, sent, strict=True)},
     }
-
-
-def _whole_params(exe: metaopt.Executor, main: metaopt.Program) -> dict[str, torch.Tensor]:
-    """Every param whole: a stage-3 param (this worker's slice) all-gathered over its sharding group."""
-    import torch.distributed as dist
-
-    from metaopt.layout.groups import axis_ranks, group_of, timeout
-    from metaopt.ops.kernels.partition import join_slices
-
-    out = {}
-    for v in main.params():
-        t = exe.scope[v.name]
-        if v.zero is not None:
-            ranks = axis_ranks("sharding") or list(range(dist.get_world_size()))
-            rows = [torch.empty_like(t) for _ in ranks]
-            dist.all_gather(rows, t, group=group_of(ranks, timeout()))
-            t = join_slices(rows, v.zero.full)
-        out[v.name] = t.clone()
-    return out
 
 
 def _sent_grads(main: metaopt.Program) -> list[str]:
