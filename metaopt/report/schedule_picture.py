@@ -24,7 +24,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from metaopt.runtime.schedules import ZERO_BUBBLE, simulate
+from metaopt.runtime.schedules import V_CHUNKS, ZERO_BUBBLE, canonical, simulate
 
 Bar = tuple[str, float, float, float]  # (action, start, end, waited), seconds from the step's start
 
@@ -110,9 +110,14 @@ def _mean_compute(bars: list[Bar], kind: str) -> float:
     return statistics.mean(times) if times else 0.0
 
 
-def simulated(schedule: str, *, num_stages: int, micro_batches: int, **costs: Any) -> SchedulePicture:
-    """The picture of the simulator's run of `schedule` alone (`costs`: f_cost, b_cost, w_cost)."""
-    sim = simulate(schedule, num_stages=num_stages, micro_batches=micro_batches, **costs)
+def simulated(
+    schedule: str, *, num_stages: int, micro_batches: int, chunks: int | None = None, **costs: Any
+) -> SchedulePicture:
+    """The picture of the simulator's run of `schedule` alone (`costs`: f_cost, b_cost, w_cost;
+    `chunks` None: ZB-V's two per worker, else one)."""
+    if chunks is None:
+        chunks = V_CHUNKS if canonical(schedule) == "ZBV" else 1
+    sim = simulate(schedule, num_stages=num_stages, micro_batches=micro_batches, chunks=chunks, **costs)
     ideal = [[(str(a), s, e, 0.0) for s, e, a in line] for line in sim.timeline]
     name = f"{schedule} p={num_stages} m={micro_batches} (simulated)"
     return SchedulePicture(name, schedule, micro_batches, [], [], ideal, sim.bubble_fraction)

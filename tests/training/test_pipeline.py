@@ -94,7 +94,7 @@ def check_traffic(case: str, rank: int, traffic: list[tuple[int, int, int]]) -> 
     signatures differ and all messages keep their headers)."""
     _, schedule, m, mode, *rest = case.split(":")
     m, chunks = int(m), int(rest[0]) if rest else 1
-    per = 3 if schedule == "ZBH1" else 2  # F, B (and W) of each micro-batch
+    per = 3 if schedule in ("ZBH1", "ZBV") else 2  # F, B (and W) of each micro-batch
     for step, (messages, headers, actions) in enumerate(traffic):
         where = f"{case} worker {rank} step {step}"
         assert actions == per * m * chunks, where  # every action timed
@@ -128,6 +128,7 @@ CASES_2 = [
     "mlp:F-then-B:2:check1",  # the switch on one worker only: headers on every message, no error
     "bert:ZBH1:4:offload",  # zero bubble: W after B, offloaded checkpoints fetched for both
     "gpt:ZBH1:4:recompute",  # zero bubble with recompute, the tied embedding on both stages
+    "bert:ZBV:4:offload:2",  # the V: chunks 0 and 3 on worker 0, offloaded checkpoints for B and W
 ]
 CASES_4 = [
     "mlp:1F1B:8:plain",
@@ -145,6 +146,7 @@ CASES_DP = [
     "bert:F-then-B:2:recompute:1:3:2",
     "gpt:1F1B:2:plain:1:3:2",
     "gpt:ZBH1:4:plain:1:3:2",  # zero bubble: the grads all-reduced over the replicas after the last W
+    "gpt:ZBV:4:plain:2:3:2",  # the V: the tied embedding's two chunks summed, then averaged over replicas
 ]
 
 
