@@ -64,17 +64,21 @@ def run_workers(tmp: Path, world: int, cases: list[str]) -> None:
 
 
 def check_case(tmp: Path, world: int, case: str, dp: int = 1) -> None:
-    name, _, _, mode, *_ = case.split(":")
+    from metaopt.ir.program import StagePlacement
+
+    name, schedule, _, mode, *rest = case.split(":")
     ranks = [torch.load(tmp / f"{case}.rank{r}.pt", weights_only=True) for r in range(world)]
     ref = reference(name, tied=mode == "tied", mode="shrink" if mode == "shrink" else "plain")
     # Micro-batch grads are summed (scaled by 1/M) instead of one batch's: float32 sums in
     # another order, the bar rtol 1e-5, atol 4e-5 after STEPS Adam steps. With dp
     # replicas (rank = replica x stages + stage) each saw its share: their mean loss.
     p = world // dp
-    lasts = [ranks[d * p + p - 1]["losses"] for d in range(dp)]
+    chunks = int(rest[0]) if rest else 1
+    holder = StagePlacement.of(schedule, p, chunks).worker(p * chunks - 1)  # the last chunk's worker
+    lasts = [ranks[d * p + holder]["losses"] for d in range(dp)]
     mean = [sum(step) / dp for step in zip(*lasts, strict=True)]
     torch.testing.assert_close(torch.tensor(mean), torch.tensor(ref["losses"]), rtol=1e-5, atol=4e-5)
-    not_last = [r for i, r in enumerate(ranks) if i % p != p - 1]
+    not_last = [r for i, r in enumerate(ranks) if i % p != holder]
     assert all(loss is None for r in not_last for loss in r["losses"])  # the loss lives on the last stage
     seen = set()
     for r in ranks:
