@@ -11,7 +11,7 @@ after a barrier each), so the machine's drift falls on both alike; the first two
 slower worker's), its ratio to 1F1B's, each worker's measured bubble (1 - its actions' compute
 over the step) beside the simulator's ideal from the measured per-action means (F, B, W; for
 1F1B B is the whole backward), and each worker's peak bytes (executor accounting). A second
-table simulates F-then-B, 1F1B and ZB-H1 at p = 2, 4 and m = 4, 8, 16 (4 workers do not fit 2
+table simulates F-then-B, 1F1B, ZB-H1 and ZB-V at p = 2, 4 and m = 4, 8, 16 (4 workers do not fit 2
 cores: simulated only). The last
 step of each schedule and m is drawn (`metaopt.schedule_picture`) under
 results/zero_bubble_pictures/.
@@ -156,14 +156,16 @@ def rows(ranks: list[dict], m: int) -> list[dict]:
 
 
 def simulated_rows() -> list[dict]:
-    """F-then-B, 1F1B and ZB-H1 at p = 2, 4 and m = 4, 8, 16 in the simulator: bubble, makespan
-    against 1F1B's, and the most micro-batches holding values on each worker."""
+    """F-then-B, 1F1B, ZB-H1 and ZB-V at p = 2, 4 and m = 4, 8, 16 in the simulator: bubble,
+    makespan against 1F1B's, and the most values held on each worker (micro-batches; for ZB-V
+    chunk-units, two to a micro-batch)."""
     out = []
     for p in (2, 4):
         for m in (4, 8, 16):
             base = simulate("1F1B", num_stages=p, micro_batches=m).makespan
-            for schedule in ("F-then-B", "1F1B", "ZBH1"):
-                r = simulate(schedule, num_stages=p, micro_batches=m)
+            for schedule in ("F-then-B", "1F1B", "ZBH1", "ZBV"):
+                chunks = 2 if schedule == "ZBV" else 1
+                r = simulate(schedule, num_stages=p, micro_batches=m, chunks=chunks)
                 out.append(
                     {
                         "p": p,

@@ -48,7 +48,12 @@ import torch
 from metaopt.fleet import env
 from metaopt.fleet.topology import Topology, hybrid_is_set, job_topology
 from metaopt.ir import Program
-from metaopt.ir.program import PADDLE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, UNBUILT_SCHEDULES
+from metaopt.ir.program import (
+    PADDLE_SCHEDULES,
+    SPLIT_BACKWARD_SCHEDULES,
+    UNBUILT_SCHEDULES,
+    V_SHAPED_SCHEDULES,
+)
 from metaopt.passes.driver import Context, PartPlans, Step, check_declarations
 from metaopt.passes.minimize import APPEND_BACKWARD, APPLY_OPTIMIZER
 
@@ -903,15 +908,25 @@ def _pp_check(ctx: Context) -> None:
         raise NotImplementedError(f"pipeline_configs['schedule_mode']={mode!r}: {UNBUILT_SCHEDULES[mode]}")
 
 
+def _pp_schedule(ctx: Context) -> str:
+    """pipeline_configs["schedule_mode"] as the schedule's own name (Paddle's spellings mapped)."""
+    mode = ctx.strategy.pipeline_configs["schedule_mode"]
+    return PADDLE_SCHEDULES.get(mode, mode)
+
+
 def _pp_how(ctx: Context) -> dict:
     cfg = ctx.strategy.pipeline_configs
+    schedule = _pp_schedule(ctx)
+    chunks = cfg["chunks"]
+    if schedule in V_SHAPED_SCHEDULES and chunks == 1:
+        chunks = 2  # ZB-V is two chunks per worker: chunks' default (1) means "the schedule's own"
     return {
         "num_stages": _pp_layout(ctx)[0],
         "cuts": list(cfg["cuts"]) or "auto",
         "micro_batches": cfg["accumulate_steps"],
         "micro_batch_size": cfg["micro_batch_size"],
-        "schedule": PADDLE_SCHEDULES.get(cfg["schedule_mode"], cfg["schedule_mode"]),
-        "chunks": cfg["chunks"],
+        "schedule": schedule,
+        "chunks": chunks,
     }
 
 
@@ -985,7 +1000,7 @@ def _zb_on(ctx: Context) -> tuple[bool, str]:
     if not ctx.strategy.pipeline:
         return False, "strategy.pipeline=False"
     mode = ctx.strategy.pipeline_configs["schedule_mode"]
-    on = mode in SPLIT_BACKWARD_SCHEDULES
+    on = _pp_schedule(ctx) in SPLIT_BACKWARD_SCHEDULES
     return on, f"pipeline_configs['schedule_mode']={mode!r}" + (" splits the backward" if on else "")
 
 

@@ -226,11 +226,15 @@ PIPELINE_CONFIGS: dict[str, Key] = {
     "schedule_mode": Key(
         "1F1B",
         "str",
-        "micro-batch schedule (Paddle's FThenB and VPP are F-then-B and interleaved; ZBV/ZBVPP refused)",
+        "micro-batch schedule (Paddle's FThenB, VPP and ZBVPP are F-then-B, interleaved and ZBV)",
         choices=("1F1B", "F-then-B", "interleaved", "ZBH1", "FThenB", "VPP", "ZBV", "ZBVPP"),
     ),
     "chunks": Key(
-        1, "int", "virtual stages per worker (the interleaved schedule)", extra=True, check=_AT_LEAST_1
+        1,
+        "int",
+        "virtual stages per worker (the interleaved schedule; ZBV runs 2, its value when left at 1)",
+        extra=True,
+        check=_AT_LEAST_1,
     ),
     "p2p_cache_shape": Key(
         True,

@@ -376,22 +376,67 @@ def _copy_attr(x: Any) -> Any:
 # The pipeline schedules whose backward runs as two actions per micro-batch: B (the grads the
 # previous stage waits for) and W (the weight grads; Qi et al.'s zero-bubble schedules). The
 # schedules themselves are metaopt.runtime.schedules'; the cut into phases is the IR's.
-SPLIT_BACKWARD_SCHEDULES = ("ZBH1",)
+SPLIT_BACKWARD_SCHEDULES = ("ZBH1", "ZBV")
+# The schedules that place a worker's chunks in a V (`StagePlacement`), not in a loop.
+V_SHAPED_SCHEDULES = ("ZBV",)
 # Paddle's spellings of pipeline_configs["schedule_mode"] -> the schedule's name here.
-PADDLE_SCHEDULES = {"FThenB": "F-then-B", "VPP": "interleaved"}
+PADDLE_SCHEDULES = {"FThenB": "F-then-B", "VPP": "interleaved", "ZBVPP": "ZBV"}
 # Schedules Paddle or the zero-bubble paper name that are not built yet: refused by name.
-UNBUILT_SCHEDULES = {
-    "ZBV": "the V-shaped zero-bubble schedule (two chunks per worker) is not implemented yet: use 'ZBH1'",
-    "ZBVPP": "Paddle's ZBVPP (the V-shaped zero-bubble schedule) is not implemented yet: use 'ZBH1'",
-}
+UNBUILT_SCHEDULES: dict[str, str] = {}
 WEIGHT_PHASE = "weight"  # the W half of a split backward (a phase of Phase, not an op role)
+
+
+@dataclass(frozen=True)
+class StagePlacement:
+    """Which worker runs each virtual stage of a pipeline of `num_stages` workers x `chunks`
+    chunks, and as which of its chunks: the one rule the pipeline pass, the runtime, the
+    schedules and their simulator all read.
+
+    - A loop (Megatron-LM's interleaved schedule, and every schedule with one chunk): virtual
+      stage k runs on worker k % p as its chunk k // p.
+    - A V (``v_shape``, the ZB-V schedule): the chunks zig-zag, so worker w runs virtual stages
+      w and 2p-1-w (with two chunks): worker 0 holds the first and the last, and the hand-off
+      between virtual stages p-1 and p stays on worker p-1, with no message. Chunk c of worker w
+      is virtual stage c*p + w for an even c, c*p + (p-1-w) for an odd one.
+    """
+
+    num_stages: int
+    chunks: int = 1
+    v_shape: bool = False
+
+    @classmethod
+    def of(cls, schedule: str, num_stages: int, chunks: int = 1) -> StagePlacement:
+        """The placement `schedule` runs its virtual stages in."""
+        return cls(num_stages, chunks, schedule in V_SHAPED_SCHEDULES)
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.num_stages * self.chunks
+
+    def worker(self, k: int) -> int:
+        """The worker running virtual stage `k`."""
+        chunk, r = divmod(k, self.num_stages)
+        return self.num_stages - 1 - r if self.v_shape and chunk % 2 else r
+
+    def chunk(self, k: int) -> int:
+        """Which of its worker's chunks virtual stage `k` is."""
+        return k // self.num_stages
+
+    def vstage(self, worker: int, chunk: int) -> int:
+        """The virtual stage that is chunk `chunk` of worker `worker`."""
+        r = self.num_stages - 1 - worker if self.v_shape and chunk % 2 else worker
+        return chunk * self.num_stages + r
+
+    def vstages(self, worker: int) -> tuple[int, ...]:
+        """The virtual stages worker `worker` runs, by chunk."""
+        return tuple(self.vstage(worker, c) for c in range(self.chunks))
 
 
 @dataclass(frozen=True)
 class PipelineInfo:
     """Set on a pipeline stage program (passes/pipeline.py): which worker of the pipeline
     runs it and how the executor drives it. Ops carry their virtual stage in ``Op.stage``;
-    with ``chunks`` > 1 (interleaved) worker w holds virtual stages w, w + num_stages, ..."""
+    with ``chunks`` > 1 the schedule's `placement` says which virtual stages worker w holds."""
 
     stage: int  # this worker's place in the pipeline, 0 .. num_stages-1
     num_stages: int
@@ -413,6 +458,11 @@ class PipelineInfo:
     def splits_backward(self) -> bool:
         """Whether the schedule runs each backward as B and W (`SPLIT_BACKWARD_SCHEDULES`)."""
         return self.schedule in SPLIT_BACKWARD_SCHEDULES
+
+    @property
+    def placement(self) -> StagePlacement:
+        """Which worker runs each virtual stage (a loop, or ZB-V's V)."""
+        return StagePlacement.of(self.schedule, self.num_stages, self.chunks)
 
     def __str__(self) -> str:
         text = (

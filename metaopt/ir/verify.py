@@ -35,10 +35,10 @@ def verify(p: Program) -> None:
     producer: dict[str, int] = {}
     phase = 0
     stage_of: dict[str, int | None] = {}
-    n = p.pipeline.num_stages if p.pipeline is not None else None
+    place = p.pipeline.placement if p.pipeline is not None else None
 
-    def worker(stage: int) -> int:  # a worker's chunks (interleaved) share its values
-        return stage % n if n else stage
+    def worker(stage: int) -> int:  # a worker's chunks (interleaved, ZB-V) share its values
+        return place.worker(stage) if place is not None else stage
 
     # Per role, looked up once: a 100k-op program has a handful of roles. The loop below runs
     # once per op and is what a 100k-op program's verify costs: locals, one lookup per name.

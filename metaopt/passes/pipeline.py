@@ -7,9 +7,11 @@
 training driver hands them on through its context.)
 
 The input is the finished single-process training program (forward, backward with any
-recompute/offload, optimizer). With ``chunks`` = v > 1 (the interleaved schedule) the
-model is cut into ``num_stages * v`` virtual stages and worker w holds virtual stages
-w, w + num_stages, ...
+recompute/offload, optimizer). With ``chunks`` = v > 1 the model is cut into
+``num_stages * v`` virtual stages, placed on the workers by the schedule's `StagePlacement`:
+in a loop (interleaved: worker w holds virtual stages w, w + num_stages, ...) or in a V (ZB-V:
+worker w holds w and 2*num_stages-1-w, so the hand-off between stages num_stages-1 and
+num_stages stays on one worker and needs no Send/Recv).
 
 * **Stages of the forward**: ``cuts`` are module paths or var names where a new virtual
   stage begins (a module's first op, or a var's producer), or ``"auto"``: boundaries at
@@ -20,8 +22,10 @@ w, w + num_stages, ...
   runs where the forward var it stems from (``origin``) was made; an update runs where its
   param is read; ``lr-sched`` ops run on every worker (each keeps its own step and LR).
   A param read in several stages (tied, e.g. GPT's embedding and LM head) is held by each;
-  its grad is summed per holder and all-reduced among exactly the holders' workers before
-  the update, so the copies stay identical. Recompute partition's slice and gather of a
+  its grad is made per holding stage, accumulated over the micro-batches per stage, summed on
+  each worker holding it in several chunks (ZB-V's worker 0 holds both the embedding and the
+  head) and all-reduced among exactly the holders' workers before the update, so the copies
+  stay identical. Recompute partition's slice and gather of a
   checkpoint (and offload's copies of the slice) run in the stage(s) whose backward reads the
   gathered value: a checkpoint received across a cut is sliced by the receiver.
 * **Transfers**: a var made in virtual stage s and read in t != s is sent by var name,
@@ -47,6 +51,7 @@ import torch
 
 from metaopt.ir import Op, PipelineInfo, Program, Var, did_you_mean, names, roles, torch_dtype
 from metaopt.ir.printer import fmt_op
+from metaopt.ir.program import StagePlacement
 from metaopt.ops import registry
 from metaopt.passes.data_parallel import reduce_ops, reduced_var
 from metaopt.passes.one_call import one_call
@@ -97,17 +102,28 @@ class PipelinePlan:
         return self.num_stages * self.chunks
 
     @property
+    def placement(self) -> StagePlacement:
+        """Which worker runs each virtual stage (the schedule's: a loop, or ZB-V's V)."""
+        return StagePlacement.of(self.schedule, self.num_stages, self.chunks)
+
+    @property
     def shared(self) -> dict[str, tuple[int, ...]]:
         """Params held by more than one worker -> those workers."""
         out = {}
         for w, stages in self.holders.items():
-            workers = tuple(sorted({k % self.num_stages for k in stages}))
+            workers = tuple(sorted({self.worker(k) for k in stages}))
             if len(workers) > 1:
                 out[w] = workers
         return out
 
+    @property
+    def multi_stage(self) -> dict[str, tuple[int, ...]]:
+        """Params read by more than one virtual stage -> those stages: each makes its own part
+        of the grad (on one worker or several)."""
+        return {w: stages for w, stages in self.holders.items() if len(stages) > 1}
+
     def worker(self, stage: int) -> int:
-        return stage % self.num_stages
+        return self.placement.worker(stage)
 
     def __str__(self) -> str:
         lines = [
@@ -188,14 +204,7 @@ def plan_pipeline(
         costs[k] += costs_per_op[i]
         made.update((o, k) for o in p.ops[i].outputs if o)
     holders = _holders(p, op_stages)
-    for w, stages in holders.items():
-        workers = [k % num_stages for k in stages]
-        if len(set(workers)) < len(workers):
-            raise PipelineError(
-                f"pipeline: param {w!r} is read by virtual stages {list(stages)}, two of them on the same "
-                f"worker (chunks={chunks}): a param shared by two chunks of one worker is not supported "
-                "yet; choose cuts that keep its readers in one chunk per worker"
-            )
+    placement = StagePlacement.of(schedule, num_stages, chunks)
     params = {v.name for v in p.params(trainable_only=False)}
     first_chunk = tuple(range(num_stages))  # lr-sched: one copy per worker
     producers: dict[str, set[int]] = {}
@@ -234,7 +243,7 @@ def plan_pipeline(
         for o in op.outputs:
             if o:
                 producers.setdefault(o, set()).update(op_stages[i])
-    placed_partition = _place_partition(p, partition, op_stages, made, num_stages)
+    placed_partition = _place_partition(p, partition, op_stages, made, placement)
     _place_offload_chains(p, chains, op_stages, made)
     plan = PipelinePlan(
         num_stages, chunks, micro_batches, schedule, resolved, op_stages, costs, holders, dict(grads)
@@ -330,7 +339,7 @@ def _place_partition(
     groups: dict[str, list[int]],
     op_stages: list[tuple[int, ...]],
     made: dict[str, int],
-    num_stages: int,
+    placement: StagePlacement,
 ) -> dict[str, tuple[int, ...]]:
     """Each partitioned checkpoint's slice and gather run in every stage that reads the
     gathered value (its recompute, or a grad op reading it): that stage slices its own copy
@@ -352,7 +361,7 @@ def _place_partition(
                     f"pipeline: cannot place the recompute partition of {c!r}: nothing reads it back"
                 )
             stages = [made[c]]
-        workers = [k % num_stages for k in stages]
+        workers = [placement.worker(k) for k in stages]
         if len(set(workers)) < len(workers):
             # one worker would make the slice and the gathered var twice (one producer each)
             raise NotImplementedError(
@@ -405,13 +414,13 @@ def _plan_transfers(p: Program, plan: PipelinePlan) -> None:
                 made.setdefault(o, set()).update(plan.op_stages[i])
                 phase_made[o] = phase_of(op)
     local = {v.name for v in p.vars.values() if v.persistable or v.kind == "input"}
-    shared = plan.shared
+    multi = plan.multi_stage
     needs: dict[str, set[int]] = {}
     for i, op in enumerate(p.ops):
         if phase_of(op) == "optimize":
             continue  # updates read their own stage's (merged) grads
-        if op.origin in shared and plan.grads.get(op.origin) in op.outputs:
-            continue  # a tied param's grad sum: each holder sums its own parts
+        if op.origin in multi and plan.grads.get(op.origin) in op.outputs:
+            continue  # a tied param's grad sum: each holding stage sums its own parts
         for k in plan.op_stages[i]:
             for x in op.inputs:
                 x = plan.substitute.get(k, {}).get(x, x)
@@ -551,7 +560,8 @@ class _Splitter:
         self.grads, self.loss_grad = plan.grads, loss_grad
         self.dp_degree = dp_degree
         self.V = plan.virtual_stages
-        self.shared = plan.shared
+        self.shared = plan.shared  # params held by several workers: grads all-reduced among them
+        self.multi = plan.multi_stage  # params read by several virtual stages: grads made per stage
         self.extra_vars: dict[str, Var] = {}
         self.extra_values: dict[str, torch.Tensor] = {}
         self.extra_updates: dict[int, dict[str, str]] = {}  # worker -> updates it adds
@@ -563,15 +573,19 @@ class _Splitter:
         optimize: dict[int, list[Op]] = {}
         seed = self._loss_seed()
         for i, op in enumerate(self.p.ops):
+            updated: set[int] = set()  # workers holding this op's update (once each)
             for k in self.plan.op_stages[i]:
                 phase = phase_of(op)
+                if phase == "optimize" and self.plan.worker(k) in updated:
+                    continue  # a param two chunks of one worker read (ZB-V's tied embedding)
+                updated.add(self.plan.worker(k))
                 sub = self.plan.substitute.get(k, {})
                 placed = _with(op, stage=k, inputs=[sub.get(x, x) for x in op.inputs])
                 if i == seed:
                     placed = self._scaled_seed(placed)
                 if phase == "optimize":
                     optimize.setdefault(self.plan.worker(k), []).append(placed)
-                elif op.origin in self.shared and self.grads.get(op.origin) in op.outputs:
+                elif op.origin in self.multi and self.grads.get(op.origin) in op.outputs:
                     stages[k].backward.append(self._local_grad_sum(placed, k, i))
                 else:
                     getattr(stages[k], phase).append(placed)
@@ -622,16 +636,15 @@ class _Splitter:
     def _merge_grads(self, stages: list[_StageOps], optimize: dict[int, list[Op]]) -> None:
         for w, ops in optimize.items():
             reads: dict[str, str] = {}
+            optimize_sums: list[Op] = []  # a param's parts summed on this worker, before any comm
             for op in ops:
                 if op.role != "optimize" or op.origin is None:
                     continue
                 g = self.grads.get(op.origin)
                 if g is None or g not in op.inputs:
                     continue
-                k = next(s for s in self.plan.holders[op.origin] if self.plan.worker(s) == w)
-                made = names.stage_part(g, k) if op.origin in self.shared else g
-                reads[g] = self._merge(stages[k], made, g, w, k)
-            comm: list[Op] = []
+                reads[g] = self._merge_parts(stages, optimize_sums, op.origin, g, w)
+            comm = list(optimize_sums)
             if reads and (self.dp_degree > 1 or self.plan.scatter_parts):
                 reads = self._average(reads, comm, w)
             renamed = []
@@ -680,6 +693,25 @@ class _Splitter:
         )
         comm += [_with(op, stage=w) for op in ops]
         return avg
+
+    def _merge_parts(self, stages: list[_StageOps], sums: list[Op], param: str, g: str, w: int) -> str:
+        """The grad `g` of `param` accumulated over the micro-batches on worker `w`: each virtual
+        stage of `w` reading `param` accumulates its own part (no stage waits for another's W),
+        and the parts are summed once per step, before the update (and any all-reduce)."""
+        if param not in self.multi:
+            (k,) = (s for s in self.plan.holders[param] if self.plan.worker(s) == w)
+            return self._merge(stages[k], g, g, w, k)
+        parts = [
+            self._merge(stages[k], names.stage_part(g, k), g, w, k)
+            for k in self.plan.holders[param]
+            if self.plan.worker(k) == w
+        ]
+        if len(parts) == 1:
+            return parts[0]
+        out = names.merged(g)  # free: a multi-stage param's accumulators are its parts'
+        self.extra_vars[out] = Var(out, self.p.vars[g].dtype, self.p.vars[g].shape, "grad")
+        sums.append(Op("GradSum", parts, [out], role="optimize", stage=w, origin=param))
+        return out
 
     def _merge(self, st: _StageOps, grad: str, param_grad: str, w: int, k: int) -> str:
         acc = names.merged(grad)

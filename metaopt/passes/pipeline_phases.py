@@ -20,8 +20,12 @@ pipelined minimize; a stage program changed after its cut no longer matches it
   host bytes.
 * **A split backward** (a zero-bubble schedule, ``PipelineInfo.splits_backward``): each chunk's
   backward is cut in two, B (its receives and sends and every op they depend on: the grads
-  the previous stage waits for) and W (the rest: the weight grads, their accumulation, and what
-  only they read), run as separate actions; what W reads of F's and B's values is carried to it.
+  the previous stage waits for, sent or, across ZB-V's hand-off, read by this worker's other
+  chunk) and W (the rest: the weight grads, their accumulation, and what only they read), run
+  as separate actions; what W reads of F's and B's values is carried to it. A value phases of
+  two chunks read (ZB-V: worker 0's forward of the first chunk makes what the last chunk reads
+  too) is never given up by a phase, since a schedule may run the W actions of the two chunks in
+  either order: the runner drops it after the micro-batch's last action.
 * **The optimizer** reads the accumulated grads from the scope: its reads of a grad the
   backward accumulates (``GradMerge``'s result) are renamed to the persistable accumulator.
 """
@@ -109,7 +113,10 @@ def plan_phases(p: Program) -> PhasePlan:
         feeds[k], carried_in[k] = _inputs(p, k, groups[k], produced[k], made_in, renames)
     last_reader = {x: k for k in keys for x in carried_in[k]}  # keys in the order one micro-batch runs
     sent = {x for i, op in enumerate(p.ops) if "peer" in op.attrs for x in op.inputs}
-    last_use = {k: frozenset(x for x in carried_in[k] if last_reader[x] == k) for k in keys}
+    floating = _read_by_chunks_in_any_order(p, keys, carried_in)
+    last_use = {
+        k: frozenset(x for x in carried_in[k] if last_reader[x] == k and x not in floating) for k in keys
+    }
     return PhasePlan(
         program=p.name,
         keys=keys,
@@ -124,6 +131,22 @@ def plan_phases(p: Program) -> PhasePlan:
         donated={k: last_use[k] - sent for k in keys},
         renames=renames,
     )
+
+
+def _read_by_chunks_in_any_order(
+    p: Program, keys: tuple[Key, ...], carried_in: dict[Key, tuple[str, ...]]
+) -> set[str]:
+    """Carried values read by phases of more than one chunk of a split backward: a schedule
+    orders each chunk's F, B and W and the chunks' F and B actions (the data flow does), but
+    not the W actions of two chunks, so no phase is known to read such a value last."""
+    assert p.pipeline is not None  # plan_phases checked it
+    if not p.pipeline.splits_backward or p.pipeline.chunks == 1:
+        return set()
+    chunks: dict[str, set[int]] = {}
+    for k in keys:
+        for x in carried_in[k]:
+            chunks.setdefault(x, set()).add(k[0])
+    return {x for x, cs in chunks.items() if len(cs) > 1}
 
 
 def _split_backwards(p: Program, groups: dict[Key, list[int]]) -> dict[Key, list[int]]:
@@ -143,12 +166,23 @@ def _split_backwards(p: Program, groups: dict[Key, list[int]]) -> dict[Key, list
 
 def needed_by_sends(p: Program, idx: list[int]) -> tuple[set[int], set[str]]:
     """Of the backward ops `idx` (program order), those a zero-bubble schedule's B runs: the
-    receives and sends and every op whose outputs they need; and the vars B needs."""
+    receives and sends, the ops making what another chunk's backward on this worker reads (ZB-V's
+    hand-off between virtual stages p-1 and p, which is no message), and every op whose outputs
+    they need; and the vars B needs."""
+    own = set(idx)
+    handed_on = {
+        x
+        for i, op in enumerate(p.ops)
+        if i not in own and roles.phase(op.role) == roles.BACKWARD
+        for x in op.inputs
+        if x
+    }
     needed: set[str] = set()
     b: set[int] = set()
     for i in reversed(idx):
         op = p.ops[i]
-        if "peer" in op.attrs or needed.intersection(o for o in op.outputs if o):
+        outs = [o for o in op.outputs if o]
+        if "peer" in op.attrs or needed.intersection(outs) or handed_on.intersection(outs):
             b.add(i)
             needed.update(x for x in op.inputs if x)
     return b, needed

@@ -24,7 +24,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from metaopt.runtime.schedules import ZERO_BUBBLE, simulate
+from metaopt.runtime.schedules import V_CHUNKS, ZERO_BUBBLE, canonical, simulate
 
 Bar = tuple[str, float, float, float]  # (action, start, end, waited), seconds from the step's start
 
@@ -78,12 +78,15 @@ class SchedulePicture:
         )
 
 
-def from_profiles(name: str, schedule: str, micro_batches: int, profiles: list[dict]) -> SchedulePicture:
+def from_profiles(
+    name: str, schedule: str, micro_batches: int, profiles: list[dict], chunks: int = 1
+) -> SchedulePicture:
     """The picture of one step from every worker's profile (``{"intervals": [...], "step_s": s}``),
-    with the simulator's timeline of the same schedule from the measured per-action means."""
+    with the simulator's timeline of the same schedule from the measured per-action means
+    (`chunks` per worker: an action is one chunk's, the simulator's costs a worker's whole share)."""
     workers = [[tuple(b) for b in p["intervals"]] for p in profiles]
     pic = SchedulePicture(name, schedule, micro_batches, workers, [p["step_s"] for p in profiles])
-    means = {k: [_mean_compute(bars, k) for bars in workers] for k in "FBW"}
+    means = {k: [chunks * _mean_compute(bars, k) for bars in workers] for k in "FBW"}
     if all(f > 0 for f in means["F"]) and all(b > 0 for b in means["B"]):
         split = schedule in ZERO_BUBBLE
         w = [max(x, 1e-9) for x in means["W"]] if split else None  # a stage's W may be (nearly) empty
@@ -92,6 +95,7 @@ def from_profiles(name: str, schedule: str, micro_batches: int, profiles: list[d
             schedule,
             num_stages=len(workers),
             micro_batches=micro_batches,
+            chunks=chunks,
             f_cost=means["F"],
             b_cost=b,
             w_cost=w,
@@ -106,9 +110,14 @@ def _mean_compute(bars: list[Bar], kind: str) -> float:
     return statistics.mean(times) if times else 0.0
 
 
-def simulated(schedule: str, *, num_stages: int, micro_batches: int, **costs: Any) -> SchedulePicture:
-    """The picture of the simulator's run of `schedule` alone (`costs`: f_cost, b_cost, w_cost)."""
-    sim = simulate(schedule, num_stages=num_stages, micro_batches=micro_batches, **costs)
+def simulated(
+    schedule: str, *, num_stages: int, micro_batches: int, chunks: int | None = None, **costs: Any
+) -> SchedulePicture:
+    """The picture of the simulator's run of `schedule` alone (`costs`: f_cost, b_cost, w_cost;
+    `chunks` None: ZB-V's two per worker, else one)."""
+    if chunks is None:
+        chunks = V_CHUNKS if canonical(schedule) == "ZBV" else 1
+    sim = simulate(schedule, num_stages=num_stages, micro_batches=micro_batches, chunks=chunks, **costs)
     ideal = [[(str(a), s, e, 0.0) for s, e, a in line] for line in sim.timeline]
     name = f"{schedule} p={num_stages} m={micro_batches} (simulated)"
     return SchedulePicture(name, schedule, micro_batches, [], [], ideal, sim.bubble_fraction)
@@ -128,7 +137,7 @@ def schedule_picture(
     mine = {"intervals": prof.intervals, "step_s": prof.step_s}
     info = program.pipeline
     profiles = all_gather_json(mine, "the schedule picture's profiles") if info.num_stages > 1 else [mine]
-    pic = from_profiles(name or program.name, info.schedule, info.micro_batches, profiles)
+    pic = from_profiles(name or program.name, info.schedule, info.micro_batches, profiles, info.chunks)
     if out is not None and info.stage == 0:
         write(pic, out)
     return pic

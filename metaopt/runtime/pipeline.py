@@ -79,7 +79,7 @@ class PipelineState:
     def rank_of(self, stage: int) -> int:
         """The torch.distributed rank running (virtual) pipeline stage `stage` with this worker's
         data and model coordinates (its pipe group's member at that stage)."""
-        return self._pipe[stage % self.info.num_stages]
+        return self._pipe[self.info.placement.worker(stage)]
 
     def dp_ranks(self) -> list[int]:
         """The ranks running this worker's stage, model-parallel slice included, in every replica
@@ -166,10 +166,13 @@ class PipelineRunner:
         held: dict[int, dict[str, torch.Tensor]] = {i: {} for i in range(m)}
         losses: list[torch.Tensor] = []
         profile = StepProfile(before_s=time.perf_counter() - t_step)
+        last = _last_action_of(self.actions)
         try:
-            for action in self.actions:
+            for n, action in enumerate(self.actions):
                 t0, c0 = time.perf_counter(), _comm_seconds(comm)
                 self._run_action(action, micro, held, losses)
+                if last[action.micro_batch] == n:  # what phases of two chunks read (pipeline_phases)
+                    self._release(held[action.micro_batch])
                 waited, t1 = _comm_seconds(comm) - c0, time.perf_counter()
                 profile.actions.append((str(action), t1 - t0 - waited))
                 profile.intervals.append((str(action), t0 - t_step, t1 - t_step, waited))
@@ -196,7 +199,7 @@ class PipelineRunner:
         """One F, B or W of a micro-batch: its part's program, fed the micro-batch's slice and
         what earlier parts made for it; what later parts read is held (and counted)."""
         tracker, loss = self.exe._tracker, self.program.loss_name
-        k = action.chunk * self.info.num_stages + self.info.stage
+        k = self.info.placement.vstage(self.info.stage, action.chunk)
         part = self.parts[(k, _PHASE_OF[action.kind])]
         i = action.micro_batch
         self.state.stage, self.state.micro_batch = k, i
@@ -215,6 +218,11 @@ class PipelineRunner:
             if x in part.carried_out:
                 held[i][x] = t
                 tracker.acquire(t, x in part.host_out)  # offloaded copies: host bytes
+
+    def _release(self, values: dict[str, torch.Tensor]) -> None:
+        for t in values.values():
+            self.exe._tracker.release(t)
+        values.clear()
 
     def _fetch(self, name: str, losses: list[torch.Tensor]) -> Any:
         if name == self.info.loss:
@@ -274,6 +282,11 @@ def last_step_profile(executor: Any, program: Program) -> StepProfile | None:
     """The timing of `executor`'s last step of pipeline stage program `program` (None
     before its first step): per-action compute, communication waits, the rest."""
     return executor._pipeline_runner(program).profile
+
+
+def _last_action_of(actions: list) -> dict[int, int]:
+    """micro-batch -> the index of its last action in this worker's list."""
+    return {a.micro_batch: n for n, a in enumerate(actions)}
 
 
 def _comm_seconds(comm) -> float:

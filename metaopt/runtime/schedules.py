@@ -1,5 +1,5 @@
-"""Pipeline schedules (F-then-B, 1F1B, interleaved 1F1B, zero-bubble ZB-H1) and a process-free
-simulator.
+"""Pipeline schedules (F-then-B, 1F1B, interleaved 1F1B, zero-bubble ZB-H1 and ZB-V) and a
+process-free simulator.
 
 Pure Python: the pipeline runtime asks `schedule()` for one worker's ordered actions
 per step and sizes its activation buffers with `in_flight_limit()`; `simulate()` runs
@@ -8,8 +8,10 @@ freedom, send/recv matching, memory and bubble can be checked in milliseconds.
 
 Model. `num_stages` workers (p) run `micro_batches` (m) micro-batches per step. The
 interleaved schedule splits the model into p*v virtual stages (v = `chunks`); virtual
-stage k lives on worker k % p as its chunk k // p, as in Megatron-LM. The other
-schedules have chunks=1, so a virtual stage is a worker.
+stage k lives on worker k % p as its chunk k // p, as in Megatron-LM. ZB-V splits it into 2p
+virtual stages placed in a V: worker w runs virtual stages w and 2p-1-w (`StagePlacement`, the
+one rule the pipeline pass and the runtime place stages by). The other schedules have
+chunks=1, so a virtual stage is a worker.
 
 Communication, as the runtime does it and the simulator models it:
 
@@ -19,6 +21,8 @@ Communication, as the runtime does it and the simulator models it:
   its input grad to k-1 (unless k == 0). B(i) on k needs F(i) on k done before it.
 - Sends never block (isend); a receive blocks until its matching send was issued.
   Each worker runs its list strictly in order.
+- Two neighbouring virtual stages on one worker (ZB-V's p-1 and p) hand the value over in
+  the worker's memory: a dependency, no message.
 
 Activations "in flight" are counted per micro-batch x chunk: F done minus B done.
 With chunks > 1 one unit is a chunk's activations, about 1/v of a worker's share.
@@ -36,7 +40,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from metaopt.ir.program import PADDLE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, UNBUILT_SCHEDULES
+from metaopt.ir.program import PADDLE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, UNBUILT_SCHEDULES, StagePlacement
 
 Cost = float | Sequence[float]  # one cost for every worker, or one per worker
 
@@ -51,7 +55,7 @@ __all__ = [
     "simulate_actions",
 ]
 
-SCHEDULES = ("F-then-B", "1F1B", "interleaved", "ZBH1")
+SCHEDULES = ("F-then-B", "1F1B", "interleaved", "ZBH1", "ZBV")
 ZERO_BUBBLE = SPLIT_BACKWARD_SCHEDULES  # the schedules whose backward is split into B and W actions
 PADDLE_NAMES = PADDLE_SCHEDULES  # Paddle's own spellings, accepted as these
 NOT_BUILT = UNBUILT_SCHEDULES  # named by Paddle and the zero-bubble paper, refused by name
@@ -67,7 +71,10 @@ _ALIASES = {
     "virtual": "interleaved",
     "zb-h1": "ZBH1",
     "zero-bubble": "ZBH1",
+    "zb-v": "ZBV",
+    "zbv-zero-bubble": "ZBV",
 }
+V_CHUNKS = 2  # ZB-V's chunks per worker
 
 
 class ScheduleError(RuntimeError):
@@ -165,6 +172,9 @@ def _check_shape(mode: str, num_stages: int, micro_batches: int, chunks: int) ->
     _check_int("num_stages", num_stages, minimum=1)
     _check_int("micro_batches", micro_batches, minimum=1)
     _check_int("chunks", chunks, minimum=1)
+    if mode == "ZBV":
+        _check_v_shape(num_stages, micro_batches, chunks)
+        return
     if mode != "interleaved" and chunks != 1:
         raise ValueError(
             f"chunks={chunks} only applies to the 'interleaved' schedule; {mode!r} runs one chunk per stage"
@@ -179,6 +189,19 @@ def _check_shape(mode: str, num_stages: int, micro_batches: int, chunks: int) ->
             f"the 'interleaved' schedule needs micro_batches ({micro_batches}) to be a multiple of "
             f"num_stages ({num_stages}), as in Megatron-LM; use {' or '.join(map(str, options))} "
             f"micro-batches, or the '1F1B' schedule"
+        )
+
+
+def _check_v_shape(num_stages: int, micro_batches: int, chunks: int) -> None:
+    if chunks != V_CHUNKS:
+        raise ValueError(f"the 'ZBV' schedule runs {V_CHUNKS} chunks per worker (a V), got chunks={chunks}")
+    if micro_batches % num_stages:
+        # `_zero_bubble_v` keeps its bound and every link first-in first-out for such m only
+        lower = micro_batches // num_stages * num_stages
+        options = [n for n in (lower, lower + num_stages) if n >= 1]
+        raise ValueError(
+            f"the 'ZBV' schedule needs micro_batches ({micro_batches}) to be a multiple of num_stages "
+            f"({num_stages}); use {' or '.join(map(str, options))} micro-batches, or the 'ZBH1' schedule"
         )
 
 
@@ -205,6 +228,7 @@ def schedule(mode: str, *, num_stages: int, stage: int, micro_batches: int, chun
     - "interleaved" (Megatron-LM interleaved 1F1B): the same shape over m*v chunk-steps;
       see `_interleaved`.
     - "ZBH1" (zero-bubble H1): F, B and W actions; see `_zero_bubble_h1`.
+    - "ZBV" (zero-bubble V): F, B and W actions of two chunks placed in a V; see `_zero_bubble_v`.
 
     Every (F, i, c) and (B, i, c) appears exactly once, and with a zero-bubble schedule every
     (W, i, c) too.
@@ -218,6 +242,8 @@ def schedule(mode: str, *, num_stages: int, stage: int, micro_batches: int, chun
         return _one_f_one_b(num_stages, stage, micro_batches)
     if mode == "ZBH1":
         return list(_zero_bubble_h1(num_stages, micro_batches)[stage])
+    if mode == "ZBV":
+        return list(_zero_bubble_v(num_stages, micro_batches)[stage])
     return _interleaved(num_stages, stage, micro_batches, chunks)
 
 
@@ -306,6 +332,82 @@ def _zb_candidates(
     return out
 
 
+@functools.cache
+def _zero_bubble_v(p: int, m: int) -> tuple[tuple[Action, ...], ...]:
+    """Every worker's ZB-V list (Qi et al.'s V schedule): two chunks per worker placed in a V
+    (`StagePlacement`: worker w runs virtual stages w and 2p-1-w), each backward split into B and
+    W, made by a list scheduler on unit costs (F = B = W per chunk), deterministic in (p, m).
+
+    Each worker, when free, takes what can start soonest: on a tie an F before a B before a W
+    (W only fills time nothing else can use), chunk 1 before chunk 0 (the micro-batch nearer
+    the loss: its B comes back sooner). Two limits bound the memory: a worker holds at most 2p
+    chunk-units of values (F done, W not done), 1F1B's peak of p whole micro-batches, and at
+    most p of them for chunk 0. The chunk-0 limit keeps the schedule periodic, so with m a
+    multiple of p every link carries its messages first in, first out (what NCCL's pairing by
+    order and the header stream of `runtime.comm` need) and the only idle time is the first
+    forward's trip down the V: a bubble of (p-1)/(6m+p-1), ZB-H1's (p-1)/(3m+p-1) halved
+    (p=4, m=8: 0.059 against 0.111), at 1F1B's peak memory.
+    """
+    place = StagePlacement(p, V_CHUNKS, v_shape=True)
+    free = [0.0] * p
+    acts: list[list[Action]] = [[] for _ in range(p)]
+    made: dict[_Msg, float] = {}  # ("act"|"grad", micro-batch, virtual stage) -> when it is ready
+    nxt_f = [[0] * V_CHUNKS for _ in range(p)]
+    nxt_b = [[0] * V_CHUNKS for _ in range(p)]
+    held = [[0] * V_CHUNKS for _ in range(p)]  # F done, W not done, per chunk
+    waiting_w: list[list[Action]] = [[] for _ in range(p)]  # B done, W not: oldest first
+    while any(len(a) < 3 * V_CHUNKS * m for a in acts):
+        best = None
+        for w in range(p):
+            state = (free[w], nxt_f[w], nxt_b[w], held[w], waiting_w[w])
+            for start, rank, a in _zbv_candidates(place, w, m, state, made):
+                if best is None or (start, rank, w) < best[0]:
+                    best = ((start, rank, w), a)
+        if best is None:  # unreachable for m a multiple of p (the tests sweep it)
+            raise ScheduleError(f"ZBV: no worker can move (p={p}, m={m})")
+        (start, _, w), a = best
+        free[w] = start + 1.0
+        acts[w].append(a)
+        k, c, i = place.vstage(w, a.chunk), a.chunk, a.micro_batch
+        if a.kind == "F":
+            nxt_f[w][c] += 1
+            held[w][c] += 1
+            made[("act", i, k)] = free[w]
+        elif a.kind == "B":
+            nxt_b[w][c] += 1
+            waiting_w[w].append(Action("W", i, c))
+            made[("grad", i, k)] = free[w]
+        else:
+            waiting_w[w].pop(0)
+            held[w][c] -= 1
+    return tuple(tuple(a) for a in acts)
+
+
+def _zbv_candidates(
+    place: StagePlacement, w: int, m: int, state: tuple, made: dict[_Msg, float]
+) -> list[tuple[float, tuple[int, int], Action]]:
+    """(start, rank, action) of what worker w could run next under ZB-V's rules."""
+    free, nxt_f, nxt_b, held, waiting_w = state
+    p, last = place.num_stages, place.virtual_stages - 1
+    out = []
+    for c in (1, 0):
+        k = place.vstage(w, c)
+        if nxt_b[c] < nxt_f[c]:  # its forward is done
+            i = nxt_b[c]
+            ready = made.get(("grad", i, k + 1)) if k < last else made[("act", i, k)]
+            if ready is not None:
+                out.append((max(free, ready), (1, -c), Action("B", i, c)))
+        room = sum(held) < 2 * p and (c == 1 or held[0] < p)
+        if nxt_f[c] < m and room:
+            i = nxt_f[c]
+            ready = made.get(("act", i, k - 1)) if k > 0 else 0.0
+            if ready is not None:
+                out.append((max(free, ready), (0, -c), Action("F", i, c)))
+    if waiting_w:
+        out.append((free, (2, 0), waiting_w[0]))
+    return out
+
+
 def _interleaved_warmup(p: int, s: int, m: int, v: int) -> int:
     """Megatron-LM's warm-up length (in chunk-forwards) of worker s.
 
@@ -346,6 +448,8 @@ def in_flight_limit(mode: str, num_stages: int, stage: int, micro_batches: int, 
     - F-then-B: m (every forward runs before the first backward).
     - 1F1B: min(p - stage, m): the warm-up's p - stage - 1 forwards plus the steady state's one.
     - ZBH1: min(p - stage, m), as 1F1B (the values W still reads past B: `simulate`'s max_held).
+    - ZBV: counted from the worker's list (F done minus B done, in chunk units; at most 2p,
+      1F1B's p whole micro-batches).
     - interleaved: Megatron-LM's bound, min(2*(p - stage - 1) + (v - 1)*p + 1, m*v) (Megatron
       itself holds all m*v when m == p, see `_interleaved_warmup`). In units of a whole worker's
       activations that is about p + (p - 1)/v on stage 0 (m > p): a little more than 1F1B's p,
@@ -360,9 +464,19 @@ def in_flight_limit(mode: str, num_stages: int, stage: int, micro_batches: int, 
         return micro_batches
     if mode in ("1F1B", "ZBH1"):
         return min(num_stages - stage, micro_batches)
+    if mode == "ZBV":
+        return _peak_in_flight(_zero_bubble_v(num_stages, micro_batches)[stage])
     warmup = _interleaved_warmup(num_stages, stage, micro_batches, chunks)
     # The steady state runs one more F before each B; with no steady state the peak is the warm-up.
     return min(warmup + 1, micro_batches * chunks)
+
+
+def _peak_in_flight(actions: Sequence[Action]) -> int:
+    count = peak = 0
+    for a in actions:
+        count += {"F": 1, "B": -1}.get(a.kind, 0)
+        peak = max(peak, count)
+    return peak
 
 
 # ---------------------------------------------------------------- simulator
@@ -389,7 +503,13 @@ def simulate(
         for s in range(num_stages)
     ]
     return simulate_actions(
-        lists, micro_batches=micro_batches, chunks=chunks, f_cost=f_cost, b_cost=b_cost, w_cost=w_cost
+        lists,
+        micro_batches=micro_batches,
+        chunks=chunks,
+        f_cost=f_cost,
+        b_cost=b_cost,
+        w_cost=w_cost,
+        placement=StagePlacement.of(mode, num_stages, chunks),
     )
 
 
@@ -401,8 +521,12 @@ def simulate_actions(
     f_cost: Cost = 1.0,
     b_cost: Cost = 2.0,
     w_cost: Cost | None = None,
+    placement: StagePlacement | None = None,
 ) -> SimResult:
     """Discrete-event run of per-worker action lists (actions[w] is worker w's list).
+
+    `placement`: which worker runs each virtual stage (default: the loop, virtual stage k on
+    worker k % p; ZB-V's lists need its V).
 
     f_cost / b_cost are one micro-batch's forward / backward through a worker's whole share
     of the model, so with chunks > 1 a chunk's action costs f_cost / chunks: makespans of
@@ -431,7 +555,12 @@ def simulate_actions(
         {"F": fi / chunks, "B": (bi - wi if split else bi) / chunks, "W": wi / chunks}
         for fi, bi, wi in zip(f, b, w, strict=True)
     ]
-    return _Sim(actions, micro_batches, chunks, costs).run()
+    place = placement or StagePlacement(len(actions), chunks)
+    if (place.num_stages, place.chunks) != (len(actions), chunks):
+        raise ValueError(
+            f"placement {place} does not fit {len(actions)} workers' lists of {chunks} chunk(s) each"
+        )
+    return _Sim(actions, micro_batches, place, costs).run()
 
 
 def _per_worker(name: str, cost: Cost, workers: int) -> list[float]:
@@ -470,11 +599,14 @@ def _check_list(worker: int, acts: Sequence[Action], m: int, v: int) -> None:
 class _Sim:
     """State of one simulation; `run` advances workers until all finish or none can move."""
 
-    def __init__(self, actions: Sequence[Sequence[Action]], m: int, v: int, costs: list[dict]) -> None:
+    def __init__(
+        self, actions: Sequence[Sequence[Action]], m: int, place: StagePlacement, costs: list[dict]
+    ) -> None:
         self.actions = [list(a) for a in actions]
-        self.p, self.m, self.v = len(actions), m, v
+        self.place = place
+        self.p, self.m, self.v = len(actions), m, place.chunks
         self.cost = costs  # per worker: {"F": ..., "B": ..., "W": ...}
-        self.last_vstage = self.p * v - 1
+        self.last_vstage = place.virtual_stages - 1
         self.sent: dict[_Msg, float] = {}  # message -> time its send was issued
         self.received: set[_Msg] = set()
         self.pos = [0] * self.p
@@ -492,7 +624,7 @@ class _Sim:
         self.recv_order: dict[tuple[int, int], list[_Msg]] = {}
 
     def vstage(self, worker: int, a: Action) -> int:
-        return a.chunk * self.p + worker
+        return self.place.vstage(worker, a.chunk)
 
     def recv_of(self, worker: int, a: Action) -> _Msg | None:
         k = self.vstage(worker, a)
@@ -513,7 +645,7 @@ class _Sim:
     def msg_link(self, msg: _Msg) -> tuple[int, int]:
         """(sending worker, receiving worker) of a message."""
         payload, _, k = msg
-        return k % self.p, (k + 1 if payload == "act" else k - 1) % self.p
+        return self.place.worker(k), self.place.worker(k + 1 if payload == "act" else k - 1)
 
     def run(self) -> SimResult:
         progressed = True
@@ -550,16 +682,22 @@ class _Sim:
         end = start + self.cost[w][a.kind]
         if need is not None:
             self.received.add(need)
-            self.recv_order.setdefault(self.msg_link(need), []).append(need)
+            self.note_order(self.recv_order, need)
         out = self.send_of(w, a)
         if out is not None:
             self.sent[out] = end  # isend right after compute: never blocks
-            self.send_order.setdefault(self.msg_link(out), []).append(out)
+            self.note_order(self.send_order, out)
         self.track_memory(w, a)
         self.timeline[w].append((start, end, a))
         self.clock[w] = end
         self.pos[w] += 1
         return True
+
+    def note_order(self, order: dict[tuple[int, int], list[_Msg]], msg: _Msg) -> None:
+        """Record `msg` on its link; a hand-off within one worker is no message on any link."""
+        src, dst = self.msg_link(msg)
+        if src != dst:
+            order.setdefault((src, dst), []).append(msg)
 
     def track_memory(self, w: int, a: Action) -> None:
         if a.kind == "F":
@@ -581,7 +719,7 @@ class _Sim:
         what = "activation" if payload == "act" else "grad"
         return (
             f"worker {w} blocked at {a} (action {self.pos[w]}) waiting for the {what} of "
-            f"micro-batch {i} from virtual stage {k} (worker {k % self.p})"
+            f"micro-batch {i} from virtual stage {k} (worker {self.place.worker(k)})"
         )
 
     def result(self) -> SimResult:

@@ -49,7 +49,8 @@ def main() -> None:
     strategy.amp = True
     strategy.amp_configs = {"init_loss_scaling": 1024.0, "decr_every_n_nan_or_inf": 1, "decr_ratio": 0.5}
     strategy.pipeline = True
-    strategy.pipeline_configs = {"accumulate_steps": 2, "cuts": ["fc2"], "schedule_mode": schedule}
+    cuts = ["relu1", "fc2", "fc3"] if schedule == "ZBV" else ["fc2"]  # ZB-V: 4 chunks, 2 per worker
+    strategy.pipeline_configs = {"accumulate_steps": 2, "cuts": cuts, "schedule_mode": schedule}
     opt = fleet.distributed_optimizer(metaopt.optimizer.Adam(learning_rate=1e-2), strategy)
     opt.minimize(main.loss)
     assert opt.applied_meta_list == ["amp", "pipeline"], opt.applied_meta_list

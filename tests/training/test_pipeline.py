@@ -64,17 +64,21 @@ def run_workers(tmp: Path, world: int, cases: list[str]) -> None:
 
 
 def check_case(tmp: Path, world: int, case: str, dp: int = 1) -> None:
-    name, _, _, mode, *_ = case.split(":")
+    from metaopt.ir.program import StagePlacement
+
+    name, schedule, _, mode, *rest = case.split(":")
     ranks = [torch.load(tmp / f"{case}.rank{r}.pt", weights_only=True) for r in range(world)]
     ref = reference(name, tied=mode == "tied", mode="shrink" if mode == "shrink" else "plain")
     # Micro-batch grads are summed (scaled by 1/M) instead of one batch's: float32 sums in
     # another order, the issue's bar rtol 1e-5, atol 4e-5 after STEPS Adam steps. With dp
     # replicas (rank = replica x stages + stage) each saw its share: their mean loss.
     p = world // dp
-    lasts = [ranks[d * p + p - 1]["losses"] for d in range(dp)]
+    chunks = int(rest[0]) if rest else 1
+    holder = StagePlacement.of(schedule, p, chunks).worker(p * chunks - 1)  # the last chunk's worker
+    lasts = [ranks[d * p + holder]["losses"] for d in range(dp)]
     mean = [sum(step) / dp for step in zip(*lasts, strict=True)]
     torch.testing.assert_close(torch.tensor(mean), torch.tensor(ref["losses"]), rtol=1e-5, atol=4e-5)
-    not_last = [r for i, r in enumerate(ranks) if i % p != p - 1]
+    not_last = [r for i, r in enumerate(ranks) if i % p != holder]
     assert all(loss is None for r in not_last for loss in r["losses"])  # the loss lives on the last stage
     seen = set()
     for r in ranks:
@@ -94,7 +98,7 @@ def check_traffic(case: str, rank: int, traffic: list[tuple[int, int, int]]) -> 
     signatures differ and all messages keep their headers)."""
     _, schedule, m, mode, *rest = case.split(":")
     m, chunks = int(m), int(rest[0]) if rest else 1
-    per = 3 if schedule == "ZBH1" else 2  # F, B (and W) of each micro-batch
+    per = 3 if schedule in ("ZBH1", "ZBV") else 2  # F, B (and W) of each micro-batch
     for step, (messages, headers, actions) in enumerate(traffic):
         where = f"{case} worker {rank} step {step}"
         assert actions == per * m * chunks, where  # every action timed
@@ -128,6 +132,7 @@ CASES_2 = [
     "mlp:F-then-B:2:check1",  # the switch on one worker only: headers on every message, no error
     "bert:ZBH1:4:offload",  # zero bubble: W after B, offloaded checkpoints fetched for both
     "gpt:ZBH1:4:recompute",  # zero bubble with recompute, the tied embedding on both stages
+    "bert:ZBV:4:offload:2",  # the V: chunks 0 and 3 on worker 0, offloaded checkpoints for B and W
 ]
 CASES_4 = [
     "mlp:1F1B:8:plain",
@@ -145,6 +150,7 @@ CASES_DP = [
     "bert:F-then-B:2:recompute:1:3:2",
     "gpt:1F1B:2:plain:1:3:2",
     "gpt:ZBH1:4:plain:1:3:2",  # zero bubble: the grads all-reduced over the replicas after the last W
+    "gpt:ZBV:4:plain:2:3:2",  # the V: the tied embedding's two chunks summed, then averaged over replicas
 ]
 
 

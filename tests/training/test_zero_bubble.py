@@ -1,5 +1,6 @@
-"""Zero-bubble pipelines (issue 34): ZB-H1 on 2 gloo workers, the zoo's Hugging Face GPT-2 (its
-embedding tied to the LM head, so held by both stages).
+"""Zero-bubble pipelines (issue 34): ZB-H1 and ZB-V on 2 gloo workers, the zoo's Hugging Face GPT-2
+(its embedding tied to the LM head: held by both stages with ZB-H1; with ZB-V, whose V puts the
+first and the last of the 4 chunks on worker 0, held by two chunks of worker 0).
 
 The ZB-H1 stage programs are 1F1B's with each backward cut into B and W (passes/pipeline_phases.py):
 the same ops, and each param's grad accumulated over the micro-batches in the same order, so a
@@ -7,6 +8,11 @@ ZB-H1 run equals 1F1B's BIT FOR BIT (losses and params, every worker), dropout i
 recompute it equals the same schedule without recompute bit for bit. Against one process (whose
 float sums run in another order) the bar is DESIGN's for pipelines: rtol 1e-5, atol 4e-5, on SGD
 params and Adam losses.
+
+ZB-V runs other stage programs (4 virtual stages, the hand-off between chunks 1 and 2 inside
+worker 1, the tied grad accumulated per chunk and summed once per step), so it is held to one
+process by the pipeline bar, and bit for bit only to itself: with recompute and dropout against
+the same schedule without recompute.
 
 Memory: a micro-batch's values that W reads stay alive from its B to its W; ZB-H1 defers W on
 the last stage by one micro-batch (p - 1), so its peak is at most 1F1B's plus one micro-batch's
@@ -34,6 +40,10 @@ CASES = [
     "hf-gpt2:1F1B:sgd:drop",
     "hf-gpt2:ZBH1:sgd:drop",
     "hf-gpt2:ZBH1:sgd:drop:recompute",
+    "hf-gpt2:ZBV:sgd",
+    "hf-gpt2:ZBV:adam",
+    "hf-gpt2:ZBV:sgd:drop",
+    "hf-gpt2:ZBV:sgd:drop:recompute",
 ]
 TOL = {"rtol": 1e-5, "atol": 4e-5}
 
@@ -56,11 +66,12 @@ def _bitwise(out: Path, a: str, b: str) -> None:
         assert x["params"].keys() == y["params"].keys() and not differ, (a, b, r, differ[:5])
 
 
-def test_zbh1_runs_b_and_w_as_the_schedule_says(runs):
+@pytest.mark.parametrize(("mode", "chunks"), [("ZBH1", 1), ("ZBV", 2)])
+def test_zero_bubble_runs_b_and_w_as_the_schedule_says(runs, mode, chunks):
     from metaopt.runtime.schedules import schedule
 
-    for r, got in enumerate(_ranks(runs, "hf-gpt2:ZBH1:sgd")):
-        want = schedule("ZBH1", num_stages=2, stage=r, micro_batches=4)
+    for r, got in enumerate(_ranks(runs, f"hf-gpt2:{mode}:sgd")):
+        want = schedule(mode, num_stages=2, stage=r, micro_batches=4, chunks=chunks)
         assert got["actions"] == [str(a) for a in want]
 
 
@@ -69,8 +80,9 @@ def test_zbh1_equals_1f1b_bit_for_bit(runs, extra):
     _bitwise(runs, f"hf-gpt2:1F1B:sgd{extra}", f"hf-gpt2:ZBH1:sgd{extra}")
 
 
-def test_zbh1_with_recompute_and_dropout_equals_it_without_recompute(runs):
-    _bitwise(runs, "hf-gpt2:ZBH1:sgd:drop", "hf-gpt2:ZBH1:sgd:drop:recompute")
+@pytest.mark.parametrize("mode", ["ZBH1", "ZBV"])
+def test_zero_bubble_with_recompute_and_dropout_equals_it_without_recompute(runs, mode):
+    _bitwise(runs, f"hf-gpt2:{mode}:sgd:drop", f"hf-gpt2:{mode}:sgd:drop:recompute")
 
 
 @functools.cache
@@ -88,10 +100,13 @@ def _one_process(opt: str) -> dict:
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
-def test_zbh1_equals_one_process(runs, opt):
+@pytest.mark.parametrize("mode", ["ZBH1", "ZBV"])
+def test_zero_bubble_equals_one_process(runs, mode, opt):
     ref = _one_process(opt)
-    first, last = _ranks(runs, f"hf-gpt2:ZBH1:{opt}")
-    assert all(x is None for x in first["losses"])  # the loss lives on the last stage
+    first, last = _ranks(runs, f"hf-gpt2:{mode}:{opt}")
+    if mode == "ZBV":  # the V: the loss (the last chunk) lives on worker 0
+        first, last = last, first
+    assert all(x is None for x in first["losses"])  # the loss lives on the last stage's worker
     torch.testing.assert_close(torch.tensor(last["losses"]), torch.tensor(ref["losses"]), **TOL)
     if opt == "adam":
         return  # Adam: losses only (DESIGN.md's bar)
@@ -108,6 +123,23 @@ def test_the_tied_embedding_stays_one_value_on_both_stages(runs):
     tied = set(first["params"]) & set(last["params"])
     assert tied, "GPT-2's embedding is read by the first stage and the LM head by the last"
     assert all(torch.equal(first["params"][k], last["params"][k]) for k in tied)
+
+
+def test_zbv_holds_the_tied_embedding_once_on_worker_0_and_hands_off_inside_worker_1(runs):
+    """The V puts chunks 0 and 3 (embedding, LM head) on worker 0: the tied param is one value
+    there, its grad made per chunk and summed before the update, no all-reduce between workers;
+    chunks 1 and 2 are both worker 1's, so nothing crosses between them by Send/Recv."""
+    from metaopt.ir import parse_program
+
+    w0, w1 = (parse_program(r["program"]) for r in _ranks(runs, "hf-gpt2:ZBV:sgd"))
+    assert w0.pipeline.placement.vstages(0) == (0, 3) and w1.pipeline.placement.vstages(1) == (1, 2)
+    wte = "m.transformer.wte.weight"  # the zoo wraps the model as `m`
+    assert wte in w0.vars and wte not in w1.vars and w0.pipeline.groups == ()
+    assert not [op for op in w0.ops if op.type == "AllReduce"]
+    sums = [op for op in w0.ops if op.type == "GradSum" and op.origin == wte and op.role == "optimize"]
+    assert len(sums) == 1 and len(sums[0].inputs) == 2  # the two chunks' accumulated parts
+    peers = {(op.stage, op.attrs["peer"]) for op in w1.ops if "peer" in op.attrs}
+    assert peers and not peers & {(1, 2), (2, 1)}
 
 
 def test_the_peak_is_1f1bs_plus_what_deferred_w_actions_hold(runs):
@@ -147,7 +179,7 @@ def test_the_schedule_picture_of_the_run_shows_each_worker_and_the_ideal(runs):
     assert all(0 <= b < 1 for b in pic["bubble"]) and 0 <= pic["ideal_bubble"] < 1
     files = {p.suffix for p in (runs / "picture").iterdir()}
     assert files == {".png", ".html", ".json"}
-    saved = json.loads(next((runs / "picture").glob("*.json")).read_text())
+    saved = json.loads((runs / "picture" / "ZBH1.json").read_text())
     for w, bars in enumerate(saved["workers"]):
         want = [str(a) for a in schedule("ZBH1", num_stages=2, stage=w, micro_batches=4)]
         assert [b[0] for b in bars] == want
