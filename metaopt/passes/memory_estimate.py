@@ -105,6 +105,9 @@ class MemoryEstimate:
     # yet freed; the executor's measured timeline counts at the same point
     timeline: list[int] = field(default_factory=list, repr=False)
     where: MemoryWhere | None = field(default=None, repr=False)  # what is alive at peak_op
+    # each fetched var -> the var whose storage it is on at the end (itself, an input it is a
+    # view of ...; None: a persistable's, whose bytes are counted already)
+    storage_of: dict[str, str | None] = field(default_factory=dict, repr=False)
 
     @property
     def activation_peak_bytes(self) -> int:
@@ -129,7 +132,11 @@ def estimate_memory(
     replay.run()
     peak_op = replay.peak_op
     where = replay.where(peak_op if at is None else at)
-    return MemoryEstimate(replay.peak, replay.persistable, peak_op, replay.timeline, where)
+    storage_of = {}
+    for f in fetches:
+        owner = replay.storage.get(f, f)
+        storage_of[f] = None if owner in replay.persistent else owner
+    return MemoryEstimate(replay.peak, replay.persistable, peak_op, replay.timeline, where, storage_of)
 
 
 def where_alive(p: Program, at: int, **options: Any) -> MemoryWhere:

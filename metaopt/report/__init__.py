@@ -9,5 +9,13 @@ summary do not.
 from __future__ import annotations
 
 from metaopt.report.memory_picture import MemoryPicture, measure_timeline, memory_picture, random_feed
+from metaopt.report.pipeline_memory import PipelineMemory, estimate_pipeline_memory
 
-__all__ = ["MemoryPicture", "measure_timeline", "memory_picture", "random_feed"]
+__all__ = [
+    "MemoryPicture",
+    "PipelineMemory",
+    "estimate_pipeline_memory",
+    "measure_timeline",
+    "memory_picture",
+    "random_feed",
+]

@@ -200,7 +200,7 @@ class PipelineRunner:
         what earlier parts made for it; what later parts read is held (and counted)."""
         tracker, loss = self.exe._tracker, self.program.loss_name
         k = self.info.placement.vstage(self.info.stage, action.chunk)
-        part = self.parts[(k, _PHASE_OF[action.kind])]
+        part = self.parts[(k, PHASE_OF[action.kind])]
         i = action.micro_batch
         self.state.stage, self.state.micro_batch = k, i
         self.state.dims = {"batch": micro[i]["__batch__"]}
@@ -346,7 +346,7 @@ def _layout(info: PipelineInfo) -> tuple[Topology | None, int | None]:
     return topo, rank
 
 
-_PHASE_OF = {"F": roles.FORWARD, "B": roles.BACKWARD, "W": WEIGHT_PHASE}  # an action's phase
+PHASE_OF = {"F": roles.FORWARD, "B": roles.BACKWARD, "W": WEIGHT_PHASE}  # an action's phase
 
 
 def _phases(p: Program) -> dict[tuple[int, str], Phase]:
@@ -393,7 +393,9 @@ def _split_feed(
     for name, t in tensors.items():
         if name in keep:  # a stage holds only what it reads (labels: the last stage)
             for i, piece in enumerate(t.chunk(m)):
-                out[i][name] = piece
+                # its own storage: a value a later phase holds may be a view of the feed (the
+                # ids an embedding's grad reads), and must hold its micro-batch, not the batch
+                out[i][name] = piece.clone()
     for i in range(m):
         out[i]["__batch__"] = (batch or 0) // m
     return out

@@ -30,6 +30,7 @@ from workers import gathered_params
 import metaopt
 from metaopt import fleet
 from metaopt.passes.memory_estimate import estimate_memory
+from metaopt.report.pipeline_memory import estimate_pipeline_memory
 
 
 def train_case(case: str, rank: int, world: int) -> dict:
@@ -73,6 +74,8 @@ def train_case(case: str, rank: int, world: int) -> dict:
     stats = exe.memory_stats()
     rows = next(iter(part.values())).shape[0]
     predicted = estimate_memory(main, dims={"batch": rows})
+    if main.pipeline is not None:  # a pipeline step: its schedule's actions (report/pipeline_memory.py)
+        predicted = estimate_pipeline_memory(main, batch=rows)
     state = {v.name: v for v in main.vars.values() if v.kind == "opt_state" and v.zero is not None}
     return {
         "losses": losses,

@@ -391,6 +391,8 @@ def test_sharding_beside_a_pipeline_equals_one_process_and_halves_the_state(runs
         assert a["program"] == b["program"]  # every worker of a sharding group runs one program
         # the phases' plans share each constant's device copy (runtime/plan.py SharedConstants)
         assert a["measured_persistable"] == a["predicted_persistable"] == b["measured_persistable"]
+        # the step's peak as its schedule predicts it (report/pipeline_memory.py)
+        assert a["measured_peak"] == a["predicted_peak"] == b["measured_peak"]
         numel = a["state_full_numel"]
         assert bool(numel) == (":sgd:" not in case)  # SGD keeps no state
         assert a["state_bytes"] == sum(-(-n // 2) for n in numel.values()) * 4  # float32 state

@@ -165,6 +165,15 @@ def test_the_peak_is_1f1bs_plus_what_deferred_w_actions_hold(runs):
         assert zb["peak"] <= one["peak"] + held + made_by_b, (one["peak"], zb["peak"], held, made_by_b)
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_each_workers_peak_is_the_one_its_schedule_predicts(runs, case):
+    """metaopt.report.estimate_pipeline_memory replays the worker's schedule over its phase
+    programs (what each action adds, what stays held between actions): equal to the executor's
+    measured peak on both workers, for 1F1B, ZB-H1 and ZB-V, with dropout and recompute."""
+    for got in _ranks(runs, case):
+        assert got["peak"] == got["predicted_peak"], (case, got["peak"], got["predicted_peak"])
+
+
 def test_the_schedule_picture_of_the_run_shows_each_worker_and_the_ideal(runs):
     """metaopt.schedule_picture after a ZB-H1 step, on both workers: worker 0 wrote the PNG,
     HTML and JSON; each worker's bars are the schedule's actions; the bubble measured per worker

@@ -4,7 +4,8 @@ Each case "model:schedule:optimizer[:extra...]" exports the zoo's model (the sam
 worker), splits it into one stage per worker with fleet's pipeline (4 micro-batches, cuts
 "auto"), trains STEPS steps on the whole batch (every worker is fed it) and writes
 `<out>/<case>.rank<r>.pt`: the losses (last stage), this worker's params, the executor's peak
-bytes and the step's profile (each action's compute seconds). extra: "drop" (dropout 0.1),
+bytes beside `estimate_pipeline_memory`'s and the step's profile (each action's compute
+seconds). extra: "drop" (dropout 0.1),
 "recompute" (each block a checkpoint).
 """
 
@@ -14,10 +15,11 @@ import os
 import sys
 
 import torch
-from training_cases import CHECKPOINTS, STEPS, batch, export
+from training_cases import BATCH, CHECKPOINTS, STEPS, batch, export
 
 import metaopt
 from metaopt import fleet
+from metaopt.report.pipeline_memory import estimate_pipeline_memory
 from metaopt.runtime.pipeline import last_step_profile
 
 MICRO_BATCHES = 4
@@ -56,6 +58,7 @@ def train_case(case: str, world: int) -> dict:
         "losses": losses,
         "params": {v.name: exe.scope[v.name].clone() for v in main.params()},
         "peak": exe.memory_stats()["peak_bytes"],
+        "predicted_peak": estimate_pipeline_memory(main, batch=BATCH).peak_bytes,
         "actions": [a for a, _ in prof.actions],
         "program": str(main),
     }

@@ -1,0 +1,122 @@
+"""The peak of live bytes of one pipeline worker's step, predicted from its schedule.
+
+`estimate_memory` replays one program once; a pipeline stage program runs as its phases
+(passes/pipeline_phases.py), one action at a time in the order its schedule gives (1F1B,
+ZB-H1, ...), with what a later phase of the same micro-batch reads held between them. This
+replays that, as runtime/pipeline.py's runner does it: the worker's persistables (every phase's
+state, each constant once) are live throughout; each action runs its phase program, whose own
+bytes are `estimate_memory`'s of it (the values it is handed and hands on live through its run);
+after it, the values it hands on are held and those no later phase reads are let go; a micro-
+batch's held values go after its last action; the optimizer runs last. The executor measures
+the same (`exe.memory_stats()["peak_bytes"]`).
+
+    est = estimate_pipeline_memory(stage_program, batch=8)
+    est.peak_bytes, est.peak_action, est.held_peak_bytes
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from metaopt.ir import Program, roles
+from metaopt.passes.memory_estimate import estimate_memory
+from metaopt.runtime.pipeline import PHASE_OF
+from metaopt.runtime.plan import check_inplace
+from metaopt.runtime.schedules import schedule
+
+
+@dataclass(frozen=True)
+class PipelineMemory:
+    peak_bytes: int  # the worker's peak of live device bytes in a step
+    persistable_bytes: int
+    peak_action: str  # the action at the peak ("F3", "B0.c1", ...; "optimizer")
+    held_peak_bytes: int  # the most bytes held between actions (activations in flight)
+    actions: tuple[tuple[str, int], ...] = ()  # each action and its peak, in run order
+
+
+def estimate_pipeline_memory(p: Program, *, batch: int, device: str = "cpu") -> PipelineMemory:
+    """The peak bytes of a step of pipeline stage program `p` (cut into its phases) fed a
+    batch of `batch` samples (the whole batch, as every worker is fed: `batch` / micro-batches
+    per micro-batch) on `device` (`estimate_memory`'s: what only another device makes counts
+    nothing)."""
+    info = p.pipeline
+    if info is None or p.phases is None or not p.phases.matches(p):
+        raise ValueError(
+            f"estimate_pipeline_memory: program {p.name!r} is not a pipeline stage program cut into "
+            "its phases (fleet's minimize with strategy.pipeline makes one)"
+        )
+    m = info.micro_batches
+    if batch % m:
+        raise ValueError(f"estimate_pipeline_memory: batch {batch} does not split into {m} micro-batches")
+    dims = {"batch": batch // m}
+    parts = {part.key: part for part in p.phases.parts}
+    persist = estimate_memory(p, dims=dims, workspace=False, device=device).persistable_bytes
+    own = {key: _own(part, dims, device) for key, part in parts.items()}
+    acts = schedule(
+        info.schedule,
+        num_stages=info.num_stages,
+        stage=info.stage,
+        micro_batches=m,
+        chunks=info.chunks,
+    )
+    last = {a.micro_batch: n for n, a in enumerate(acts)}
+    # per micro-batch: each held value -> the value whose storage it is on (views share one)
+    held: dict[int, dict[str, str]] = {i: {} for i in range(m)}
+    sizes: dict[str, int] = {}
+    peak, at, held_peak, rows = persist, "", 0, []
+    for n, a in enumerate(acts):
+        part = parts[(info.placement.vstage(info.stage, a.chunk), PHASE_OF[a.kind])]
+        extra, made = own[part.key]
+        i = a.micro_batch
+        here = persist + _held_bytes(held, sizes) + extra  # its carried-in values are held already
+        rows.append((str(a), here))
+        if here > peak:
+            peak, at = here, str(a)
+        for x in part.last_use:
+            held[i].pop(x, None)
+        for x, (owner, nbytes) in made.items():  # an input's view is on what that input is on
+            held[i][x] = held[i].get(owner, owner) if owner in part.carried_in else owner
+            sizes.setdefault(held[i][x], nbytes)
+        held_peak = max(held_peak, _held_bytes(held, sizes))
+        if last[i] == n:
+            held[i] = {}
+    opt = parts.get((-1, roles.OPTIMIZE))
+    if opt is not None:
+        here = persist + own[opt.key][0]
+        rows.append(("optimizer", here))
+        if here > peak:
+            peak, at = here, "optimizer"
+    return PipelineMemory(peak, persist, at, held_peak, tuple(rows))
+
+
+def _held_bytes(held: dict[int, dict[str, str | None]], sizes: dict[str, int]) -> int:
+    """The device bytes of the held values: each storage once (None: a persistable's)."""
+    return sum(sizes[o] for h in held.values() for o in set(h.values()) if o is not None)
+
+
+def _own(part, dims: dict[str, int], device: str) -> tuple[int, dict[str, tuple[str | None, int]]]:  # noqa: ANN001
+    """(the most bytes the phase's run adds to what the worker holds, each value it hands on ->
+    (the value whose storage it is on, that storage's bytes)): its estimate with the values it is
+    handed and hands on live through the run, less its persistables and the handed values
+    (held by the worker already)."""
+    q = part.program
+    loss = [q.loss_name] if q.loss_name else []
+    kept = tuple(dict.fromkeys((*part.carried_in, *part.carried_out, *loss)))
+    est = estimate_memory(q, dims=dims, fetches=kept, workspace=False, device=device)
+
+    def nbytes(x: str | None) -> int:  # a var only another device makes is None here: no bytes
+        v = q.vars[x] if x is not None else None
+        return 0 if v is None or v.device not in (None, device) else v.nbytes(dims) or 0
+
+    handed = sum(nbytes(o) for o in {est.storage_of[x] for x in part.carried_in if x not in part.host_out})
+    # what may share a persistable's or a constant's storage is handed on as a copy (the plan's
+    # epilogue), held in storage of its own
+    aliases, _ = check_inplace(q, set(kept))
+    fixed = {aliases.find(x) for x, v in q.vars.items() if v.persistable or v.kind == "constant"}
+    made = {}
+    for x in part.carried_out:
+        if x in part.host_out:
+            continue  # an offloaded copy: host bytes
+        owner = x if aliases.find(x) in fixed else est.storage_of[x]
+        made[x] = (owner, nbytes(owner))
+    return max(est.timeline, default=est.persistable_bytes) - est.persistable_bytes - handed, made
