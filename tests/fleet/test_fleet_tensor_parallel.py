@@ -195,9 +195,20 @@ def test_the_plan_shows_the_step_and_the_grouped_data_parallel(monkeypatch):
     assert "refused" not in text
 
 
+@pytest.fixture(scope="module")
+def tp_sharding_runs(tmp_path_factory) -> Path:
+    """One launch of mp 2 x sharding 2 on 4 gloo workers: stages 1 and 3, each with SGD, Adam
+    (saved) and the load of that checkpoint."""
+    out = tmp_path_factory.mktemp("tp_sharding")
+    tokens = [f"{stage}:{opt}" for stage in (1, 3) for opt in ("sgd", "adam-save", "adam-load")]
+    args = [str(TRAINING / "fleet_tp_worker.py"), str(out), "1", "2", "2", *tokens]
+    wait_workers(start_workers(4, args, {"METAOPT_COMM_TIMEOUT": "60"}), "tensor-parallel x sharding", 300)
+    return out
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_mp2_x_sharding2_through_fleet_equals_one_process_and_each_worker_holds_half_its_state(
-    tmp_path, stage
+    tp_sharding_runs, stage
 ):
     """hybrid_configs mp_degree 2 x sharding_degree 2 (ZeRO beside tensor parallel): each MP
     rank's grads reduce-scattered over its sharding group (ranks (0, 2) and (1, 3)), its state
@@ -210,21 +221,12 @@ def test_mp2_x_sharding2_through_fleet_equals_one_process_and_each_worker_holds_
     from metaopt.fleet.sharded_io import local_part
     from metaopt.ops.kernels.partition import take_slice
 
-    args = [
-        str(TRAINING / "fleet_tp_worker.py"),
-        str(tmp_path),
-        "1",
-        "2",
-        "2",
-        str(stage),
-        "sgd",
-        "adam-save",
-    ]
-    procs = start_workers(4, [*args, "adam-load"], {"METAOPT_COMM_TIMEOUT": "60"})
-    wait_workers(procs, "tensor-parallel x sharding", 300)
     runs = {
-        opt: [torch.load(tmp_path / f"{NAME}{sfx}.rank{r}.pt", weights_only=False) for r in range(4)]
-        for opt, sfx in (("sgd", ""), ("adam", ".adam-save"), ("load", ".adam-load"))
+        opt: [
+            torch.load(tp_sharding_runs / f"{NAME}.{stage}:{sfx}.rank{r}.pt", weights_only=False)
+            for r in range(4)
+        ]
+        for opt, sfx in (("sgd", "sgd"), ("adam", "adam-save"), ("load", "adam-load"))
     }
     sgd, adam = runs["sgd"], runs["adam"]
     assert [(r["mp_rank"], r["sharding_rank"]) for r in sgd] == [(0, 0), (1, 0), (0, 1), (1, 1)]
@@ -249,7 +251,7 @@ def test_mp2_x_sharding2_through_fleet_equals_one_process_and_each_worker_holds_
             layout_split, layout_zero = got["layouts"][n]
             assert layout_zero.startswith("zero_shard(parts=2"), n
             assert (layout_split != "None") == (n.split("@")[0] in split), n
-    whole = _one_process_checkpoint(tmp_path / "ckpt")
+    whole = _one_process_checkpoint(tp_sharding_runs / f"ckpt{stage}")
 
     def part(n: str, mp_rank: int) -> torch.Tensor:  # this MP rank's part of whole value `n`
         param = n.split("@")[0]  # a moment's param (test-side only: which split it follows)

@@ -1,13 +1,13 @@
 """One worker of tensor parallel through fleet (started by tests/fleet/test_fleet_tensor_parallel.py
-with RANK/WORLD_SIZE/MASTER_*): ``python fleet_tp_worker.py OUT DP MP [SHARDING STAGE OPT ...]``.
+with RANK/WORLD_SIZE/MASTER_*): ``python fleet_tp_worker.py OUT DP MP [SHARDING [STAGE:OPT ...]]``.
 
 fleet.init lays the DP x MP (x SHARDING) workers out from hybrid_configs; the optimizer's strategy
 turns on tensor parallel with tp_worker's gpt column/row layers (and ZeRO sharding at STAGE over
 the sharding axis). Each data-parallel replica (a sharding rank is one too) is fed its share of
-tp_worker's full batch, every MP rank of a replica the same share. 3 steps of each OPT ("sgd",
-the default; "adam"; "adam-save": Adam, then save_persistables into OUT/ckpt; "adam-load": no
-steps, what load_persistables of OUT/ckpt gives this worker); writes its
-losses, (local) params, held state and plans to ``OUT/gpt[.OPT].rank<r>.pt``."""
+tp_worker's full batch, every MP rank of a replica the same share. 3 steps of each OPT at its
+sharding STAGE ("sgd", the default; "adam"; "adam-save": Adam, then save_persistables into
+OUT/ckpt<STAGE>; "adam-load": no steps, what load_persistables of it gives this worker); writes its
+losses, (local) params, held state and plans to ``OUT/gpt[.STAGE:OPT].rank<r>.pt``."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def replica_batch(step: int, dp_rank: int, dp: int) -> dict[str, torch.Tensor]:
     return {k: v[dp_rank * n : (dp_rank + 1) * n] for k, v in full.items()}
 
 
-def train(s: fleet.DistributedStrategy, opt: str, out: str) -> dict:
+def train(s: fleet.DistributedStrategy, opt: str, ckpt: str) -> dict:
     hcg = fleet.get_hybrid_communicate_group()
     sh = hcg.get_sharding_parallel_world_size()
     replica = hcg.get_data_parallel_rank() * sh + hcg.get_sharding_parallel_rank()
@@ -56,21 +56,17 @@ def train(s: fleet.DistributedStrategy, opt: str, out: str) -> dict:
     exe = metaopt.Executor("cpu")
     losses = []
     if opt.endswith("-load"):  # what this worker holds of OUT/ckpt, untrained
-        fleet.load_persistables(exe, f"{out}/ckpt", program)
+        fleet.load_persistables(exe, ckpt, program)
     for step in range(0 if opt.endswith("-load") else tp_worker.STEPS):
         feed = replica_batch(step, replica, hcg.get_data_parallel_world_size() * sh)
         (loss,) = exe.run(program, feed=feed, fetch_list=[program.loss])
         losses.append(float(loss))
     if opt.endswith("-save"):
-        fleet.save_persistables(exe, f"{out}/ckpt", program)
+        fleet.save_persistables(exe, ckpt, program)
     return {
         "losses": losses,
         "params": gathered_params(exe, program),
-        "held": {
-            v.name: exe.scope[v.name].clone()
-            for v in program.vars.values()
-            if v.kind == "opt_state" and v.shape
-        },
+        "held": {n: exe.scope[n].clone() for n in _state(program)},
         "layouts": {v.name: (str(v.split), str(v.zero)) for v in program.vars.values() if v.persistable},
         "applied": list(opt_.applied_meta_list),
         "plan": str(opt_.plan()),
@@ -92,13 +88,15 @@ def _state(program: metaopt.Program) -> list[str]:
 
 def main() -> None:
     out, dp, mp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    rest = sys.argv[4:]  # [SHARDING STAGE [OPT ...]]
-    s = strategy(dp, mp, *map(int, rest[:2]))
-    opts = rest[2:] or ["sgd"]
-    fleet.init(is_collective=True, strategy=s)
-    for opt in opts:
-        suffix = "" if opt == "sgd" else f".{opt}"
-        torch.save(train(s, opt, out), f"{out}/{NAME}{suffix}.rank{fleet.worker_index()}.pt")
+    rest = sys.argv[4:]  # [SHARDING [STAGE:OPT ...]]
+    sharding = int(rest[0]) if rest else 1
+    fleet.init(is_collective=True, strategy=strategy(dp, mp, sharding))
+    for token in rest[1:] or ["sgd"]:
+        stage, _, opt = token.rpartition(":")
+        s = strategy(dp, mp, sharding, int(stage or 1))
+        suffix = "" if token == "sgd" else f".{token}"
+        result = train(s, opt, f"{out}/ckpt{stage}")
+        torch.save(result, f"{out}/{NAME}{suffix}.rank{fleet.worker_index()}.pt")
     fleet.barrier_worker()
 
 
