@@ -695,6 +695,15 @@ def sharding_errors(strategy: Any, topo: Topology, world_size: int) -> list[Exce
                 )
             ]
         return []
+    beside = [f"strategy.{f}=True" for f in ("pipeline", "tensor_parallel") if getattr(strategy, f)]
+    if beside and degree > 1:
+        return [
+            ValueError(
+                f"sharding_configs['sharding_degree']={degree} with {' and '.join(beside)}: the sharding "
+                "group must be the workers holding the same stage and model-parallel part; give "
+                "fleet.init and the optimizer hybrid_configs with a sharding_degree axis"
+            )
+        ]
     if degree != world_size:
         return [
             ValueError(

@@ -225,6 +225,11 @@ def test_a_hybrid_sharding_axis_needs_strategy_sharding():
     s.sharding_configs = {"sharding_degree": 4}
     (e,) = sharding_errors(s, Topology(dp_degree=1, sharding_degree=2), 2)
     assert "conflicts with hybrid_configs sharding_degree=2" in str(e)
+    s.pipeline = True  # sharding over every worker would mix the stages' programs
+    (e,) = sharding_errors(s, Topology(dp_degree=2, pp_degree=2), 4)
+    assert "sharding_degree']=4 with strategy.pipeline=True: the sharding group must be" in str(e)
+    s.sharding_configs = {"sharding_degree": 2}
+    assert sharding_errors(s, Topology(pp_degree=2, sharding_degree=2), 4) == []  # the hybrid axis
 
 
 def _loss():
