@@ -72,11 +72,11 @@ def estimate_pipeline_memory(p: Program, *, batch: int, device: str = "cpu") -> 
         rows.append((str(a), here))
         if here > peak:
             peak, at = here, str(a)
-        for x in part.last_use:
-            held[i].pop(x, None)
         for x, (owner, nbytes) in made.items():  # an input's view is on what that input is on
             held[i][x] = held[i].get(owner, owner) if owner in part.carried_in else owner
             sizes.setdefault(held[i][x], nbytes)
+        for x in part.last_use:  # after: a value made above may be a view of one let go here
+            held[i].pop(x, None)
         held_peak = max(held_peak, _held_bytes(held, sizes))
         if last[i] == n:
             held[i] = {}
