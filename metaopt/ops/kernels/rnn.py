@@ -1,12 +1,24 @@
 """Recurrent ops: LSTM, GRU, RNN (ONNX semantics; torch's exporter emits LSTM and GRU).
 
-The common configuration (default activations, no clip, peepholes or sequence_lens, and
-GRU's linear_before_reset=1) runs torch's fused kernel (`torch.lstm` / `torch.gru` /
-`torch.rnn_tanh`), exactly what `nn.LSTM` / `nn.GRU` / `nn.RNN` run: only the gate order
-differs between ONNX and torch. Anything else runs a step loop that implements the spec.
+The three share ONNX's inputs, attributes and direction/layout/sequence_lens handling, so one
+driver (`_run`) runs them all; what differs lives in one `_Recurrent` row per op: its default
+activations, the gate order torch's fused kernel wants, when that kernel applies, LSTM's extra
+inputs (initial_c, P) and the cell of the step loop.
+
+The common configuration (default activations, or one of Tanh/Relu throughout for RNN; no clip,
+peepholes, input_forget or sequence shorter than the input; GRU's linear_before_reset=1) runs
+torch's fused kernel (`torch.lstm` / `torch.gru` / `torch.rnn_tanh` / `torch.rnn_relu`), exactly
+what `nn.LSTM` / `nn.GRU` / `nn.RNN` run: only the gate order differs between ONNX and torch.
+Anything else runs a step loop that implements the spec.
 """
 
 from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +41,8 @@ _ACTS = {
 }
 
 
-def _activations(names, alphas, betas, per_dir: int, defaults: list[str], num_dir: int):
+def _activations(names: list[str], alphas, betas, per_dir: int, num_dir: int):
     """Per direction, the activation callables; alpha/beta lists feed the ones that use them."""
-    names = names or defaults * num_dir
     alphas, betas = list(alphas or []), list(betas or [])
     out = []
     for name in names:
@@ -42,10 +53,6 @@ def _activations(names, alphas, betas, per_dir: int, defaults: list[str], num_di
             b = betas.pop(0)
         out.append(lambda x, fn=fn, a=a, b=b: fn(x, a, b))
     return [out[d * per_dir : (d + 1) * per_dir] for d in range(num_dir)]
-
-
-def _is_default(names, defaults: list[str], num_dir: int) -> bool:
-    return not names or list(names) == defaults * num_dir
 
 
 def _reverse(x: torch.Tensor, lens: torch.Tensor | None) -> torch.Tensor:
@@ -154,12 +161,6 @@ def _torch_gates(w: torch.Tensor, order: tuple[int, ...], n: int) -> torch.Tenso
     return torch.cat([chunks[i] for i in order], 0)
 
 
-# ONNX gate order -> torch's: LSTM i,o,f,c -> i,f,c,o ; GRU z,r,h -> r,z,h.
-_LSTM_ORDER = (0, 2, 3, 1)
-_GRU_ORDER = (1, 0, 2)
-_FUSED_RNN = {"Tanh": torch.rnn_tanh, "Relu": torch.rnn_relu}
-
-
 def _fused_weights(W, R, B, order, n: int, num_dir: int, hidden: int) -> list[torch.Tensor]:
     weights = []
     for d in range(num_dir):
@@ -170,155 +171,199 @@ def _fused_weights(W, R, B, order, n: int, num_dir: int, hidden: int) -> list[to
     return weights
 
 
-@register("LSTM", needs_outputs=True, host_inputs=(4,))
-def lstm(
-    X: torch.Tensor,
-    W: torch.Tensor,
-    R: torch.Tensor,
-    B: torch.Tensor | None = None,
-    sequence_lens: torch.Tensor | None = None,
-    initial_h: torch.Tensor | None = None,
-    initial_c: torch.Tensor | None = None,
-    P: torch.Tensor | None = None,
-    activation_alpha: list[float] | None = None,
-    activation_beta: list[float] | None = None,
-    activations: list[str] | None = None,
-    clip: float | None = None,
-    direction: str = "forward",
-    hidden_size: int | None = None,
-    input_forget: int = 0,
-    layout: int = 0,
-    _nout: int = 1,
-):
-    num_dir, hidden = W.shape[0], R.shape[-1]
-    defaults = ["Sigmoid", "Tanh", "Tanh"]
-    if (
-        P is None
-        and clip is None
-        and not input_forget
-        and _is_default(activations, defaults, num_dir)
-        and _full_length(X, layout, sequence_lens)
-    ):
-        return _fused(
-            torch.lstm, X, [initial_h, initial_c], W, R, B, _LSTM_ORDER, 4, direction, layout, _nout
+# --- the step loop's cells: (args, direction, x, its activations) -> (x projected, cell) where
+# cell(xw_t, *states) -> (y_t, *states); the input projection is one matmul over all steps.
+
+
+def _summed_bias(B: torch.Tensor | None, d: int):
+    # Wb and Rb both add before any gate's activation: one sum serves every step.
+    return B[d].reshape(2, -1).sum(0) if B is not None else 0.0
+
+
+def _lstm_cell(a: SimpleNamespace, d: int, x: torch.Tensor, acts: list):
+    f, g, h = acts
+    bias = _summed_bias(a.B, d)
+    xw = torch.matmul(x, a.W[d].t()) + bias
+    pi, po, pf = a.P[d].chunk(3) if a.P is not None else (0.0, 0.0, 0.0)
+
+    def cell(xw_t, h_t, c_t):
+        i, o, fg, c = (xw_t + torch.matmul(h_t, a.R[d].t())).chunk(4, -1)
+        i = f(_clip(i + pi * c_t, a.clip))
+        fg = 1 - i if a.input_forget else f(_clip(fg + pf * c_t, a.clip))
+        c_new = fg * c_t + i * g(_clip(c, a.clip))
+        o = f(_clip(o + po * c_new, a.clip))
+        h_new = o * h(c_new)
+        return h_new, c_new
+
+    return xw, cell
+
+
+def _gru_cell(a: SimpleNamespace, d: int, x: torch.Tensor, acts: list):
+    f, g = acts
+    hidden = a.hidden
+    # Rb of the candidate gate may sit inside the reset (linear_before_reset), so it stays apart.
+    wb, rb = (
+        a.B[d].chunk(2) if a.B is not None else (0.0, torch.zeros(3 * hidden, dtype=x.dtype, device=x.device))
+    )
+    xw = torch.matmul(x, a.W[d].t()) + wb
+    r_zr, r_h = a.R[d][: 2 * hidden], a.R[d][2 * hidden :]
+    rb_zr, rb_h = rb[: 2 * hidden], rb[2 * hidden :]
+
+    def cell(xw_t, h_t):
+        x_zr, x_h = xw_t[:, : 2 * hidden], xw_t[:, 2 * hidden :]
+        z, r = f(_clip(x_zr + torch.matmul(h_t, r_zr.t()) + rb_zr, a.clip)).chunk(2, -1)
+        if a.linear_before_reset:
+            cand = x_h + r * (torch.matmul(h_t, r_h.t()) + rb_h)
+        else:
+            cand = x_h + torch.matmul(r * h_t, r_h.t()) + rb_h
+        cand = g(_clip(cand, a.clip))
+        return ((1 - z) * cand + z * h_t,)
+
+    return xw, cell
+
+
+def _rnn_cell(a: SimpleNamespace, d: int, x: torch.Tensor, acts: list):
+    (f,) = acts
+    bias = _summed_bias(a.B, d)
+    xw = torch.matmul(x, a.W[d].t()) + bias
+
+    def cell(xw_t, h_t):
+        return (f(_clip(xw_t + torch.matmul(h_t, a.R[d].t()), a.clip)),)
+
+    return xw, cell
+
+
+# --- the table: one row per op ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Recurrent:
+    """What one op of the family adds to what all three share."""
+
+    type: str
+    defaults: tuple[str, ...]  # one direction's activations (their count: each direction's)
+    order: tuple[int, ...]  # ONNX's gate chunks in torch's order (its length: the gate count)
+    # (args, activations of all directions, whether those are the defaults) -> torch's fused
+    # kernel, or None where it cannot compute the op (the step loop runs instead)
+    fused: Callable[[SimpleNamespace, list[str], bool], Callable[..., Any] | None]
+    cell: Callable[[SimpleNamespace, int, torch.Tensor, list], tuple[torch.Tensor, Callable[..., tuple]]]
+    states: tuple[str, ...] = ()  # initial-state inputs after initial_h, one per extra state
+    inputs: tuple[str, ...] = ()  # the op's other inputs, after its states
+    flags: tuple[str, ...] = ()  # the op's own 0/1 attributes (ONNX default 0)
+
+
+_FUSED_RNN = {"Tanh": torch.rnn_tanh, "Relu": torch.rnn_relu}
+# ONNX gate order -> torch's: LSTM i,o,f,c -> i,f,c,o ; GRU z,r,h -> r,z,h.
+_FAMILY = (
+    # torch's LSTM has no peepholes (P) and no coupled input-forget gate
+    _Recurrent(
+        "LSTM",
+        defaults=("Sigmoid", "Tanh", "Tanh"),
+        order=(0, 2, 3, 1),
+        fused=lambda a, names, default: (
+            torch.lstm if default and a.P is None and not a.input_forget else None
+        ),
+        cell=_lstm_cell,
+        states=("initial_c",),
+        inputs=("P",),
+        flags=("input_forget",),
+    ),
+    # torch's GRU applies the reset after the recurrent matmul: ONNX's linear_before_reset=1
+    _Recurrent(
+        "GRU",
+        defaults=("Sigmoid", "Tanh"),
+        order=(1, 0, 2),
+        fused=lambda a, names, default: torch.gru if default and a.linear_before_reset else None,
+        cell=_gru_cell,
+        flags=("linear_before_reset",),
+    ),
+    # nn.RNN's nonlinearity: one activation for every direction, Tanh or Relu
+    _Recurrent(
+        "RNN",
+        defaults=("Tanh",),
+        order=(0,),
+        fused=lambda a, names, default: _FUSED_RNN.get(names[0]) if len(set(names)) == 1 else None,
+        cell=_rnn_cell,
+    ),
+)
+
+
+# --- the driver -------------------------------------------------------------------------------
+
+
+def _run(row: _Recurrent, a: SimpleNamespace):
+    a.num_dir, a.hidden = a.W.shape[0], a.R.shape[-1]
+    initial = [a.initial_h, *(getattr(a, s) for s in row.states)]
+    names = list(a.activations or row.defaults * a.num_dir)
+    fn = row.fused(a, names, names == list(row.defaults) * a.num_dir)
+    if fn is not None and a.clip is None and _full_length(a.X, a.layout, a.sequence_lens):
+        order = row.order
+        return _fused(fn, a.X, initial, a.W, a.R, a.B, order, len(order), a.direction, a.layout, a._nout)
+    X, lens, initial = _prepare(a.X, a.layout, a.sequence_lens, initial, a.num_dir, a.hidden)
+    acts = _activations(names, a.activation_alpha, a.activation_beta, len(row.defaults), a.num_dir)
+
+    def run(d: int, x: torch.Tensor):
+        xw, cell = row.cell(a, d, x, acts[d])
+        return _loop(cell, xw, tuple(s[d] for s in initial), lens)
+
+    Y, finals = _run_directions(run, X, a.direction, lens, a.num_dir)
+    return _finish(Y, finals, a.layout, a._nout)
+
+
+# The attributes the family shares: name -> (ONNX default, annotation).
+_SHARED_ATTRS = {
+    "activation_alpha": (None, "list[float] | None"),
+    "activation_beta": (None, "list[float] | None"),
+    "activations": (None, "list[str] | None"),
+    "clip": (None, "float | None"),
+    "direction": ("forward", "str"),
+    "hidden_size": (None, "int | None"),
+    "layout": (0, "int"),
+}
+
+
+def _signature(row: _Recurrent) -> inspect.Signature:
+    """The kernel's signature as if written out: ONNX's inputs in order, then the attributes."""
+
+    def param(name: str, annotation: str, default: Any = inspect.Parameter.empty) -> inspect.Parameter:
+        return inspect.Parameter(
+            name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=annotation
         )
-    X, lens, (h0, c0) = _prepare(X, layout, sequence_lens, [initial_h, initial_c], num_dir, hidden)
-    acts = _activations(activations, activation_alpha, activation_beta, 3, defaults, num_dir)
 
-    def run(d: int, x: torch.Tensor):
-        f, g, h = acts[d]
-        bias = B[d].reshape(2, -1).sum(0) if B is not None else 0.0
-        xw = torch.matmul(x, W[d].t()) + bias
-        pi, po, pf = P[d].chunk(3) if P is not None else (0.0, 0.0, 0.0)
-
-        def cell(xw_t, h_t, c_t):
-            i, o, fg, c = (xw_t + torch.matmul(h_t, R[d].t())).chunk(4, -1)
-            i = f(_clip(i + pi * c_t, clip))
-            fg = 1 - i if input_forget else f(_clip(fg + pf * c_t, clip))
-            c_new = fg * c_t + i * g(_clip(c, clip))
-            o = f(_clip(o + po * c_new, clip))
-            h_new = o * h(c_new)
-            return h_new, c_new
-
-        return _loop(cell, xw, (h0[d], c0[d]), lens)
-
-    Y, finals = _run_directions(run, X, direction, lens, num_dir)
-    return _finish(Y, finals, layout, _nout)
+    optional = ("B", "sequence_lens", "initial_h", *row.states, *row.inputs)
+    attrs = {**_SHARED_ATTRS, **{flag: (0, "int") for flag in row.flags}}  # ONNX lists them sorted
+    return inspect.Signature(
+        [
+            *(param(name, "torch.Tensor") for name in ("X", "W", "R")),
+            *(param(name, "torch.Tensor | None", None) for name in optional),
+            *(param(name, attrs[name][1], attrs[name][0]) for name in sorted(attrs)),
+            param("_nout", "int", 1),
+        ]
+    )
 
 
-@register("GRU", needs_outputs=True, host_inputs=(4,))
-def gru(
-    X: torch.Tensor,
-    W: torch.Tensor,
-    R: torch.Tensor,
-    B: torch.Tensor | None = None,
-    sequence_lens: torch.Tensor | None = None,
-    initial_h: torch.Tensor | None = None,
-    activation_alpha: list[float] | None = None,
-    activation_beta: list[float] | None = None,
-    activations: list[str] | None = None,
-    clip: float | None = None,
-    direction: str = "forward",
-    hidden_size: int | None = None,
-    layout: int = 0,
-    linear_before_reset: int = 0,
-    _nout: int = 1,
-):
-    num_dir, hidden = W.shape[0], R.shape[-1]
-    defaults = ["Sigmoid", "Tanh"]
-    if (
-        clip is None
-        and linear_before_reset
-        and _is_default(activations, defaults, num_dir)
-        and _full_length(X, layout, sequence_lens)
-    ):
-        return _fused(torch.gru, X, [initial_h], W, R, B, _GRU_ORDER, 3, direction, layout, _nout)
-    X, lens, (h0,) = _prepare(X, layout, sequence_lens, [initial_h], num_dir, hidden)
-    acts = _activations(activations, activation_alpha, activation_beta, 2, defaults, num_dir)
-
-    def run(d: int, x: torch.Tensor):
-        f, g = acts[d]
-        wb, rb = (
-            B[d].chunk(2) if B is not None else (0.0, torch.zeros(3 * hidden, dtype=X.dtype, device=X.device))
-        )
-        xw = torch.matmul(x, W[d].t()) + wb
-        r_zr, r_h = R[d][: 2 * hidden], R[d][2 * hidden :]
-        rb_zr, rb_h = rb[: 2 * hidden], rb[2 * hidden :]
-
-        def cell(xw_t, h_t):
-            x_zr, x_h = xw_t[:, : 2 * hidden], xw_t[:, 2 * hidden :]
-            z, r = f(_clip(x_zr + torch.matmul(h_t, r_zr.t()) + rb_zr, clip)).chunk(2, -1)
-            if linear_before_reset:
-                cand = x_h + r * (torch.matmul(h_t, r_h.t()) + rb_h)
-            else:
-                cand = x_h + torch.matmul(r * h_t, r_h.t()) + rb_h
-            cand = g(_clip(cand, clip))
-            return ((1 - z) * cand + z * h_t,)
-
-        return _loop(cell, xw, (h0[d],), lens)
-
-    Y, finals = _run_directions(run, X, direction, lens, num_dir)
-    return _finish(Y, finals, layout, _nout)
+def _foreign(row: _Recurrent, name: str) -> str:
+    owners = [r.type for r in _FAMILY if name in _signature(r).parameters]
+    whose = f" (it is {' and '.join(owners)}'s)" if owners else ""
+    return f"{row.type} takes no input or attribute {name!r}{whose}"
 
 
-@register("RNN", needs_outputs=True, host_inputs=(4,))
-def rnn(
-    X: torch.Tensor,
-    W: torch.Tensor,
-    R: torch.Tensor,
-    B: torch.Tensor | None = None,
-    sequence_lens: torch.Tensor | None = None,
-    initial_h: torch.Tensor | None = None,
-    activation_alpha: list[float] | None = None,
-    activation_beta: list[float] | None = None,
-    activations: list[str] | None = None,
-    clip: float | None = None,
-    direction: str = "forward",
-    hidden_size: int | None = None,
-    layout: int = 0,
-    _nout: int = 1,
-):
-    num_dir, hidden = W.shape[0], R.shape[-1]
-    names = activations or ["Tanh"] * num_dir
-    if (
-        clip is None
-        and len(set(names)) == 1
-        and names[0] in _FUSED_RNN
-        and _full_length(X, layout, sequence_lens)
-    ):
-        return _fused(_FUSED_RNN[names[0]], X, [initial_h], W, R, B, (0,), 1, direction, layout, _nout)
-    X, lens, (h0,) = _prepare(X, layout, sequence_lens, [initial_h], num_dir, hidden)
-    acts = _activations(activations, activation_alpha, activation_beta, 1, ["Tanh"], num_dir)
+def _kernel(row: _Recurrent) -> Callable[..., Any]:
+    """The op's kernel: binds its signature (refusing another op's attributes by name) and runs
+    the driver; `inspect.signature` sees the written-out one (the op table's readers ask it)."""
+    signature = _signature(row)
 
-    def run(d: int, x: torch.Tensor):
-        (f,) = acts[d]
-        bias = B[d].reshape(2, -1).sum(0) if B is not None else 0.0
-        xw = torch.matmul(x, W[d].t()) + bias
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        for name in kwargs:
+            if name not in signature.parameters:
+                raise TypeError(_foreign(row, name))
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return _run(row, SimpleNamespace(**bound.arguments))
 
-        def cell(xw_t, h_t):
-            return (f(_clip(xw_t + torch.matmul(h_t, R[d].t()), clip)),)
+    kernel.__signature__ = signature
+    kernel.__name__ = kernel.__qualname__ = row.type.lower()
+    return kernel
 
-        return _loop(cell, xw, (h0[d],), lens)
 
-    Y, finals = _run_directions(run, X, direction, lens, num_dir)
-    return _finish(Y, finals, layout, _nout)
+lstm, gru, rnn = (register(row.type, needs_outputs=True, host_inputs=(4,))(_kernel(row)) for row in _FAMILY)
