@@ -14,7 +14,6 @@ Anything else runs a step loop that implements the spec.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -248,8 +247,6 @@ class _Recurrent:
     fused: Callable[[SimpleNamespace, list[str], bool], Callable[..., Any] | None]
     cell: Callable[[SimpleNamespace, int, torch.Tensor, list], tuple[torch.Tensor, Callable[..., tuple]]]
     states: tuple[str, ...] = ()  # initial-state inputs after initial_h, one per extra state
-    inputs: tuple[str, ...] = ()  # the op's other inputs, after its states
-    flags: tuple[str, ...] = ()  # the op's own 0/1 attributes (ONNX default 0)
 
 
 _FUSED_RNN = {"Tanh": torch.rnn_tanh, "Relu": torch.rnn_relu}
@@ -265,8 +262,6 @@ _FAMILY = (
         ),
         cell=_lstm_cell,
         states=("initial_c",),
-        inputs=("P",),
-        flags=("input_forget",),
     ),
     # torch's GRU applies the reset after the recurrent matmul: ONNX's linear_before_reset=1
     _Recurrent(
@@ -275,7 +270,6 @@ _FAMILY = (
         order=(1, 0, 2),
         fused=lambda a, names, default: torch.gru if default and a.linear_before_reset else None,
         cell=_gru_cell,
-        flags=("linear_before_reset",),
     ),
     # nn.RNN's nonlinearity: one activation for every direction, Tanh or Relu
     _Recurrent(
@@ -310,60 +304,71 @@ def _run(row: _Recurrent, a: SimpleNamespace):
     return _finish(Y, finals, a.layout, a._nout)
 
 
-# The attributes the family shares: name -> (ONNX default, annotation).
-_SHARED_ATTRS = {
-    "activation_alpha": (None, "list[float] | None"),
-    "activation_beta": (None, "list[float] | None"),
-    "activations": (None, "list[str] | None"),
-    "clip": (None, "float | None"),
-    "direction": ("forward", "str"),
-    "hidden_size": (None, "int | None"),
-    "layout": (0, "int"),
-}
+_LSTM, _GRU, _RNN = _FAMILY
+
+# The kernels' signatures are ONNX's schemas written out (inputs in order, then the attributes
+# sorted, as ONNX lists them): the registry binds an op's attrs to them by keyword.
 
 
-def _signature(row: _Recurrent) -> inspect.Signature:
-    """The kernel's signature as if written out: ONNX's inputs in order, then the attributes."""
-
-    def param(name: str, annotation: str, default: Any = inspect.Parameter.empty) -> inspect.Parameter:
-        return inspect.Parameter(
-            name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=annotation
-        )
-
-    optional = ("B", "sequence_lens", "initial_h", *row.states, *row.inputs)
-    attrs = {**_SHARED_ATTRS, **{flag: (0, "int") for flag in row.flags}}  # ONNX lists them sorted
-    return inspect.Signature(
-        [
-            *(param(name, "torch.Tensor") for name in ("X", "W", "R")),
-            *(param(name, "torch.Tensor | None", None) for name in optional),
-            *(param(name, attrs[name][1], attrs[name][0]) for name in sorted(attrs)),
-            param("_nout", "int", 1),
-        ]
-    )
-
-
-def _foreign(row: _Recurrent, name: str) -> str:
-    owners = [r.type for r in _FAMILY if name in _signature(r).parameters]
-    whose = f" (it is {' and '.join(owners)}'s)" if owners else ""
-    return f"{row.type} takes no input or attribute {name!r}{whose}"
+@register("LSTM", needs_outputs=True, host_inputs=(4,))
+def lstm(
+    X: torch.Tensor,
+    W: torch.Tensor,
+    R: torch.Tensor,
+    B: torch.Tensor | None = None,
+    sequence_lens: torch.Tensor | None = None,
+    initial_h: torch.Tensor | None = None,
+    initial_c: torch.Tensor | None = None,
+    P: torch.Tensor | None = None,
+    activation_alpha: list[float] | None = None,
+    activation_beta: list[float] | None = None,
+    activations: list[str] | None = None,
+    clip: float | None = None,
+    direction: str = "forward",
+    hidden_size: int | None = None,
+    input_forget: int = 0,
+    layout: int = 0,
+    _nout: int = 1,
+):
+    return _run(_LSTM, SimpleNamespace(**locals()))
 
 
-def _kernel(row: _Recurrent) -> Callable[..., Any]:
-    """The op's kernel: binds its signature (refusing another op's attributes by name) and runs
-    the driver; `inspect.signature` sees the written-out one (the op table's readers ask it)."""
-    signature = _signature(row)
+@register("GRU", needs_outputs=True, host_inputs=(4,))
+def gru(
+    X: torch.Tensor,
+    W: torch.Tensor,
+    R: torch.Tensor,
+    B: torch.Tensor | None = None,
+    sequence_lens: torch.Tensor | None = None,
+    initial_h: torch.Tensor | None = None,
+    activation_alpha: list[float] | None = None,
+    activation_beta: list[float] | None = None,
+    activations: list[str] | None = None,
+    clip: float | None = None,
+    direction: str = "forward",
+    hidden_size: int | None = None,
+    layout: int = 0,
+    linear_before_reset: int = 0,
+    _nout: int = 1,
+):
+    return _run(_GRU, SimpleNamespace(**locals()))
 
-    def kernel(*args: Any, **kwargs: Any) -> Any:
-        for name in kwargs:
-            if name not in signature.parameters:
-                raise TypeError(_foreign(row, name))
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        return _run(row, SimpleNamespace(**bound.arguments))
 
-    kernel.__signature__ = signature
-    kernel.__name__ = kernel.__qualname__ = row.type.lower()
-    return kernel
-
-
-lstm, gru, rnn = (register(row.type, needs_outputs=True, host_inputs=(4,))(_kernel(row)) for row in _FAMILY)
+@register("RNN", needs_outputs=True, host_inputs=(4,))
+def rnn(
+    X: torch.Tensor,
+    W: torch.Tensor,
+    R: torch.Tensor,
+    B: torch.Tensor | None = None,
+    sequence_lens: torch.Tensor | None = None,
+    initial_h: torch.Tensor | None = None,
+    activation_alpha: list[float] | None = None,
+    activation_beta: list[float] | None = None,
+    activations: list[str] | None = None,
+    clip: float | None = None,
+    direction: str = "forward",
+    hidden_size: int | None = None,
+    layout: int = 0,
+    _nout: int = 1,
+):
+    return _run(_RNN, SimpleNamespace(**locals()))
