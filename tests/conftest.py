@@ -70,6 +70,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return _LONG_FIRST.index(top) if top in _LONG_FIRST else len(_LONG_FIRST)
 
     items.sort(key=rank)  # stable: each file's tests keep their order
+    if not config.getoption("--slow"):
+        skip = pytest.mark.skip(reason="marked slow: a third shape of a check the suite runs at two (--slow)")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(skip)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -78,6 +83,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         default=False,
         help="rewrite tests/golden/ files from the current output (say why in the commit)",
+    )
+    parser.addoption(
+        "--slow",
+        action="store_true",
+        default=False,
+        help="also run the tests marked slow (the suite's default leaves them out to stay under 10 min)",
     )
 
 
