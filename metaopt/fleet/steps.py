@@ -27,7 +27,9 @@ program's own updates); unscaling
 comes late so it checks the grads the updates read (after any all-reduce, on every
 stage) and master weights rewire those updates; updates move into the backward last, so
 they follow every op that reads a param (recomputed forward ops included), every
-all-reduce and every op another step added to the update phase; the pipeline's stage programs
+all-reduce and every op another step added to the update phase; data parallel's all-reduces are
+left in flight after that (overlap_comm), when every reader of a reduced grad is where it stays,
+so each wait goes right before the first; the pipeline's stage programs
 are cut into the schedule's phases at the very end, when nothing changes them any more.
 
 A step's ``enabled`` says why it runs or not (``opt.plan()`` prints every row); its
@@ -1040,6 +1042,27 @@ def _pipeline_phases(p: Program, plan: PartPlans, ctx: Context) -> Program:
     return apply_phases(p, plan.of_part(p, ctx.parts))
 
 
+def _overlap_on(ctx: Context) -> tuple[bool, str]:
+    on, why = _dp_on(ctx)
+    if not on:
+        return False, why
+    if ctx.strategy.pipeline:
+        return False, "strategy.pipeline=True: a stage program's phases run as separate plans"
+    return True, "data parallel: each bucket's all-reduce runs beside the rest of the backward (as DDP)"
+
+
+def _overlap_plan(p: Program, ctx: Context) -> PartPlans:
+    from metaopt.passes.overlap_comm import plan_overlap_comm
+
+    return PartPlans.of(plan_overlap_comm, ctx.parts)
+
+
+def _overlap(p: Program, plan: PartPlans, ctx: Context) -> Program:
+    from metaopt.passes.overlap_comm import apply_overlap_comm
+
+    return apply_overlap_comm(p, plan.of_part(p, ctx.parts))
+
+
 # --- THE list ---------------------------------------------------------------------------------------
 
 STEPS: tuple[Step, ...] = (
@@ -1253,6 +1276,15 @@ STEPS: tuple[Step, ...] = (
         doc="fused grad ops cut into input grads (B) and weight grads (W) for a zero-bubble schedule",
         meta="pipeline",
         reads=("strategy",),
+    ),
+    Step(
+        "overlap_comm",
+        _overlap_on,
+        _overlap,
+        plan=_overlap_plan,
+        doc="each all-reduce waited for before its first reader, not where it starts",
+        meta="data_parallel",
+        reads=("strategy", "world_size"),
     ),
     Step(
         "pipeline_phases",

@@ -76,6 +76,10 @@ class OpDef:
     # read by nothing afterwards and is neither a feed nor a constant (see
     # runtime/plan.py); every other kernel must leave its inputs untouched.
     inplace: tuple[tuple[int, int], ...] = ()
+    # The op can leave its collective in flight (attr ``overlap=1``): its outputs hold their values
+    # only after an op of this type reads them all (passes/overlap_comm.py puts it before their first
+    # reader, so the ops in between overlap the communication).
+    wait_op: str | None = None
     # The op writes its inputs in place and has no outputs: startup ops only (Broadcast of the
     # initial params), which the executor runs once, before the program's first run (ir/roles.py).
     writes_inputs: bool = False

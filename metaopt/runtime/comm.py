@@ -50,6 +50,7 @@ import sys
 import time
 import zlib
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -164,6 +165,30 @@ def _fmt(expected: tuple[int | None, ...]) -> str:
     return "[" + ", ".join("?" if e is None else str(e) for e in expected) + "]"
 
 
+@dataclass
+class _InFlight:
+    """A started all-reduce: its work, what it is (for errors), the buffer it sends (and holds its
+    result), the wide buffer the result is cast back into (None: `sent` is the result), gloo's
+    references to await, and whether to divide by `n` at the end."""
+
+    work: object
+    what: str
+    sent: torch.Tensor | None
+    into: torch.Tensor | None
+    references: object
+    divide: bool
+    n: int
+
+
+def _views(flat: torch.Tensor, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """`flat`'s consecutive runs in `xs`' shapes."""
+    out, at = [], 0
+    for x in xs:
+        out.append(flat[at : at + x.numel()].view(x.shape))
+        at += x.numel()
+    return out
+
+
 class Communicator:
     """The default process group, seen by the executor's comm ops."""
 
@@ -198,8 +223,12 @@ class Communicator:
         self._per_step = 0  # messages per edge in a pipeline step (one per micro-batch)
         self._received: dict[tuple[int, str], int] = {}  # this step's, per (peer, var)
         self._posted: dict[tuple[int, str], tuple[object, torch.Tensor, int]] = {}  # work, buffer, tag
+        self._in_flight: dict[int, _InFlight] = {}  # overlapped all-reduces, by their results' storage
 
     def start_run(self) -> None:
+        # a run that raised between an AllReduce and its wait leaves it behind: the job's
+        # collectives no longer match, and this run's errors say so
+        self._in_flight.clear()
         self.seconds = 0.0
         self.bytes = 0
         self.messages = 0
@@ -212,13 +241,18 @@ class Communicator:
         what: str,
         ranks: Sequence[int] | None = None,
         comm_dtype: torch.dtype | None = None,
+        overlap: bool = False,
     ) -> list[torch.Tensor]:
         """`xs` summed (``avg``: and divided by the world size) over every worker, as one
         fused buffer; returns new tensors (views of that buffer) of `xs`' shapes.
 
         `comm_dtype` (Fleet's fp16_allreduce): the buffer travels in that dtype, half the bytes
         of float32; ``avg`` then divides before the cast (torch's fp16 compress hook: the sum of
-        the scaled values stays in the narrow type's range) and the result is cast back."""
+        the scaled values stays in the narrow type's range) and the result is cast back.
+
+        `overlap`: returns as soon as the collective is started; the tensors returned hold their
+        values only after `finish_all_reduce` of them (the AllReduceWait op before their first
+        reader), so the ops in between run while the workers exchange the bucket."""
         if reduce not in _REDUCTIONS:
             raise ValueError(f"AllReduce: reduce must be one of {_REDUCTIONS}, got {reduce!r}")
         flat = torch.cat([x.reshape(-1) for x in xs]) if len(xs) > 1 else xs[0].reshape(-1).clone()
@@ -228,18 +262,52 @@ class Communicator:
             wide = flat.dtype
             flat = (flat.div_(n) if reduce == "avg" else flat).to(comm_dtype)
         group = self.group(ranks)
-        self._run(
-            lambda dist: dist.all_reduce(flat, group=group, async_op=True), f"AllReduce of {what}", [flat]
+        what = f"AllReduce of {what}"
+        if not overlap:
+            self._run(lambda dist: dist.all_reduce(flat, group=group, async_op=True), what, [flat])
+            if wide is not None:
+                flat = flat.to(wide)
+            elif reduce == "avg":
+                flat.div_(n)
+            return _views(flat, xs)
+        # What travels is a tensor of its own over `flat`'s storage: the results are views of
+        # `flat`, and a view holds a reference to its base's Python object, so gloo's hold on
+        # what it sends is counted apart. Its one holder now (`sent`) is the flight at the wait.
+        sent = flat.detach()
+        before = references([sent]) if self.backend == "gloo" else None
+        work = initialized_dist().all_reduce(sent, group=group, async_op=True)
+        into = None if wide is None else torch.empty(flat.shape, dtype=wide, device=flat.device)
+        out = flat if into is None else into
+        flight = _InFlight(work, what, sent, into, before, reduce == "avg" and wide is None, n)
+        del sent
+        self._in_flight[out.untyped_storage().data_ptr()] = flight
+        return _views(out, xs)
+
+    def finish_all_reduce(self, outs: Sequence[torch.Tensor], what: str) -> None:
+        """Wait for the overlapped all-reduce whose results `outs` are (see `all_reduce`)."""
+        flight = self._in_flight.pop(outs[0].untyped_storage().data_ptr(), None) if outs else None
+        if flight is None:
+            raise CommError(f"{what}: no all-reduce of these values is in flight (started by an AllReduce)")
+        if flight.work is not None:
+            self._finish(flight)  # the flight is the sent buffer's one holder here (`all_reduce`)
+
+    def done_without_comm(self, outs: Sequence[torch.Tensor]) -> None:
+        """`outs` (an overlapped AllReduce's, over a group of one) are final already: their
+        AllReduceWait has nothing to wait for."""
+        self._in_flight[outs[0].untyped_storage().data_ptr()] = _InFlight(
+            None, "", None, None, None, False, 1
         )
-        if wide is not None:
-            flat = flat.to(wide)
-        elif reduce == "avg":
-            flat.div_(n)
-        out, at = [], 0
-        for x in xs:
-            out.append(flat[at : at + x.numel()].view(x.shape))
-            at += x.numel()
-        return out
+
+    def _finish(self, f: _InFlight) -> None:
+        work, f.work = f.work, None  # the work holds the buffer too: let go of it before the count
+        self._wait(work, f.what, f.sent)
+        del work
+        if f.references is not None:
+            await_release([f.sent], f.references)
+        if f.into is not None:
+            f.into.copy_(f.sent)  # the narrow type's values, exactly, in the wide one
+        elif f.divide:
+            f.sent.div_(f.n)
 
     def reduce_scatter(
         self, flat: torch.Tensor, reduce: str, what: str, ranks: Sequence[int] | None = None

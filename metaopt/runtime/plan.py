@@ -37,6 +37,7 @@ from metaopt.ir.gc_pause import without_gc
 from metaopt.ir.liveness import liveness
 from metaopt.ir.printer import fmt_op
 from metaopt.ops import registry
+from metaopt.ops.in_flight import check_in_flight
 from metaopt.ops.reuse import plan_reuse
 from metaopt.runtime.hostsync import guarded
 
@@ -474,6 +475,7 @@ def build_plan(
     is its own step (a memory timeline records one entry per op). `shared_constants`: the
     device copies of constants other plans of the same executor made (`SharedConstants`)."""
     verify(p)  # once per program version: a broken program fails here, naming its line
+    check_in_flight(p)
     layout, consts, persist = _plan_layout(p, fetches, device, track, runtime, multi, shared_constants)
     feeds = [name for name, _ in layout.feeds]
     plan = Plan(persist, consts, feeds, list(fetches), list(p.ops), layout, reused=layout.reused)

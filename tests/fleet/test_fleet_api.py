@@ -149,6 +149,7 @@ STEP_ORDER = [
     "master_weights",
     "early_updates",
     "split_w_grads",
+    "overlap_comm",
     "pipeline_phases",
 ]
 

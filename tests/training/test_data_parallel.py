@@ -19,6 +19,7 @@ CASES = [
     "mlp:plain",
     "mlp:recompute",
     "mlp:merge",
+    "mlp:sync",
     "bert:plain",
     "bert:recompute",
     "bert:offload",
@@ -52,6 +53,13 @@ def test_two_workers_on_half_batches_equal_one_process_on_the_full_batch(two_wor
     ref = _single_process(name)
     if rc == "offload":  # the offloaded checkpoints really moved
         assert ranks[0]["copies"] > 0 and ranks[0]["offloaded_bytes"] > 0
+    if rc == "sync":  # the overlapped run (passes/overlap_comm.py) is the same bits as this one
+        plain = [torch.load(two_workers / f"{name}:plain.rank{r}.pt", weights_only=True) for r in range(2)]
+        assert ranks[0]["overlapped"] == 0 and plain[0]["overlapped"] >= ranks[0]["buckets"] - 1
+        for mine, theirs in zip(ranks, plain, strict=True):
+            assert mine["losses"] == theirs["losses"]
+            for k, t in mine["params"].items():
+                assert torch.equal(t, theirs["params"][k]), k
     if rc == "early":  # optimizer_in_backward, one all-reduce per grad: updates inside the backward
         assert ranks[0]["early_updates"] > ranks[0]["buckets"] // 2 > 1
     # mlp: unfused, one AllReduce per grad; bert tiny (0.1 MB of grads): one 1 MB bucket

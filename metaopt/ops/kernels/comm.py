@@ -12,6 +12,7 @@ from metaopt.ops.registry import register, register_collective
     "AllReduce",
     fresh_outputs=True,
     recomputable=False,
+    wait_op="AllReduceWait",
     notes="outputs = inputs reduced over every worker, one fused buffer per op (a bucket)",
 )
 def all_reduce(
@@ -20,6 +21,7 @@ def all_reduce(
     ranks: list[int] | None = None,
     group: str | None = None,
     comm_dtype: str | None = None,
+    overlap: int = 0,
     _rt,
     _key: str,
 ) -> tuple[torch.Tensor, ...]:
@@ -27,7 +29,8 @@ def all_reduce(
     ``group="data_parallel"``: in a pipeline stage, this stage in every replica; else this
     worker's data-parallel group of fleet.init's hybrid layout (dp x mp); neither: every worker.
     ``avg`` divides by the group's size. `comm_dtype` ("float16", Fleet's fp16_allreduce): the
-    grads travel in that dtype (runtime/comm.py: divided first, cast back after)."""
+    grads travel in that dtype (runtime/comm.py: divided first, cast back after). ``overlap=1``
+    (passes/overlap_comm.py): the outputs are in flight until the ``AllReduceWait`` of them."""
     if group not in (None, "data_parallel"):
         raise ValueError(f"AllReduce: group must be 'data_parallel' or absent, got {group!r}")
     if ranks is not None and _rt.pipeline is None:
@@ -37,9 +40,21 @@ def all_reduce(
     elif ranks is not None:
         ranks = [_rt.pipeline.rank_of(r) for r in ranks]
     if ranks is not None and len(ranks) == 1:
-        return tuple(x.clone() for x in xs)  # a group of one: nothing to reduce (fresh outputs)
+        outs = tuple(x.clone() for x in xs)  # a group of one: nothing to reduce (fresh outputs)
+        if overlap:
+            _rt.comm.done_without_comm(outs)
+        return outs
     dtype = None if comm_dtype is None else torch_dtype(comm_dtype)
-    return tuple(_rt.comm.all_reduce(xs, reduce, f"{len(xs)} tensor(s) ({_key}, ...)", ranks, dtype))
+    what = f"{len(xs)} tensor(s) ({_key}, ...)"
+    return tuple(_rt.comm.all_reduce(xs, reduce, what, ranks, dtype, overlap=bool(overlap)))
+
+
+@register("AllReduceWait", domain="metaopt", needs_runtime=True, recomputable=False)
+def all_reduce_wait(*xs: torch.Tensor, _rt, _key: str) -> None:
+    """The overlapped AllReduce (``overlap=1``) that made `xs` is finished here: right before
+    their first reader, so the ops since the AllReduce ran while the bucket travelled (on CUDA,
+    the compute stream waits for NCCL's; on gloo, the host waits for its thread)."""
+    _rt.comm.finish_all_reduce(xs, f"AllReduceWait of {_key}")
 
 
 def hybrid_ranks(axis: str, op: str) -> list[int]:

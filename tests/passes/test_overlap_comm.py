@@ -1,0 +1,77 @@
+"""passes/overlap_comm.py: each bucket's all-reduce left in flight until its first reader.
+
+The numerics (an overlapped run is the same bits as one waiting where the all-reduce starts) are
+tested on two workers in tests/training/test_data_parallel.py (`mlp:sync`); here, the placement."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import metaopt
+import programs
+from metaopt.passes.data_parallel import data_parallel
+from metaopt.ops.in_flight import InFlightError, check_in_flight
+from metaopt.passes.overlap_comm import apply_overlap_comm, plan_overlap_comm
+
+
+def _reduced_mlp(**dp) -> metaopt.Program:
+    mod = programs.get("mlp")
+    main = metaopt.export(mod.build("tiny", seed=0), mod.example_inputs("tiny", 4, seed=1), name="mlp")
+    _, pg = metaopt.optimizer.SGD(learning_rate=1e-3).minimize(main.loss)
+    return data_parallel(main, grads=[g for _, g in pg], world_size=2, bucket_bytes=0, **dp)
+
+
+def test_each_wait_comes_right_before_the_first_reader_of_its_outputs():
+    p = _reduced_mlp()
+    plan = plan_overlap_comm(p)
+    q = apply_overlap_comm(p, plan)
+    metaopt.verify(q)
+    starts = [i for i, op in enumerate(q.ops) if op.attrs.get("overlap")]
+    assert len(starts) == len(plan.overlaps) == 6  # 6 grads, a bucket each
+    for i in starts:
+        outs = q.ops[i].outputs
+        (w,) = [j for j, op in enumerate(q.ops) if op.type == "AllReduceWait" and op.inputs == outs]
+        first = min(j for j, op in enumerate(q.ops) if j != w and set(op.inputs) & set(outs))
+        assert i < w < first and all(op.type == "AllReduceWait" for op in q.ops[w:first])
+    # the backward went on while the first buckets travelled
+    assert any(op.role == "backward" for op in q.ops[starts[0] + 1 : starts[-1]])
+    assert str(plan).startswith("overlap_comm: 6 collective(s) left in flight")
+
+
+def test_overlap_comm_golden(golden):
+    p = _reduced_mlp()
+    golden("overlap_comm/mlp", str(apply_overlap_comm(p, plan_overlap_comm(p))))
+
+
+def test_a_collective_not_of_role_comm_is_left_where_it_is():
+    """AMP's found-inf sum (role optimize) is placed where its value is needed."""
+    p = _reduced_mlp()
+    k = next(i for i, op in enumerate(p.ops) if op.type == "AllReduce")
+    p.ops[k] = dataclasses.replace(p.ops[k], role="optimize")
+    plan = plan_overlap_comm(p)
+    assert (p.ops[k].outputs[0], "role optimize: placed where its value is needed") in plan.skipped
+    assert k not in [o.start for o in plan.overlaps] and len(plan.overlaps) == 5
+
+
+def test_a_reader_before_the_wait_or_a_missing_wait_is_refused_naming_the_op():
+    p = _reduced_mlp()
+    q = apply_overlap_comm(p, plan_overlap_comm(p))
+    w = next(i for i, op in enumerate(q.ops) if op.type == "AllReduceWait")
+    reader = next(i for i, op in enumerate(q.ops) if i > w and set(op.inputs) & set(q.ops[w].inputs))
+    early = q.clone()
+    early.ops = [*q.ops[:w], q.ops[reader], *q.ops[w:reader], *q.ops[reader + 1 :]]
+    with pytest.raises(InFlightError, match=r"reads .* before the wait of the collective in flight"):
+        check_in_flight(early)
+    with pytest.raises(InFlightError, match="before the wait"):  # the executor checks what it plans
+        metaopt.Executor("cpu").plan_source(early)
+    missing = q.clone()
+    missing.ops = q.ops[:w]
+    with pytest.raises(InFlightError, match="never waited for"):
+        check_in_flight(missing)
+    partial = q.clone()  # a wait over some of the outputs only is no wait of that collective
+    partial.ops = list(q.ops)
+    partial.ops[w] = dataclasses.replace(q.ops[w], inputs=q.ops[w].inputs[:0])
+    with pytest.raises(InFlightError):
+        check_in_flight(partial)
