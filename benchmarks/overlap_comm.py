@@ -6,7 +6,7 @@ same program waiting for each where it starts; gloo workers, one table.
 Two workers (metaoptrun --nproc_per_node=2, one thread each), a BERT of `--layers` layers of
 width `--hidden` (seq `--seq`, `--batch` samples per worker), Adam, grads in buckets of
 `--bucket-mb` MB. One export, minimized once (overlap on, the default); the other program is the
-same with every AllReduceWait dropped and `overlap` off, so each all-reduce is waited for where it
+same with every CommWait dropped and `overlap` off, so each all-reduce is waited for where it
 starts (what the executor did before the overlap_comm step). Their steps run interleaved (after a
 barrier each), the first two not timed. Per mode: the median step time (the slower worker's per
 step), its ratio to the waiting program's, and the median time the workers spent waiting in
@@ -57,7 +57,7 @@ def _waiting_at_start(p: metaopt.Program) -> metaopt.Program:
     q.ops = [
         dataclasses.replace(op, attrs={k: v for k, v in op.attrs.items() if k != "overlap"})
         for op in p.ops
-        if op.type != "AllReduceWait"
+        if op.type != "CommWait"
     ]
     return q
 

@@ -1,31 +1,37 @@
-"""Overlap each bucket's all-reduce with the ops that follow it, as DDP does.
+"""Overlap each bucket's collective with the ops that follow it, as DDP (and DeepSpeed's
+``overlap_comm``) do.
 
     plan = plan_overlap_comm(program)       # the last rewrite of the grads (STEPS: after them all)
     program = apply_overlap_comm(program, plan)
 
 Data parallel puts each bucket's ``AllReduce`` right after the op finishing its last grad. A
-collective the executor waits for there holds the rest of the backward back until the bucket
-has travelled. Here such an op (a row with a `wait_op`: AllReduce) is started there and waited
-for right before the first op that reads one of its outputs, usually the optimizer's first
-update, so the rest of the backward runs while the workers exchange the bucket::
+collective the executor waits for there holds the rest of the backward back until the bucket has
+travelled. Here such an op (a row with a `wait_op`) is started there and waited for right before
+the first op that reads one of its outputs, usually the optimizer's first update of them, so the
+rest of the backward runs while the workers exchange the bucket::
 
-    fc3.weight@GRAD@REDUCED = AllReduce(fc3.weight@GRAD, overlap=1, reduce=avg)    # role=comm
+    fc3.weight@GRAD@REDUCED = AllReduce(fc3.weight@GRAD, reduce=avg, overlap=1)    # role=comm
     ...                                            # the backward of fc2, fc1: no reader of it
-    AllReduceWait(fc3.weight@GRAD@REDUCED)                                           # role=comm
-    fc3.weight@PARAM_OUT = SGDUpdate(fc3.weight, fc3.weight@GRAD@REDUCED, ...)
+    CommWait(fc3.weight@GRAD@REDUCED)                                                # role=comm
+    fc3.weight@NEW = SGDUpdate(fc3.weight, fc3.weight@GRAD@REDUCED, ...)
 
 Until its wait an output holds no value: nothing reads it before (`ops.in_flight.check_in_flight`,
-which the executor runs on every program it plans too). The values
-are the same bits as without the overlap (the same reduction, then the same division or cast).
-On CUDA the wait makes the compute stream wait for NCCL's; on CPU (gloo) the host waits for
-gloo's thread, which ran beside the ops in between.
+which the executor runs on every program it plans too). The values are the same bits as without
+the overlap (the same reduction, then the same division). The outputs are the buffer the workers
+exchange, so nothing lives longer than without the overlap. On CUDA the wait makes the compute
+stream wait for NCCL's; on CPU (gloo) the host waits for gloo's thread, which ran beside the ops
+in between.
 
 Not overlapped, each with its reason in the plan: a collective whose first reader is the next
-op (gradient merge's all-reduces, placed with the updates; AMP's found-inf sum), one not of
-role ``comm``, and the collectives of a pipeline stage program (its phases run as separate
-plans: a wait in another phase than its start could not find it). This runs after every pass
-that moves or adds readers of the reduced grads (unscaling, master weights, updates moved into
-the backward), so their first reader is known. The pass is pure.
+op (the last of gradient merge's all-reduces, all placed before the updates), one not of role
+``comm`` (AMP's found-inf sum, placed where its value is needed), one sending another dtype
+(fp16_allreduce: its narrow copy would live from the start to the wait beside the outputs,
+bytes the executor's accounting does not see), and the collectives of a pipeline stage program
+(its phases run as separate plans: a wait in another phase than its start could not find it).
+ZeRO's ``ReduceScatter`` is not left in flight either (its row has no `wait_op`): its input, the
+bucket's whole grads, would live until the wait, and stage 2 is there to free them at once.
+This runs after every pass that moves or adds readers of the reduced grads (unscaling, master
+weights, updates moved into the backward), so their first reader is known. The pass is pure.
 """
 
 from __future__ import annotations
@@ -79,6 +85,10 @@ def plan_overlap_comm(p: Program) -> OverlapPlan:
             continue
         if op.role != "comm":
             plan.skipped.append((op.outputs[0], f"role {op.role}: placed where its value is needed"))
+            continue
+        if op.attrs.get("comm_dtype"):
+            why = "sends another dtype: its narrow copy would live untracked until the wait"
+            plan.skipped.append((op.outputs[0], why))
             continue
         at = min(
             (first_reader[o] for o in op.outputs if o in first_reader and first_reader[o] > i), default=None

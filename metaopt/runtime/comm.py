@@ -167,17 +167,19 @@ def _fmt(expected: tuple[int | None, ...]) -> str:
 
 @dataclass
 class _InFlight:
-    """A started all-reduce: its work, what it is (for errors), the buffer it sends (and holds its
-    result), the wide buffer the result is cast back into (None: `sent` is the result), gloo's
-    references to await, and whether to divide by `n` at the end."""
+    """A collective left in flight: what it is (for errors), the tensors it holds (each a tensor
+    of its own over its buffer's storage: the results are views of the buffer, and a view holds a
+    reference to its base's Python object, so gloo's hold is counted apart), the group's size,
+    and what `finish` does after the wait: divide ``sent[divide]`` by `n`, or cast ``sent[0]``
+    into `into` (fp16_allreduce's wide result)."""
 
-    work: object
     what: str
-    sent: torch.Tensor | None
-    into: torch.Tensor | None
-    references: object
-    divide: bool
+    sent: list[torch.Tensor]
     n: int
+    divide: int | None = None
+    into: torch.Tensor | None = None
+    work: object = None
+    references: list[int] | None = None
 
 
 def _views(flat: torch.Tensor, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -223,7 +225,7 @@ class Communicator:
         self._per_step = 0  # messages per edge in a pipeline step (one per micro-batch)
         self._received: dict[tuple[int, str], int] = {}  # this step's, per (peer, var)
         self._posted: dict[tuple[int, str], tuple[object, torch.Tensor, int]] = {}  # work, buffer, tag
-        self._in_flight: dict[int, _InFlight] = {}  # overlapped all-reduces, by their results' storage
+        self._in_flight: dict[int, _InFlight] = {}  # collectives left in flight, by their results' storage
 
     def start_run(self) -> None:
         # a run that raised between an AllReduce and its wait leaves it behind: the job's
@@ -251,7 +253,7 @@ class Communicator:
         the scaled values stays in the narrow type's range) and the result is cast back.
 
         `overlap`: returns as soon as the collective is started; the tensors returned hold their
-        values only after `finish_all_reduce` of them (the AllReduceWait op before their first
+        values only after `finish` of them (the CommWait op before their first
         reader), so the ops in between run while the workers exchange the bucket."""
         if reduce not in _REDUCTIONS:
             raise ValueError(f"AllReduce: reduce must be one of {_REDUCTIONS}, got {reduce!r}")
@@ -270,44 +272,44 @@ class Communicator:
             elif reduce == "avg":
                 flat.div_(n)
             return _views(flat, xs)
-        # What travels is a tensor of its own over `flat`'s storage: the results are views of
-        # `flat`, and a view holds a reference to its base's Python object, so gloo's hold on
-        # what it sends is counted apart. Its one holder now (`sent`) is the flight at the wait.
-        sent = flat.detach()
-        before = references([sent]) if self.backend == "gloo" else None
-        work = initialized_dist().all_reduce(sent, group=group, async_op=True)
+        # What travels is a tensor of its own over `flat`'s storage (`_InFlight.sent`)
         into = None if wide is None else torch.empty(flat.shape, dtype=wide, device=flat.device)
+        flight = _InFlight(what, [flat.detach()], n, divide=0 if reduce == "avg" and wide is None else None)
+        flight.into = into
+        self._start(flight, lambda dist, sent: dist.all_reduce(sent[0], group=group, async_op=True))
         out = flat if into is None else into
-        flight = _InFlight(work, what, sent, into, before, reduce == "avg" and wide is None, n)
-        del sent
         self._in_flight[out.untyped_storage().data_ptr()] = flight
         return _views(out, xs)
 
-    def finish_all_reduce(self, outs: Sequence[torch.Tensor], what: str) -> None:
-        """Wait for the overlapped all-reduce whose results `outs` are (see `all_reduce`)."""
+    def finish(self, outs: Sequence[torch.Tensor], what: str) -> None:
+        """Wait for the collective left in flight whose results `outs` are (``overlap``)."""
         flight = self._in_flight.pop(outs[0].untyped_storage().data_ptr(), None) if outs else None
         if flight is None:
-            raise CommError(f"{what}: no all-reduce of these values is in flight (started by an AllReduce)")
-        if flight.work is not None:
-            self._finish(flight)  # the flight is the sent buffer's one holder here (`all_reduce`)
+            raise CommError(f"{what}: no collective making these values is in flight")
+        if flight.work is None:
+            return  # a group of one (`done_without_comm`)
+        work, flight.work = flight.work, None  # the work holds the buffers too: let go before the count
+        self._wait(work, flight.what, flight.sent[0])
+        del work
+        if flight.references is not None:
+            await_release(flight.sent, flight.references)
+        if flight.into is not None:
+            flight.into.copy_(flight.sent[0])  # the narrow type's values, exactly, in the wide one
+        elif flight.divide is not None:
+            flight.sent[flight.divide].div_(flight.n)
 
     def done_without_comm(self, outs: Sequence[torch.Tensor]) -> None:
-        """`outs` (an overlapped AllReduce's, over a group of one) are final already: their
-        AllReduceWait has nothing to wait for."""
-        self._in_flight[outs[0].untyped_storage().data_ptr()] = _InFlight(
-            None, "", None, None, None, False, 1
-        )
+        """`outs` (an overlapped collective's, over a group of one) are final already: their
+        CommWait has nothing to wait for."""
+        self._in_flight[outs[0].untyped_storage().data_ptr()] = _InFlight("", [], 1)
 
-    def _finish(self, f: _InFlight) -> None:
-        work, f.work = f.work, None  # the work holds the buffer too: let go of it before the count
-        self._wait(work, f.what, f.sent)
-        del work
-        if f.references is not None:
-            await_release([f.sent], f.references)
-        if f.into is not None:
-            f.into.copy_(f.sent)  # the narrow type's values, exactly, in the wide one
-        elif f.divide:
-            f.sent.div_(f.n)
+    def _start(self, flight: _InFlight, start) -> None:
+        """Start `flight`'s collective (`start(dist, flight.sent)` returns its work). On gloo,
+        the references its tensors have now are what `finish` waits to see again: the flight's
+        list is their one holder, here as at the wait."""
+        if self.backend == "gloo":
+            flight.references = references(flight.sent)
+        flight.work = start(initialized_dist(), flight.sent)
 
     def reduce_scatter(
         self, flat: torch.Tensor, reduce: str, what: str, ranks: Sequence[int] | None = None

@@ -61,7 +61,7 @@ def train_case(name: str, mode: str, rank: int, world: int) -> dict:
         main.ops = [
             dataclasses.replace(op, attrs={k: v for k, v in op.attrs.items() if k != "overlap"})
             for op in main.ops
-            if op.type != "AllReduceWait"
+            if op.type != "CommWait"
         ]
     exe = metaopt.Executor("cpu")
     reduces = _count_all_reduces(exe)

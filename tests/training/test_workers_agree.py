@@ -47,7 +47,8 @@ def _minimize_seconds(out: str, rank: int) -> float:
         ("bucket", "op 13 (AllReduce -> 'fc3.weight@GRAD@REDUCED') (rank 0 has op 13 (ReduceSum -> "
                    "'fc3.bias@GRAD') there): rank 0 has `fc3.bias@GRAD = ReduceSum(fc3@GRAD, grad_const_1, "
                    "keepdims=0)  # role=backward scope=fc3 origin=fc3`, rank 1 has "
-                   "`fc3.weight@GRAD@REDUCED = AllReduce(fc3.weight@GRAD, reduce=avg, overlap=1)  # role=comm`"),
+                   "`fc3.weight@GRAD@REDUCED = AllReduce(fc3.weight@GRAD, reduce=avg, overlap=1)  "
+                   "# role=comm`"),
         ("pipeline", "stage 0's var 'fc1.weight': rank 0 has `fc1.weight: float32[32,16] param`, "
                      "rank 1 has `fc1.weight: float32[48,16] param`"),
     ],

@@ -12,7 +12,7 @@ from metaopt.ops.registry import register, register_collective
     "AllReduce",
     fresh_outputs=True,
     recomputable=False,
-    wait_op="AllReduceWait",
+    wait_op="CommWait",
     notes="outputs = inputs reduced over every worker, one fused buffer per op (a bucket)",
 )
 def all_reduce(
@@ -30,7 +30,7 @@ def all_reduce(
     worker's data-parallel group of fleet.init's hybrid layout (dp x mp); neither: every worker.
     ``avg`` divides by the group's size. `comm_dtype` ("float16", Fleet's fp16_allreduce): the
     grads travel in that dtype (runtime/comm.py: divided first, cast back after). ``overlap=1``
-    (passes/overlap_comm.py): the outputs are in flight until the ``AllReduceWait`` of them."""
+    (passes/overlap_comm.py): the outputs are in flight until the ``CommWait`` of them."""
     if group not in (None, "data_parallel"):
         raise ValueError(f"AllReduce: group must be 'data_parallel' or absent, got {group!r}")
     if ranks is not None and _rt.pipeline is None:
@@ -49,12 +49,14 @@ def all_reduce(
     return tuple(_rt.comm.all_reduce(xs, reduce, what, ranks, dtype, overlap=bool(overlap)))
 
 
-@register("AllReduceWait", domain="metaopt", needs_runtime=True, recomputable=False)
-def all_reduce_wait(*xs: torch.Tensor, _rt, _key: str) -> None:
-    """The overlapped AllReduce (``overlap=1``) that made `xs` is finished here: right before
-    their first reader, so the ops since the AllReduce ran while the bucket travelled (on CUDA,
-    the compute stream waits for NCCL's; on gloo, the host waits for its thread)."""
-    _rt.comm.finish_all_reduce(xs, f"AllReduceWait of {_key}")
+@register("CommWait", domain="metaopt", needs_runtime=True, recomputable=False)
+def comm_wait(*xs: torch.Tensor, _rt, _key: str) -> None:
+    """The collective left in flight (``overlap=1``: an AllReduce) that makes `xs` is
+    finished here, right before their first reader: the ops since it started ran while its data
+    travelled (on CUDA the compute stream waits for NCCL's; on gloo the host waits for its
+    thread). It writes the results into `xs` (the average's division, a cast back), which nothing
+    read before."""
+    _rt.comm.finish(xs, f"CommWait of {_key}")
 
 
 def hybrid_ranks(axis: str, op: str) -> list[int]:
