@@ -21,13 +21,11 @@ import dataclasses
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
-from common import RESULTS, machine
+from common import RESULTS, bert_config, launch_workers, machine, worker_flags, worker_results
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
@@ -37,18 +35,7 @@ import programs  # noqa: E402
 from metaopt import fleet  # noqa: E402
 
 MODES = ("wait at start", "overlapped")
-
-
-def _cfg(args: argparse.Namespace) -> dict:
-    h = args.hidden
-    return {
-        "hidden_size": h,
-        "num_layers": args.layers,
-        "num_heads": max(1, h // 64),
-        "intermediate_size": 4 * h,
-        "seq_len": args.seq,
-        "dropout": 0.0,
-    }
+FLAGS = ("layers", "hidden", "seq", "batch", "steps", "bucket-mb")  # what the workers are given
 
 
 def _waiting_at_start(p: metaopt.Program) -> metaopt.Program:
@@ -63,7 +50,7 @@ def _waiting_at_start(p: metaopt.Program) -> metaopt.Program:
 
 
 def worker(args: argparse.Namespace) -> None:
-    bert, cfg = programs.get("bert"), _cfg(args)
+    bert, cfg = programs.get("bert"), bert_config(args.hidden, args.layers, args.seq)
     fleet.init(is_collective=True)
     rank = fleet.worker_index()
     main = metaopt.export(
@@ -98,27 +85,8 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def launch(args: argparse.Namespace, out: str) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "metaopt.launch",
-        "--nproc_per_node=2",
-        f"--log_dir={os.path.join(out, 'log')}",
-        os.path.abspath(__file__),
-        "--worker",
-        f"--out={out}",
-        f"--layers={args.layers}",
-        f"--hidden={args.hidden}",
-        f"--seq={args.seq}",
-        f"--batch={args.batch}",
-        f"--steps={args.steps}",
-        f"--bucket-mb={args.bucket_mb}",
-    ]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    env["CUDA_VISIBLE_DEVICES"], env["OMP_NUM_THREADS"] = "", "1"
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if done.returncode:
-        sys.exit(f"metaoptrun --nproc_per_node=2 failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    flags = [f"--{k}={getattr(args, k.replace('-', '_'))}" for k in FLAGS]
+    launch_workers(__file__, 2, out, flags)
 
 
 def rows(ranks: list[dict]) -> list[dict]:
@@ -148,15 +116,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8, help="samples per worker")
     ap.add_argument("--bucket-mb", type=int, default=1, help="strategy.fuse_grad_size_in_MB")
     ap.add_argument("--json", default=os.path.join(RESULTS, "overlap_comm.json"))
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
+    worker_flags(ap)
     args = ap.parse_args()
     if args.worker:
         worker(args)
         return
-    out = tempfile.mkdtemp(prefix="overlap_comm_")
-    launch(args, out)
-    ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
+    _, ranks = worker_results(launch, args, "overlap_comm_")
     for r in ranks:  # the same bits: the overlap moves only where the host waits
         assert [s["loss"] for s in r["overlapped"]] == [s["loss"] for s in r["wait at start"]]
     table = rows(ranks)

@@ -36,7 +36,7 @@ import tempfile
 import time
 
 import torch
-from common import RESULTS, machine
+from common import RESULTS, bert_config, machine
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
@@ -101,23 +101,10 @@ def run_one(cfg: dict, schedule: str, m: int, mbs: int, steps: int, device: str,
     }
 
 
-def _overhead_cfg(args: argparse.Namespace) -> dict:
-    h = args.ovh_hidden
-    return {
-        "hidden_size": h,
-        "num_layers": args.ovh_layers,
-        "num_heads": max(1, h // 64),
-        "intermediate_size": 4 * h,
-        "seq_len": args.ovh_seq,
-        "vocab_size": 1000,
-        "dropout": 0.0,
-    }
-
-
 def overhead_worker(args: argparse.Namespace) -> dict:
     """This worker's step profiles (2 stages, 1F1B, `--ovh-m` micro-batches) under each
     protocol mode: per step its wall time, per-action compute, waits and the rest."""
-    bert, cfg = programs.get("bert"), _overhead_cfg(args)
+    bert, cfg = programs.get("bert"), bert_config(args.ovh_hidden, args.ovh_layers, args.ovh_seq, 1000)
     model = bert.build("base", seed=0, **cfg)
     base = metaopt.export(model, bert.example_inputs("base", 2, **cfg), name="bert")
     out = {}
@@ -194,7 +181,7 @@ def overhead_rows(ranks: list[dict], m: int) -> list[dict]:
 
 
 def print_overhead(rows: list[dict], args: argparse.Namespace) -> None:
-    c = _overhead_cfg(args)
+    c = bert_config(args.ovh_hidden, args.ovh_layers, args.ovh_seq, 1000)
     print(
         f"\ncommunication overhead: bert width {c['hidden_size']}, {c['num_layers']} layers, seq "
         f"{c['seq_len']}, 2 stages 1F1B, {args.ovh_m} micro-batches of {args.ovh_mbs}, {args.device}; "

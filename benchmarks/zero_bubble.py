@@ -24,13 +24,11 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
-from common import RESULTS, machine
+from common import RESULTS, bert_config, launch_workers, machine, worker_flags, worker_results
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
@@ -44,21 +42,8 @@ from metaopt.runtime.schedules import simulate  # noqa: E402
 SCHEDULES = ("1F1B", "ZBH1")
 
 
-def _cfg(args: argparse.Namespace) -> dict:
-    h = args.hidden
-    return {
-        "hidden_size": h,
-        "num_layers": args.layers,
-        "num_heads": max(1, h // 64),
-        "intermediate_size": 4 * h,
-        "seq_len": args.seq,
-        "vocab_size": 1000,
-        "dropout": 0.0,
-    }
-
-
 def worker(args: argparse.Namespace) -> None:
-    bert, cfg = programs.get("bert"), _cfg(args)
+    bert, cfg = programs.get("bert"), bert_config(args.hidden, args.layers, args.seq, vocab_size=1000)
     fleet.init(is_collective=True)
     rank = fleet.worker_index()
     base = metaopt.export(
@@ -101,28 +86,9 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def launch(args: argparse.Namespace, out: str) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "metaopt.launch",
-        "--nproc_per_node=2",
-        f"--log_dir={os.path.join(out, 'log')}",
-        os.path.abspath(__file__),
-        "--worker",
-        f"--out={out}",
-        f"--layers={args.layers}",
-        f"--hidden={args.hidden}",
-        f"--seq={args.seq}",
-        f"--mbs={args.mbs}",
-        f"--steps={args.steps}",
-        "--m",
-        *[str(m) for m in args.m],
-    ]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    env["CUDA_VISIBLE_DEVICES"], env["OMP_NUM_THREADS"] = "", "1"
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if done.returncode:
-        sys.exit(f"metaoptrun --nproc_per_node=2 failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    flags = [f"--layers={args.layers}", f"--hidden={args.hidden}", f"--seq={args.seq}"]
+    flags += [f"--mbs={args.mbs}", f"--steps={args.steps}", "--m", *[str(m) for m in args.m]]
+    launch_workers(__file__, 2, out, flags)
 
 
 def rows(ranks: list[dict], m: int) -> list[dict]:
@@ -188,15 +154,12 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--mbs", type=int, default=4, help="samples per micro-batch")
     ap.add_argument("--json", default=os.path.join(RESULTS, "zero_bubble.json"))
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
+    worker_flags(ap)
     args = ap.parse_args()
     if args.worker:
         worker(args)
         return
-    out = tempfile.mkdtemp(prefix="zero_bubble_")
-    launch(args, out)
-    ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
+    out, ranks = worker_results(launch, args, "zero_bubble_")
     table = [row for m in args.m for row in rows(ranks, m)]
     where = machine(torch.device("cpu"))["device"]
     print(

@@ -1048,7 +1048,7 @@ def _overlap_on(ctx: Context) -> tuple[bool, str]:
         return False, why
     if ctx.strategy.pipeline:
         return False, "strategy.pipeline=True: a stage program's phases run as separate plans"
-    return True, "data parallel: each bucket's all-reduce runs beside the rest of the backward (as DDP)"
+    return True, "data parallel: all-reduces run beside the rest of the backward where they can (as DDP)"
 
 
 def _overlap_plan(p: Program, ctx: Context) -> PartPlans:

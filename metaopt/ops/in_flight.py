@@ -14,11 +14,23 @@ class InFlightError(ValueError):
     pass
 
 
+def wait_ops() -> set[str]:
+    """The op types that finish a collective left in flight (rows' `wait_op`)."""
+    return {row.wait_op for row in registry.table().values() if row.wait_op}
+
+
+def is_wait(op: Op) -> bool:
+    return op.type in wait_ops()
+
+
 def check_in_flight(p: Program) -> None:
     """Every collective left in flight is waited for once, over all its outputs, before any
     other op reads one of them; refused naming the ops otherwise."""
+    waits = wait_ops()
     in_flight: dict[str, Op] = {}
     for op in p.ops:
+        if op.type in waits and not any(x in in_flight for x in op.inputs):
+            raise InFlightError(f"{fmt_op(op)} waits for no collective in flight (none has overlap=1)")
         early = [x for x in op.inputs if x in in_flight]
         if early:
             start = in_flight[early[0]]

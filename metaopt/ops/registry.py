@@ -78,7 +78,8 @@ class OpDef:
     inplace: tuple[tuple[int, int], ...] = ()
     # The op can leave its collective in flight (attr ``overlap=1``): its outputs hold their values
     # only after an op of this type reads them all (passes/overlap_comm.py puts it before their first
-    # reader, so the ops in between overlap the communication).
+    # reader, so the ops in between overlap the communication). That op finishes them in place (the
+    # average's division): the one kernel that writes inputs, which nothing has read yet.
     wait_op: str | None = None
     # The op writes its inputs in place and has no outputs: startup ops only (Broadcast of the
     # initial params), which the executor runs once, before the program's first run (ir/roles.py).

@@ -39,9 +39,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from metaopt.ir import Op, Program
+from metaopt.ir import Op, Program, roles
 from metaopt.ops import registry
-from metaopt.ops.in_flight import check_in_flight
+from metaopt.ops.in_flight import check_in_flight, is_wait
 from metaopt.passes.driver import plan_text
 
 
@@ -90,11 +90,17 @@ def plan_overlap_comm(p: Program) -> OverlapPlan:
             why = "sends another dtype: its narrow copy would live untracked until the wait"
             plan.skipped.append((op.outputs[0], why))
             continue
-        at = min(
-            (first_reader[o] for o in op.outputs if o in first_reader and first_reader[o] > i), default=None
-        )
-        if at is None:
-            at = len(p.ops)
+        if op.attrs.get("overlap"):
+            plan.skipped.append((op.outputs[0], "left in flight already"))
+            continue
+        # SSA: an output's readers all follow its op; unread, it is waited for at the end (a fetch)
+        at = min((first_reader[o] for o in op.outputs if o in first_reader), default=len(p.ops))
+        # not inside a run of updates: the executor runs consecutive updates as one multi-tensor
+        # call (runtime/plan.py), which a wait between them would cut; before the waits already
+        # there too, so a second application finds what the first left
+        if at < len(p.ops) and roles.is_update(p.ops[at].role):
+            while at - 1 > i and (roles.is_update(p.ops[at - 1].role) or is_wait(p.ops[at - 1])):
+                at -= 1
         if at == i + 1:
             plan.skipped.append((op.outputs[0], "read by the next op: nothing to overlap"))
             continue

@@ -45,6 +45,7 @@ the job must be restarted.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import sys
 import time
@@ -80,6 +81,7 @@ _REJECT_WAIT_S = 10.0
 _HEADER_LEN = 3 + _MAX_DIMS  # name hash, dtype code, ndim, dims
 CHECK_ENV = "METAOPT_PIPELINE_CHECK"
 _HEADER_TAG = 0  # headers and refusals: one first-in first-out stream per link
+logger = logging.getLogger("metaopt.runtime")
 _SIGNATURE_TAG = 2  # step signatures; data tags are odd (`_data_tag`)
 _SIG_LEN = 3 + _MAX_DIMS  # check switch, names' hash, number of dims, dims
 
@@ -205,7 +207,7 @@ class Communicator:
                 f"the process group uses NCCL but the executor runs on {device}: use a CUDA place"
             )
         self.timeout = timeout()
-        self.seconds = 0.0  # time spent in collectives in the last run
+        self.seconds = 0.0  # time the last run waited for collectives (an overlapped one: at its wait)
         self.bytes = 0  # bytes all-reduced in the last run
         self.messages = 0  # pipeline messages sent and received in the last run
         self.headers = 0  # of them with a header
@@ -228,9 +230,8 @@ class Communicator:
         self._in_flight: dict[int, _InFlight] = {}  # collectives left in flight, by their results' storage
 
     def start_run(self) -> None:
-        # a run that raised between an AllReduce and its wait leaves it behind: the job's
-        # collectives no longer match, and this run's errors say so
-        self._in_flight.clear()
+        if self._in_flight:  # the executor abandons them when a run raises; anything else left
+            self.abandon()
         self.seconds = 0.0
         self.bytes = 0
         self.messages = 0
@@ -297,6 +298,31 @@ class Communicator:
             flight.into.copy_(flight.sent[0])  # the narrow type's values, exactly, in the wide one
         elif flight.divide is not None:
             flight.sent[flight.divide].div_(flight.n)
+
+    @property
+    def in_flight(self) -> int:
+        """How many collectives are left in flight (``overlap``), waiting for their CommWait."""
+        return len(self._in_flight)
+
+    def abandon(self) -> None:
+        """A run raised between collectives' starts and their waits: wait for each left in
+        flight (the peers start it too, or it fails within the timeout), so that gloo's thread
+        lets go of its buffers before the process may exit (its abort otherwise:
+        layout/groups.py), then forget them. Errors here would hide the run's own: ignored."""
+        flights, self._in_flight = list(self._in_flight.values()), {}
+        for f in flights:
+            if f.work is None:
+                continue
+            work, f.work = f.work, None
+            try:
+                work.wait(self.timeout) if self.backend == "gloo" else work.wait()
+            except Exception:  # noqa: BLE001, S110 - the run's own error is the one to see
+                pass
+            del work
+            if f.references is not None:
+                await_release(f.sent, f.references)
+        if flights:
+            logger.warning("a run raised with %d collective(s) in flight: waited for them", len(flights))
 
     def done_without_comm(self, outs: Sequence[torch.Tensor]) -> None:
         """`outs` (an overlapped collective's, over a group of one) are final already: their

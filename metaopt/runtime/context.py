@@ -28,3 +28,8 @@ class Runtime:
         self.copies.start_run()
         if self._comm is not None:
             self._comm.start_run()
+
+    def abandon_collectives(self) -> None:
+        """A run raised: finish what it left in flight (`Communicator.abandon`)."""
+        if self._comm is not None and self._comm.in_flight:
+            self._comm.abandon()

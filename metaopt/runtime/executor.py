@@ -153,6 +153,9 @@ class Executor:
         feeds.update(carried)
         try:  # an error inside the plan is re-raised naming its op (see `Plan.run`)
             return plan.run(self.scope, feeds, self._tracker)
+        except BaseException:
+            self.runtime.abandon_collectives()
+            raise
         finally:
             self._tracker.end_run()
 

@@ -95,7 +95,8 @@ def test_dp2_x_mp2_through_fleet_equals_one_process_on_the_full_batch(tmp_path):
     assert "over the 2 workers of each data-parallel group" in ranks[0]["dp_plan"]
     # left in flight (passes/overlap_comm.py) and waited for before the updates read the grads
     assert "AllReduce [('group', 'data_parallel'), ('overlap', 1), ('reduce', 'avg')]" in ranks[0]["ops"]
-    assert "CommWait []" in ranks[0]["ops"]
+    assert "CommWait []" in ranks[0]["ops"]  # each before the updates that read its grad
+    assert "AllReduce [('group', 'data_parallel'), ('reduce', 'avg')]" in ranks[0]["ops"]  # the last
     _check_params(ranks[:2])
     for a, b in ((0, 2), (1, 3)):  # the two replicas of each MP rank: bitwise equal
         for k, t in ranks[a]["params"].items():

@@ -11,6 +11,7 @@ import pytest
 
 import metaopt
 import programs
+from metaopt.ir import roles
 from metaopt.ops.in_flight import InFlightError, check_in_flight
 from metaopt.passes.data_parallel import data_parallel
 from metaopt.passes.overlap_comm import apply_overlap_comm, plan_overlap_comm
@@ -29,15 +30,26 @@ def test_each_wait_comes_right_before_the_first_reader_of_its_outputs():
     q = apply_overlap_comm(p, plan)
     metaopt.verify(q)
     starts = [i for i, op in enumerate(q.ops) if op.attrs.get("overlap")]
-    assert len(starts) == len(plan.overlaps) == 6  # 6 grads, a bucket each
+    # 6 grads, a bucket each; the last one's updates follow it at once
+    assert len(starts) == len(plan.overlaps) == 5
+    assert plan.skipped == [("fc1.bias@GRAD@REDUCED", "read by the next op: nothing to overlap")]
     for i in starts:
         outs = q.ops[i].outputs
         (w,) = [j for j, op in enumerate(q.ops) if op.type == "CommWait" and op.inputs == outs]
         first = min(j for j, op in enumerate(q.ops) if j != w and set(op.inputs) & set(outs))
-        assert i < w < first and all(op.type == "CommWait" for op in q.ops[w:first])
+        # right before the first reader, or before the run of updates it is in
+        between = q.ops[w:first]
+        assert i < w < first and all(op.type == "CommWait" or roles.is_update(op.role) for op in between)
     # the backward went on while the first buckets travelled
     assert any(op.role == "backward" for op in q.ops[starts[0] + 1 : starts[-1]])
-    assert str(plan).startswith("overlap_comm: 6 collective(s) left in flight")
+    assert str(plan).startswith("overlap_comm: 5 collective(s) left in flight")
+    # the updates stay one run: the executor makes consecutive updates one multi-tensor call
+    updates = [j for j, op in enumerate(q.ops) if op.role == "optimize"]
+    assert updates == list(range(updates[0], updates[-1] + 1)) and len(updates) == 6
+    # a second application leaves what is in flight as it is
+    again = plan_overlap_comm(q)
+    assert not again.overlaps and len(again.skipped) == 6
+    assert sum(why == "left in flight already" for _, why in again.skipped) == 5
 
 
 def test_overlap_comm_golden(golden):
@@ -52,7 +64,7 @@ def test_a_collective_not_of_role_comm_or_sending_float16_is_left_where_it_is():
     p.ops[k] = dataclasses.replace(p.ops[k], role="optimize")
     plan = plan_overlap_comm(p)
     assert (p.ops[k].outputs[0], "role optimize: placed where its value is needed") in plan.skipped
-    assert k not in [o.start for o in plan.overlaps] and len(plan.overlaps) == 5
+    assert k not in [o.start for o in plan.overlaps] and len(plan.overlaps) == 4
     # fp16_allreduce's narrow copy would live, unaccounted, from the start to the wait
     j = next(i for i, op in enumerate(p.ops) if op.type == "AllReduce" and i != k)
     p.ops[j] = dataclasses.replace(p.ops[j], attrs={**p.ops[j].attrs, "comm_dtype": "float16"})
@@ -74,6 +86,10 @@ def test_a_reader_before_the_wait_or_a_missing_wait_is_refused_naming_the_op():
     missing.ops = q.ops[:w]
     with pytest.raises(InFlightError, match="never waited for"):
         check_in_flight(missing)
+    stray = q.clone()  # a wait of values no collective left in flight
+    stray.ops = [dataclasses.replace(op, attrs={}) if op.attrs.get("overlap") else op for op in q.ops]
+    with pytest.raises(InFlightError, match="waits for no collective in flight"):
+        check_in_flight(stray)
     partial = q.clone()  # a wait over some of the outputs only is no wait of that collective
     partial.ops = list(q.ops)
     partial.ops[w] = dataclasses.replace(q.ops[w], inputs=q.ops[w].inputs[:0])

@@ -28,6 +28,8 @@ def strategy(dp: int, mp: int, sharding: int = 1, stage: int = 1) -> fleet.Distr
     s.hybrid_configs = {"dp_degree": dp, "mp_degree": mp, "sharding_degree": sharding}
     s.tensor_parallel = True
     s.tensor_parallel_configs = {"column": tp_worker.COLUMN[NAME], "row": tp_worker.ROW[NAME]}
+    if sharding == 1:  # a data-parallel all-reduce per grad: all but the last left in flight
+        s.fuse_all_reduce_ops = False
     if sharding > 1:
         s.sharding = True
         s.sharding_configs = {"stage": stage, "segment_broadcast_MB": 0.01}
