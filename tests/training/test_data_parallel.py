@@ -131,6 +131,17 @@ def test_data_parallel_golden(golden):
     golden("data_parallel/mlp", str(data_parallel(main, grads=grads, world_size=2, bucket_bytes=600)))
 
 
+def test_a_run_raising_with_all_reduces_in_flight_waits_for_them_and_training_goes_on():
+    """Both workers run a copy of the program that raises right after an all-reduce left in
+    flight: the executor waits for it (logged), nothing stays in flight, the next two steps of
+    the real program equal two steps without the failed run, and both exit 0 (no gloo abort)."""
+    procs = start_workers(2, [str(HERE / "dp_fault_worker.py"), "raise"], {"METAOPT_COMM_TIMEOUT": "20"})
+    logs = wait_workers(procs, "data-parallel", 120)
+    for rank, log in enumerate(logs):
+        assert "a run raised with 1 collective(s) in flight: waited for them" in log, log[-2000:]
+        assert f"rank {rank} raised mid-flight, then trained as without it" in log, log[-2000:]
+
+
 @pytest.mark.parametrize("mode", ["die", "stall"])
 def test_a_lost_peer_fails_the_all_reduce_within_the_timeout(mode):
     """Rank 1 exits (or stalls) before step 1; rank 0's AllReduce must raise the
