@@ -67,6 +67,8 @@ from metaopt.layout.groups import (  # noqa: F401 - CommError and DEFAULT_TIMEOU
     timeout,
 )
 
+logger = logging.getLogger("metaopt.runtime")
+
 _REDUCTIONS = ("avg", "sum")
 
 
@@ -81,7 +83,6 @@ _REJECT_WAIT_S = 10.0
 _HEADER_LEN = 3 + _MAX_DIMS  # name hash, dtype code, ndim, dims
 CHECK_ENV = "METAOPT_PIPELINE_CHECK"
 _HEADER_TAG = 0  # headers and refusals: one first-in first-out stream per link
-logger = logging.getLogger("metaopt.runtime")
 _SIGNATURE_TAG = 2  # step signatures; data tags are odd (`_data_tag`)
 _SIG_LEN = 3 + _MAX_DIMS  # check switch, names' hash, number of dims, dims
 
@@ -315,8 +316,11 @@ class Communicator:
                 continue
             work, f.work = f.work, None
             try:
-                work.wait(self.timeout) if self.backend == "gloo" else work.wait()
-            except Exception:  # noqa: BLE001, S110 - the run's own error is the one to see
+                if self.backend == "gloo":
+                    work.wait(self.timeout)
+                else:
+                    work.wait()
+            except Exception:  # noqa: BLE001 - the run's own error is the one to see
                 pass
             del work
             if f.references is not None:
