@@ -1,20 +1,23 @@
-"""Zero-bubble pipelines: ZB-H1 against 1F1B, measured on gloo workers, one table.
+"""Zero-bubble pipelines: ZB-H1 and ZB-V against 1F1B, measured on gloo workers, one table.
 
     python benchmarks/zero_bubble.py [--m 4 8] [--steps 15] [--json out.json]
 
 Two workers (metaoptrun --nproc_per_node=2, one thread each), a BERT of `--layers` layers of
 width `--hidden` (seq `--seq`, a 1000-token vocabulary so the last stage's head does not dwarf
-the layers) cut into 2 equal stages, `--mbs` samples per micro-batch, Adam. For each m both
-schedules are minimized from one export and their steps run interleaved (1F1B, ZB-H1, 1F1B, ...
-after a barrier each), so the machine's drift falls on both alike; the first two steps of each
-(plans built, edges verified) are not timed. Per schedule and m: the median step time (the
-slower worker's), its ratio to 1F1B's, each worker's measured bubble (1 - its actions' compute
-over the step) beside the simulator's ideal from the measured per-action means (F, B, W; for
-1F1B B is the whole backward), and each worker's peak bytes (executor accounting). A second
-table simulates F-then-B, 1F1B, ZB-H1 and ZB-V at p = 2, 4 and m = 4, 8, 16 (4 workers do not fit 2
-cores: simulated only). The last
-step of each schedule and m is drawn (`metaopt.schedule_picture`) under
-results/zero_bubble_pictures/.
+the layers), `--mbs` samples per micro-batch, Adam. 1F1B and ZB-H1 cut it into 2 equal stages
+(at the middle layer); ZB-V into 4 chunks (at layers L/4, L/2, 3L/4: 1, 2, 3 of 4), two per
+worker in a V (worker 0: chunks 0 and 3, worker 1: chunks 1 and 2). For each m the three
+schedules are minimized from one export and their steps run interleaved (1F1B, ZB-H1, ZB-V,
+then rotated by one each step, after a barrier each), so the machine's drift falls on all
+alike; the first two steps of each (plans built, edges verified) are not timed. Per schedule
+and m: the median step time (the slower worker's), its ratio to 1F1B's, each worker's measured
+bubble (1 - its actions' compute over the step) beside the simulator's ideal from the measured
+per-action means (F, B, W; for 1F1B B is the whole backward; for ZB-V a worker's cost is 2 x
+its mean per-chunk action, the simulator's per-worker share, which it splits evenly over the
+two chunks), and each worker's peak bytes (executor accounting). A second table simulates
+F-then-B, 1F1B, ZB-H1 and ZB-V at p = 2, 4 and m = 4, 8, 16 (4 workers do not fit 2 cores:
+simulated only). ZB-V needs m to be a multiple of the workers (2). The last step of each
+schedule and m is drawn (`metaopt.schedule_picture`) under results/zero_bubble_pictures/.
 """
 
 from __future__ import annotations
@@ -37,9 +40,15 @@ import metaopt  # noqa: E402
 import programs  # noqa: E402
 from metaopt import fleet  # noqa: E402
 from metaopt.runtime.pipeline import last_step_profile  # noqa: E402
-from metaopt.runtime.schedules import simulate  # noqa: E402
+from metaopt.runtime.schedules import V_CHUNKS, simulate  # noqa: E402
 
-SCHEDULES = ("1F1B", "ZBH1")
+SCHEDULES = ("1F1B", "ZBH1", "ZBV")
+
+
+def cuts(schedule: str, layers: int) -> list[str]:
+    """Where each (virtual) stage begins: 2 stages at the middle layer; ZB-V 4 chunks at L/4, L/2, 3L/4."""
+    n = 2 * V_CHUNKS if schedule == "ZBV" else 2
+    return [f"bert.encoder.layer.{layers * k // n}" for k in range(1, n)]
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -56,14 +65,18 @@ def worker(args: argparse.Namespace) -> None:
             main = base.clone()
             s = fleet.DistributedStrategy()
             s.pipeline = True
-            cut = f"bert.encoder.layer.{args.layers // 2}"
-            s.pipeline_configs = {"accumulate_steps": m, "schedule_mode": schedule, "cuts": [cut]}
+            s.pipeline_configs = {
+                "accumulate_steps": m,
+                "schedule_mode": schedule,
+                "cuts": cuts(schedule, args.layers),
+            }
             fleet.distributed_optimizer(metaopt.optimizer.Adam(learning_rate=1e-4), s).minimize(main.loss)
             runs[schedule] = (main, metaopt.Executor("cpu"), [])
         for step in range(args.steps + 2):
             inputs = bert.example_inputs("base", m * args.mbs, seed=step, **cfg)
             feed = dict(zip(bert.INPUT_NAMES, inputs, strict=True))
-            for schedule in SCHEDULES if step % 2 else SCHEDULES[::-1]:
+            k = step % len(SCHEDULES)  # rotated: each schedule runs first, middle and last alike
+            for schedule in SCHEDULES[k:] + SCHEDULES[:k]:
                 main, exe, steps = runs[schedule]
                 fleet.barrier_worker()
                 t0 = time.perf_counter()
@@ -99,11 +112,20 @@ def rows(ranks: list[dict], m: int) -> list[dict]:
         n = len(per[0]["steps"])
         step_s = statistics.median(max(w["steps"][i]["step_s"] for w in per) for i in range(n))
         measured = [statistics.median(1 - s["compute_s"] / s["step_s"] for s in w["steps"]) for w in per]
-        mean = {k: [statistics.mean(s[k] for s in w["steps"]) for w in per] for k in "FBW"}
-        w_cost = mean["W"] if schedule == "ZBH1" else None
+        # the simulator's costs are a worker's whole share of a micro-batch: ZB-V's actions are one
+        # chunk's (of 2 per worker), so its per-action means count twice
+        chunks = V_CHUNKS if schedule == "ZBV" else 1
+        mean = {k: [chunks * statistics.mean(s[k] for s in w["steps"]) for w in per] for k in "FBW"}
+        w_cost = mean["W"] if schedule in ("ZBH1", "ZBV") else None
         b_cost = [b + w for b, w in zip(mean["B"], mean["W"], strict=True)]
         ideal = simulate(
-            schedule, num_stages=2, micro_batches=m, f_cost=mean["F"], b_cost=b_cost, w_cost=w_cost
+            schedule,
+            num_stages=2,
+            micro_batches=m,
+            chunks=chunks,
+            f_cost=mean["F"],
+            b_cost=b_cost,
+            w_cost=w_cost,
         ).bubble_fraction
         out.append(
             {
@@ -163,7 +185,7 @@ def main() -> None:
     table = [row for m in args.m for row in rows(ranks, m)]
     where = machine(torch.device("cpu"))["device"]
     print(
-        f"ZB-H1 vs 1F1B, 2 gloo workers, BERT {args.layers} x {args.hidden} seq {args.seq}, "
+        f"ZB-H1 and ZB-V vs 1F1B, 2 gloo workers, BERT {args.layers} x {args.hidden} seq {args.seq}, "
         f"{args.mbs} samples per micro-batch, {args.steps} steps interleaved, {where}"
     )
     head = (
