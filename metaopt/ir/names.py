@@ -197,6 +197,10 @@ zero_shard = _tagged(
     "SHARD",
     "This worker's flat 1/N of param or grad `name` over the sharding group (what its sharded update reads).",
 )
+zero_staged = _tagged(
+    "STAGED",
+    "The rows a reduce-scatter left in flight sends, bucket grad `name` first (freed at its wait).",
+)
 zero_gathered = _tagged(
     "GATHERED",
     "ZeRO stage 3: param `name` all-gathered whole from every worker's slice for the forward's reads.",

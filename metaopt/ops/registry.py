@@ -81,6 +81,12 @@ class OpDef:
     # reader, so the ops in between overlap the communication). That op finishes them in place (the
     # average's division): the one kernel that writes inputs, which nothing has read yet.
     wait_op: str | None = None
+    # Left in flight, the op holds what it sends until the wait (a reduce-scatter's rows of the
+    # bucket's grads): given (op, the program's vars), that buffer's shape. ``overlap=1`` makes the
+    # kernel return it as one more output, which the pass declares and the wait frees (so the
+    # executor and the memory estimate count it), and the pass waits for the op before the next
+    # collective starts (one in flight). None: the op holds nothing beyond its outputs.
+    staged_shape: Callable[[Any, Any], tuple[int, ...]] | None = field(default=None, compare=False)
     # The op writes its inputs in place and has no outputs: startup ops only (Broadcast of the
     # initial params), which the executor runs once, before the program's first run (ir/roles.py).
     writes_inputs: bool = False

@@ -28,8 +28,11 @@ op (the last of gradient merge's all-reduces, all placed before the updates), on
 (fp16_allreduce: its narrow copy would live from the start to the wait beside the outputs,
 bytes the executor's accounting does not see), and the collectives of a pipeline stage program
 (its phases run as separate plans: a wait in another phase than its start could not find it).
-ZeRO's ``ReduceScatter`` is not left in flight either (its row has no `wait_op`): its input, the
-bucket's whole grads, would live until the wait, and stage 2 is there to free them at once.
+ZeRO's ``ReduceScatter`` (stage 2) sends the bucket's whole grads, which must live until its wait
+(stage 2 is there to free them at once): left in flight, its rows become one more output
+(``g@STAGED``, row `staged_shape`), so the executor and the memory estimate count them, and it is
+waited for before the next collective starts, so at most one bucket's rows are held (DeepSpeed's
+``overlap_comm`` holds a bucket or two the same way).
 This runs after every pass that moves or adds readers of the reduced grads (unscaling, master
 weights, updates moved into the backward), so their first reader is known. The pass is pure.
 """
@@ -39,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from metaopt.ir import Op, Program, roles
+from metaopt.ir import Op, Program, Var, names, roles
 from metaopt.ops import registry
 from metaopt.ops.in_flight import check_in_flight, is_wait
 from metaopt.passes.driver import plan_text
@@ -50,6 +53,7 @@ class Overlap:
     start: int  # the collective's op index
     wait_before: int  # the index of its outputs' first reader (len(ops): none, the program's end)
     wait_op: str  # the row's op that finishes it
+    staged: str | None = None  # the var holding what it sends until the wait (row `staged_shape`)
 
 
 @dataclass
@@ -60,7 +64,11 @@ class OverlapPlan:
     def __str__(self) -> str:
         return plan_text(
             f"overlap_comm: {len(self.overlaps)} collective(s) left in flight",
-            [f"op {o.start}: {o.wait_op} before op {o.wait_before}" for o in self.overlaps],
+            [
+                f"op {o.start}: {o.wait_op} before op {o.wait_before}"
+                + (f", holding {o.staged} until then" if o.staged else "")
+                for o in self.overlaps
+            ],
             self.skipped,
         )
 
@@ -79,6 +87,7 @@ def plan_overlap_comm(p: Program) -> OverlapPlan:
     for i, op in enumerate(p.ops):
         for x in op.inputs:
             first_reader.setdefault(x, i)
+    starts = [i for i, op in enumerate(p.ops) if _overlappable(op)]
     for i, op in enumerate(p.ops):
         row = registry.get(op.type)
         if row is None or row.wait_op is None or not op.outputs:
@@ -101,10 +110,13 @@ def plan_overlap_comm(p: Program) -> OverlapPlan:
         if at < len(p.ops) and roles.is_update(p.ops[at].role):
             while at - 1 > i and (roles.is_update(p.ops[at - 1].role) or is_wait(p.ops[at - 1])):
                 at -= 1
+        if row.staged_shape is not None:  # one in flight: its rows live until the wait
+            at = min([at, *(k for k in starts if k > i)])
         if at == i + 1:
             plan.skipped.append((op.outputs[0], "read by the next op: nothing to overlap"))
             continue
-        plan.overlaps.append(Overlap(i, at, row.wait_op))
+        staged = names.zero_staged(op.inputs[0]) if row.staged_shape is not None else None
+        plan.overlaps.append(Overlap(i, at, row.wait_op, staged))
     return plan
 
 
@@ -120,8 +132,13 @@ def apply_overlap_comm(p: Program, plan: OverlapPlan) -> Program:
             ops.append(w)
         o = started.get(i)
         if o is not None:
-            op = dataclasses.replace(op, attrs={**op.attrs, "overlap": 1})
-            wait = Op(o.wait_op, list(op.outputs), [], {}, role=op.role, origin=op.outputs[0])
+            outs = list(op.outputs)
+            if o.staged is not None:
+                shape = registry.get(op.type).staged_shape(op, q.vars)
+                q.add_var(Var(o.staged, q.vars[op.inputs[0]].dtype, tuple(shape), q.vars[op.inputs[0]].kind))
+                outs.append(o.staged)
+            op = dataclasses.replace(op, outputs=outs, attrs={**op.attrs, "overlap": 1})
+            wait = Op(o.wait_op, outs, [], {}, role=op.role, origin=op.outputs[0])
             waits.setdefault(o.wait_before, []).append(wait)
         ops.append(op)
     for w in waits.pop(len(p.ops), []):

@@ -342,16 +342,33 @@ class Communicator:
         flight.work = start(initialized_dist(), flight.sent)
 
     def reduce_scatter(
-        self, flat: torch.Tensor, reduce: str, what: str, ranks: Sequence[int] | None = None
+        self,
+        flat: torch.Tensor,
+        reduce: str,
+        what: str,
+        ranks: Sequence[int] | None = None,
+        overlap: bool = False,
     ) -> torch.Tensor:
         """`flat` (equal chunks, one per worker of `ranks`, None: all) summed (``avg``: and
-        divided by the group's size) over the group; returns this worker's chunk (new storage)."""
+        divided by the group's size) over the group; returns this worker's chunk (new storage).
+        `overlap`: as `all_reduce`'s; the caller holds `flat` until the wait (it is sent from)."""
         if reduce not in _REDUCTIONS:
             raise ValueError(f"ReduceScatter: reduce must be one of {_REDUCTIONS}, got {reduce!r}")
         n = self.world_size if ranks is None else len(ranks)
         buf = (flat if self.backend != "nccl" else flat.to(self.device)).contiguous()
         out = torch.empty(buf.numel() // n, dtype=buf.dtype, device=buf.device)
         group = self.group(ranks)
+        if overlap:
+            if buf.data_ptr() != flat.data_ptr():
+                raise CommError(f"ReduceScatter of {what}: left in flight, it must send from its own rows")
+            divide = 1 if reduce == "avg" else None
+            flight = _InFlight(f"ReduceScatter of {what}", [buf.detach(), out.detach()], n, divide=divide)
+            self._start(
+                flight,
+                lambda dist, sent: dist.reduce_scatter_single(sent[1], sent[0], group=group, async_op=True),
+            )
+            self._in_flight[out.untyped_storage().data_ptr()] = flight
+            return out
         self._run(
             lambda dist: dist.reduce_scatter_single(out, buf, group=group, async_op=True),
             f"ReduceScatter of {what}",

@@ -95,3 +95,26 @@ def test_a_reader_before_the_wait_or_a_missing_wait_is_refused_naming_the_op():
     partial.ops[w] = dataclasses.replace(q.ops[w], inputs=q.ops[w].inputs[:0])
     with pytest.raises(InFlightError):
         check_in_flight(partial)
+
+
+def test_a_reduce_scatter_holds_its_rows_as_an_output_and_one_bucket_is_in_flight():
+    """ZeRO stage 2: the rows a reduce-scatter sends (the bucket's whole grads) live until its
+    wait, so they are an output (``g@STAGED``) the wait frees, and each is waited for before the
+    next collective starts."""
+    p = _reduced_mlp(scatter_parts=2)
+    plan = plan_overlap_comm(p)
+    q = apply_overlap_comm(p, plan)
+    metaopt.verify(q)
+    starts = [i for i, op in enumerate(q.ops) if op.attrs.get("overlap")]
+    assert len(starts) == 5 and all(o.staged for o in plan.overlaps)
+    for i in starts:
+        op = q.ops[i]
+        staged = op.outputs[-1]
+        assert staged == f"{op.inputs[0]}@STAGED"
+        slices = sum(q.vars[o].shape[0] for o in op.outputs[:-1])
+        assert q.vars[staged].shape == (2, slices) and q.vars[staged].dtype == q.vars[op.inputs[0]].dtype
+        (w,) = [j for j, x in enumerate(q.ops) if x.type == "CommWait" and x.inputs == op.outputs]
+        later = [j for j in starts if j > i]
+        assert w < (later[0] if later else len(q.ops))  # waited for before the next one starts
+        assert [j for j, x in enumerate(q.ops) if staged in x.inputs] == [w]  # the wait frees it
+    assert "holding fc3.weight@GRAD@STAGED until then" in str(plan)

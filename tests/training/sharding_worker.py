@@ -47,6 +47,8 @@ def train_case(case: str, rank: int, world: int) -> dict:
             "segment_broadcast_MB": 0.01,
             "optimize_offload": "optoffload" in extra,
         }
+    if "unfused" in extra:  # a reduce-scatter per grad: all but the last left in flight (overlap_comm)
+        strategy.fuse_all_reduce_ops = False
     if "pp" in extra:
         strategy.pipeline = True
         strategy.pipeline_configs = {"accumulate_steps": 2, "schedule_mode": "1F1B"}
@@ -62,7 +64,9 @@ def train_case(case: str, rank: int, world: int) -> dict:
         feed = batch(name, step)
         if name == "mlp":  # this worker's share of the full batch
             share = BATCH // world
-            feed = {k: v[rank * share : (rank + 1) * share] for k, v in feed.items()}
+            # each its own storage: the executor counts a fed view's whole storage (the full
+            # batch), the estimate the share, and the peak must be where both see the same
+            feed = {k: v[rank * share : (rank + 1) * share].clone() for k, v in feed.items()}
         grads = _sent_grads(main) if "fp16ar" in extra and step == STEPS - 1 else []
         step_losses = []
         for part in runs(feed, extra):  # gradient merge: the step in several runs

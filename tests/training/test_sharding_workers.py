@@ -55,6 +55,7 @@ LOCAL_SGD = "mlp:0:sgd:localsgd"  # strategy.localsgd, k_steps 2, begin_step 1
 MERGED = ["mlp:0:momentum:merge", "mlp:1:momentum:merge", "mlp:2:momentum:merge"]
 TWO = [c for cases in GROUPS.values() for c in cases] + [
     "mlp:2:adam",
+    "mlp:2:adam:unfused",
     "hf-gpt2:1:adam:recompute:load",
     "hf-gpt2:2:adam:recompute:optoffload",  # the state in host memory: bitwise stage 0 still
     *LAYERWISE,
@@ -213,6 +214,20 @@ def test_each_worker_holds_its_share_of_the_optimizer_state_measured_as_predicte
             want = sum(-(-n // world) for n in numel.values()) * itemsize
             assert got["state_bytes"] == want, case
             assert want < sum(numel.values()) * itemsize / world + len(numel) * itemsize  # 1/N + padding
+
+
+def test_reduce_scatters_left_in_flight_are_the_same_bits_and_their_rows_are_counted(runs):
+    """Stage 2 with a reduce-scatter per grad: all but the last left in flight, each holding the
+    rows it sends (``g@STAGED``) until its wait, before the next one starts (passes/overlap_comm.py).
+    The params are the one-bucket run's bit for bit; the peak counts the rows (measured = predicted,
+    checked for every case above)."""
+    for got, fused in zip(_ranks(runs, 2, "mlp:2:adam:unfused"), _ranks(runs, 2, "mlp:2:adam"), strict=True):
+        program = got["program"]
+        assert program.count("overlap=1") == got["scattered"] - 1 > 1
+        assert program.count("@STAGED = ReduceScatter(") == got["scattered"] - 1 and "CommWait(" in program
+        assert got["losses"] == fused["losses"]
+        for k, t in got["params"].items():
+            assert torch.equal(t, fused["params"][k]), k
 
 
 def test_every_stage_reduce_scatters_and_holds_less_at_the_peak(runs):

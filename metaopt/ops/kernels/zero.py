@@ -67,11 +67,16 @@ def shard_slice(*xs: torch.Tensor, group: str, parts: int, _rt, _key: str) -> tu
     "ReduceScatter",
     fresh_outputs=True,
     recomputable=False,
+    wait_op="CommWait",
+    staged_shape=lambda op, declared: (op.attrs["parts"], sum(declared[o].shape[0] for o in op.outputs)),
     notes="ZeRO stage 2: each input averaged over the sharding group, this worker keeping its 1/parts",
 )
 def reduce_scatter(
-    *xs: torch.Tensor, group: str, parts: int, reduce: str = "avg", _rt, _key: str
+    *xs: torch.Tensor, group: str, parts: int, reduce: str = "avg", overlap: int = 0, _rt, _key: str
 ) -> tuple[torch.Tensor, ...]:
+    """``overlap=1`` (passes/overlap_comm.py): the slices are in flight until their ``CommWait``,
+    and the rows it sends (the bucket's grads, chunk r of each in row r) are one more output,
+    held until then."""
     ranks, _ = sharding_ranks(group, parts, _rt, "ReduceScatter")
     lengths = [slice_length(x.numel(), parts) for x in xs]
     rows = torch.zeros(parts, sum(lengths), dtype=xs[0].dtype, device=xs[0].device)
@@ -83,9 +88,14 @@ def reduce_scatter(
         rows[:, at : at + n] = block.view(parts, n)
         at += n
     if parts == 1:
-        return tuple(rows[0].split(lengths))
-    mine = _rt.comm.reduce_scatter(rows.reshape(-1), reduce, f"{len(xs)} grad(s) ({_key}, ...)", ranks)
-    return tuple(mine.split(lengths))
+        if not overlap:
+            return tuple(rows[0].split(lengths))
+        outs = tuple(rows[0].clone().split(lengths))
+        _rt.comm.done_without_comm(outs)
+        return (*outs, rows)
+    what = f"{len(xs)} grad(s) ({_key}, ...)"
+    mine = _rt.comm.reduce_scatter(rows.reshape(-1), reduce, what, ranks, overlap=bool(overlap))
+    return (*mine.split(lengths), rows) if overlap else tuple(mine.split(lengths))
 
 
 @register_collective(
