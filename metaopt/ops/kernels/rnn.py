@@ -3,7 +3,7 @@
 The three share ONNX's inputs, attributes and direction/layout/sequence_lens handling, so one
 driver (`_run`) runs them all; what differs lives in one `_Recurrent` row per op: its default
 activations, the gate order torch's fused kernel wants, when that kernel applies, LSTM's extra
-inputs (initial_c, P) and the cell of the step loop.
+state input (initial_c) and the cell of the step loop.
 
 The common configuration (default activations, or one of Tanh/Relu throughout for RNN; no clip,
 peepholes, input_forget or sequence shorter than the input; GRU's linear_before_reset=1) runs
@@ -239,7 +239,6 @@ def _rnn_cell(a: SimpleNamespace, d: int, x: torch.Tensor, acts: list):
 class _Recurrent:
     """What one op of the family adds to what all three share."""
 
-    type: str
     defaults: tuple[str, ...]  # one direction's activations (their count: each direction's)
     order: tuple[int, ...]  # ONNX's gate chunks in torch's order (its length: the gate count)
     # (args, activations of all directions, whether those are the defaults) -> torch's fused
@@ -251,34 +250,27 @@ class _Recurrent:
 
 _FUSED_RNN = {"Tanh": torch.rnn_tanh, "Relu": torch.rnn_relu}
 # ONNX gate order -> torch's: LSTM i,o,f,c -> i,f,c,o ; GRU z,r,h -> r,z,h.
-_FAMILY = (
-    # torch's LSTM has no peepholes (P) and no coupled input-forget gate
-    _Recurrent(
-        "LSTM",
-        defaults=("Sigmoid", "Tanh", "Tanh"),
-        order=(0, 2, 3, 1),
-        fused=lambda a, names, default: (
-            torch.lstm if default and a.P is None and not a.input_forget else None
-        ),
-        cell=_lstm_cell,
-        states=("initial_c",),
-    ),
-    # torch's GRU applies the reset after the recurrent matmul: ONNX's linear_before_reset=1
-    _Recurrent(
-        "GRU",
-        defaults=("Sigmoid", "Tanh"),
-        order=(1, 0, 2),
-        fused=lambda a, names, default: torch.gru if default and a.linear_before_reset else None,
-        cell=_gru_cell,
-    ),
-    # nn.RNN's nonlinearity: one activation for every direction, Tanh or Relu
-    _Recurrent(
-        "RNN",
-        defaults=("Tanh",),
-        order=(0,),
-        fused=lambda a, names, default: _FUSED_RNN.get(names[0]) if len(set(names)) == 1 else None,
-        cell=_rnn_cell,
-    ),
+# torch's LSTM has no peepholes (P) and no coupled input-forget gate
+_LSTM = _Recurrent(
+    defaults=("Sigmoid", "Tanh", "Tanh"),
+    order=(0, 2, 3, 1),
+    fused=lambda a, names, default: torch.lstm if default and a.P is None and not a.input_forget else None,
+    cell=_lstm_cell,
+    states=("initial_c",),
+)
+# torch's GRU applies the reset after the recurrent matmul: ONNX's linear_before_reset=1
+_GRU = _Recurrent(
+    defaults=("Sigmoid", "Tanh"),
+    order=(1, 0, 2),
+    fused=lambda a, names, default: torch.gru if default and a.linear_before_reset else None,
+    cell=_gru_cell,
+)
+# nn.RNN's nonlinearity: one activation for every direction, Tanh or Relu
+_RNN = _Recurrent(
+    defaults=("Tanh",),
+    order=(0,),
+    fused=lambda a, names, default: _FUSED_RNN.get(names[0]) if len(set(names)) == 1 else None,
+    cell=_rnn_cell,
 )
 
 
@@ -303,8 +295,6 @@ def _run(row: _Recurrent, a: SimpleNamespace):
     Y, finals = _run_directions(run, X, a.direction, lens, a.num_dir)
     return _finish(Y, finals, a.layout, a._nout)
 
-
-_LSTM, _GRU, _RNN = _FAMILY
 
 # The kernels' signatures are ONNX's schemas written out (inputs in order, then the attributes
 # sorted, as ONNX lists them): the registry binds an op's attrs to them by keyword.
