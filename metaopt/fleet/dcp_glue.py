@@ -235,22 +235,42 @@ class _MetadataUnpickler(pickle._Unpickler):
 
 
 class SafeReader(FileSystemReader):
-    """DCP's file reader, reading ``.metadata`` through an allow-list and refusing any storage
-    path that leaves the folder."""
+    """DCP's file reader, reading ``.metadata`` through an allow-list, refusing one larger than
+    `max_bytes` unread and any storage path that leaves the folder. Given `metadata` (read and
+    checked already), it hands that on instead of unpickling the file again."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        max_bytes: int | None = None,
+        metadata: dcp_meta.Metadata | None = None,
+    ) -> None:
         super().__init__(path)
         self._folder = Path(os.fspath(path)).resolve()
+        self._max_bytes = max_bytes
+        self._checked = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_meta.Metadata:
+        if self._checked is not None:
+            self._checked.storage_meta.load_id = self.load_id
+            return self._checked
         path = self._folder / ".metadata"
         try:
             with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if self._max_bytes is not None and size > self._max_bytes:
+                    raise CheckpointError(
+                        f"{path} is {size} bytes, more than the {self._max_bytes} its checkpoint's "
+                        "vars and workers can need: refused unread"
+                    )
                 md = _MetadataUnpickler(f).load()
         except FileNotFoundError:
             raise CheckpointError(
                 f"{self._folder} has no DCP metadata (.metadata): not a complete checkpoint"
             ) from None
+        except CheckpointError:
+            raise
         except Exception as e:  # any unpickling failure: not a checkpoint we can trust
             raise CheckpointError(f"{path} is not readable DCP metadata ({type(e).__name__}: {e})") from None
         if not isinstance(md, dcp_meta.Metadata) or not isinstance(md.state_dict_metadata, dict):

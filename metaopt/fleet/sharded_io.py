@@ -39,11 +39,13 @@ compare digests of every var they save whole: one that differs between them (a v
 made from a split param without recording its layout) would be kept from one worker only,
 and is refused by name (NotImplementedError) instead.
 
-Loading reads DCP's ``.metadata`` with an unpickler that admits only DCP's own metadata
-classes, and refuses storage paths outside the checkpoint folder; tensors are read with
-``torch.load(weights_only=True)`` by DCP itself. Every worker validates what it needs (present,
-same dtype and shape) and the workers agree before any of them changes its scope: a
-problem on one worker is an error on all of them, naming the worker and the var.
+Loading reads DCP's ``.metadata`` (bounded in size by what metaopt.json says was saved) with an
+unpickler that admits only DCP's own metadata classes, and refuses storage paths outside the
+checkpoint folder; tensors are read with ``torch.load(weights_only=True)``. Every var's pieces
+must tile it exactly (metaopt/fleet/tiling.py): a piece dropped, doubled or shifted is refused
+naming the var and its first wrong element, whatever degree loads it. Every worker validates
+what it needs (present, same dtype and shape) and the workers agree before any of them changes
+its scope: a problem on one worker is an error on all of them, naming the worker and the var.
 """
 
 from __future__ import annotations
@@ -719,8 +721,9 @@ def _read_info(folder: Path) -> dict[str, Any]:
         isinstance(meta, dict)
         and meta.get("format") == FORMAT
         and isinstance(meta.get("vars"), dict)
-        and all(isinstance(i, dict) and isinstance(i.get("shape"), list) for i in meta["vars"].values())
-        and isinstance(meta.get("world_size"), int)
+        and all(isinstance(i, dict) and _is_shape(i.get("shape")) for i in meta["vars"].values())
+        and _is_int(meta.get("world_size"))
+        and 1 <= meta["world_size"] <= MAX_WORKERS
     )
     if not ok:
         raise CheckpointError(f"{path} is not a metaopt checkpoint description (format {FORMAT!r})")
@@ -729,6 +732,14 @@ def _read_info(folder: Path) -> dict[str, Any]:
             f"{path} has format version {meta.get('version')!r}; this metaopt reads <= {VERSION}"
         )
     return meta
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_shape(x: object) -> bool:
+    return isinstance(x, list) and all(_is_int(d) and d >= 0 for d in x)
 
 
 def _where(e: Exception) -> object:
@@ -764,15 +775,108 @@ def _check_vars(folder: Path, meta: dict, want: list[Var], md: Metadata) -> str 
         if getattr(tm.properties, "dtype", None) != _torch_dtype(v.dtype):
             got = getattr(tm.properties, "dtype", None)
             return f"var {v.name!r} is stored as {got} in {folder}'s DCP metadata, but {INFO} says {v.dtype}"
-        for chunk in tm.chunks:
-            ends = [o + n for o, n in zip(chunk.offsets, chunk.sizes, strict=False)]
-            if (
-                len(ends) != len(tm.size)
-                or any(o < 0 for o in chunk.offsets)
-                or any(e > d for e, d in zip(ends, tm.size, strict=True))
-            ):
-                return f"var {v.name!r}: a stored piece in {folder} lies outside its shape {list(tm.size)}"
     return None
+
+
+# --- the pieces: bounded, each with its storage, tiling its tensor exactly -------------------
+# A save writes per var at most (2 ndim + 1) boxes per block of its part per worker (ZeRO's
+# flat run of a tensor-parallel part: dcp_glue.flat_boxes), and a part has a few blocks (a
+# fused q, k, v: 3); per worker a few RNG states. `.metadata` is read with pickle's pure-Python
+# unpickler (~0.5 MB/s): its size is bounded by what metaopt.json says was saved before a byte
+# of it is unpickled, and its piece count after.
+
+MAX_WORKERS = 1 << 20
+MAX_BLOCKS = 8
+MAX_RNG_KEYS = 64
+PIECE_BYTES = 256  # a pickled chunk, its index and its storage entry, the names aside
+METADATA_BASE_BYTES = 1 << 20
+
+
+def piece_budget(info: dict[str, Any], world: int) -> int:
+    """The most pieces a save of `world` workers writes of a var described by `info`."""
+    return world * (2 * len(info["shape"]) + 1) * MAX_BLOCKS
+
+
+def metadata_budget(meta: dict[str, Any]) -> int:
+    """The most bytes the `.metadata` of the checkpoint `meta` (its metaopt.json) can need."""
+    world = meta["world_size"]
+    per_var = sum(
+        piece_budget(info, world) * (PIECE_BYTES + 2 * len(name)) for name, info in meta["vars"].items()
+    )
+    return METADATA_BASE_BYTES + per_var + world * MAX_RNG_KEYS * (PIECE_BYTES + 2 * len(_RNG) + 64)
+
+
+def check_pieces(folder: Path, meta: dict[str, Any], md: Metadata) -> str | None:
+    """The problem with DCP's pieces in `folder`, or None: every tensor entry is a var of
+    metaopt.json or an RNG state, has at most its budget of pieces, each inside the tensor and
+    with a stored blob, no blob belongs to no piece, and the pieces tile the tensor exactly (a
+    piece dropped, doubled or shifted: the first element uncovered or covered twice)."""
+    from torch.distributed.checkpoint import metadata as dcp_meta
+
+    from metaopt.fleet.tiling import tiling_fault
+
+    world, described = meta["world_size"], meta["vars"]
+    stored: set[tuple[str, tuple[int, ...]]] = set()
+    for index in md.storage_data or {}:
+        offset = getattr(index, "offset", None)
+        stored.add((getattr(index, "fqn", None), tuple(offset) if offset is not None else ()))
+    pieces = 0
+    for fqn, tm in md.state_dict_metadata.items():
+        rng = isinstance(fqn, str) and fqn.startswith(f"{_RNG}/")
+        if not isinstance(tm, dcp_meta.TensorStorageMetadata) or not (rng or fqn in described):
+            return f"{folder}'s DCP metadata holds {str(fqn)[:200]!r}, which {INFO} does not describe"
+        name = "RNG state" if rng else "var"
+        size = list(tm.size) if isinstance(tm.size, (list, tuple)) else None
+        if size is None or not _is_shape(size) or not isinstance(tm.chunks, list):
+            return f"{name} {fqn!r}: DCP's metadata in {folder} gives no valid shape and piece list"
+        budget = 1 if rng else piece_budget(described[fqn], world)
+        if len(tm.chunks) > budget:
+            return (
+                f"{name} {fqn!r} has {len(tm.chunks)} pieces in {folder}'s DCP metadata; a save of "
+                f"{world} worker(s) writes at most {budget}"
+            )
+        pieces += len(tm.chunks)
+        boxes = []
+        for chunk in tm.chunks:
+            box = _box(chunk, size)
+            if box is None:
+                return f"{name} {fqn!r}: a stored piece in {folder} lies outside its shape {size}"
+            if (fqn, box[0]) not in stored:
+                return f"{name} {fqn!r}: the piece at {list(box[0])} in {folder} has no stored data"
+            boxes.append(box)
+        fault = tiling_fault(size, boxes)
+        if fault is not None:
+            fault_text = _fault_text(fault, size, described.get(fqn))
+            return f"{name} {fqn!r}: its pieces in {folder} do not tile it: {fault_text}"
+    if len(stored) > pieces:
+        return f"{folder}'s DCP metadata stores {len(stored) - pieces} blob(s) that belong to no piece"
+    return None
+
+
+def _box(chunk: Any, size: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """A piece's (offsets, sizes) when they are ints that place it inside `size`."""
+    offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
+    if not isinstance(offsets, (list, tuple)) or not isinstance(sizes, (list, tuple)):
+        return None
+    if len(offsets) != len(size) or len(sizes) != len(size):
+        return None
+    if not all(_is_int(x) and x >= 0 for x in (*offsets, *sizes)):
+        return None
+    if any(o + n > d for o, n, d in zip(offsets, sizes, size, strict=True)):
+        return None
+    return tuple(offsets), tuple(sizes)
+
+
+def _fault_text(fault: Any, size: list[int], info: dict[str, Any] | None) -> str:
+    """A flat-stored var's element also by its index in the var's own shape."""
+    if info is None or not info.get("flat") or len(size) != 1 or len(info["shape"]) < 2:
+        return str(fault)
+    at = fault.index[0]
+    index = []
+    for d in reversed(info["shape"]):
+        at, i = divmod(at, d)
+        index.append(i)
+    return f"{fault} (index {index[::-1]} of its shape {info['shape']}, stored flat)"
 
 
 RNG_MAX_BYTES = 1 << 20  # a generator's state is a few kB (CPU: 5056 bytes; CUDA: 16)
@@ -816,8 +920,12 @@ def load_sharded(exe: Any, folder: Path, program: Program, *, strict: bool = Tru
         place = mp_place(program, "load_persistables")
         zi = zero_index(program, "load_persistables")
         meta = _read_info(folder)
-        md = dcp_glue.SafeReader(folder).read_metadata()
-        problem = _check_vars(folder, meta, want, md) or _check_rng_sizes(folder, md, rank)
+        md = dcp_glue.SafeReader(folder, max_bytes=metadata_budget(meta)).read_metadata()
+        problem = (
+            _check_vars(folder, meta, want, md)
+            or _check_rng_sizes(folder, md, rank)
+            or check_pieces(folder, meta, md)
+        )
     except CheckpointError as e:
         problem = str(e)
     _agree_or_raise(problem, f"load_persistables from {folder}")
@@ -879,7 +987,7 @@ def load_sharded(exe: Any, folder: Path, program: Program, *, strict: bool = Tru
         try:
             dcp.load(
                 into,
-                storage_reader=dcp_glue.SafeReader(folder),
+                storage_reader=dcp_glue.SafeReader(folder, metadata=md),  # read and checked above
                 planner=dcp_glue.LoadPlanner(),
                 no_dist=size == 1,
             )

@@ -575,3 +575,153 @@ def test_the_zero_slices_of_tensor_parallel_parts_tile_the_full_tensor_once(full
                     assert (out[region] == -1).all()  # nothing written twice
                     out[region] = t
         assert torch.equal(out, whole), n
+
+
+# --- the pieces must tile every var exactly (issue 47's BAD) ---------------------------------
+
+
+def _rewrite(folder, change) -> None:
+    md = dcp_glue.SafeReader(folder).read_metadata()
+    change(md)
+    md.storage_meta = None
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
+
+
+def _in_two_pieces(folder, fqn: str, whole: torch.Tensor) -> None:
+    """Store `fqn` as two row blocks, each its own file: what two workers write of a var split
+    over rows. A good checkpoint still (it loads `whole`)."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    def change(md) -> None:
+        tm = md.state_dict_metadata[fqn]
+        half = whole.shape[0] // 2
+        tm.chunks = []
+        for i, (at, rows) in enumerate(((0, half), (half, whole.shape[0] - half))):
+            blob = folder / f"{fqn}.{i}.distcp"
+            torch.save(whole[at : at + rows].clone(), blob)
+            offsets = torch.Size([at] + [0] * (whole.dim() - 1))
+            tm.chunks.append(ChunkStorageMetadata(offsets, torch.Size([rows, *whole.shape[1:]])))
+            md.storage_data[MetadataIndex(fqn, offsets)] = dcp_glue._StorageInfo(
+                blob.name, 0, blob.stat().st_size
+            )
+
+    _rewrite(folder, change)
+
+
+def test_a_piece_dropped_doubled_or_shifted_is_refused_naming_the_var_and_the_element(tmp_path):
+    """Before: each piece was only checked to lie inside its tensor; a dropped one left
+    torch.empty's garbage, a doubled or shifted one made the last read win, silently."""
+    from ckpt_tamper import check_refusals, refusals, tamper_all
+
+    _save(tmp_path, 1, 1.0)
+    folder = tmp_path / "ckpt" / "step-00000001"
+    _in_two_pieces(folder, "w", torch.arange(18.0).view(6, 3))
+    _in_two_pieces(folder, "m", torch.arange(18.0, dtype=torch.float64).view(6, 3))
+    p, exe = _program(), metaopt.Executor("cpu")
+    fleet.load_persistables(exe, folder, p)  # the pieces tile both: it loads, as it should
+    assert torch.equal(exe.scope["w"], torch.arange(18.0).view(6, 3))
+    cases = tamper_all(folder, tmp_path / "tampered")
+    assert {c["var"] for c in cases.values()} == {"w", "m"}
+    exe = metaopt.Executor("cpu")
+    exe.scope["w"] = torch.full((6, 3), -1.0)
+    got = refusals(exe, p, tmp_path / "tampered")
+    check_refusals(got, tmp_path / "tampered")
+    assert got["drop-param"].endswith("do not tile it: element [3, 0] is uncovered")
+    assert got["shift-param"].endswith("do not tile it: element [3, 0] is covered twice")
+    assert torch.equal(exe.scope["w"], torch.full((6, 3), -1.0)) and "m" not in exe.scope
+
+
+def test_a_flat_var_s_element_is_named_in_its_own_shape_too(tmp_path):
+    """A ZeRO var is stored flat: the first wrong element by its flat index and by its index in
+    the var's shape."""
+    p = Program("flat")
+    p.add_var(Var("w", "float32", (4, 5), "param", trainable=True), torch.arange(20.0).view(4, 5))
+    sharded_io.save_sharded(metaopt.Executor("cpu"), tmp_path / "ckpt", p, step=1)
+    folder = tmp_path / "ckpt" / "step-00000001"
+    info = json.loads((folder / "metaopt.json").read_text())
+    info["vars"]["w"].update(shape=[4, 5], flat=True)
+    (folder / "metaopt.json").write_text(json.dumps(info))
+
+    def flat(md) -> None:
+        tm = md.state_dict_metadata["w"]
+        tm.size = torch.Size([20])
+        tm.chunks = [dcp_glue.dcp_meta.ChunkStorageMetadata(torch.Size([0]), torch.Size([12]))]  # 12.. not
+        key = next(i for i in md.storage_data if i.fqn == "w")
+        md.storage_data[dcp_glue.dcp_meta.MetadataIndex("w", [0])] = md.storage_data.pop(key)
+
+    _rewrite(folder, flat)
+    with pytest.raises(
+        sharded_io.CheckpointError,
+        match=r"element \[12\] is uncovered \(index \[2, 2\] of its shape \[4, 5\]",
+    ):
+        fleet.load_persistables(metaopt.Executor("cpu"), folder, p)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            lambda md: md.storage_data.pop(next(i for i in md.storage_data if i.fqn == "w")),
+            r"var 'w': the piece at \[0, 0\] in .* has no stored data",
+        ),
+        (
+            lambda md: md.storage_data.__setitem__(
+                dcp_glue.dcp_meta.MetadataIndex("w", [5, 2]), next(iter(md.storage_data.values()))
+            ),
+            r"stores 1 blob\(s\) that belong to no piece",
+        ),
+        (
+            lambda md: md.state_dict_metadata.__setitem__("ghost", md.state_dict_metadata["w"]),
+            r"holds 'ghost', which metaopt.json does not describe",
+        ),
+        (
+            lambda md: md.state_dict_metadata["w"].chunks.extend(
+                dcp_glue.dcp_meta.ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([0, 0]))
+                for _ in range(40)
+            ),
+            r"var 'w' has 41 pieces in .*; a save of 1 worker\(s\) writes at most 40",
+        ),
+        (
+            lambda md: setattr(md.state_dict_metadata["w"].chunks[0], "offsets", ["0", 0]),
+            r"var 'w': a stored piece in .* lies outside its shape \[6, 3\]",
+        ),
+    ],
+    ids=[
+        "piece-without-data",
+        "data-without-piece",
+        "undescribed-entry",
+        "too-many-pieces",
+        "offset-not-int",
+    ],
+)
+def test_the_metadata_s_pieces_and_blobs_must_match(tmp_path, change, message):
+    """Before: a piece without its blob was a raw KeyError inside DCP's read; the others loaded."""
+    _save(tmp_path, 1, 1.0)
+    _rewrite(tmp_path / "ckpt" / "step-00000001", change)
+    exe = metaopt.Executor("cpu")
+    with pytest.raises(sharded_io.CheckpointError, match=message):
+        fleet.load_persistables(exe, tmp_path / "ckpt", _program())
+    assert not exe.scope
+
+
+def test_a_bloated_metadata_is_refused_unread(tmp_path, monkeypatch):
+    """A 6 MB `.metadata` (200k extra pieces in the audit: 13 s and +375 MB, then a raw KeyError)
+    is more than this checkpoint's 3 vars and 1 worker can need: refused before unpickling."""
+    _save(tmp_path, 1, 1.0)
+    folder = tmp_path / "ckpt" / "step-00000001"
+    good = (folder / ".metadata").read_bytes()
+    (folder / ".metadata").write_bytes(good + b"\0" * (6 << 20))
+    monkeypatch.setattr(dcp_glue, "_MetadataUnpickler", None)  # never reached
+    with pytest.raises(sharded_io.CheckpointError, match=r"\.metadata is \d+ bytes, more than the \d+ its"):
+        fleet.load_persistables(metaopt.Executor("cpu"), tmp_path / "ckpt", _program())
+
+
+@pytest.mark.parametrize("world", [0, -1, True, 1 << 40])
+def test_a_description_with_an_impossible_worker_count_is_refused(tmp_path, world):
+    _save(tmp_path, 1, 1.0)
+    path = tmp_path / "ckpt" / "step-00000001" / "metaopt.json"
+    info = json.loads(path.read_text())
+    info["world_size"] = world
+    path.write_text(json.dumps(info))
+    with pytest.raises(sharded_io.CheckpointError, match=r"not a metaopt checkpoint description"):
+        fleet.load_persistables(metaopt.Executor("cpu"), tmp_path / "ckpt", _program())

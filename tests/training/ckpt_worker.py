@@ -7,7 +7,8 @@ argv: out_dir ckpt_dir layout phase
           Momentum, every worker fed the whole batch)
           or, with phase loop, the number of saves
   phase:  straight  train STEPS steps, save, train STEPS more
-          resume    load, train STEPS more (steps STEPS .. 2*STEPS-1)
+          resume    load, train STEPS more (steps STEPS .. 2*STEPS-1); first, where <ckpt>_tampered
+                    exists, each damaged copy there ("refusals", tests/ckpt_tamper.py)
           from_one  (mp2) load what one process saved after STEPS steps: first a checkpoint of
                     the wrong shape (<ckpt>_bad, refused), then the sharded one (<ckpt>_sharded),
                     then the one file (<ckpt>); train STEPS more; then drop one split param's
@@ -27,6 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
+import ckpt_tamper  # noqa: E402
 import export_cache  # noqa: E402
 import torch  # noqa: E402
 import tp_worker  # noqa: E402
@@ -128,6 +130,10 @@ def run(out: str, ckpt: str, layout: str, phase: str, rank: int, world: int) -> 
         except NotImplementedError as e:
             result["unmarked"] = str(e)
     else:
+        tampered = Path(f"{ckpt}_tampered")  # damaged copies (tests/ckpt_tamper.py): each refused first
+        if tampered.is_dir():
+            result["refusals"] = ckpt_tamper.refusals(exe, main, tampered)
+            result["untouched"] = not exe.scope
         fleet.load_persistables(exe, ckpt, main)
         result["loaded"] = saved_state(exe, main)
         result["losses"] = train(exe, main, name, layout, range(STEPS, 2 * STEPS), rank, world)

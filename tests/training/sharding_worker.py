@@ -12,7 +12,9 @@ share instead, as a data-parallel user does.
 extra: "fp16ar" (strategy.fp16_allreduce; the last step's grads before and after the
 all-reduce recorded), "recompute" (each block a checkpoint), "bf16" / "fp16" (AMP; float16 with dynamic loss
 scaling), "clip" (global-norm clipping), "save" (save_persistables into $SHARDING_CKPT after
-training), "load" (load $SHARDING_CKPT instead of training: what this worker then holds),
+training), "load" (load $SHARDING_CKPT instead of training: what this worker then holds; first each
+damaged copy in ${SHARDING_CKPT}_tampered, "refusals"), a stage-3 "save" also writes those copies
+(tests/ckpt_tamper.py) and loads them at its own degree,
 "optoffload" (sharding_configs["optimize_offload"]: the optimizer state in host memory), "pp"
 (a 1F1B pipeline of 2 micro-batches, cuts "auto", over fleet.init's pp_degree: the last stage
 reports the losses, the others None).
@@ -22,7 +24,9 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
+import ckpt_tamper
 import torch
 from training_cases import BATCH, STEPS, batch, build_strategy, export, runs
 from workers import gathered_params
@@ -56,9 +60,15 @@ def train_case(case: str, rank: int, world: int) -> dict:
     optimizer = fleet.distributed_optimizer(make_optimizer(opt, "clip" in extra), strategy)
     optimizer.minimize(main.loss)
     exe = metaopt.Executor("cpu")
-    if "load" in extra:
+    if "load" in extra:  # the damaged copies of the checkpoint first: each refused, nothing loaded
+        got = ckpt_tamper.refusals(exe, main, Path(os.environ["SHARDING_CKPT"] + "_tampered"))
+        untouched = not exe.scope
         fleet.load_persistables(exe, os.environ["SHARDING_CKPT"], main)
-        return {"held": {n: exe.scope[n].clone() for n in _saved(main)}}
+        return {
+            "held": {n: exe.scope[n].clone() for n in _saved(main)},
+            "refusals": got,
+            "untouched": untouched,
+        }
     losses = []
     for step in range(STEPS):
         feed = batch(name, step)
@@ -73,8 +83,17 @@ def train_case(case: str, rank: int, world: int) -> dict:
             loss, *sent = exe.run(main, feed=part, fetch_list=[loss_name, *grads])
             step_losses.append(None if loss is None else float(loss))
         losses.append(None if None in step_losses else sum(step_losses) / len(step_losses))
+    refused = {}
     if "save" in extra:
-        fleet.save_persistables(exe, os.environ["SHARDING_CKPT"], main)
+        path = Path(fleet.save_persistables(exe, os.environ["SHARDING_CKPT"], main))
+        if stage == "3":  # damaged copies (a piece of a param and of a moment dropped, doubled,
+            # shifted), loaded at this degree here, at 2 by the "load" case, in one process by the test
+            if rank == 0:
+                ckpt_tamper.tamper_all(path, Path(os.environ["SHARDING_CKPT"] + "_tampered"))
+            fleet.barrier_worker()
+            before = {n: exe.scope[n].clone() for n in _saved(main)}
+            refused = ckpt_tamper.refusals(exe, main, Path(os.environ["SHARDING_CKPT"] + "_tampered"))
+            refused["untouched"] = all(torch.equal(exe.scope[n], t) for n, t in before.items())
     stats = exe.memory_stats()
     rows = next(iter(part.values())).shape[0]
     predicted = estimate_memory(main, dims={"batch": rows})
@@ -98,6 +117,7 @@ def train_case(case: str, rank: int, world: int) -> dict:
         "program": str(main),
         "held": {n: exe.scope[n].clone() for n in _saved(main)},
         "sent": {g: torch.as_tensor(t) for g, t in zip(grads, sent, strict=True)},
+        "refusals": refused,
     }
 
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import ckpt_tamper
 import pytest
 import torch
 from workers import start_workers
@@ -162,9 +163,20 @@ def test_tensor_parallel_checkpoint_resumes_bitwise_and_loads_into_one_process(t
     w = _ckpt_worker()
     ckpt = tmp_path / "ckpt"
     straight = _job(tmp_path, 2, "mp2", "straight", ckpt)
+    # a piece of a split param and of its velocity dropped, doubled or shifted: refused by the
+    # resuming MP=2 workers (before their load) and by one process, naming the var and the element
+    tampered = tmp_path / "ckpt_tampered"
+    ckpt_tamper.tamper_all(ckpt / "step-00000002", tampered)
     resumed = _job(tmp_path, 2, "mp2", "resume", ckpt)
     for r in range(2):  # MP=2 -> MP=2: every loss and every var bit for bit
         _assert_bitwise(resumed[r], straight[r], f"mp rank {r}")
+        ckpt_tamper.check_refusals(resumed[r]["refusals"], tampered)
+        assert resumed[r]["untouched"]
+    env.reset()
+    fleet.init()
+    exe = metaopt.Executor("cpu")
+    ckpt_tamper.check_refusals(ckpt_tamper.refusals(exe, w.build("single_mp")[0], tampered), tampered)
+    assert not exe.scope
 
     splits = straight[0]["splits"]
     c_attn, velocity = "transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_attn.weight@VELOCITY"

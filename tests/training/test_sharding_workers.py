@@ -17,6 +17,7 @@ import functools
 import sys
 from pathlib import Path
 
+import ckpt_tamper
 import pytest
 import torch
 from workers import start_workers, wait_workers
@@ -264,8 +265,9 @@ def test_optimize_offload_moves_the_state_to_host_memory_and_changes_no_bit(runs
         assert got["measured_peak"] == got["predicted_peak"] < two["measured_peak"]
 
 
-def _whole_checkpoint(folder: Path) -> dict[str, torch.Tensor]:
-    """The 4 workers' checkpoint loaded into one process's unsharded program."""
+def _whole_checkpoint(folder: Path, tampered: Path | None = None) -> dict[str, torch.Tensor]:
+    """The 4 workers' checkpoint loaded into one process's unsharded program (or, given
+    `tampered`, each damaged copy there tried first: their refusals, by case)."""
     import sharding_worker
     from training_cases import build_strategy, export
 
@@ -282,6 +284,9 @@ def _whole_checkpoint(folder: Path) -> dict[str, torch.Tensor]:
             main.loss
         )
         exe = metaopt.Executor("cpu")
+        if tampered is not None:
+            got = ckpt_tamper.refusals(exe, main, tampered)
+            return {**got, "untouched": not exe.scope}
         fleet.load_persistables(exe, folder, main)
         return {n: exe.scope[n].clone() for n in sharding_worker._saved(main)}
     finally:
@@ -305,6 +310,22 @@ def test_a_checkpoint_of_four_sharded_workers_loads_at_sharding_two_and_in_one_p
                 sliced = n in states or ":3:" in case
                 want = take_slice(t, world, r) if sliced else t
                 assert torch.equal(got["held"][n], want), (world, case, r, n)
+
+
+def test_a_damaged_stage_3_checkpoint_is_refused_at_every_degree(runs):
+    """A piece of a param and of an Adam moment dropped, doubled or shifted in the 4 workers'
+    stage-3 checkpoint (tests/ckpt_tamper.py): refused when loaded by those 4 workers, by 2 at
+    stage 1, and by one process, naming the var and its first wrong element, nothing changed.
+    Before (issue 47): each loaded, the uncovered elements garbage or zeros, the last read winning."""
+    tampered = Path(str(runs["ckpt"]) + "_tampered")
+    four = [dict(r["refusals"]) for r in _ranks(runs, 4, "hf-gpt2:3:adam:recompute:save")]
+    two = _ranks(runs, 2, "hf-gpt2:1:adam:recompute:load")
+    one = _whole_checkpoint(runs["ckpt"], tampered)
+    assert all(r["untouched"] for r in two)  # refused before anything was loaded
+    for got in [*four, one]:
+        assert got.pop("untouched") is True  # the trained values as they were / nothing loaded
+    for got in [*four, *(r["refusals"] for r in two), one]:
+        ckpt_tamper.check_refusals(got, tampered)
 
 
 @pytest.mark.parametrize("case", HYBRID)
