@@ -40,7 +40,8 @@ _PLAIN = (bool, int, float, str, type(None))
 def export(module: torch.nn.Module, *args: Any, **kwargs: Any) -> metaopt.Program:
     """`metaopt.export(module, *args, **kwargs)`, once per session: its arguments, defaults
     included, are the ones the key digests."""
-    if not os.environ.get(ENV):
+    meta = any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+    if not os.environ.get(ENV) or meta:  # a module on meta has no values to save: exported as is
         return metaopt.export(module, *args, **kwargs)
     bound = inspect.signature(torch_export.export).bind(module, *args, **kwargs)
     bound.apply_defaults()

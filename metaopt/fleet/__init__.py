@@ -26,6 +26,7 @@ from metaopt.fleet.env import (
     worker_num,
 )
 from metaopt.fleet.io import load_persistables, save_persistables
+from metaopt.fleet.pretrained import load_pretrained
 from metaopt.fleet.steps import STEPS
 from metaopt.fleet.strategy import DistributedStrategy
 
@@ -41,6 +42,7 @@ __all__ = [
     "is_first_worker",
     "is_initialized",
     "load_persistables",
+    "load_pretrained",
     "local_rank",
     "save_persistables",
     "worker_endpoints",

@@ -303,15 +303,15 @@ def _gather(obj: Any, what: str) -> list[Any]:
     return all_gather_json(obj, what)
 
 
-def _agree_or_raise(problem: str | None, what: str) -> None:
-    """Raise on every worker if any worker found a problem, naming each such worker, so no
-    worker goes on into a collective the others will never join."""
+def _agree_or_raise(problem: str | None, what: str, error: type[Exception] = CheckpointError) -> None:
+    """Raise `error` on every worker if any worker found a problem, naming each such worker, so
+    no worker goes on into a collective the others will never join."""
     found = [(r, p) for r, p in enumerate(_gather(problem, f"{what}: the workers' problems")) if p]
     if found and world()[1] == 1:
-        raise CheckpointError(f"{what}: {found[0][1]}")
+        raise error(f"{what}: {found[0][1]}")
     if found:
         detail = "; ".join(f"worker {r}: {p}" for r, p in found)
-        raise CheckpointError(f"{what} refused on every worker: {detail}")
+        raise error(f"{what} refused on every worker: {detail}")
 
 
 def _layout(program: Program, group: tuple[int, ...] | None) -> dict[str, Any]:

@@ -649,8 +649,11 @@ def _sharding(p: Program, plans: PartPlans, ctx: Context) -> Program:
         p = p.clone()
         held = [sp.param for sp in plan.params]
         axes = ("sharding", "data") if any(p.vars[x].split is not None for x in held) else ()
-        values = {x: p.values[x] for x in held}
-        p.values.update(env.broadcast_from_first(values, "stage 3's initial params", axes))
+        # (an export on the meta device has no values: fleet.load_pretrained gives each worker
+        # its slice of the same file, equal on every replica)
+        values = {x: p.values[x] for x in held if not p.is_meta(x)}
+        if values:
+            p.values.update(env.broadcast_from_first(values, "stage 3's initial params", axes))
     return apply_sharding(p, plan)
 
 

@@ -46,6 +46,9 @@ class ImportOptions:
     frozen: set[str] = field(default_factory=set)  # params with requires_grad=False
     rename: dict[str, str] = field(default_factory=dict)  # initializer -> state_dict name
     symbolic_dims: dict[str, str] = field(default_factory=dict)  # exporter dim name -> ours
+    # initializer -> its value by reference (the module's own tensor, or a meta tensor: no value):
+    # the file holds only its dtype and dims (`by_reference` in torch_export.py)
+    values: dict[str, Any] = field(default_factory=dict)
 
 
 def _meta(proto: onnx.NodeProto | onnx.ValueInfoProto | onnx.ModelProto) -> dict[str, str]:
@@ -211,6 +214,8 @@ def _data_prop_risk(inferred: onnx.ModelProto, max_elements: int) -> str | None:
         if len(dims) == 1 and static:
             total += static[0]
     for t in consts.values():
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            continue  # a value by reference (an export's params): no shape data, and not in the file
         if len(t.dims) <= 1:
             total += t.dims[0] if t.dims else 1
             if t.data_type in _INT_TYPES and (not t.dims or t.dims[0] <= 64):
@@ -230,6 +235,18 @@ def _data_prop_risk(inferred: onnx.ModelProto, max_elements: int) -> str | None:
                         f"max_shape_data={max_elements}"
                     )
     return None
+
+
+def _referenced(t: onnx.TensorProto, values: dict[str, Any]) -> Any:
+    """The value given by reference for initializer `t`, which must say the same dtype and dims."""
+    value = values[t.name]
+    dtype = torch_dtype_from_onnx(t.data_type, what=f"initializer {t.name!r}")
+    if value.dtype != dtype or tuple(value.shape) != tuple(t.dims):
+        raise ImportError_(
+            f"initializer {t.name!r} is {dtype} {list(t.dims)} in the graph but its value given by "
+            f"reference is {value.dtype} {list(value.shape)}"
+        )
+    return value
 
 
 def _describe(node: onnx.NodeProto) -> str:
@@ -283,7 +300,7 @@ def to_program(
 
     init_names = set()
     for t in g.initializer:
-        value = tensor_value(t)
+        value = _referenced(t, opts.values) if t.name in opts.values else tensor_value(t)
         m = meta.get(t.name, {})
         kind = (
             opts.kinds.get(t.name)

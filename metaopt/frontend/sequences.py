@@ -7,6 +7,8 @@ position read. Any other use of a sequence is refused with the op named.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
@@ -16,8 +18,18 @@ class SequenceError(ValueError):
     pass
 
 
+_MAX_SIZES = 1 << 16  # split sizes and positions: a few numbers, never a parameter
+
+
 def _constants(g: onnx.GraphProto) -> dict[str, list[int]]:
-    out = {t.name: numpy_helper.to_array(t).reshape(-1).tolist() for t in g.initializer}
+    """The small integer initializers and Constant nodes (split sizes, positions) as lists."""
+    out = {
+        t.name: numpy_helper.to_array(t).reshape(-1).tolist()
+        for t in g.initializer
+        if t.data_location != onnx.TensorProto.EXTERNAL  # a value by reference: a parameter
+        and t.data_type in (onnx.TensorProto.INT64, onnx.TensorProto.INT32)
+        and math.prod(t.dims) <= _MAX_SIZES
+    }
     for n in g.node:
         if n.op_type == "Constant" and n.attribute:
             a = n.attribute[0]

@@ -47,7 +47,9 @@ def probe_shapes(p: Program, symbol: str) -> None:
             if any(d is None for d in dims):
                 return  # an input with other symbols: leave the dims unknown
             feed[name] = torch.zeros(dims, dtype=torch_dtype(v.dtype))
-        exe = Executor("cpu", track_memory=False)
+        # a program exported on the meta device has no values: its shapes come from a meta run
+        meta = any(t.is_meta for t in p.values.values())
+        exe = Executor("meta" if meta else "cpu", track_memory=False)
         # fork_rng: the probe's Dropout must not move the user's RNG stream.
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             vals = exe.run(p, feed=feed, fetch_list=unknown, return_numpy=False)

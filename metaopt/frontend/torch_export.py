@@ -53,6 +53,10 @@ def export(
     if isinstance(args, torch.Tensor):
         args = (args,)
     kwargs = dict(kwargs or {})
+    derived_buffers(module)
+    if _on_meta(module):  # a module without values traces with example inputs without values
+        args = tuple(_to_meta(a) for a in args)
+        kwargs = {k: _to_meta(v) for k, v in kwargs.items()}
     dynamic_shapes = _batch_dims(module, args, kwargs) if dynamic_batch else None
     ep = None
     try:
@@ -82,18 +86,125 @@ def export(
                 f"BatchNorm {path!r} with momentum=None (cumulative average) in train mode"
             )
     with timed(_LOG, "export: import as a program"):
+        opts.values = by_reference(onnx_program.model)
         program = import_model(
-            onnx_program.model_proto,
+            _serialize(onnx_program.model),
             options=opts,
             training=module.training,
             bn_momentum=bn,
             name=name or type(module).__name__.lower(),
             channels_last=channels_last,
         )
-    _add_unused_params(program, module)
+    _add_unused_params(program, module, opts.values)
+    _record_references(program, opts.values)
     if dynamic_batch:
         probe_shapes(program, BATCH)
     return program
+
+
+def derived_buffers(module: torch.nn.Module) -> list[str]:
+    """Give the meta module's *non-persistent* buffers their values: derived data (rotary
+    frequency tables, position ids) that no checkpoint holds, so that a module built on the meta
+    device exports with them. Each is made by the Hugging Face init of the nearest pretrained
+    model above its module (``_init_weights``, as ``from_pretrained`` does after a meta build);
+    one that init does not set stays on meta (a value must then come from elsewhere: the executor
+    names it). Returns the buffers given values (the module's own, changed in place)."""
+    parents = {path: m for path, m in module.named_modules()}
+    done = []
+    for path, sub in module.named_modules():
+        names_ = [n for n in sub._non_persistent_buffers_set if getattr(sub, n, None) is not None]
+        meta = [n for n in names_ if sub._buffers[n].is_meta]
+        init = _hf_init(path, parents) if meta else None
+        if init is None:
+            continue
+        sentinel = {}
+        for n in meta:
+            b = sub._buffers[n]
+            fill = _sentinel(b.dtype)
+            sub._buffers[n] = torch.full(b.shape, fill, dtype=b.dtype)
+            sentinel[n] = fill
+        init(sub)
+        for n, fill in sentinel.items():
+            b = sub._buffers[n]
+            unset = b.isnan().any() if b.is_floating_point() else (b == fill).all() and b.numel() > 0
+            if unset:
+                sub._buffers[n] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+            else:
+                done.append(f"{path}.{n}" if path else n)
+    return done
+
+
+def _on_meta(module: torch.nn.Module) -> bool:
+    params = list(module.parameters())
+    return bool(params) and all(p.is_meta for p in params)
+
+
+def _to_meta(x: Any) -> Any:
+    return x.to("meta") if isinstance(x, torch.Tensor) else x
+
+
+def _sentinel(dtype: torch.dtype) -> float | int | bool:
+    """A value no init writes everywhere: how an unset buffer is told from a set one."""
+    if dtype.is_floating_point:
+        return float("nan")
+    return False if dtype == torch.bool else torch.iinfo(dtype).min
+
+
+def _hf_init(path: str, modules: dict[str, torch.nn.Module]) -> Any:
+    """The ``_init_weights`` of the nearest Hugging Face pretrained model at or above `path`."""
+    parts = path.split(".") if path else []
+    for i in range(len(parts), -1, -1):
+        owner = modules.get(".".join(parts[:i]))
+        if owner is not None and callable(getattr(owner, "_init_weights", None)) and hasattr(owner, "config"):
+            return owner._init_weights
+    return None
+
+
+# A floating initializer, one this large, or one on the meta device reaches the Program by
+# reference; small integer ones (shape constants the import folds and reads) stay in the proto.
+BY_REFERENCE_MIN_BYTES = 1024
+
+
+def by_reference(model: Any) -> dict[str, torch.Tensor]:
+    """Take the exporter's initializers that hold torch tensors (the module's own parameters and
+    buffers: the exporter wraps them, it does not copy them) out of `model` (an onnx_ir Model),
+    leaving each an external-data placeholder of its dtype and shape: `{name: tensor}`, for the
+    import to take as they are. Serializing the values into a ModelProto would copy each several
+    times over (the proto, onnx's shape inference, numpy, torch) and fails on the meta device."""
+    import onnx_ir as ir
+
+    values: dict[str, torch.Tensor] = {}
+    for name, v in model.graph.initializers.items():
+        raw = getattr(v.const_value, "raw", None)
+        if not isinstance(raw, torch.Tensor):
+            continue
+        small = raw.numel() * raw.element_size() < BY_REFERENCE_MIN_BYTES
+        if small and not raw.is_meta and not raw.is_floating_point():
+            continue
+        values[name] = raw.detach()
+        v.const_value = ir.ExternalTensor(
+            BY_REFERENCE_LOCATION, None, None, v.const_value.dtype, shape=v.const_value.shape, name=name
+        )
+    return values
+
+
+BY_REFERENCE_LOCATION = "metaopt:by-reference"  # never a file: the import takes the value given
+
+
+def _record_references(program: Program, values: dict[str, torch.Tensor]) -> None:
+    """Note each value the program holds by reference with its version counter (`Program.referenced`)."""
+    import weakref
+
+    given = {id(t) for t in values.values()}
+    for name, t in program.values.items():
+        if id(t) in given:
+            program.referenced[name] = (weakref.ref(t), t._version)
+
+
+def _serialize(model: Any) -> Any:
+    import onnx_ir as ir
+
+    return ir.serde.serialize_model(model)
 
 
 def _batch_dims(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -150,14 +261,15 @@ def _options(module: torch.nn.Module) -> ImportOptions:
     return opts
 
 
-def _add_unused_params(program: Program, module: torch.nn.Module) -> None:
+def _add_unused_params(program: Program, module: torch.nn.Module, values: dict[str, torch.Tensor]) -> None:
     # The exporter drops parameters the forward never reads; users still find
     # every named_parameters() entry (their grads are zero / absent).
     for n, p in module.named_parameters():
         if n not in program.vars:
+            values[n] = p.detach()
             program.add_var(
                 Var(n, dtype_name(p.dtype), tuple(p.shape), kind="param", trainable=p.requires_grad),
-                p.detach().clone(),
+                values[n],  # by reference, as every other value (the executor copies into its scope)
             )
     program.sort_vars()  # among the params, as a saved program loads back
 

@@ -15,6 +15,7 @@ import hashlib
 import itertools
 import math
 import operator
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -567,6 +568,14 @@ class Program:
         self.outputs: list[str] = []
         self.loss_name: str | None = None
         self.values: dict[str, torch.Tensor] = {}
+        # name -> (its value, the value's torch version counter) for values held by reference to a
+        # module's own tensors (metaopt.export): an in-place change of that tensor after the export
+        # (an eager optimizer step on the module) is refused at the first run, not taken silently.
+        self.referenced: dict[str, tuple[weakref.ref, int]] = {}
+        # name -> the number every element of its value starts at, for a value that is a meta
+        # placeholder (a program exported on the meta device: optimizer state, accumulators): the
+        # executor makes it on its device, at the var's shape (this worker's share), at first use.
+        self.fills: dict[str, float] = {}
         # module path -> the var names that leave that module (its outputs).
         self.modules: dict[str, list[str]] = {}
         # persistable name -> the var whose value replaces it after the op producing
@@ -637,13 +646,40 @@ class Program:
         return (op for op in self.ops if op.role in roles)
 
     # --- building -----------------------------------------------------------
-    def add_var(self, var: Var, value: torch.Tensor | None = None) -> Var:
+    def add_var(self, var: Var, value: torch.Tensor | None = None, *, fill: float | None = None) -> Var:
         if var.name in self.vars:
             raise ValueError(f"program {self.name!r} already has a var {var.name!r}")
         var.program = self
         self.vars[var.name] = var
         if value is not None:
             self.values[var.name] = value
+        if fill is not None:
+            self.fills[var.name] = fill
+        return var
+
+    def is_meta(self, name: str) -> bool:
+        """Is `name`'s value a meta placeholder (no value: a program exported on the meta device)?"""
+        t = self.values.get(name)
+        return t is not None and t.is_meta
+
+    def set_filled(self, name: str, fill: float, *, meta: bool) -> None:
+        """`name`'s initial value: `fill` everywhere, at its var's (static) shape; on the meta
+        device, a placeholder the executor fills at first use (`fills`), so a program exported on
+        meta never holds its optimizer state, and each worker makes only its share of it."""
+        v = self.vars[name]
+        shape, dtype = tuple(v.shape or ()), torch_dtype(v.dtype)
+        if meta:
+            self.values[name] = torch.empty(shape, dtype=dtype, device="meta")
+            self.fills[name] = fill
+        else:
+            self.values[name] = torch.full(shape, fill, dtype=dtype)
+            self.fills.pop(name, None)
+
+    def add_filled(self, var: Var, fill: float, *, like: str) -> Var:
+        """Add `var`, its value `fill` everywhere (`set_filled`): a placeholder where `like`'s
+        value is one (state of a param of a program exported on meta)."""
+        self.add_var(var)
+        self.set_filled(var.name, fill, meta=self.is_meta(like))
         return var
 
     def sort_vars(self) -> None:
@@ -678,6 +714,8 @@ class Program:
         p.inputs, p.outputs = list(self.inputs), list(self.outputs)
         p.loss_name = self.loss_name
         p.values = dict(self.values)
+        p.referenced = dict(self.referenced)
+        p.fills = dict(self.fills)
         p.modules = {k: list(v) for k, v in self.modules.items()}
         p.updates = dict(self.updates)
         p.pipeline = self.pipeline
@@ -685,6 +723,13 @@ class Program:
         p.phases = self.phases  # immutable; a clone changed later no longer matches it
         p.donated = self.donated
         return p
+
+    def changed_since_export(self, name: str) -> bool:
+        """Has the tensor `values[name]` (held by reference to a module's own) been changed in
+        place since the export took it?"""
+        held = self.referenced.get(name)
+        value = self.values.get(name)
+        return held is not None and held[0]() is value and value._version != held[1]
 
     def replace_with(self, other: Program) -> None:
         """Take `other`'s contents in place (Fleet's minimize rewrites the user's program)."""

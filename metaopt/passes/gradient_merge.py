@@ -54,6 +54,7 @@ def gradient_merge(p: Program, *, k_steps: int, avg: bool = True, loss_grad: str
         for op in q.ops
         if roles.is_update(op.role) and len(op.inputs) > 1
     }
+    meta = any(q.is_meta(v.name) for v in q.params())  # an export on meta: accumulators filled at first use
     merged: dict[str, str] = {}
     after: dict[int, list[Op]] = {}
     for g in grads:
@@ -63,7 +64,8 @@ def gradient_merge(p: Program, *, k_steps: int, avg: bool = True, loss_grad: str
             if n in q.vars:
                 raise GradientMergeError(f"program {q.name!r} already has a var {n!r}")
         acc_var = Var(acc, v.dtype, v.shape, "opt_state", split=split.get(g))
-        q.add_var(acc_var, torch.zeros(_static(v), dtype=_dtype(v)))
+        q.add_var(acc_var)
+        q.set_filled(acc, 0.0, meta=meta)
         q.add_var(Var(new, v.dtype, v.shape, "grad"))
         q.updates[acc] = new
         merged[g] = new
@@ -95,15 +97,3 @@ def _divide_seed(q: Program, loss_grad: str | None, k: int) -> None:
     v = q.vars[const]
     q.add_var(Var(name, v.dtype, v.shape, "constant"), q.values[const] / k)
     seed.inputs = [name, *seed.inputs[1:]]
-
-
-def _static(v: Var) -> tuple[int, ...]:
-    if v.shape is None or not all(isinstance(d, int) for d in v.shape):
-        raise GradientMergeError(f"gradient merge: grad {v.name!r} has no static shape ({v.shape})")
-    return tuple(v.shape)
-
-
-def _dtype(v: Var) -> torch.dtype:
-    from metaopt.ir import torch_dtype
-
-    return torch_dtype(v.dtype)

@@ -86,9 +86,11 @@ def apply_optimizer(
         pv = q.vars[p]
         states = list(optimizer.state_names(p).values())
         for s in states:
-            zeros = torch.zeros(pv.shape, dtype=torch_dtype(pv.dtype))  # torch's initial state
-            # a tensor-parallel param's state is split as the param is: checkpoints need it
-            _add(q, Var(s, pv.dtype, pv.shape, "opt_state", split=pv.split), zeros)
+            # torch's initial state: zeros (a placeholder the executor fills, for a param without
+            # a value: an export on the meta device); a tensor-parallel param's state is split
+            # as the param is: checkpoints need it
+            _add(q, Var(s, pv.dtype, pv.shape, "opt_state", split=pv.split))
+            q.set_filled(s, 0.0, meta=q.is_meta(p))
         inputs = [p, g, lr] + ([step_new] if optimizer.needs_step() else []) + states
         outputs = [names.new_state(x) for x in [p, *states]]
         for x, o in zip([p, *states], outputs, strict=True):

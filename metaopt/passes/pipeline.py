@@ -564,6 +564,7 @@ class _Splitter:
         self.multi = plan.multi_stage  # params read by several virtual stages: grads made per stage
         self.extra_vars: dict[str, Var] = {}
         self.extra_values: dict[str, torch.Tensor] = {}
+        self.extra_fills: dict[str, float] = {}  # Program.fills of the extra values
         self.extra_updates: dict[int, dict[str, str]] = {}  # worker -> updates it adds
         self.renames: dict[int, dict[str, str]] = {}  # worker -> {grad read by O: merged/reduced}
 
@@ -700,9 +701,9 @@ class _Splitter:
         and the parts are summed once per step, before the update (and any all-reduce)."""
         if param not in self.multi:
             (k,) = (s for s in self.plan.holders[param] if self.plan.worker(s) == w)
-            return self._merge(stages[k], g, g, w, k)
+            return self._merge(stages[k], g, g, w, k, param)
         parts = [
-            self._merge(stages[k], names.stage_part(g, k), g, w, k)
+            self._merge(stages[k], names.stage_part(g, k), g, w, k, param)
             for k in self.plan.holders[param]
             if self.plan.worker(k) == w
         ]
@@ -713,12 +714,16 @@ class _Splitter:
         sums.append(Op("GradSum", parts, [out], role="optimize", stage=w, origin=param))
         return out
 
-    def _merge(self, st: _StageOps, grad: str, param_grad: str, w: int, k: int) -> str:
+    def _merge(self, st: _StageOps, grad: str, param_grad: str, w: int, k: int, param: str) -> str:
         acc = names.merged(grad)
         new = names.new_state(acc)
         v = self.p.vars[param_grad]
         self.extra_vars[acc] = Var(acc, v.dtype, v.shape, "opt_state")
-        self.extra_values[acc] = torch.zeros(v.shape, dtype=torch_dtype(v.dtype))
+        if self.p.is_meta(param):  # a param of an export on meta: its accumulator filled at first use
+            self.extra_values[acc] = torch.empty(v.shape, dtype=torch_dtype(v.dtype), device="meta")
+            self.extra_fills[acc] = 0.0
+        else:
+            self.extra_values[acc] = torch.zeros(v.shape, dtype=torch_dtype(v.dtype))
         self.extra_vars[new] = Var(new, v.dtype, v.shape, "grad")
         self.extra_updates.setdefault(w, {})[acc] = new
         self.extra_vars.setdefault(MICRO_BATCH, Var(MICRO_BATCH, "int64", (), "input"))
@@ -786,11 +791,12 @@ class _Splitter:
         )
         allvars = {**p.vars, **self.extra_vars}
         values = {**p.values, **self.extra_values}
+        fills = {**p.fills, **self.extra_fills}
         used = dict.fromkeys(x for op in ops for x in (*op.inputs, *op.outputs) if x)
         produced = {o for op in ops for o in op.outputs if o}
         for name in allvars:  # the input program's order, then the pass's vars
             if name in used:
-                q.add_var(allvars[name].copy(), values.get(name))
+                q.add_var(allvars[name].copy(), values.get(name), fill=fills.get(name))
         q.ops = ops
         q.inputs = [x for x in [*p.inputs, MICRO_BATCH] if x in used and x not in produced]
         q.outputs = [x for x in p.outputs if x in produced]

@@ -266,7 +266,7 @@ def _subprogram(p: Program, k: Key, plan: PhasePlan, produced: frozenset[str]) -
     for x in dict.fromkeys(x for op in ops for x in (*op.inputs, *op.outputs) if x):
         v = p.vars[x]
         if v.persistable or x in produced:
-            q.add_var(_copy(v), p.values.get(x))
+            q.add_var(_copy(v), p.values.get(x), fill=p.fills.get(x))
         else:
             q.add_var(_copy(v, kind="input"))
     mb = [names.micro_batch()] if names.micro_batch() in q.vars else []

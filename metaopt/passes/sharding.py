@@ -61,8 +61,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from metaopt.ir import Op, Program, Var, ZeroShard, names, roles, torch_dtype
 from metaopt.ir.printer import fmt_op
 from metaopt.ops import registry
@@ -455,14 +453,14 @@ def _sliced_update(q: Program, op: Op, sp: ShardedParam, degree: int, held: bool
         for s, out in zip(sp.states, op.outputs[1:], strict=True):
             _shard_var(q, s, q.vars[s], degree, "opt_state")
             _shard_var(q, out, q.vars[out], degree, q.vars[out].kind)
-            q.values[s] = torch.zeros(q.vars[s].shape, dtype=torch_dtype(q.vars[s].dtype))
+            q.set_filled(s, 0.0, meta=q.is_meta(s))
         return dataclasses.replace(op, inputs=[sp.param, grad, *op.inputs[2:]], attrs=dict(op.attrs))
     param_slice = names.zero_shard(sp.param)
     full = q.vars[sp.param]
     for s, new in zip(sp.states, op.outputs[1:], strict=True):
         _shard_var(q, s, q.vars[s], degree, "opt_state")
         _shard_var(q, new, q.vars[new], degree, q.vars[new].kind)
-        q.values[s] = torch.zeros(q.vars[s].shape, dtype=torch_dtype(q.vars[s].dtype))
+        q.set_filled(s, 0.0, meta=q.is_meta(s))
     new_param = _shard_var(q, _fresh(q, names.new_state(param_slice)), full, degree, "activation")
     inputs = [param_slice, grad, *op.inputs[2:]]
     return dataclasses.replace(op, inputs=inputs, outputs=[new_param, *op.outputs[1:]], attrs=dict(op.attrs))

@@ -264,11 +264,18 @@ class Executor:
             if value is None:
                 raise ValueError(f"persistable var {name!r} has no value in program {p.name!r} or the scope")
             host = p.vars[name].host  # ZeRO-Offload's state: in (pinned) host memory between steps
-            t = (
-                _on_host(value)
-                if host and self.device.type == "cuda"
-                else value.detach().to(self.device, copy=True)
-            )
+            where = "cpu" if host and self.device.type == "cuda" else self.device
+            if value.is_meta and name in p.fills and self.device.type != "meta":
+                # a placeholder (an export on meta): made here, at this worker's shape, once
+                t = torch.full(value.shape, p.fills[name], dtype=value.dtype, device=where)
+                t = t.pin_memory() if where == "cpu" and self.device.type == "cuda" else t
+            else:
+                _check_initial_value(p, name, value, self.device)
+                t = (
+                    _on_host(value)
+                    if where == "cpu" and self.device.type == "cuda"
+                    else value.detach().to(self.device, copy=True)
+                )
             self.scope[name] = t
             if self.track_memory:
                 self._tracker.acquire(t, host)
@@ -404,3 +411,22 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
     if t.dtype == torch.bfloat16:
         t = t.float()
     return t.cpu().numpy()
+
+
+def _check_initial_value(p: Program, name: str, value: torch.Tensor, device: torch.device) -> None:
+    """A program's initial value must exist (not a meta placeholder, off the meta executor) and be
+    the module's tensor as it was at the export (it is held by reference, not copied)."""
+    if value.is_meta and device.type != "meta":
+        raise ValueError(
+            f"{p.vars[name].kind} var {name!r} of program {p.name!r} has no value: the program was "
+            "exported from a module on the meta device. Give its persistables values before the "
+            "first run: fleet.load_pretrained(exe, program, path) from a safetensors file or Hugging "
+            "Face folder, or fleet.load_persistables(exe, dirname, program) from a checkpoint"
+        )
+    if p.changed_since_export(name):
+        raise ValueError(
+            f"var {name!r} of program {p.name!r} was changed in place after metaopt.export took it (an "
+            "eager optimizer step or load on the module?): the program holds the module's tensors by "
+            "reference, as torch.export does. Export after changing the module, or export a copy "
+            "(metaopt.export(copy.deepcopy(module), ...)) to train both"
+        )

@@ -202,11 +202,28 @@ def test_the_plan_shows_the_step_and_the_grouped_data_parallel(monkeypatch):
 def tp_sharding_runs(tmp_path_factory) -> Path:
     """One launch of mp 2 x sharding 2 on 4 gloo workers: stages 1 and 3, each with SGD, Adam
     (saved) and the load of that checkpoint."""
+    from training_cases import save_pretrained_files
+
     out = tmp_path_factory.mktemp("tp_sharding")
+    save_pretrained_files(out, [NAME])  # what "3:sgd-meta" reads
     tokens = [f"{stage}:{opt}" for stage in (1, 3) for opt in ("sgd", "adam-save", "adam-load")]
-    args = [str(TRAINING / "fleet_tp_worker.py"), str(out), "1", "2", "2", *tokens]
-    wait_workers(start_workers(4, args, {"METAOPT_COMM_TIMEOUT": "60"}), "tensor-parallel x sharding", 300)
+    args = [str(TRAINING / "fleet_tp_worker.py"), str(out), "1", "2", "2", *tokens, "3:sgd-meta"]
+    env = {"METAOPT_COMM_TIMEOUT": "60", "PRETRAINED": str(out)}
+    wait_workers(start_workers(4, args, env), "tensor-parallel x sharding", 300)
     return out
+
+
+def test_mp2_x_sharding2_workers_built_on_meta_read_their_share_and_train_as_with_values(tp_sharding_runs):
+    """Stage 3 beside tensor parallel, the module built on meta: each worker reads from the
+    safetensors file only the ZeRO run of its tensor-parallel part of each param
+    (fleet.load_pretrained), and trains as the workers exported with values, bit for bit."""
+    for r in range(4):
+        got = torch.load(tp_sharding_runs / f"{NAME}.3:sgd-meta.rank{r}.pt", weights_only=False)
+        want = torch.load(tp_sharding_runs / f"{NAME}.3:sgd.rank{r}.pt", weights_only=False)
+        assert got["losses"] == want["losses"], r
+        assert got["layouts"] == want["layouts"]
+        for k, t in want["params"].items():
+            assert torch.equal(got["params"][k], t), (r, k)
 
 
 @pytest.mark.parametrize("stage", [1, 3])

@@ -6,15 +6,19 @@ turns on tensor parallel with tp_worker's gpt column/row layers (and ZeRO shardi
 the sharding axis). Each data-parallel replica (a sharding rank is one too) is fed its share of
 tp_worker's full batch, every MP rank of a replica the same share. 3 steps of each OPT at its
 sharding STAGE ("sgd", the default; "adam"; "adam-save": Adam, then save_persistables into
-OUT/ckpt<STAGE>; "adam-load": no steps, what load_persistables of it gives this worker); writes its
+OUT/ckpt<STAGE>; "adam-load": no steps, what load_persistables of it gives this worker; "sgd-meta":
+SGD on the module built on meta, filled by fleet.load_pretrained from $PRETRAINED); writes its
 losses, (local) params, held state and plans to ``OUT/gpt[.STAGE:OPT].rank<r>.pt``."""
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 import torch
 import tp_worker
+from training_cases import pretrained_path
 from workers import gathered_params
 
 import metaopt
@@ -47,15 +51,18 @@ def train(s: fleet.DistributedStrategy, opt: str, ckpt: str) -> dict:
     hcg = fleet.get_hybrid_communicate_group()
     sh = hcg.get_sharding_parallel_world_size()
     replica = hcg.get_data_parallel_rank() * sh + hcg.get_sharding_parallel_rank()
-    program = tp_worker.export(NAME)
+    meta = opt.endswith("-meta")
+    program = tp_worker.export(NAME, meta=meta)
     optimizer = (
         metaopt.optimizer.SGD(learning_rate=tp_worker.LR)
-        if opt == "sgd"
+        if opt in ("sgd", "sgd-meta")
         else metaopt.optimizer.Adam(learning_rate=1e-2)
     )
     opt_ = fleet.distributed_optimizer(optimizer, s)
     opt_.minimize(program.loss)
     exe = metaopt.Executor("cpu")
+    if meta:  # no values until this worker reads its slices of its part of each tensor
+        fleet.load_pretrained(exe, program, pretrained_path(Path(os.environ["PRETRAINED"]), NAME))
     losses = []
     if opt.endswith("-load"):  # what this worker holds of OUT/ckpt, untrained
         fleet.load_persistables(exe, ckpt, program)

@@ -15,7 +15,9 @@ scaling), "clip" (global-norm clipping), "save" (save_persistables into $SHARDIN
 training), "load" (load $SHARDING_CKPT instead of training: what this worker then holds; first each
 damaged copy in ${SHARDING_CKPT}_tampered, "refusals"), a stage-3 "save" also writes those copies
 (tests/ckpt_tamper.py) and loads them at its own degree,
-"optoffload" (sharding_configs["optimize_offload"]: the optimizer state in host memory), "pp"
+"optoffload" (sharding_configs["optimize_offload"]: the optimizer state in host memory), "meta"
+(the module built and exported on the meta device, this worker's share of its values read from
+$PRETRAINED by fleet.load_pretrained after minimize), "pp"
 (a 1F1B pipeline of 2 micro-batches, cuts "auto", over fleet.init's pp_degree: the last stage
 reports the losses, the others None).
 """
@@ -28,7 +30,16 @@ from pathlib import Path
 
 import ckpt_tamper
 import torch
-from training_cases import BATCH, STEPS, batch, build_strategy, export, runs
+from training_cases import (
+    BATCH,
+    PRETRAINED_PREFIX,
+    STEPS,
+    batch,
+    build_strategy,
+    export,
+    pretrained_path,
+    runs,
+)
 from workers import gathered_params
 
 import metaopt
@@ -39,7 +50,7 @@ from metaopt.report.pipeline_memory import estimate_pipeline_memory
 
 def train_case(case: str, rank: int, world: int) -> dict:
     name, stage, opt, *extra = case.split(":")
-    main = export(name)
+    main = export(name, meta="meta" in extra)
     strategy = build_strategy(name, [opt, *extra])
     strategy.sharding = stage != "0"  # "0": data parallel alone, the same otherwise
     if strategy.sharding:
@@ -60,6 +71,9 @@ def train_case(case: str, rank: int, world: int) -> dict:
     optimizer = fleet.distributed_optimizer(make_optimizer(opt, "clip" in extra), strategy)
     optimizer.minimize(main.loss)
     exe = metaopt.Executor("cpu")
+    if "meta" in extra:  # no values until this worker reads its share of the pretrained files
+        path = pretrained_path(Path(os.environ["PRETRAINED"]), name)
+        fleet.load_pretrained(exe, main, path, prefix=PRETRAINED_PREFIX.get(name, ""))
     if "load" in extra:  # the damaged copies of the checkpoint first: each refused, nothing loaded
         got = ckpt_tamper.refusals(exe, main, Path(os.environ["SHARDING_CKPT"] + "_tampered"))
         untouched = not exe.scope

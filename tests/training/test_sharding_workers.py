@@ -69,19 +69,24 @@ FOUR = [
     "hf-gpt2:3:adam:recompute:save",
     "hf-llama:1:sgd",
     "hf-llama:3:sgd",
+    "hf-llama:3:sgd:meta",  # built on meta, each worker reading its slices of the HF folder
     "mlp:1:momentum",
 ]
 HYBRID = ["mlp:1:momentum", "mlp:2:momentum"]  # dp_degree 2 x sharding_degree 2: state halved
 # pp_degree 2 x sharding_degree 2 (ZeRO stage 1 beside a 1F1B pipeline of 2 micro-batches): GPT-2's
 # tied wte held by both stages, its grad slices summed between them; "save" is loaded in one process;
 # fp16: dynamic loss scaling, its overflow check over every worker
-PIPELINE = ["hf-gpt2:1:adam:pp:recompute:save", "hf-gpt2:1:sgd:pp:fp16"]
+PIPELINE = ["hf-gpt2:1:adam:pp:recompute:save", "hf-gpt2:1:sgd:pp:fp16", "hf-gpt2:1:sgd:pp:meta"]
 TOL = {"rtol": 1e-5, "atol": 4e-5}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[int, Path]:
     out = {"ckpt": tmp_path_factory.mktemp("sharding_ckpt"), "pp_ckpt": tmp_path_factory.mktemp("pp_ckpt")}
+    from training_cases import save_pretrained_files
+
+    out["pretrained"] = tmp_path_factory.mktemp("pretrained")  # the "meta" cases read their values here
+    save_pretrained_files(out["pretrained"], ["hf-llama", "hf-gpt2"])
     # 4 first: it saves what 2 loads; "hybrid": dp_degree 2 x sharding_degree 2 (fleet.init's layout);
     # "pp": dp_degree 1 x sharding_degree 2 x pp_degree 2
     launches = (
@@ -92,7 +97,11 @@ def runs(tmp_path_factory) -> dict[int, Path]:
     )
     for key, world, cases, hybrid, ckpt in launches:
         out[key] = tmp_path_factory.mktemp(f"sharding{key}")
-        env = {"SHARDING_CKPT": str(out[ckpt]), "SHARDING_HYBRID": hybrid}
+        env = {
+            "SHARDING_CKPT": str(out[ckpt]),
+            "SHARDING_HYBRID": hybrid,
+            "PRETRAINED": str(out["pretrained"]),
+        }
         procs = start_workers(world, [str(HERE / "sharding_worker.py"), str(out[key]), *cases], env)
         wait_workers(procs, "sharding", 400)
     return out
@@ -179,6 +188,21 @@ def test_two_workers_equal_one_process(runs, case):
             torch.testing.assert_close(
                 got["params"][k], want, **TOL, msg=lambda m, k=k, r=r: f"{case} {k} w{r}: {m}"
             )
+
+
+def test_workers_built_on_meta_and_filled_from_pretrained_files_train_as_those_exported_with_values(runs):
+    """ZeRO-3 on 4 workers: the module built on the meta device, exported without values, each
+    worker reading only its flat slices of the HF folder (fleet.load_pretrained): the same run,
+    losses and params bit for bit, as the workers whose export held the values."""
+    for got, want in zip(
+        _ranks(runs, 4, "hf-llama:3:sgd:meta"), _ranks(runs, 4, "hf-llama:3:sgd"), strict=True
+    ):
+        assert got["losses"] == want["losses"]
+        assert got["params"].keys() == want["params"].keys()
+        for k, t in want["params"].items():
+            assert torch.equal(got["params"][k], t), k
+        assert got["held"].keys() == want["held"].keys()
+        assert got["measured_persistable"] == want["measured_persistable"]
 
 
 @pytest.mark.parametrize("world, case", [(4, "hf-llama:1:sgd"), (4, "hf-llama:3:sgd"), (4, "mlp:1:momentum")])

@@ -4,6 +4,7 @@ of the zoo built tiny (tests/zoo), and the reference MLP (programs/)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 from pathlib import Path
@@ -41,9 +42,13 @@ def _feed_names(name: str) -> list[str]:
     return harness.feed_names(entry.build(0.0), 8)
 
 
-def export(name: str, dropout: float = 0.0) -> metaopt.Program:
+def export(name: str, dropout: float = 0.0, *, meta: bool = False) -> metaopt.Program:
     """The forward program, the same initial values in every process (`dropout`: the Hugging
-    Face models' dropout probability)."""
+    Face models' dropout probability). `meta`: the module built on the meta device and exported
+    so (no values: fleet.load_pretrained gives them, from `save_pretrained_files`)."""
+    if meta:
+        module, inputs, kwargs = _module(name, dropout, meta=True)
+        return metaopt.export(module, inputs, **kwargs)
     if name.startswith("hf-"):
         harness, entry = _zoo(name)
         torch.manual_seed(SEED)
@@ -51,6 +56,47 @@ def export(name: str, dropout: float = 0.0) -> metaopt.Program:
     mod = programs.get(name)
     model = mod.build("tiny", seed=SEED, dropout=0.0)
     return export_cache.export(model, mod.example_inputs("tiny", 4, seed=1), name=name)
+
+
+def _module(name: str, dropout: float = 0.0, *, meta: bool = False) -> tuple[torch.nn.Module, tuple, dict]:
+    """The module `export` exports (on the meta device: `meta`), its example inputs, export options."""
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        if name.startswith("hf-"):
+            harness, entry = _zoo(name)
+            module = entry.build(dropout)
+        else:
+            mod = programs.get(name)
+            module = mod.build("tiny", seed=SEED, dropout=0.0)
+    if name.startswith("hf-"):
+        return (
+            module,
+            entry.inputs(harness.EXPORT_BATCH, 0),
+            {"name": entry.name, **dict(entry.export_kwargs)},
+        )
+    return module, mod.example_inputs("tiny", 4, seed=1), {"name": name}
+
+
+PRETRAINED_PREFIX = {"hf-gpt2": "m.", "hf-llama": "m.", "hf-bert": "m."}  # the loss wrapper's module
+
+
+def save_pretrained_files(folder: Path, names: list[str]) -> None:
+    """Each model's initial values (those `export` gives) as the file `fleet.load_pretrained` reads:
+    a Hugging Face folder (`save_pretrained`) for the zoo's models, one safetensors file else."""
+    from safetensors.torch import save_file
+
+    for name in names:
+        module = _module(name)[0]
+        if name.startswith("hf-"):
+            module.m.save_pretrained(folder / name)
+        else:
+            tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+            save_file(
+                {k: t.detach().contiguous() for k, t in tensors.items()}, folder / f"{name}.safetensors"
+            )
+
+
+def pretrained_path(folder: Path, name: str) -> Path:
+    return folder / name if name.startswith("hf-") else folder / f"{name}.safetensors"
 
 
 def batch(name: str, step: int) -> dict[str, torch.Tensor]:
