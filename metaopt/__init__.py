@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from metaopt import fleet, optimizer
 from metaopt.compat import make_torchvision_importable
+from metaopt.fleet.pretrained import load_into
 from metaopt.frontend.importer import load
 from metaopt.frontend.onnx_save import save
 from metaopt.frontend.torch_export import export
@@ -46,6 +47,7 @@ __all__ = [
     "export",
     "fleet",
     "load",
+    "load_into",
     "memory_picture",
     "schedule_picture",
     "optimizer",

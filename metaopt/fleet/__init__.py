@@ -26,7 +26,7 @@ from metaopt.fleet.env import (
     worker_num,
 )
 from metaopt.fleet.io import load_persistables, save_persistables
-from metaopt.fleet.pretrained import load_pretrained
+from metaopt.fleet.pretrained import load_pretrained, save_pretrained
 from metaopt.fleet.steps import STEPS
 from metaopt.fleet.strategy import DistributedStrategy
 
@@ -45,6 +45,7 @@ __all__ = [
     "load_pretrained",
     "local_rank",
     "save_persistables",
+    "save_pretrained",
     "worker_endpoints",
     "worker_index",
     "worker_num",

@@ -278,3 +278,244 @@ def _check(program: Program, want: list[Var], files: dict[str, Path], prefix: st
                 f"{shapes[key]} in {files[key]}"
             )
     return None
+
+
+# --- save: trained values back into a Hugging Face folder -----------------------------------------
+
+
+def _put(v: Var, share: Share, local: torch.Tensor, whole: torch.Tensor) -> None:
+    """Write this worker's `local` value of `v` into `whole` (the full tensor): `_local` backwards."""
+
+    def part_box(off: tuple[int, ...], size: tuple[int, ...], t: torch.Tensor) -> None:
+        at = 0
+        for o, s in _in_full(v, share, off, size):
+            piece = t if v.split is None else t.narrow(v.split.axis, at, s[v.split.axis])
+            whole[tuple(slice(a, a + n) for a, n in zip(o, s, strict=True))] = piece
+            at += s[v.split.axis] if v.split is not None else 0
+
+    if v.zero is None and v.split is None:
+        whole.copy_(local)
+    elif v.zero is None:
+        part_box(*_part_boxes(v, share)[0], local)
+    else:
+        at, flat = 0, local.reshape(-1)
+        for off, size in _part_boxes(v, share):
+            n = math.prod(size)
+            part_box(off, size, flat[at : at + n].view(size))
+            at += n
+
+
+def _layout(v: Var, share: Share) -> dict[str, Any]:
+    """What another worker needs to place this worker's value of `v` (JSON)."""
+    return {
+        "dtype": v.dtype,
+        "full": list(v.full_shape or ()),
+        "local": list(v.shape or ()),
+        "split": [v.split.axis, v.split.parts, list(v.split.blocks)] if v.split else None,
+        "zero": [v.zero.parts, list(v.zero.full)] if v.zero else None,
+        "share": [share.mp_index, share.zero_index],
+    }
+
+
+def _var_of(name: str, lay: dict[str, Any]) -> tuple[Var, Share]:
+    from metaopt.ir import Split, ZeroShard
+
+    split = Split(lay["split"][0], lay["split"][1], tuple(lay["split"][2])) if lay["split"] else None
+    zero = ZeroShard(lay["zero"][0], tuple(lay["zero"][1])) if lay["zero"] else None
+    return Var(name, lay["dtype"], tuple(lay["local"]), "param", split=split, zero=zero), Share(*lay["share"])
+
+
+def _sources(name: str, holders: dict[int, dict[str, Any]]) -> list[int]:
+    """The fewest workers whose values of `name` together make the whole tensor: one per distinct
+    share (replicas hold equal ones: the lowest rank of each), each element from exactly one."""
+    from metaopt.fleet.tiling import tiling_fault
+
+    chosen: dict[str, int] = {}
+    for r in sorted(holders):
+        lay = holders[r]
+        key = json.dumps([lay["split"], lay["zero"], lay["share"] if lay["split"] or lay["zero"] else None])
+        chosen.setdefault(key, r)
+    ranks = sorted(chosen.values())
+    whole = next((r for r in ranks if holders[r]["split"] is None and holders[r]["zero"] is None), None)
+    if whole is not None:
+        return [whole]
+    boxes = []
+    for r in ranks:
+        v, share = _var_of(name, holders[r])
+        boxes += share_boxes(v, share) or []
+    fault = tiling_fault(holders[ranks[0]]["full"], boxes)
+    if fault is not None:
+        raise PretrainedError(
+            f"save_pretrained: the workers' shares of {name!r} do not make it whole: {fault}"
+        )
+    return ranks
+
+
+def save_pretrained(
+    exe: Any,
+    program: Program,
+    path: str | os.PathLike,
+    *,
+    prefix: str = "",
+    config: Any = None,
+    max_shard_bytes: int = 5 << 30,
+) -> str:
+    """Write the params and buffers of `program` (as `exe` holds them) as safetensors shards and
+    their index json in the folder `path`, the layout Hugging Face's ``from_pretrained`` loads.
+    Every worker of the job calls it: each tensor is put together on worker 0 from the fewest
+    workers whose shares make it whole, one tensor at a time, so no worker holds more than its
+    share and the largest tensor. `prefix` is taken off the program's names (the loss wrapper's
+    ``m.``); `config` (a ``transformers`` config) is saved beside them. Returns the folder."""
+    from metaopt.atomic import atomic_write
+    from metaopt.fleet.safetensors_out import Writer
+
+    rank = sharded_io.world()[0]
+    place = sharded_io.mp_place(program, "save_pretrained")
+    zi = sharded_io.zero_index(program, "save_pretrained")
+    share = Share(place.index if place else 0, zi or 0)
+    mine = {v.name: v for v in _wanted(program) if _key(v.name, prefix) is not None}
+    everyone = sharded_io._gather({n: _layout(v, share) for n, v in mine.items()}, "the params to save")
+    holders: dict[str, dict[int, dict[str, Any]]] = {}
+    for r, lays in enumerate(everyone):
+        for name, lay in lays.items():
+            holders.setdefault(name, {})[r] = lay
+    names = sorted(holders)
+    plan = {name: _sources(name, holders[name]) for name in names}
+    folder = Path(os.fspath(path))
+    shards = _shards(names, holders, prefix, max_shard_bytes)
+    writers: dict[str, Writer] = {}
+    try:
+        if rank == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+            for file, members in shards.items():
+                specs = [
+                    (
+                        _key(n, prefix),
+                        torch_dtype(holders[n][plan[n][0]]["dtype"]),
+                        tuple(holders[n][plan[n][0]]["full"]),
+                    )
+                    for n in members
+                ]
+                writers[file] = Writer(folder / file, specs)
+        for file, members in shards.items():
+            for name in members:
+                whole = _assemble(exe, name, holders[name], plan[name], mine.get(name), share, rank)
+                if rank == 0:
+                    writers[file].write(_key(name, prefix), whole)
+        for w in writers.values():
+            w.close()
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    if rank == 0:
+        if len(shards) > 1:
+            index = {
+                "metadata": {"total_size": sum(_nbytes(holders[n][plan[n][0]]) for n in names)},
+                "weight_map": {_key(n, prefix): f for f, members in shards.items() for n in members},
+            }
+            atomic_write(
+                folder / INDEX, lambda f: json.dump(index, f, indent=2, sort_keys=True), binary=False
+            )
+        if config is not None:
+            config.save_pretrained(folder)
+    return str(folder)
+
+
+def _nbytes(lay: dict[str, Any]) -> int:
+    return math.prod(lay["full"]) * torch_dtype(lay["dtype"]).itemsize
+
+
+def _shards(
+    names: list[str], holders: dict[str, dict[int, dict[str, Any]]], prefix: str, limit: int
+) -> dict[str, list[str]]:
+    """Shard file -> its tensors, in name order, a new shard where the next tensor would pass
+    `limit` bytes (HF's naming: model.safetensors alone, else model-0000i-of-0000n.safetensors)."""
+    groups: list[list[str]] = [[]]
+    total = 0
+    for name in names:
+        n = _nbytes(next(iter(holders[name].values())))
+        if groups[-1] and total + n > limit:
+            groups.append([])
+            total = 0
+        groups[-1].append(name)
+        total += n
+    if len(groups) == 1:
+        return {SINGLE: groups[0]}
+    k = len(groups)
+    return {f"model-{i + 1:05d}-of-{k:05d}.safetensors": g for i, g in enumerate(groups)}
+
+
+def _assemble(
+    exe: Any,
+    name: str,
+    holders: dict[int, dict[str, Any]],
+    sources: list[int],
+    v: Var | None,
+    share: Share,
+    rank: int,
+) -> torch.Tensor | None:
+    """The whole tensor `name` on worker 0 (None elsewhere): each source sends its value."""
+    import torch.distributed as dist
+
+    from metaopt.layout.groups import host_group, timeout
+
+    if sources == [0]:  # worker 0 holds it whole, or all of it in its own shares
+        return _whole_local(exe, name, v, share) if rank == 0 else None
+    lay0 = holders[sources[0]]
+    whole = torch.empty(lay0["full"], dtype=torch_dtype(lay0["dtype"])) if rank == 0 else None
+    for src in sources:
+        lay = holders[src]
+        sv, sshare = _var_of(name, lay)
+        if src == rank == 0:
+            local = exe.scope[name].detach().to("cpu")
+        elif rank == 0:
+            local = torch.empty(lay["local"], dtype=torch_dtype(lay["dtype"]))
+            dist.irecv(local, src=src, group=host_group(dist)).wait(timeout())
+        elif rank == src:
+            dist.isend(exe.scope[name].detach().to("cpu").contiguous(), dst=0, group=host_group(dist)).wait(
+                timeout()
+            )
+            continue
+        else:
+            continue
+        if whole is not None:
+            _put(sv, sshare, local, whole)
+    return whole
+
+
+def _whole_local(exe: Any, name: str, v: Var | None, share: Share) -> torch.Tensor:
+    assert v is not None
+    local = exe.scope[name].detach().to("cpu")
+    whole = torch.empty(tuple(v.full_shape or ()), dtype=local.dtype)
+    _put(v, share, local, whole)
+    return whole
+
+
+def load_into(module: torch.nn.Module, exe: Any, program: Program, *, prefix: str = "") -> list[str]:
+    """Copy the values `exe` holds of `program`'s params and buffers into `module` (its
+    parameters and buffers by name, `prefix` put before the module's names), in one process.
+    A var held as one worker's part (tensor parallel, ZeRO over several workers) is refused:
+    save it with `fleet.save_pretrained` on every worker instead."""
+    targets = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    done = []
+    with torch.no_grad():
+        for v in _wanted(program):
+            key = _key(v.name, prefix)
+            if key not in targets:
+                continue
+            if (v.split is not None and v.split.parts > 1) or (v.zero is not None and v.zero.parts > 1):
+                raise PretrainedError(
+                    f"load_into: {v.name!r} is held as this worker's part ({v.split or ''} {v.zero or ''}); "
+                    "in a job of several workers use fleet.save_pretrained"
+                )
+            whole = _whole_local(exe, v.name, v, Share(0, 0))
+            target = targets[key]
+            if tuple(target.shape) != tuple(whole.shape):
+                raise PretrainedError(
+                    f"load_into: {key!r} is {list(target.shape)} in the module, "
+                    f"{list(whole.shape)} in the program"
+                )
+            target.copy_(whole)
+            done.append(key)
+    return done

@@ -216,3 +216,33 @@ def test_a_sharded_hf_folder_loads(tiny):
     assert torch.equal(exe.scope["b"], torch.full((3,), 2.0)) and torch.equal(
         exe.scope["w"], torch.ones(4, 3)
     )
+
+
+# --- and back --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shard_bytes", [5 << 30, 40_000])
+def test_trained_values_go_back_to_transformers_and_to_the_module(tmp_path, shard_bytes):
+    """save_pretrained writes what from_pretrained loads (one file, or shards and their index when
+    `max_shard_bytes` is small); load_into copies the same values into the user's module."""
+    import transformers
+
+    main = _minimized("hf-gpt2", meta=False)
+    exe = metaopt.Executor("cpu")
+    _losses(exe, main, "hf-gpt2")
+    module = _module("hf-gpt2")[0]
+    fleet.save_pretrained(
+        exe, main, tmp_path / "out", prefix="m.", config=module.m.config, max_shard_bytes=shard_bytes
+    )
+    files = sorted(p.name for p in (tmp_path / "out").iterdir())
+    if shard_bytes < 1 << 20:
+        assert pretrained.INDEX in files and len([f for f in files if f.endswith(".safetensors")]) > 1
+    back = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out").train()
+    loaded = metaopt.load_into(module, exe, main)
+    assert "m.transformer.wte.weight" in loaded
+    mine = dict(module.m.named_parameters())
+    for n, t in back.named_parameters():
+        assert torch.equal(t, mine[n]), n
+    feed = batch("hf-gpt2", 5)
+    with torch.no_grad():  # the HF model and the user's wrapped module: the same values, the same loss
+        assert torch.equal(back(**feed).loss, module(**feed))

@@ -15,7 +15,9 @@ scaling), "clip" (global-norm clipping), "save" (save_persistables into $SHARDIN
 training), "load" (load $SHARDING_CKPT instead of training: what this worker then holds; first each
 damaged copy in ${SHARDING_CKPT}_tampered, "refusals"), a stage-3 "save" also writes those copies
 (tests/ckpt_tamper.py) and loads them at its own degree,
-"optoffload" (sharding_configs["optimize_offload"]: the optimizer state in host memory), "meta"
+"optoffload" (sharding_configs["optimize_offload"]: the optimizer state in host memory); a stage-3
+hf-gpt2 case on 2 workers saves the values its last step starts from with fleet.save_pretrained
+(into <out>/<case>.hf); "meta"
 (the module built and exported on the meta device, this worker's share of its values read from
 $PRETRAINED by fleet.load_pretrained after minimize), "pp"
 (a 1F1B pipeline of 2 micro-batches, cuts "auto", over fleet.init's pp_degree: the last stage
@@ -48,7 +50,7 @@ from metaopt.passes.memory_estimate import estimate_memory
 from metaopt.report.pipeline_memory import estimate_pipeline_memory
 
 
-def train_case(case: str, rank: int, world: int) -> dict:
+def train_case(case: str, rank: int, world: int, out: str) -> dict:
     name, stage, opt, *extra = case.split(":")
     main = export(name, meta="meta" in extra)
     strategy = build_strategy(name, [opt, *extra])
@@ -92,6 +94,9 @@ def train_case(case: str, rank: int, world: int) -> dict:
             # batch), the estimate the share, and the peak must be where both see the same
             feed = {k: v[rank * share : (rank + 1) * share].clone() for k, v in feed.items()}
         grads = _sent_grads(main) if "fp16ar" in extra and step == STEPS - 1 else []
+        if stage == "3" and name == "hf-gpt2" and step == STEPS - 1 and world == 2:
+            # the values the last step starts from, put together into an HF folder by worker 0
+            fleet.save_pretrained(exe, main, f"{out}/{case}.hf", prefix="m.")
         step_losses = []
         for part in runs(feed, extra):  # gradient merge: the step in several runs
             loss, *sent = exe.run(main, feed=part, fetch_list=[loss_name, *grads])
@@ -168,7 +173,7 @@ def main() -> None:
     fleet.init(is_collective=True, strategy=init)
     rank, world = fleet.worker_index(), fleet.worker_num()
     for case in cases:
-        torch.save(train_case(case, rank, world), f"{out}/{case}.rank{rank}.pt")
+        torch.save(train_case(case, rank, world, out), f"{out}/{case}.rank{rank}.pt")
     fleet.barrier_worker()
 
 
