@@ -108,10 +108,16 @@ class MemoryEstimate:
     # each fetched var -> the var whose storage it is on at the end (itself, an input it is a
     # view of ...; None: a persistable's, whose bytes are counted already)
     storage_of: dict[str, str | None] = field(default_factory=dict, repr=False)
+    # this worker's host memory beside the device's (`host_memory`): by what holds it
+    host: dict[str, int] = field(default_factory=dict, repr=False)
 
     @property
     def activation_peak_bytes(self) -> int:
         return self.peak_bytes - self.persistable_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(self.host.values())
 
 
 def estimate_memory(
@@ -136,7 +142,38 @@ def estimate_memory(
     for f in fetches:
         owner = replay.storage.get(f, f)
         storage_of[f] = None if owner in replay.persistent else owner
-    return MemoryEstimate(replay.peak, replay.persistable, peak_op, replay.timeline, where, storage_of)
+    est = MemoryEstimate(replay.peak, replay.persistable, peak_op, replay.timeline, where, storage_of)
+    est.host = host_memory(p, dims, replay)
+    return est
+
+
+def host_memory(p: Program, dims: dict[str, int], replay: _Replay | None = None) -> dict[str, int]:
+    """What this worker holds in host memory, beside the device's bytes, by what holds it:
+
+    * ``state``: persistables kept in host memory between steps (ZeRO-Offload's ``Var.host``);
+    * ``offloaded``: the peak of offload's host copies during a step;
+    * ``program values``: the program's own initial values (`Program.values`, every storage once;
+      a program exported on the meta device holds none of its params or state);
+    * ``load transient``: the largest persistable this worker holds, which filling it
+      (`fleet.load_pretrained`, a checkpoint load) reads into host memory before the device.
+
+    On a CPU executor the device is the host: the executor's scope is host memory too."""
+    replay = replay or _Replay(p, dims, (), True, "cpu")
+    if replay.timeline == [] and p.ops:
+        replay.run()
+    seen: dict[tuple[int, int], int] = {}
+    for t in p.values.values():
+        if t is None or t.is_meta:
+            continue
+        st = t.untyped_storage()
+        seen[(st.data_ptr(), st.nbytes())] = st.nbytes()
+    persistent = [x for x in replay.persistent if p.vars[x].kind in ("param", "buffer", "opt_state")]
+    return {
+        "state": sum(replay.nbytes(x) for x in replay.on_host),
+        "offloaded": replay.host_peak(),
+        "program values": sum(seen.values()),
+        "load transient": max((replay.nbytes(x) for x in persistent), default=0),
+    }
 
 
 def where_alive(p: Program, at: int, **options: Any) -> MemoryWhere:
@@ -291,6 +328,20 @@ class _Replay:
             if start <= at <= end:
                 out.append(name)
         return tuple(out)
+
+    def host_peak(self) -> int:
+        """The most bytes of offload's host copies alive at once (a sweep over their lives)."""
+        events = sorted(
+            (t, d)
+            for st in self.storages.values()
+            if st.host
+            for t, d in ((st.born, st.nbytes), (st.died + 1, -st.nbytes))
+        )
+        live = peak = 0
+        for _, d in events:  # at one op, frees (negative) sort before births
+            live += d
+            peak = max(peak, live)
+        return peak
 
     def where(self, at: int) -> MemoryWhere:
         """What is alive after op `at`'s outputs are made, before its dead inputs are freed."""

@@ -69,6 +69,14 @@ def test_a_meta_llama_exports_minimizes_and_is_estimated_with_no_value_made():
     assert states and all(main.values[v.name].is_meta and v.name in main.fills for v in states)
     # float32 params and two AdamW moments: 12 bytes per param, and a few scalars (step, lr)
     assert 12 * numel <= est.persistable_bytes <= 12 * numel * 1.01
+    # host memory: the program holds no param or state value (a few constants), and loading it
+    # holds the largest tensor at a time (the embedding)
+    assert est.host["program values"] < 0.05 * 4 * numel
+    assert est.host["load transient"] == 4 * TINY["vocab_size"] * TINY["hidden_size"]
+    valued = metaopt.export(
+        _llama(**TINY).to_empty(device="cpu"), (torch.zeros(2, 16, dtype=torch.long),) * 2
+    )
+    assert estimate_memory(valued, dims={"batch": 1}).host["program values"] >= 4 * numel
     # the rotary tables (non-persistent buffers) were made at export: derived data, no checkpoint has them
     assert not main.values["m.model.rotary_emb.inv_freq"].is_meta
 

@@ -130,6 +130,7 @@ def train_case(case: str, rank: int, world: int, out: str) -> dict:
         "predicted_persistable": predicted.persistable_bytes,
         "measured_peak": stats["peak_bytes"],
         "predicted_peak": predicted.peak_bytes,
+        "host": dict(getattr(predicted, "host", {})),  # estimate_memory's host account
         "state_bytes": sum(exe.scope[n].numel() * exe.scope[n].element_size() for n in state),
         "state_full_numel": {n: v.zero.full_numel for n, v in state.items()},
         "scattered": sum(op.type == "ReduceScatter" for op in main.ops),
