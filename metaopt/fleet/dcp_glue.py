@@ -278,6 +278,8 @@ class SafeReader(FileSystemReader):
         for index, where in (md.storage_data or {}).items():
             fqn = getattr(index, "fqn", index)
             rel = getattr(where, "relative_path", None)
+            if type(rel) is str and "\0" in rel:  # os.path would raise a raw ValueError on it
+                raise CheckpointError(f"{path}: {fqn!r}'s storage path {rel!r} holds a NUL byte")
             if type(rel) is not str or not self._inside(rel):
                 raise CheckpointError(f"{path}: {fqn!r} points outside the folder ({rel!r})")
             if getattr(where, "transform_descriptors", None):

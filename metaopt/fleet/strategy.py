@@ -92,6 +92,12 @@ _POSITIVE: tuple[Check, ...] = ((lambda v: v > 0, "must be > 0"),)
 _NON_NEGATIVE: tuple[Check, ...] = ((lambda v: v >= 0, "must be >= 0"),)
 _INT32: Check = (lambda v: v <= INT32_MAX, f"must be <= {INT32_MAX} (an int32, as in Fleet's proto)")
 _AT_LEAST_1: tuple[Check, ...] = ((lambda v: v >= 1, "must be >= 1"),)
+# the layer-wise updates compute in the params' float32: a larger factor overflows (1e300 was a raw
+# overflow at the first run, lars_coeff=1e300 NaN params)
+_FLOAT32_FACTOR: tuple[Check, ...] = (
+    *_NON_NEGATIVE,
+    (lambda v: v <= FLOAT32_MAX, f"must be <= {FLOAT32_MAX:.4g} (a float32: the update computes in float32)"),
+)
 _COUNT: tuple[Check, ...] = (*_AT_LEAST_1, _INT32)  # Fleet's int32 counts: steps, sizes, degrees
 _SIZE: tuple[Check, ...] = (*_POSITIVE, _INT32)
 _SCALE: tuple[Check, ...] = (
@@ -407,14 +413,14 @@ _EXCLUDE = Key(
 )
 LAMB_CONFIGS: dict[str, Key] = {
     "lamb_weight_decay": Key(
-        0.01, "float", "decoupled weight decay inside the trust ratio", check=_NON_NEGATIVE
+        0.01, "float", "decoupled weight decay inside the trust ratio", check=_FLOAT32_FACTOR
     ),
     "exclude_from_weight_decay": _EXCLUDE,
 }
 LARS_CONFIGS: dict[str, Key] = {
-    "lars_coeff": Key(0.001, "float", "trust coefficient of the local learning rate", check=_NON_NEGATIVE),
-    "lars_weight_decay": Key(0.0005, "float", "weight decay added to the grad", check=_NON_NEGATIVE),
-    "epsilon": Key(0.0, "float", "added to the local learning rate's denominator", check=_NON_NEGATIVE),
+    "lars_coeff": Key(0.001, "float", "trust coefficient of the local learning rate", check=_FLOAT32_FACTOR),
+    "lars_weight_decay": Key(0.0005, "float", "weight decay added to the grad", check=_FLOAT32_FACTOR),
+    "epsilon": Key(0.0, "float", "added to the local learning rate's denominator", check=_FLOAT32_FACTOR),
     "exclude_from_weight_decay": _EXCLUDE,
 }
 

@@ -725,3 +725,19 @@ def test_a_description_with_an_impossible_worker_count_is_refused(tmp_path, worl
     path.write_text(json.dumps(info))
     with pytest.raises(sharded_io.CheckpointError, match=r"not a metaopt checkpoint description"):
         fleet.load_persistables(metaopt.Executor("cpu"), tmp_path / "ckpt", _program())
+
+
+def test_a_nul_byte_in_a_storage_path_is_named(tmp_path):
+    """Before (issue 47): a raw ValueError from os.path ("embedded null byte")."""
+    _save(tmp_path, 1, 1.0)
+    folder = tmp_path / "ckpt" / "step-00000001"
+
+    def nul(md) -> None:
+        for where in md.storage_data.values():
+            where.relative_path = "__0_0.distcp\0.x"
+
+    _rewrite(folder, nul)
+    with pytest.raises(
+        sharded_io.CheckpointError, match=r"storage path '__0_0\.distcp\\x00\.x' holds a NUL byte"
+    ):
+        fleet.load_persistables(metaopt.Executor("cpu"), tmp_path / "ckpt", _program())

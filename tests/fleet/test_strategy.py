@@ -338,12 +338,12 @@ OUT_OF_RANGE = {
     "hybrid_configs.pp_degree": [0, _INT32_TOO_BIG],
     "hybrid_configs.sharding_degree": [0],
     "sharding_configs.segment_broadcast_MB": [0.0, -1.0, 2.0**32],
-    "lamb_configs.lamb_weight_decay": [-0.01],
+    "lamb_configs.lamb_weight_decay": [-0.01, 1e300],  # 1e300: a float32 overflow (issue 47)
     "localsgd_configs.k_steps": [0],
     "localsgd_configs.begin_step": [0],
-    "lars_configs.lars_coeff": [-1.0],
-    "lars_configs.lars_weight_decay": [-1.0],
-    "lars_configs.epsilon": [-1.0],
+    "lars_configs.lars_coeff": [-1.0, 1e300],  # 1e300: a float32 overflow (issue 47)
+    "lars_configs.lars_weight_decay": [-1.0, 1e300],  # 1e300: a float32 overflow (issue 47)
+    "lars_configs.epsilon": [-1.0, 1e300],  # 1e300: a float32 overflow (issue 47)
     "sharding_configs.sharding_degree": [0, _INT32_TOO_BIG],
     "sharding_configs.stage": [0, 4],
     "sharding_configs.gradient_merge_acc_step": [0],
