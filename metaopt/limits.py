@@ -56,6 +56,17 @@ class LoadLimits:
                 raise ValueError(f"LoadLimits.{name} must be a non-negative int, got {value!r}")
 
 
+# A measured run is refused when its predicted peak is over this fraction of `max_run_bytes`:
+# the prediction counts the executor's vars, the process holds more (kernel temporaries, the
+# allocator's slack): a OneHot file predicted at 3.4 GiB peaked at 4.5 GB of RSS.
+RUN_MARGIN = 0.5
+
+
+class RunTooLarge(RuntimeError):
+    """A run refused before it starts: its predicted peak is over the limit for a run a tool
+    makes on a file's behalf (not an out-of-memory: nothing was allocated)."""
+
+
 # The process-wide limits `metaopt.load` uses when no `limits=` is given.
 LIMITS = LoadLimits()
 

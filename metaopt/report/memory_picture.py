@@ -126,7 +126,8 @@ def memory_picture(
     bound. `fetches`: kept alive to the end, as `exe.run`'s fetch_list (default: the loss, or
     the program's outputs). `measure=False` skips the run (predicted only). A run whose predicted
     peak exceeds `max_bytes` (default `metaopt.limits.LIMITS.max_run_bytes`) is refused before it
-    starts, with a `MemoryError` naming both figures."""
+    starts when its predicted peak is over `limits.RUN_MARGIN` of it, with a `limits.RunTooLarge`
+    naming both figures."""
     bound = dict(dims or {})
     if batch is not None:
         bound["batch"] = batch
@@ -163,10 +164,11 @@ def memory_picture(
 
 def _check_run_bytes(program: Program, peak: int, max_bytes: int | None) -> None:
     limit = limits.LIMITS.max_run_bytes if max_bytes is None else max_bytes
-    if peak > limit:
-        raise MemoryError(
-            f"{program.name!r}: one step is predicted to peak at {limits.fmt_bytes(peak)}, over the "
-            f"limit of {limits.fmt_bytes(limit)} for a measured run; measure=False draws the "
+    if peak > limit * limits.RUN_MARGIN:
+        raise limits.RunTooLarge(
+            f"{program.name!r}: one step is predicted to peak at {limits.fmt_bytes(peak)}, over "
+            f"{limits.RUN_MARGIN:g} of the limit of {limits.fmt_bytes(limit)} for a measured run (the "
+            "process holds more than the prediction counts: kernel temporaries); measure=False draws the "
             f"prediction alone; if the file is trusted, raise the limit: --max-bytes N (CLI), "
             f"memory_picture(..., max_bytes=N) or metaopt.limits.LIMITS.max_run_bytes = N"
         )

@@ -236,8 +236,25 @@ def test_memory_refuses_to_run_a_step_predicted_over_the_limit(tmp_path, capsys)
     code = main(["memory", str(src), "--batch", "8", "--out", str(tmp_path / "pic")])
     err = capsys.readouterr().err
     assert code == 2
-    assert re.search(r"predicted to peak at 8\.0 GiB .* over the limit of 4\.0 GiB .*--max-bytes", err), err
+    assert re.search(
+        r"RunTooLarge: .*predicted to peak at 8\.0 GiB .* over 0\.5 of the limit of 4\.0 GiB .*--max-bytes",
+        err,
+    ), err
+    assert "MemoryError" not in err  # our refusal, not an out-of-memory crash (issue 47)
     assert not (tmp_path / "pic").exists()
+
+
+def test_a_step_predicted_just_under_the_limit_is_refused_too(tmp_path):
+    """A run's process holds more than the prediction counts (a OneHot file predicted at 3.4 GiB
+    peaked at 4.5 GB, issue 47): the refusal keeps a margin, half the limit."""
+    from metaopt.limits import RunTooLarge
+    from metaopt.report import memory_picture
+
+    src = tmp_path / "bomb.onnx"
+    _tiny_file_with_a_huge_step(src)
+    program = metaopt.load(src)
+    with pytest.raises(RunTooLarge, match=r"predicted to peak at 8\.0 GiB"):
+        memory_picture(program, batch=8, max_bytes=9 << 30)  # 8 GiB is under 9 GiB, over half of it
 
 
 def test_memory_draws_the_prediction_of_such_a_step_without_running_it(tmp_path, capsys):
