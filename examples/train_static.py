@@ -33,6 +33,22 @@ OPTIMIZERS = {
 }
 
 
+def _at_least(low: int):
+    """An argparse type: an int >= `low` (a bad flag is argparse's one-line error, exit 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is not >= {low}")
+        return value
+
+    parse.__name__ = f"int >= {low}"
+    return parse
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
@@ -41,13 +57,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--program", default="bert", choices=sorted(programs.REGISTRY))
     ap.add_argument("--config", default="tiny")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--steps", type=_at_least(1), default=30)
+    ap.add_argument("--batch", type=_at_least(1), default=16)
     ap.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS))
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--warmup", type=int, default=0, help="linear warmup steps, then linear decay to 0")
+    ap.add_argument(
+        "--warmup", type=_at_least(0), default=0, help="linear warmup steps, then linear decay to 0"
+    )
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--log-every", type=_at_least(1), default=10)
     ap.add_argument("--save", metavar="DIR")
     ap.add_argument("--resume", metavar="DIR")
     ap.add_argument("--seed", type=int, default=0)

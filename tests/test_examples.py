@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,3 +46,26 @@ def test_resume_continues_where_the_checkpoint_left_off(tmp_path):
     assert want.keys() == got.keys() and int(got["global_step"]) == 8
     for k in want:
         assert torch.equal(got[k], want[k]), k
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--batch", "-4", "-4 is not >= 1"),
+        ("--log-every", "0", "0 is not >= 1"),
+        ("--steps", "-1", "-1 is not >= 1"),
+    ],
+)
+def test_train_static_refuses_bad_flags_by_name(monkeypatch, capsys, flag, value, message):
+    """Before (issue 47): --batch -4 was a raw torch error, --log-every 0 a ZeroDivisionError,
+    --steps -1 exited 0 after 0 steps."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_static", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(sys, "argv", ["train_static.py", flag, value])
+    with pytest.raises(SystemExit) as e:
+        script.main()
+    assert e.value.code == 2
+    assert f"argument {flag}: {message}" in capsys.readouterr().err
