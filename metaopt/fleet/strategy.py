@@ -100,6 +100,14 @@ _FLOAT32_FACTOR: tuple[Check, ...] = (
 )
 _COUNT: tuple[Check, ...] = (*_AT_LEAST_1, _INT32)  # Fleet's int32 counts: steps, sizes, degrees
 _SIZE: tuple[Check, ...] = (*_POSITIVE, _INT32)
+# A step's run count (gradient merge) or averaging interval (local SGD): 10**9 was accepted and
+# the params never updated or synced in any real run (issue 47); 65536 runs per update is far
+# past any schedule in use.
+MAX_K_STEPS = 1 << 16
+_K_STEPS: tuple[Check, ...] = (
+    *_AT_LEAST_1,
+    (lambda v: v <= MAX_K_STEPS, f"must be <= {MAX_K_STEPS}: an update (or average) that rare never happens"),
+)
 _SCALE: tuple[Check, ...] = (
     *_POSITIVE,
     (
@@ -272,7 +280,7 @@ PIPELINE_CONFIGS: dict[str, Key] = {
 }
 
 GRADIENT_MERGE_CONFIGS: dict[str, Key] = {
-    "k_steps": Key(1, "int", "apply the optimizer every k steps, gradients accumulated", check=_COUNT),
+    "k_steps": Key(1, "int", "apply the optimizer every k steps, gradients accumulated", check=_K_STEPS),
     "avg": Key(True, "bool", "average (else sum) the k accumulated gradients"),
 }
 
@@ -425,7 +433,7 @@ LARS_CONFIGS: dict[str, Key] = {
 }
 
 LOCALSGD_CONFIGS: dict[str, Key] = {
-    "k_steps": Key(1, "int", "average the params every k steps (after begin_step)", check=_COUNT),
+    "k_steps": Key(1, "int", "average the params every k steps (after begin_step)", check=_K_STEPS),
     "begin_step": Key(1, "int", "average every step up to this one (then every k_steps)", check=_COUNT),
 }
 

@@ -330,7 +330,7 @@ OUT_OF_RANGE = {
     "pipeline_configs.chunks": [0],
     "pipeline_configs.num_stages": [0],
     "pipeline_configs.dp_degree": [0],
-    "gradient_merge_configs.k_steps": [0, _INT32_TOO_BIG],
+    "gradient_merge_configs.k_steps": [0, _INT32_TOO_BIG, 10**9],  # 10**9: never updates (issue 47)
     "tensor_parallel_configs.tensor_parallel_degree": [0, _INT32_TOO_BIG],
     "tensor_parallel_configs.tensor_init_seed": [-2, _INT32_TOO_BIG],
     "hybrid_configs.dp_degree": [0, -2, _INT32_TOO_BIG],  # -1 is the default: inferred
@@ -339,7 +339,7 @@ OUT_OF_RANGE = {
     "hybrid_configs.sharding_degree": [0],
     "sharding_configs.segment_broadcast_MB": [0.0, -1.0, 2.0**32],
     "lamb_configs.lamb_weight_decay": [-0.01, 1e300],  # 1e300: a float32 overflow (issue 47)
-    "localsgd_configs.k_steps": [0],
+    "localsgd_configs.k_steps": [0, 10**9],  # never averages (issue 47)
     "localsgd_configs.begin_step": [0],
     "lars_configs.lars_coeff": [-1.0, 1e300],  # 1e300: a float32 overflow (issue 47)
     "lars_configs.lars_weight_decay": [-1.0, 1e300],  # 1e300: a float32 overflow (issue 47)
