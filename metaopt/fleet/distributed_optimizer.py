@@ -191,6 +191,9 @@ class DistributedOptimizer:
             logger.info("applied meta optimizers: []")
             return opt.minimize(loss, startup_program, parameter_list, no_grad_set)
         program = loss.program
+        # before any step: a step may run a collective (stage 3's initial broadcast), which a
+        # worker with another strategy would never join (it waited out METAOPT_COMM_TIMEOUT)
+        _check_strategies_agree(ctx, self.user_defined_strategy)
         final = run_steps(program, STEPS, ctx)
         _check_workers_agree(ctx)  # before the program is replaced, and before any collective runs
         self.context = ctx
@@ -240,6 +243,28 @@ def _check_workers_agree(ctx: Context) -> None:
         ". Every worker must build the same program: the same model and config, exported alike, "
         "and the same strategy (only the data may differ)",
     )
+
+
+def _check_strategies_agree(ctx: Context, strategy: Any) -> None:
+    """With several workers, raise ``env.WorkersDisagreeError`` on every worker unless all were
+    given the same strategy (its printed overview, line by line), naming the first line that
+    differs: the training programs are compared only after the rewrite, whose steps may already
+    run collectives."""
+    import torch.distributed as dist
+
+    if ctx.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return
+    lines = [(_strategy_label(line), line) for line in str(strategy).splitlines()]
+    env.check_workers_agree(
+        lines,
+        "fleet minimize: the workers' strategies",
+        ". Every worker must minimize with the same DistributedStrategy",
+    )
+
+
+def _strategy_label(line: str) -> str:
+    words = line.strip(" |+=-\n").split()
+    return f"the strategy's line {words[0]!r}" if words else "a rule of the strategy's table"
 
 
 def _program_lines(parts: list[Program]) -> list[tuple[str, str]]:

@@ -4,6 +4,8 @@ minimize); started by test_workers_agree.py. argv: mode.
   hidden    data parallel; rank 1's mlp is 48 wide, rank 0's 32: fc1.weight differs
   bucket    data parallel; rank 1 all-reduces each grad alone (fuse_all_reduce_ops=False): an op
   pipeline  a 2-stage pipeline; rank 1's mlp is 48 wide
+  stages    sharding over both; rank 0 at stage 2, rank 1 at stage 3 (whose initial broadcast
+            waited out METAOPT_COMM_TIMEOUT before the strategies were compared)
   hang      data parallel; rank 1 sleeps instead of calling minimize
 
 Prints how long minimize took before it failed, then lets the error propagate as a user sees it.
@@ -32,6 +34,9 @@ def main() -> None:
     strategy = fleet.DistributedStrategy()
     if mode == "bucket" and rank == 1:
         strategy.fuse_all_reduce_ops = False
+    if mode == "stages":
+        strategy.sharding = True
+        strategy.sharding_configs = {"stage": 3 if rank == 1 else 2, "sharding_degree": 2}
     if mode == "pipeline":
         strategy.pipeline = True
         strategy.pipeline_configs = {"accumulate_steps": 2, "cuts": ["fc2"]}

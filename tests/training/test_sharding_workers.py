@@ -210,10 +210,7 @@ def test_workers_built_on_meta_and_filled_from_pretrained_files_train_as_those_e
         assert got["host"]["load transient"] == want["host"]["load transient"] > 0
 
 
-@pytest.mark.parametrize("case", ["hf-gpt2:3:adam:recompute", "hf-gpt2:3:sgd:fp16"])
-def test_a_stage_3_fine_tune_saved_with_save_pretrained_loads_in_transformers_with_the_program_s_loss(
-    runs, case
-):
+def test_a_stage_3_fine_tune_saved_by_save_pretrained_loads_in_transformers_with_its_loss(runs):
     """Round trip (issue 43): the 2 workers' stage-3 values, put together one tensor at a time by
     fleet.save_pretrained, load with transformers' from_pretrained; that model's loss on the last
     step's batch equals the one the program computed from those values (rtol 1e-6: float32 torch
@@ -227,8 +224,8 @@ def test_a_stage_3_fine_tune_saved_with_save_pretrained_loads_in_transformers_wi
     case = "hf-gpt2:3:adam:recompute"  # float32 (the fp16 case's loss is of float16 casts)
     folder = runs[2] / f"{case}.hf"
     assert sorted(p.name for p in folder.iterdir()) == ["model.safetensors"]
-    config = models.get("hf-gpt2").build(0.0).m.config
-    model = transformers.GPT2LMHeadModel.from_pretrained(folder, config=config).train()
+    models.get("hf-gpt2").build(0.0).m.config.save_pretrained(folder)  # the workers saved no config
+    model = transformers.GPT2LMHeadModel.from_pretrained(folder).train()
     feed = batch("hf-gpt2", STEPS - 1)
     with torch.no_grad():
         loss = model(input_ids=feed["input_ids"], labels=feed["labels"]).loss

@@ -44,11 +44,6 @@ def _minimize_seconds(out: str, rank: int) -> float:
     [
         ("hidden", "var 'fc1.weight': rank 0 has `fc1.weight: float32[32,16] param`, "
                    "rank 1 has `fc1.weight: float32[48,16] param`"),
-        ("bucket", "op 13 (AllReduce -> 'fc3.weight@GRAD@REDUCED') (rank 0 has op 13 (ReduceSum -> "
-                   "'fc3.bias@GRAD') there): rank 0 has `fc3.bias@GRAD = ReduceSum(fc3@GRAD, grad_const_1, "
-                   "keepdims=0)  # role=backward scope=fc3 origin=fc3`, rank 1 has "
-                   "`fc3.weight@GRAD@REDUCED = AllReduce(fc3.weight@GRAD, reduce=avg, overlap=1)  "
-                   "# role=comm`"),
         ("pipeline", "stage 0's var 'fc1.weight': rank 0 has `fc1.weight: float32[32,16] param`, "
                      "rank 1 has `fc1.weight: float32[48,16] param`"),
     ],
@@ -62,6 +57,26 @@ def test_workers_with_different_programs_fail_at_minimize_naming_what_differs(mo
         assert _minimize_seconds(out, r) < 30, out[-3000:]
 
 
+@pytest.mark.parametrize(
+    "mode, first",
+    [
+        ("stages", "the strategy's line 'stage': rank 0 has `|"),  # stage 2 against 3 (issue 47: hung)
+        ("bucket", "the strategy's line 'Environment'"),  # fuse_all_reduce_ops only on rank 1
+    ],
+)
+def test_workers_with_different_strategies_fail_at_minimize_before_any_collective(mode, first):
+    """Compared before the rewrite's steps run: stage 3's initial broadcast is a collective the
+    stage-2 worker never joined, and both waited out METAOPT_COMM_TIMEOUT (300 s) before."""
+    outs = _run(mode, timeout_s="60")
+    for r, out in enumerate(outs):
+        assert (
+            "WorkersDisagreeError: fleet minimize: the workers' strategies differ: rank 1 differs from "
+            f"rank 0 first at {first}" in out
+        ), out[-3000:]
+        assert "Every worker must minimize with the same DistributedStrategy" in out
+        assert _minimize_seconds(out, r) < 30, out[-3000:]
+
+
 def test_a_peer_that_never_reaches_minimize_fails_the_others_within_the_timeout():
     procs = start_workers(2, [str(HERE / "agree_worker.py"), "hang"], {"METAOPT_COMM_TIMEOUT": "5"})
     try:
@@ -71,7 +86,7 @@ def test_a_peer_that_never_reaches_minimize_fails_the_others_within_the_timeout(
             p.kill()
             p.wait()
     assert procs[0].returncode == 1, out0[-3000:]
-    assert "CommError: the exchange of fleet minimize: the workers' training programs" in out0, out0[-3000:]
+    assert "CommError: the exchange of fleet minimize: the workers' strategies" in out0, out0[-3000:]
     assert "failed on rank 0 of 2" in out0 and "METAOPT_COMM_TIMEOUT" in out0
     assert 4 < _minimize_seconds(out0, 0) < 30
 

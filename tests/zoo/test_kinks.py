@@ -82,6 +82,13 @@ def _float64_rel(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) ->
     )
 
 
+# After 3 SGD steps, against float64 torch in the program's layout. ShuffleNet at 32 px: its last
+# stages' BatchNorms normalise 4 values, which turns float64's last bits into 1.5e-7 after 3
+# steps (deterministically so under `pytest -n 2`, at e4d86c5 as now; 0.9e-7 run alone): a float64
+# rounding, 6.8e-5 being the gap between torch's own two layouts there.
+AFTER_SGD_REL = {("shufflenet", 32): 1e-6}
+
+
 def _torch64_sgd(module, x, y, *, channels_last: bool) -> dict[str, torch.Tensor]:
     m, xx = copy.deepcopy(module).double(), x.double()
     if channels_last:
@@ -124,7 +131,7 @@ def test_float64_program_equals_float64_torch_grads_and_sgd_at_both_thread_count
     if off:  # float64 torch in the program's layout, only where needed (float64 convs are slow)
         cl = _torch64_sgd(module, x, y, channels_last=True)
         worst = max((rel(k, cl), k) for k in off)
-        assert worst[0] <= harness.FLOAT64_REL, worst
+        assert worst[0] <= AFTER_SGD_REL.get((which, size), harness.FLOAT64_REL), worst
 
 
 @pytest.mark.parametrize("which,size", SIZES)
