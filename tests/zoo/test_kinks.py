@@ -84,7 +84,7 @@ def _float64_rel(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) ->
 
 # After 3 SGD steps, against float64 torch in the program's layout. ShuffleNet at 32 px: its last
 # stages' BatchNorms normalise 4 values, which turns float64's last bits into 1.5e-7 after 3
-# steps (deterministically so under `pytest -n 2`, at e4d86c5 as now; 0.9e-7 run alone): a float64
+# steps (deterministically so under `pytest -n 2`, at e4d86c5 as now; under 1e-7 run alone): a float64
 # rounding, 6.8e-5 being the gap between torch's own two layouts there.
 AFTER_SGD_REL = {("shufflenet", 32): 1e-6}
 
