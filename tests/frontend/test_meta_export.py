@@ -22,17 +22,10 @@ pytestmark = pytest.mark.usefixtures("clean_env")  # tests/conftest.py
 
 def _llama(**config) -> torch.nn.Module:
     import transformers
-
-    class LM(torch.nn.Module):
-        def __init__(self, m: torch.nn.Module) -> None:
-            super().__init__()
-            self.m = m
-
-        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            return self.m(input_ids=input_ids, labels=labels).loss
+    from zoo.hf import LMLoss
 
     with torch.device("meta"):
-        return LM(transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))).train()
+        return LMLoss(transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))).train()
 
 
 def _minimize_and_estimate(model: torch.nn.Module, seq: int) -> tuple[metaopt.Program, object]:

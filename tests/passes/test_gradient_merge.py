@@ -120,13 +120,15 @@ def test_fetching_an_update_output_mid_window_is_refused_by_name():
 
 
 def test_a_window_of_a_thousand_runs_without_an_update_is_named(caplog):
-    """k_steps=10**9 was accepted and params never changed, silently. The run count of the
-    window is warned at 1000, 10000, ... (it is the scope's counter: set here, not run 999x)."""
+    """k_steps=10**9 was accepted and params never changed, silently: it is refused now
+    (strategy.MAX_K_STEPS, tests/fleet/test_strategy.py), and a long window allowed is still
+    warned at 1000, 10000, ... runs (the scope's counter: set here, not run 999x)."""
     import logging
 
+    from metaopt.fleet.strategy import MAX_K_STEPS
     from metaopt.runtime.executor import MERGE_WARN_RUNS
 
-    main, _ = _trained("mlp", _strategy(k=10**9))
+    main, _ = _trained("mlp", _strategy(k=MAX_K_STEPS))
     exe = metaopt.Executor("cpu")
     feed = _feed("mlp", _batch("mlp", 2, seed=0))
     exe.run(main, feed=feed, fetch_list=[])
@@ -138,7 +140,7 @@ def test_a_window_of_a_thousand_runs_without_an_update_is_named(caplog):
         exe.run(main, feed=feed, fetch_list=[])  # run 1000 of the window
         exe.run(main, feed=feed, fetch_list=[])  # 1001: quiet again
     [record] = caplog.records
-    assert "1000 runs under gradient merge without an update (k_steps=1000000000" in record.getMessage()
+    assert f"1000 runs under gradient merge without an update (k_steps={MAX_K_STEPS}" in record.getMessage()
     after = _params(exe, main)
     assert all(torch.equal(before[k], after[k]) for k in before)
 

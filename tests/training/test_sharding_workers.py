@@ -205,8 +205,8 @@ def test_workers_built_on_meta_and_filled_from_pretrained_files_train_as_those_e
         assert got["measured_persistable"] == want["measured_persistable"]
         # host memory: the valued export's program holds its slices of the params beside the
         # executor's copy; the meta one holds no param or state value (constants only)
-        assert want["host"]["program values"] >= want["param_bytes"] > 0
-        assert got["host"]["program values"] < 0.05 * want["param_bytes"]
+        assert want["param_bytes"] > 0
+        assert got["host"]["program values"] + want["param_bytes"] <= want["host"]["program values"]
         assert got["host"]["load transient"] == want["host"]["load transient"] > 0
 
 
