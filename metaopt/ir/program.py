@@ -675,12 +675,6 @@ class Program:
             self.values[name] = torch.full(shape, fill, dtype=dtype)
             self.fills.pop(name, None)
 
-    def add_filled(self, var: Var, fill: float, *, like: str) -> Var:
-        """Add `var`, its value `fill` everywhere (`set_filled`): a placeholder where `like`'s
-        value is one (state of a param of a program exported on meta)."""
-        self.add_var(var)
-        self.set_filled(var.name, fill, meta=self.is_meta(like))
-        return var
 
     def sort_vars(self) -> None:
         """Inputs, params, buffers, optimizer state, constants, then the rest in program
