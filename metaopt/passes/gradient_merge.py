@@ -64,6 +64,7 @@ def gradient_merge(p: Program, *, k_steps: int, avg: bool = True, loss_grad: str
             if n in q.vars:
                 raise GradientMergeError(f"program {q.name!r} already has a var {n!r}")
         acc_var = Var(acc, v.dtype, v.shape, "opt_state", split=split.get(g))
+        _static(v)  # an accumulator has the grad's shape: it must be known before any run
         q.add_var(acc_var)
         q.set_filled(acc, 0.0, meta=meta)
         q.add_var(Var(new, v.dtype, v.shape, "grad"))
@@ -97,3 +98,9 @@ def _divide_seed(q: Program, loss_grad: str | None, k: int) -> None:
     v = q.vars[const]
     q.add_var(Var(name, v.dtype, v.shape, "constant"), q.values[const] / k)
     seed.inputs = [name, *seed.inputs[1:]]
+
+
+def _static(v: Var) -> tuple[int, ...]:
+    if v.shape is None or not all(isinstance(d, int) for d in v.shape):
+        raise GradientMergeError(f"gradient merge: grad {v.name!r} has no static shape ({v.shape})")
+    return tuple(v.shape)
