@@ -26,7 +26,7 @@ from metaopt.fleet.env import (
     worker_num,
 )
 from metaopt.fleet.io import load_persistables, save_persistables
-from metaopt.fleet.pretrained import load_pretrained, save_pretrained
+from metaopt.fleet.pretrained import init_from_module, load_pretrained, save_pretrained
 from metaopt.fleet.steps import STEPS
 from metaopt.fleet.strategy import DistributedStrategy
 
@@ -39,6 +39,7 @@ __all__ = [
     "distributed_optimizer",
     "get_hybrid_communicate_group",
     "init",
+    "init_from_module",
     "is_first_worker",
     "is_initialized",
     "load_persistables",

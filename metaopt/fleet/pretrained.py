@@ -194,9 +194,7 @@ def load_pretrained(
     want = _wanted(program)
     try:
         files = _files(path)
-        place = sharded_io.mp_place(program, "load_pretrained")
-        zi = sharded_io.zero_index(program, "load_pretrained")
-        share = Share(place.index if place else 0, zi or 0)
+        share = _share(program, "load_pretrained")
         problem = _check(program, want, files, prefix, path)
     except (PretrainedError, sharded_io.CheckpointError, OSError) as e:
         problem = str(e)
@@ -222,14 +220,101 @@ def load_pretrained(
             if files[key] not in opened:
                 opened[files[key]] = stack.enter_context(safe_open(files[key], framework="pt"))
             # one var at a time into the scope: this worker holds its share and one var's
-            read = _reader(opened[files[key]], key)
-            sharded_io.into_scope(exe, {v.name: _local(v, share, read).to(torch_dtype(v.dtype))})
-            loaded.append(v.name)
-            master = program.vars.get(names.master(v.name))
-            if master is not None:  # AMP's float32 master copy of the param (use_pure_fp16), its own layout
-                sharded_io.into_scope(exe, {master.name: _local(master, share, read).to(torch.float32)})
-                loaded.append(master.name)
+            loaded += _fill(exe, program, share, v, _reader(opened[files[key]], key))
     return sorted(loaded)
+
+
+def _fill(exe: Any, program: Program, share: Share, v: Var, read: Any) -> list[str]:
+    """Put this worker's share of `v` (from `read`, boxes of the full tensor) into `exe`'s scope,
+    and of AMP's float32 master copy of it (use_pure_fp16: its own layout) if the program has one."""
+    sharded_io.into_scope(exe, {v.name: _local(v, share, read).to(torch_dtype(v.dtype))})
+    master = program.vars.get(names.master(v.name))
+    if master is None:
+        return [v.name]
+    sharded_io.into_scope(exe, {master.name: _local(master, share, read).to(torch.float32)})
+    return [v.name, master.name]
+
+
+def _share(program: Program, what: str) -> Share:
+    place = sharded_io.mp_place(program, what)
+    zi = sharded_io.zero_index(program, what)
+    return Share(place.index if place else 0, zi or 0)
+
+
+# --- seeded init: the module's own initializers, one submodule at a time --------------------------
+
+
+def init_from_module(
+    exe: Any,
+    program: Program,
+    module: torch.nn.Module,
+    *,
+    seed: int,
+    prefix: str = "",
+    init: Any = None,
+) -> list[str]:
+    """Fill `exe`'s scope with this worker's share of every param and buffer of `program` made by
+    `module`'s own initializers (Hugging Face's ``_init_weights``, else ``reset_parameters()``;
+    `init(submodule)` of yours first when given), each submodule from a generator seeded by `seed`
+    and its path (``metaopt.frontend.module_init``). `module` is the one `program` was exported
+    from, typically built on the meta device; it is not changed. Every worker of the job calls it
+    after ``minimize``: each makes only the submodules whose tensors its program holds, one at a
+    time, and keeps its share, so the values are the same bitwise at every layout (one process,
+    ZeRO, tensor or pipeline parallel) and no worker holds the whole model. `prefix` is what the
+    program's names have before the module's. Returns the names filled here."""
+    from metaopt.frontend.module_init import ModuleInitError, module_values
+
+    want = {v.name: v for v in _wanted(program)}
+    problem = None
+    try:
+        share = _share(program, "init_from_module")
+        problem = _check_module(program, module, prefix)
+    except (PretrainedError, sharded_io.CheckpointError) as e:
+        problem = str(e)
+    sharded_io._agree_or_raise(problem, "init_from_module", PretrainedError)
+
+    def held(name: str) -> bool:  # a param or persistent buffer this worker's program has
+        return prefix + name in want
+
+    filled: list[str] = []
+    try:
+        for made in module_values(module, seed=seed, wanted=held, init=init):
+            name = next((prefix + n for n in made.names if held(n)), None)
+            if name is None:
+                continue
+            value = made.value
+
+            def read(box: Box | None, value: torch.Tensor = value) -> torch.Tensor:
+                if box is None:
+                    return value
+                return value[tuple(slice(o, o + n) for o, n in zip(*box, strict=True))]
+
+            filled += _fill(exe, program, share, want[name], read)
+    except ModuleInitError as e:
+        raise PretrainedError(f"init_from_module: {e}") from None
+    return sorted(filled)
+
+
+def _check_module(program: Program, module: torch.nn.Module, prefix: str) -> str | None:
+    """A param of the program the module lacks, or has at another shape; None: none."""
+    tensors = {
+        **{prefix + n: t for n, t in module.named_parameters(remove_duplicate=False)},
+        **{prefix + n: t for n, t in module.named_buffers(remove_duplicate=False)},
+    }
+    for v in _wanted(program):
+        t = tensors.get(v.name)
+        if t is None:
+            if v.kind == "buffer" and not program.is_meta(v.name):
+                continue
+            hint = did_you_mean(v.name, tensors)
+            return (
+                f"{v.kind} {v.name!r} of program {program.name!r} is not in the module "
+                f"(prefix {prefix!r}){hint}"
+            )
+        if list(t.shape) != list(v.full_shape or ()):
+            full = list(v.full_shape or ())
+            return f"{v.kind} {v.name!r} is {full} in program {program.name!r}, {list(t.shape)} in the module"
+    return None
 
 
 def _reader(f: Any, key: str) -> Any:
@@ -333,7 +418,10 @@ def _sources(name: str, holders: dict[int, dict[str, Any]]) -> list[int]:
     chosen: dict[str, int] = {}
     for r in sorted(holders):
         lay = holders[r]
-        key = json.dumps([lay["split"], lay["zero"], lay["share"] if lay["split"] or lay["zero"] else None])
+        # replicas hold equal values: a worker's place counts only on the axes its value is cut on
+        # (a row-parallel bias is whole on every model-parallel rank, sliced by ZeRO alone)
+        mp_index, zero_index = lay["share"]
+        key = json.dumps([lay["split"], lay["zero"], lay["split"] and mp_index, lay["zero"] and zero_index])
         chosen.setdefault(key, r)
     ranks = sorted(chosen.values())
     whole = next((r for r in ranks if holders[r]["split"] is None and holders[r]["zero"] is None), None)
@@ -370,10 +458,9 @@ def save_pretrained(
     from metaopt.fleet.safetensors_out import Writer
 
     rank = sharded_io.world()[0]
-    place = sharded_io.mp_place(program, "save_pretrained")
-    zi = sharded_io.zero_index(program, "save_pretrained")
-    share = Share(place.index if place else 0, zi or 0)
-    mine = {v.name: v for v in _wanted(program) if _key(v.name, prefix) is not None}
+    share = _share(program, "save_pretrained")
+    kept = [v for v in _wanted(program) if v.name not in program.derived]  # as a state_dict
+    mine = {v.name: v for v in kept if _key(v.name, prefix) is not None}
     everyone = sharded_io._gather({n: _layout(v, share) for n, v in mine.items()}, "the params to save")
     holders: dict[str, dict[int, dict[str, Any]]] = {}
     for r, lays in enumerate(everyone):
@@ -399,7 +486,7 @@ def save_pretrained(
                 writers[file] = Writer(folder / file, specs)
         for file, members in shards.items():
             for name in members:
-                whole = _assemble(exe, name, holders[name], plan[name], mine.get(name), share, rank)
+                whole = _assemble(exe, program, name, holders[name], plan[name], mine.get(name), share, rank)
                 if rank == 0:
                     writers[file].write(_key(name, prefix), whole)
         for w in writers.values():
@@ -448,6 +535,7 @@ def _shards(
 
 def _assemble(
     exe: Any,
+    program: Program,
     name: str,
     holders: dict[int, dict[str, Any]],
     sources: list[int],
@@ -461,21 +549,19 @@ def _assemble(
     from metaopt.layout.groups import host_group, timeout
 
     if sources == [0]:  # worker 0 holds it whole, or all of it in its own shares
-        return _whole_local(exe, name, v, share) if rank == 0 else None
+        return _whole_local(exe, program, name, v, share) if rank == 0 else None
     lay0 = holders[sources[0]]
     whole = torch.empty(lay0["full"], dtype=torch_dtype(lay0["dtype"])) if rank == 0 else None
     for src in sources:
         lay = holders[src]
         sv, sshare = _var_of(name, lay)
         if src == rank == 0:
-            local = exe.scope[name].detach().to("cpu")
+            local = _held(exe, program, name)
         elif rank == 0:
             local = torch.empty(lay["local"], dtype=torch_dtype(lay["dtype"]))
             dist.irecv(local, src=src, group=host_group(dist)).wait(timeout())
         elif rank == src:
-            dist.isend(exe.scope[name].detach().to("cpu").contiguous(), dst=0, group=host_group(dist)).wait(
-                timeout()
-            )
+            dist.isend(_held(exe, program, name).contiguous(), dst=0, group=host_group(dist)).wait(timeout())
             continue
         else:
             continue
@@ -484,9 +570,22 @@ def _assemble(
     return whole
 
 
-def _whole_local(exe: Any, name: str, v: Var | None, share: Share) -> torch.Tensor:
+def _held(exe: Any, program: Program, name: str) -> torch.Tensor:
+    """`name`'s value as `exe` holds it, or the program's own before a first run moved it there."""
+    t = exe.scope.get(name)
+    if t is None:
+        t = program.values.get(name)
+    if t is None or t.is_meta:
+        raise PretrainedError(
+            f"{program.vars[name].kind} {name!r} of program {program.name!r} has no value yet: "
+            "give it one first (fleet.load_pretrained, fleet.init_from_module, a run)"
+        )
+    return t.detach().to("cpu")
+
+
+def _whole_local(exe: Any, program: Program, name: str, v: Var | None, share: Share) -> torch.Tensor:
     assert v is not None
-    local = exe.scope[name].detach().to("cpu")
+    local = _held(exe, program, name)
     whole = torch.empty(tuple(v.full_shape or ()), dtype=local.dtype)
     _put(v, share, local, whole)
     return whole
@@ -509,7 +608,7 @@ def load_into(module: torch.nn.Module, exe: Any, program: Program, *, prefix: st
                     f"load_into: {v.name!r} is held as this worker's part ({v.split or ''} {v.zero or ''}); "
                     "in a job of several workers use fleet.save_pretrained"
                 )
-            whole = _whole_local(exe, v.name, v, Share(0, 0))
+            whole = _whole_local(exe, program, v.name, v, Share(0, 0))
             target = targets[key]
             if tuple(target.shape) != tuple(whole.shape):
                 raise PretrainedError(

@@ -97,6 +97,7 @@ def export(
         )
     _add_unused_params(program, module, opts.values)
     _record_references(program, opts.values)
+    program.derived = frozenset(n for n in _non_persistent(module) if n in program.vars)
     if dynamic_batch:
         probe_shapes(program, BATCH)
     return program
@@ -109,29 +110,39 @@ def derived_buffers(module: torch.nn.Module) -> list[str]:
     model above its module (``_init_weights``, as ``from_pretrained`` does after a meta build);
     one that init does not set stays on meta (a value must then come from elsewhere: the executor
     names it). Returns the buffers given values (the module's own, changed in place)."""
+    from metaopt.frontend.module_init import hf_init, is_unset, sentinel
+
     parents = {path: m for path, m in module.named_modules()}
     done = []
     for path, sub in module.named_modules():
         names_ = [n for n in sub._non_persistent_buffers_set if getattr(sub, n, None) is not None]
         meta = [n for n in names_ if sub._buffers[n].is_meta]
-        init = _hf_init(path, parents) if meta else None
+        init = hf_init(path, parents) if meta else None
         if init is None:
             continue
-        sentinel = {}
+        fills = {}
         for n in meta:
             b = sub._buffers[n]
-            fill = _sentinel(b.dtype)
-            sub._buffers[n] = torch.full(b.shape, fill, dtype=b.dtype)
-            sentinel[n] = fill
+            fills[n] = sentinel(b.dtype)
+            sub._buffers[n] = torch.full(b.shape, fills[n], dtype=b.dtype)
         init(sub)
-        for n, fill in sentinel.items():
+        for n, fill in fills.items():
             b = sub._buffers[n]
-            unset = b.isnan().any() if b.is_floating_point() else (b == fill).all() and b.numel() > 0
-            if unset:
+            if is_unset(b, fill):
                 sub._buffers[n] = torch.empty(b.shape, dtype=b.dtype, device="meta")
             else:
                 done.append(f"{path}.{n}" if path else n)
     return done
+
+
+def _non_persistent(module: torch.nn.Module) -> list[str]:
+    """The names of `module`'s non-persistent buffers (not in its state_dict)."""
+    return [
+        f"{path}.{n}" if path else n
+        for path, sub in module.named_modules()
+        for n in sub._non_persistent_buffers_set
+        if sub._buffers.get(n) is not None
+    ]
 
 
 def _on_meta(module: torch.nn.Module) -> bool:
@@ -141,23 +152,6 @@ def _on_meta(module: torch.nn.Module) -> bool:
 
 def _to_meta(x: Any) -> Any:
     return x.to("meta") if isinstance(x, torch.Tensor) else x
-
-
-def _sentinel(dtype: torch.dtype) -> float | int | bool:
-    """A value no init writes everywhere: how an unset buffer is told from a set one."""
-    if dtype.is_floating_point:
-        return float("nan")
-    return False if dtype == torch.bool else torch.iinfo(dtype).min
-
-
-def _hf_init(path: str, modules: dict[str, torch.nn.Module]) -> Any:
-    """The ``_init_weights`` of the nearest Hugging Face pretrained model at or above `path`."""
-    parts = path.split(".") if path else []
-    for i in range(len(parts), -1, -1):
-        owner = modules.get(".".join(parts[:i]))
-        if owner is not None and callable(getattr(owner, "_init_weights", None)) and hasattr(owner, "config"):
-            return owner._init_weights
-    return None
 
 
 # A floating initializer, one this large, or one on the meta device reaches the Program by

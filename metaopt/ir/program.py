@@ -576,6 +576,9 @@ class Program:
         # placeholder (a program exported on the meta device: optimizer state, accumulators): the
         # executor makes it on its device, at the var's shape (this worker's share), at first use.
         self.fills: dict[str, float] = {}
+        # Buffers no checkpoint of the module holds (its non-persistent buffers: rotary tables,
+        # position ids): made from the module itself, left out of fleet.save_pretrained's files.
+        self.derived: frozenset[str] = frozenset()
         # module path -> the var names that leave that module (its outputs).
         self.modules: dict[str, list[str]] = {}
         # persistable name -> the var whose value replaces it after the op producing
@@ -710,6 +713,7 @@ class Program:
         p.values = dict(self.values)
         p.referenced = dict(self.referenced)
         p.fills = dict(self.fills)
+        p.derived = self.derived
         p.modules = {k: list(v) for k, v in self.modules.items()}
         p.updates = dict(self.updates)
         p.pipeline = self.pipeline

@@ -207,7 +207,16 @@ def tp_sharding_runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tp_sharding")
     save_pretrained_files(out, [NAME])  # what "3:sgd-meta" reads
     tokens = [f"{stage}:{opt}" for stage in (1, 3) for opt in ("sgd", "adam-save", "adam-load")]
-    args = [str(TRAINING / "fleet_tp_worker.py"), str(out), "1", "2", "2", *tokens, "3:sgd-meta"]
+    args = [
+        str(TRAINING / "fleet_tp_worker.py"),
+        str(out),
+        "1",
+        "2",
+        "2",
+        *tokens,
+        "3:sgd-meta",
+        "3:sgd-init",
+    ]
     env = {"METAOPT_COMM_TIMEOUT": "60", "PRETRAINED": str(out)}
     wait_workers(start_workers(4, args, env), "tensor-parallel x sharding", 300)
     return out
@@ -224,6 +233,31 @@ def test_mp2_x_sharding2_workers_built_on_meta_read_their_share_and_train_as_wit
         assert got["layouts"] == want["layouts"]
         for k, t in want["params"].items():
             assert torch.equal(got["params"][k], t), (r, k)
+
+
+def test_mp2_x_sharding2_workers_making_their_share_from_the_module_init_start_from_one_process_values(
+    tp_sharding_runs,
+):
+    """Seeded init (fleet.init_from_module) beside tensor parallel and stage 3: each worker makes
+    each submodule whole and keeps the ZeRO run of its tensor-parallel part; put together by
+    save_pretrained, the values are one process's bit for bit; trained, the replicas' mean loss
+    is one process's from those values (TOL: the data-parallel bar, as below)."""
+    from safetensors.torch import load_file
+    from training_cases import _module, seeded_values
+
+    want = seeded_values(NAME)
+    got = load_file(tp_sharding_runs / f"{NAME}.sgd-init.init" / "model.safetensors")
+    assert got.keys() == want.keys()
+    assert not [k for k, t in want.items() if not torch.equal(got[k], t)]
+    module, inputs, kwargs = _module(NAME)
+    # the same values, exported with them: one process's reference (lm_head's weight is wte's)
+    assert module.load_state_dict(want, strict=False).missing_keys == ["lm_head.weight"]
+    ref = tp_worker.train(metaopt.export(module, inputs, **kwargs), NAME)
+    ranks = [
+        torch.load(tp_sharding_runs / f"{NAME}.3:sgd-init.rank{r}.pt", weights_only=False) for r in range(4)
+    ]
+    mean = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[2]["losses"], strict=True)]
+    assert mean == pytest.approx(ref["losses"], rel=1e-5, abs=4e-5)
 
 
 @pytest.mark.parametrize("stage", [1, 3])

@@ -7,7 +7,9 @@ the sharding axis). Each data-parallel replica (a sharding rank is one too) is f
 tp_worker's full batch, every MP rank of a replica the same share. 3 steps of each OPT at its
 sharding STAGE ("sgd", the default; "adam"; "adam-save": Adam, then save_persistables into
 OUT/ckpt<STAGE>; "adam-load": no steps, what load_persistables of it gives this worker; "sgd-meta":
-SGD on the module built on meta, filled by fleet.load_pretrained from $PRETRAINED); writes its
+SGD on the module built on meta, filled by fleet.load_pretrained from $PRETRAINED; "sgd-init": the
+same, made by fleet.init_from_module, the values it starts from saved into OUT/gpt.sgd-init.init by
+fleet.save_pretrained); writes its
 losses, (local) params, held state and plans to ``OUT/gpt[.STAGE:OPT].rank<r>.pt``."""
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import torch
 import tp_worker
-from training_cases import pretrained_path
+from training_cases import INIT_SEED, _module, pretrained_path
 from workers import gathered_params
 
 import metaopt
@@ -47,15 +49,20 @@ def replica_batch(step: int, dp_rank: int, dp: int) -> dict[str, torch.Tensor]:
     return {k: v[dp_rank * n : (dp_rank + 1) * n] for k, v in full.items()}
 
 
-def train(s: fleet.DistributedStrategy, opt: str, ckpt: str) -> dict:
+def train(s: fleet.DistributedStrategy, opt: str, ckpt: str, out: str) -> dict:
     hcg = fleet.get_hybrid_communicate_group()
     sh = hcg.get_sharding_parallel_world_size()
     replica = hcg.get_data_parallel_rank() * sh + hcg.get_sharding_parallel_rank()
     meta = opt.endswith("-meta")
-    program = tp_worker.export(NAME, meta=meta)
+    module = None
+    if opt.endswith("-init"):
+        module, inputs, kwargs = _module(NAME, meta=True)
+        program = metaopt.export(module, inputs, **kwargs)
+    else:
+        program = tp_worker.export(NAME, meta=meta)
     optimizer = (
         metaopt.optimizer.SGD(learning_rate=tp_worker.LR)
-        if opt in ("sgd", "sgd-meta")
+        if opt in ("sgd", "sgd-meta", "sgd-init")
         else metaopt.optimizer.Adam(learning_rate=1e-2)
     )
     opt_ = fleet.distributed_optimizer(optimizer, s)
@@ -63,6 +70,9 @@ def train(s: fleet.DistributedStrategy, opt: str, ckpt: str) -> dict:
     exe = metaopt.Executor("cpu")
     if meta:  # no values until this worker reads its slices of its part of each tensor
         fleet.load_pretrained(exe, program, pretrained_path(Path(os.environ["PRETRAINED"]), NAME))
+    if module is not None:  # this worker's ZeRO run of its tensor-parallel part, made here
+        fleet.init_from_module(exe, program, module, seed=INIT_SEED)
+        fleet.save_pretrained(exe, program, f"{out}/{NAME}.{opt}.init")
     losses = []
     if opt.endswith("-load"):  # what this worker holds of OUT/ckpt, untrained
         fleet.load_persistables(exe, ckpt, program)
@@ -104,7 +114,7 @@ def main() -> None:
         stage, _, opt = token.rpartition(":")
         s = strategy(dp, mp, sharding, int(stage or 1))
         suffix = "" if token == "sgd" else f".{token}"
-        result = train(s, opt, f"{out}/ckpt{stage}")
+        result = train(s, opt, f"{out}/ckpt{stage}", out)
         torch.save(result, f"{out}/{NAME}{suffix}.rank{fleet.worker_index()}.pt")
     fleet.barrier_worker()
 

@@ -19,7 +19,9 @@ damaged copy in ${SHARDING_CKPT}_tampered, "refusals"), a stage-3 "save" also wr
 hf-gpt2 case on 2 workers saves the values its last step starts from with fleet.save_pretrained
 (into <out>/<case>.hf); "meta"
 (the module built and exported on the meta device, this worker's share of its values read from
-$PRETRAINED by fleet.load_pretrained after minimize), "pp"
+$PRETRAINED by fleet.load_pretrained after minimize), "init" (built on meta, this worker's share
+made by fleet.init_from_module, seed INIT_SEED; the values it starts from saved by
+fleet.save_pretrained into <out>/<case>.init), "pp"
 (a 1F1B pipeline of 2 micro-batches, cuts "auto", over fleet.init's pp_degree: the last stage
 reports the losses, the others None).
 """
@@ -34,8 +36,10 @@ import ckpt_tamper
 import torch
 from training_cases import (
     BATCH,
+    INIT_SEED,
     PRETRAINED_PREFIX,
     STEPS,
+    _module,
     batch,
     build_strategy,
     export,
@@ -52,7 +56,12 @@ from metaopt.report.pipeline_memory import estimate_pipeline_memory
 
 def train_case(case: str, rank: int, world: int, out: str) -> dict:
     name, stage, opt, *extra = case.split(":")
-    main = export(name, meta="meta" in extra)
+    module = None
+    if "init" in extra:  # built on meta, the values made from the module's own initializers
+        module, inputs, kwargs = _module(name, meta=True)
+        main = metaopt.export(module, inputs, **kwargs)
+    else:
+        main = export(name, meta="meta" in extra)
     strategy = build_strategy(name, [opt, *extra])
     strategy.sharding = stage != "0"  # "0": data parallel alone, the same otherwise
     if strategy.sharding:
@@ -76,6 +85,10 @@ def train_case(case: str, rank: int, world: int, out: str) -> dict:
     if "meta" in extra:  # no values until this worker reads its share of the pretrained files
         path = pretrained_path(Path(os.environ["PRETRAINED"]), name)
         fleet.load_pretrained(exe, main, path, prefix=PRETRAINED_PREFIX.get(name, ""))
+    if module is not None:  # this worker's share, made a submodule at a time; then the whole
+        # values, put together by save_pretrained, for the test to hold against one process's
+        fleet.init_from_module(exe, main, module, seed=INIT_SEED)
+        fleet.save_pretrained(exe, main, f"{out}/{case}.init", prefix=PRETRAINED_PREFIX.get(name, ""))
     if "load" in extra:  # the damaged copies of the checkpoint first: each refused, nothing loaded
         got = ckpt_tamper.refusals(exe, main, Path(os.environ["SHARDING_CKPT"] + "_tampered"))
         untouched = not exe.scope

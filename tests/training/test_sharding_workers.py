@@ -70,13 +70,19 @@ FOUR = [
     "hf-llama:1:sgd",
     "hf-llama:3:sgd",
     "hf-llama:3:sgd:meta",  # built on meta, each worker reading its slices of the HF folder
+    "hf-llama:3:sgd:init",  # built on meta, each worker making its slices from the module's init
     "mlp:1:momentum",
 ]
 HYBRID = ["mlp:1:momentum", "mlp:2:momentum"]  # dp_degree 2 x sharding_degree 2: state halved
 # pp_degree 2 x sharding_degree 2 (ZeRO stage 1 beside a 1F1B pipeline of 2 micro-batches): GPT-2's
 # tied wte held by both stages, its grad slices summed between them; "save" is loaded in one process;
 # fp16: dynamic loss scaling, its overflow check over every worker
-PIPELINE = ["hf-gpt2:1:adam:pp:recompute:save", "hf-gpt2:1:sgd:pp:fp16", "hf-gpt2:1:sgd:pp:meta"]
+PIPELINE = [
+    "hf-gpt2:1:adam:pp:recompute:save",
+    "hf-gpt2:1:sgd:pp:fp16",
+    "hf-gpt2:1:sgd:pp:meta",
+    "hf-gpt2:1:sgd:pp:init",  # each stage makes only its own submodules
+]
 TOL = {"rtol": 1e-5, "atol": 4e-5}
 
 
@@ -116,7 +122,7 @@ def _ranks(runs: dict, key: int | str, case: str) -> list[dict]:
 def _one_process(case: str) -> dict:
     """The same model, optimizer and extras trained in this process alone on the whole batch."""
     import sharding_worker
-    from training_cases import STEPS, batch, build_strategy, export, runs
+    from training_cases import INIT_SEED, STEPS, _module, batch, build_strategy, export, runs
 
     import metaopt
     from metaopt import fleet
@@ -126,12 +132,18 @@ def _one_process(case: str) -> dict:
     env.reset()
     fleet.init()
     try:
-        main = export(name)
+        if "init" in extra:  # the module built on meta, its values from its own initializers
+            module, inputs, kwargs = _module(name, meta=True)
+            main = metaopt.export(module, inputs, **kwargs)
+        else:
+            main = export(name)
         strategy = build_strategy(name, [opt, *extra])
         fleet.distributed_optimizer(sharding_worker.make_optimizer(opt, "clip" in extra), strategy).minimize(
             main.loss
         )
         exe = metaopt.Executor("cpu")
+        if "init" in extra:
+            fleet.init_from_module(exe, main, module, seed=INIT_SEED)
         losses = []
         for s in range(STEPS):  # gradient merge: the step in several runs, their mean loss
             step = [
@@ -210,6 +222,22 @@ def test_workers_built_on_meta_and_filled_from_pretrained_files_train_as_those_e
         assert got["host"]["load transient"] == want["host"]["load transient"] > 0
 
 
+@pytest.mark.parametrize("key, case", [(4, "hf-llama:3:sgd:init"), ("pp", "hf-gpt2:1:sgd:pp:init")])
+def test_seeded_init_gives_every_layout_one_process_values_bitwise(runs, key, case):
+    """Issue 43's seeded init: ZeRO-3 on 4 workers (each making every submodule, keeping its flat
+    slices) and pp 2 x sharding 2 (each stage making only its own submodules) start from the
+    values one process makes (fleet.init_from_module, the same seed): put together by
+    save_pretrained, bit for bit. (Their training against that process: the tests above.)"""
+    from safetensors.torch import load_file
+    from training_cases import seeded_values
+
+    want = seeded_values(case.split(":")[0])
+    got = load_file(runs[key] / f"{case}.init" / "model.safetensors")
+    assert got.keys() == want.keys()
+    differ = [k for k, t in want.items() if not torch.equal(got[k], t)]
+    assert not differ, differ
+
+
 def test_a_stage_3_fine_tune_saved_by_save_pretrained_loads_in_transformers_with_its_loss(runs):
     """Round trip (issue 43): the 2 workers' stage-3 values, put together one tensor at a time by
     fleet.save_pretrained, load with transformers' from_pretrained; that model's loss on the last
@@ -233,7 +261,10 @@ def test_a_stage_3_fine_tune_saved_by_save_pretrained_loads_in_transformers_with
     torch.testing.assert_close(loss, torch.tensor(ranks[0]["losses"][-1]), rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("world, case", [(4, "hf-llama:1:sgd"), (4, "hf-llama:3:sgd"), (4, "mlp:1:momentum")])
+@pytest.mark.parametrize(
+    "world, case",
+    [(4, "hf-llama:1:sgd"), (4, "hf-llama:3:sgd"), (4, "hf-llama:3:sgd:init"), (4, "mlp:1:momentum")],
+)
 def test_four_workers_equal_one_process(runs, world, case):
     ref = _one_process(case)
     ranks = _ranks(runs, world, case)

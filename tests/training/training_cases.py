@@ -76,6 +76,7 @@ def _module(name: str, dropout: float = 0.0, *, meta: bool = False) -> tuple[tor
     return module, mod.example_inputs("tiny", 4, seed=1), {"name": name}
 
 
+INIT_SEED = 5  # the "init" cases' fleet.init_from_module seed
 PRETRAINED_PREFIX = {"hf-gpt2": "m.", "hf-llama": "m.", "hf-bert": "m."}  # the loss wrapper's module
 
 
@@ -93,6 +94,17 @@ def save_pretrained_files(folder: Path, names: list[str]) -> None:
             save_file(
                 {k: t.detach().contiguous() for k, t in tensors.items()}, folder / f"{name}.safetensors"
             )
+
+
+def seeded_values(name: str) -> dict[str, torch.Tensor]:
+    """The values fleet.init_from_module gives `name`'s meta-built program in one process
+    (seed INIT_SEED), by the file key save_pretrained writes (PRETRAINED_PREFIX taken off)."""
+    module, inputs, kwargs = _module(name, meta=True)
+    main = metaopt.export(module, inputs, **kwargs)
+    exe = metaopt.Executor("cpu")
+    filled = fleet.init_from_module(exe, main, module, seed=INIT_SEED)
+    prefix = PRETRAINED_PREFIX.get(name, "")
+    return {n.removeprefix(prefix): exe.scope[n].clone() for n in filled}
 
 
 def pretrained_path(folder: Path, name: str) -> Path:
