@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import math
 import os
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -211,16 +210,14 @@ def load_pretrained(
     from safetensors import safe_open
 
     loaded = []
-    with ExitStack() as stack:
-        opened: dict[Path, Any] = {}
-        for v in want:
-            key = _key(v.name, prefix)
-            if key not in files:
-                continue  # a buffer with a value of its own (checked above)
-            if files[key] not in opened:
-                opened[files[key]] = stack.enter_context(safe_open(files[key], framework="pt"))
-            # one var at a time into the scope: this worker holds its share and one var's
-            loaded += _fill(exe, program, share, v, _reader(opened[files[key]], key))
+    for v in want:
+        key = _key(v.name, prefix)
+        if key not in files:
+            continue  # a buffer with a value of its own (checked above)
+        # one var at a time into the scope, its file mapped only while it is read: the pages of
+        # the slices read count in the process's RSS for as long as the mapping lives
+        with safe_open(files[key], framework="pt") as f:
+            loaded += _fill(exe, program, share, v, _reader(f, key))
     return sorted(loaded)
 
 

@@ -601,9 +601,11 @@ def _sh_check(ctx: Context) -> None:
             f"strategy.pipeline=True at stage {stage} (a pipeline sums each grad over its micro-batches "
             "whole before the update; stage 1 shards the optimizer state beside it)"
         )
-    if s.optimizer_in_backward:
+    if s.optimizer_in_backward and stage < 3:
         why.append(
-            "strategy.optimizer_in_backward=True (the updates run bucket by bucket after the backward)"
+            f"strategy.optimizer_in_backward=True at stage {stage} (each worker's updated slices are "
+            "all-gathered into the whole params after the backward: measured, the moved updates raise "
+            "the peak there; stage 3 frees each grad slice at its update)"
         )
     if s.amp and s.amp_configs["use_pure_fp16"]:
         why.append("amp_configs['use_pure_fp16']=True (sharded float32 master weights)")

@@ -52,6 +52,7 @@ class MemoryPicture:
     note: str = ""  # why there is no measured line ("" when there is)
     files: list[str] = field(default_factory=list)  # what `write` wrote
     persistables: str = ""  # what the persistables are: `persistable_breakdown`
+    host: dict[str, int] = field(default_factory=dict)  # estimate_memory's host account, by holder
 
     @property
     def predicted_peak(self) -> tuple[int, int]:
@@ -90,6 +91,11 @@ class MemoryPicture:
         lines.append(f"persistables (params, state, constants): {human_bytes(self.persistable_bytes)}")
         if self.persistables:
             lines.append(f"  {self.persistables}")
+        if self.host:
+            held = ", ".join(f"{k} {human_bytes(b)}" for k, b in self.host.items())
+            lines.append(
+                f"host memory beside the device (predicted): {human_bytes(sum(self.host.values()))}: {held}"
+            )
         lines.append(self.where.format(n))
         return "\n".join(lines) + "\n"
 
@@ -145,6 +151,7 @@ def memory_picture(
         persistable_bytes=est.persistable_bytes,
         where=est.where,
         persistables=persistable_breakdown(program),
+        host=dict(est.host),
     )
     full = estimate_memory(program, dims=bound, fetches=keep, workspace=True)
     if full.timeline != est.timeline:

@@ -252,3 +252,17 @@ def test_what_needs_every_grad_first_is_refused_by_name(optimizer, strategy, ref
     optimizer = optimizer or metaopt.optimizer.SGD(learning_rate=0.1)
     with pytest.raises(ValueError, match=r"optimizer_in_backward=True cannot be combined: .*" + refused):
         _fleet_mlp(optimizer, optimizer_in_backward=True, **strategy)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_stages_1_and_2_refuse_it_naming_the_stage(stage):
+    """Stage 3 takes the moved updates (each grad slice freed at its update: the sharding workers'
+    test, tests/training/test_sharding_workers.py); stages 1 and 2 all-gather the updated slices
+    after the backward, where the moves raised the measured peak: refused, not run worse."""
+    with pytest.raises(NotImplementedError, match=rf"optimizer_in_backward=True at stage {stage} \("):
+        _fleet_mlp(
+            metaopt.optimizer.SGD(learning_rate=0.1),
+            optimizer_in_backward=True,
+            sharding=True,
+            sharding_configs={"stage": stage, "sharding_degree": 1},
+        )

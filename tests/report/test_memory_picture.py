@@ -105,6 +105,13 @@ def test_cli_draws_a_saved_program(tmp_path, capsys):
     timeline, peak = measure_timeline(loaded, random_feed(loaded, {"batch": 8})[0], [loaded.loss_name])
     assert f"measured peak:  {human_bytes(peak)} ({peak:,} B)" in text
     assert f"predicted peak: {human_bytes(peak)} ({peak:,} B)" in text
+    # issue 43: the host account beside the device's (offload's copies, the load transient)
+    from metaopt.passes.memory_estimate import estimate_memory
+
+    host = estimate_memory(loaded, dims={"batch": 8}).host
+    assert host["load transient"] > 0  # the largest value read into host memory
+    listed = ", ".join(f"{k} {human_bytes(b)}" for k, b in host.items())
+    assert f"host memory beside the device (predicted): {human_bytes(sum(host.values()))}: {listed}" in text
     assert f"# wrote {out / 'mlp_memory.png'}" in text
     assert (out / "mlp_memory.png").stat().st_size > 0 and (out / "mlp_memory.html").stat().st_size > 0
     with pytest.raises(SystemExit, match=r"--dim 'seq' is not NAME=N"):

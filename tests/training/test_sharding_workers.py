@@ -59,6 +59,7 @@ TWO = [c for cases in GROUPS.values() for c in cases] + [
     "mlp:2:adam:unfused",
     "hf-gpt2:1:adam:recompute:load",
     "hf-gpt2:2:adam:recompute:optoffload",  # the state in host memory: bitwise stage 0 still
+    "hf-gpt2:3:adam:recompute:uib",  # optimizer_in_backward: each grad slice freed at its update
     *LAYERWISE,
     FP16_ALLREDUCE,
     LOCAL_SGD,
@@ -330,6 +331,23 @@ def test_every_stage_reduce_scatters_and_holds_less_at_the_peak(runs):
     half = sum(-(-t.numel() // 2) * t.element_size() for t in base["params"].values())
     assert base["param_bytes"] == whole and three["param_bytes"] == half
     assert two["measured_persistable"] - three["measured_persistable"] == whole - half
+
+
+def test_stage_3_with_updates_in_the_backward_frees_each_grad_slice_at_its_update(runs):
+    """strategy.optimizer_in_backward at stage 3: each param slice's update runs right after its
+    grad slice's reduce-scatter, so the slices do not all live until the backward ends: a lower
+    peak, measured = predicted. The same ops reordered, but for the tied wte's lookup grad,
+    added row by row into the head's (passes/update_in_backward.py: another rounding): the
+    losses at TOL, the first one bitwise."""
+    for got, base in zip(
+        _ranks(runs, 2, "hf-gpt2:3:adam:recompute:uib"),
+        _ranks(runs, 2, "hf-gpt2:3:adam:recompute"),
+        strict=True,
+    ):
+        assert "backward-update" in got["program"] and "backward-update" not in base["program"]
+        assert got["measured_peak"] == got["predicted_peak"] < base["measured_peak"]
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(base["losses"]), **TOL)
+        assert got["losses"][0] == base["losses"][0]  # the first step's forward: before any update
 
 
 def test_optimize_offload_moves_the_state_to_host_memory_and_changes_no_bit(runs):

@@ -140,6 +140,7 @@ def build_strategy(name: str, extra: list[str]) -> fleet.DistributedStrategy:
     if "localsgd" in extra:  # steps 1 (<= begin_step) and 3 (2 after it) average the params
         s.localsgd = True
         s.localsgd_configs = {"k_steps": 2, "begin_step": 1}
+    s.optimizer_in_backward = "uib" in extra  # each update right after its grad is final
     for kind in ("lamb", "lars"):  # Fleet's meta optimizers around Adam / Momentum
         setattr(s, kind, kind in extra)
     if "bf16" in extra or "fp16" in extra:  # fp16: dynamic loss scaling, overflowed steps skipped
