@@ -215,6 +215,17 @@ def is_local_address(host: str) -> bool:
     return False
 
 
+def _resolve(flag: str, host: str, resolve: Callable[[str], object] | None) -> None:
+    """Refuse a host name that does not resolve, naming it, before anything waits on it."""
+    try:
+        (resolve or (lambda h: socket.getaddrinfo(h, None)))(host)
+    except (OSError, UnicodeError) as e:
+        raise LaunchError(
+            f"{flag}: {host!r} does not resolve to an address ({type(e).__name__}: {e}); "
+            "give each node's IP address or a host name this machine can resolve"
+        ) from None
+
+
 def _node_rank_from_ips(ips: tuple[str, ...], is_local: Callable[[str], bool]) -> int:
     mine = [i for i, ip in enumerate(ips) if is_local(ip)]
     if len(mine) == 1:
@@ -231,11 +242,13 @@ def plan_launch(
     environ: Mapping[str, str] | None = None,
     device_count: int | None = None,
     is_local: Callable[[str], bool] = is_local_address,
+    resolve: Callable[[str], object] | None = None,
 ) -> LaunchPlan:
     """Resolve parsed flags into a LaunchPlan; LaunchError names the bad flag.
 
     `device_count` defaults to ``torch.cuda.device_count()``; `is_local` decides which of
-    ``--ips`` is this machine when ``--node_rank`` is not given.
+    ``--ips`` is this machine when ``--node_rank`` is not given; `resolve(host)` (default
+    ``socket.getaddrinfo``) must not raise for any ``--ips`` entry or ``--master_addr``.
     """
     environ = os.environ if environ is None else environ
     if device_count is None:
@@ -279,6 +292,10 @@ def plan_launch(
 
     # --- nodes ---
     ips = _comma_list("--ips", ns.ips) if ns.ips is not None else None
+    for host in ips or ():  # an entry that never resolves would hang the rendezvous ("gai error")
+        _resolve("--ips", host, resolve)
+    if ns.master_addr is not None:
+        _resolve("--master_addr", ns.master_addr, resolve)
     nnodes = _parse_nnodes(ns.nnodes)
     if ips is not None and nnodes is not None and nnodes != len(ips):
         raise LaunchError(f"--nnodes={nnodes} but --ips={ns.ips} lists {len(ips)} node(s)")

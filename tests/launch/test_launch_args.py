@@ -128,6 +128,36 @@ def test_ambiguous_ips_on_one_machine_need_node_rank(script):
         plan(["--ips=127.0.0.1,127.0.0.2", script], is_local=lambda ip: True)
 
 
+def test_an_ips_entry_or_master_addr_that_does_not_resolve_is_named(script):
+    """Issue 47: `--ips=no-such-host.invalid` hung the rendezvous with "gai error" warnings. Names
+    under .invalid never resolve (RFC 6761); the real resolver answers at once."""
+    with pytest.raises(LaunchError, match=r"--ips: 'no-such-host\.invalid' does not resolve to an address"):
+        plan(["--ips=10.0.0.1,no-such-host.invalid", "--node_rank=0", script])
+    with pytest.raises(LaunchError, match=r"--ips: 'no-such-host\.invalid' does not resolve"):
+        plan(["--ips=no-such-host.invalid", script])
+    with pytest.raises(LaunchError, match=r"--master_addr: 'nowhere\.invalid' does not resolve"):
+        plan(["--nnodes=2", "--node-rank=1", "--master-addr=nowhere.invalid", script])
+
+
+def test_the_launcher_exits_at_once_on_an_unresolvable_ips_entry(script):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-m", "metaopt.launch", "--ips=no-such-host.invalid", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert done.returncode != 0
+    assert "'no-such-host.invalid' does not resolve" in done.stderr
+
+
 # --- GPUs -------------------------------------------------------------------------------------
 
 
