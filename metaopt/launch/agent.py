@@ -22,11 +22,13 @@ SIGKILL) and restarts the group while ``--max_restarts`` allows. We add three th
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import signal
 import socket
 import sys
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 
@@ -39,7 +41,7 @@ from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
 from metaopt.launch._reaper import JobProcesses
 from metaopt.launch._worker import LAUNCHER_PID_ENV
-from metaopt.launch.args import LaunchPlan
+from metaopt.launch.args import LaunchPlan, restart_backoff
 
 WORKER_PY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
 RDZV_TIMEOUT_S = 900  # torchrun's default join timeout
@@ -182,6 +184,15 @@ class WorkerFiles(LogsSpecs):
                 os.remove(stale)
         elif os.path.exists(path):
             os.replace(path, f"{path}.attempt{attempt - 1}")
+            # the first failed attempt and the last KEPT_ATTEMPT_LOGS - 1: a job restarting for
+            # hours must not fill the disk with logs (issue 47: 164 files in 40 s)
+            old = attempt - KEPT_ATTEMPT_LOGS
+            if old >= 1:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(f"{path}.attempt{old}")
+
+
+KEPT_ATTEMPT_LOGS = 5  # per worker: attempt 0's log and the latest four failed ones
 
 
 class FleetAgent(LocalElasticAgent):
@@ -230,11 +241,11 @@ class FleetAgent(LocalElasticAgent):
         return self._last_result
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        spec = worker_group.spec
+        restart = spec.max_restarts - self._remaining_restarts
         if self._on_restart is not None and self._last_result is not None:
-            spec = worker_group.spec
-            self._on_restart(
-                self._last_result, spec.max_restarts - self._remaining_restarts, spec.max_restarts
-            )
+            self._on_restart(self._last_result, restart, spec.max_restarts)
+        time.sleep(restart_backoff(restart))
         super()._restart_workers(worker_group)
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:

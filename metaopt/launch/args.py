@@ -215,6 +215,24 @@ def is_local_address(host: str) -> bool:
     return False
 
 
+BACKOFF_ENV = "METAOPT_RESTART_BACKOFF"  # seconds before the first restart; doubled each time
+BACKOFF_MAX_S = 60.0
+
+
+def restart_backoff(restart: int, environ: Mapping[str, str] | None = None) -> float:
+    """Seconds to wait before restart number `restart` (1, 2, ...): METAOPT_RESTART_BACKOFF
+    (default 1) doubled each restart, at most a minute, so a job failing at once does not spin
+    (issue 47: 81 restarts in 40 s); 0 turns it off."""
+    raw = (os.environ if environ is None else environ).get(BACKOFF_ENV, "1")
+    try:
+        base = float(raw)
+    except ValueError:
+        raise ValueError(f"{BACKOFF_ENV}={raw!r} is not a number of seconds") from None
+    if not base >= 0 or base == float("inf"):
+        raise ValueError(f"{BACKOFF_ENV}={raw!r} must be a finite number of seconds >= 0")
+    return min(base * 2.0 ** max(restart - 1, 0), BACKOFF_MAX_S)
+
+
 def _resolve(flag: str, host: str, resolve: Callable[[str], object] | None) -> None:
     """Refuse a host name that does not resolve, naming it, before anything waits on it."""
     try:
@@ -328,6 +346,11 @@ def plan_launch(
 
     max_restarts = _int_flag("--max_restarts", ns.max_restarts, 0)
     assert max_restarts is not None  # the flag has a default
+    if max_restarts:
+        try:
+            restart_backoff(1, environ)  # a bad METAOPT_RESTART_BACKOFF named now, not at a failure
+        except ValueError as e:
+            raise LaunchError(str(e)) from None
     raw_timeout = ns.shutdown_timeout
     flag = "--shutdown_timeout"
     if raw_timeout is None:

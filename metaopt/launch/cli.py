@@ -40,6 +40,7 @@ def _run(plan: LaunchPlan) -> int:
     from torch.distributed.elastic.rendezvous import RendezvousError
 
     from metaopt.launch.agent import run_job
+    from metaopt.launch.args import restart_backoff
 
     def on_start(envs: dict[int, dict[str, str]], attempt: int) -> None:
         title = "Distributed Envs" if attempt == 0 else f"Distributed Envs (restart {attempt})"
@@ -50,8 +51,11 @@ def _run(plan: LaunchPlan) -> int:
 
     def on_restart(result, restart: int, max_restarts: int) -> None:
         text, _ = failure_summary(result.failures, plan.log_dir, "worker group failed")
+        wait = restart_backoff(restart)
         _print(
-            f"{text}\nmetaoptrun: restarting the worker group (restart {restart} of {max_restarts})", err=True
+            f"{text}\nmetaoptrun: restarting the worker group (restart {restart} of {max_restarts}) "
+            f"in {wait:g} s",
+            err=True,
         )
 
     try:

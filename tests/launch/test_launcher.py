@@ -37,9 +37,16 @@ def _cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "metaopt.launch", *args]
 
 
-def _run(tmp_path: Path, *args: str, timeout: float = JOB_TIMEOUT_S) -> subprocess.CompletedProcess:
+def _run(
+    tmp_path: Path, *args: str, timeout: float = JOB_TIMEOUT_S, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
-        _cmd(*args), cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=timeout
+        _cmd(*args),
+        cwd=tmp_path,
+        env={**_env(), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -258,6 +265,27 @@ def test_max_restarts_reruns_the_group_after_one_failure(tmp_path):
     logs = tmp_path / "log"
     assert "failing once" in (logs / "workerlog.1.attempt0").read_text()  # the failed attempt is kept
     assert (logs / "workerlog.1").read_text().strip() == "attempt 1"
+
+
+def test_restarts_back_off_and_only_the_first_and_latest_logs_are_kept(tmp_path):
+    """Issue 47: --max_restarts=10**30 restarted 81 times in 40 s and kept every attempt's log.
+    Each restart waits METAOPT_RESTART_BACKOFF doubled (here 0.01 s: 0.01, 0.02, ...), and a
+    worker keeps attempt 0's log and the latest four failed ones."""
+    script = _script(
+        tmp_path,
+        "always.py",
+        "import os, sys\nprint('attempt', os.environ['TORCHELASTIC_RESTART_COUNT'])\nsys.exit(5)\n",
+    )
+    res = _run(tmp_path, "--max_restarts=6", script, env={"METAOPT_RESTART_BACKOFF": "0.01"})
+    assert res.returncode == 5, res.stdout + res.stderr
+    waits = re.findall(r"restarting the worker group \(restart (\d) of 6\) in ([\d.]+) s", res.stderr)
+    assert waits == [(str(k), f"{0.01 * 2 ** (k - 1):g}") for k in range(1, 7)]
+    kept = sorted(f.name for f in (tmp_path / "log").glob("workerlog.0.attempt*"))
+    assert kept == [f"workerlog.0.attempt{k}" for k in (0, 2, 3, 4, 5)]
+    assert "attempt 0" in (tmp_path / "log" / "workerlog.0.attempt0").read_text()
+    assert (tmp_path / "log" / "workerlog.0").read_text().strip() == "attempt 6"
+    bad = _run(tmp_path, "--max_restarts=1", script, env={"METAOPT_RESTART_BACKOFF": "soon"})
+    assert bad.returncode == 2 and "METAOPT_RESTART_BACKOFF='soon' is not a number of seconds" in bad.stderr
 
 
 def test_without_restarts_the_same_failure_fails_the_job(tmp_path):
