@@ -118,6 +118,10 @@ def load_model_proto(
     """
     limits = limits or _limits.LIMITS
     model, label, folder = _materialize(source, base_dir)
+    # Only a model checked from its own file with its own folder as base: the file-based
+    # checker stats external files relative to that folder, which is validated first.
+    own_file = isinstance(source, (str, os.PathLike)) and base_dir is None
+    checked_first = False
     _check_structure(model, label)
     refs = _check_tensor_sizes(model, label, limits)  # the external tensors
     if refs:
@@ -131,6 +135,10 @@ def load_model_proto(
         # Validate every reference before reading any of them, so a model whose second
         # tensor is malicious reads nothing at all.
         reads = [_validate_external(ref, folder, real_folder, label) for ref in refs]
+        if own_file:  # the graph too, from the file, before any data is read (issue 47: a
+            # 1 GiB file was read whole, then the model refused by the checker)
+            _run_checker(model, label, source, from_file=True)
+            checked_first = True
         for read in reads:
             want = _declared_bytes(read.ref, label)
             if want is not None and read.length != want:
@@ -143,10 +151,8 @@ def load_model_proto(
                 )
         for read in reads:
             _load_external(read, label)
-    # Only a model checked from its own file with its own folder as base: the file-based
-    # checker stats external files relative to that folder, which we validated above.
-    own_file = isinstance(source, (str, os.PathLike)) and base_dir is None
-    _run_checker(model, label, source if own_file else None)
+    if not checked_first:
+        _run_checker(model, label, source if own_file else None)
     return model
 
 
@@ -549,17 +555,15 @@ def _validate_external(ref: _TensorRef, folder: str, real_folder: str, label: st
     if os.path.commonpath([real_path, real_folder]) != real_folder:
         raise _ref_error(label, ref, location, f"resolves outside the model's folder {folder!r}")
     _check_bounds(ref, location, offset, length, info.st_size, label)
-    folder_owner = os.stat(real_folder).st_uid
-    if info.st_nlink > 1 and info.st_uid != folder_owner:
-        # A hard link has no target to resolve: it *is* the other file. One owned by someone
-        # other than the folder's owner is a file the folder's maker linked, not wrote (where
-        # fs.protected_hardlinks is off, even one they cannot read).
+    if info.st_nlink > 1:
+        # A hard link has no target to resolve: it *is* the other file, wherever its other names
+        # are, so no containment check can pass or fail it. Refused whoever owns it (issue 47).
         raise _ref_error(
             label,
             ref,
             location,
-            f"{path!r} is a hard link ({info.st_nlink} names) to a file of uid {info.st_uid}, "
-            f"not of the folder's owner (uid {folder_owner})",
+            f"{path!r} is a hard link ({info.st_nlink} names): the same file lives elsewhere too; "
+            "external data must be a file of the model's folder alone (copy it there: cp, not ln)",
         )
     size = info.st_size - offset if length is None else length
     allocated = getattr(info, "st_blocks", None)
@@ -624,7 +628,9 @@ def _load_external(read: _ExternalRead, label: str) -> None:
 # --------------------------------------------------------------------------- checker
 
 
-def _run_checker(model: onnx.ModelProto, label: str, path: str | os.PathLike | None) -> None:
+def _run_checker(
+    model: onnx.ModelProto, label: str, path: str | os.PathLike | None, *, from_file: bool = False
+) -> None:
     """Run onnx's structural checker (full_check=False: no shape inference).
 
     torch 2.13's dynamo exporter output (optimize=False, with or without external data)
@@ -635,7 +641,9 @@ def _run_checker(model: onnx.ModelProto, label: str, path: str | os.PathLike | N
     in-memory source of that size we skip the checker rather than fail a valid model.
     """
     try:
-        if model.ByteSize() <= PROTOBUF_SIZE_LIMIT:
+        if from_file and path is not None:  # external data not read yet: the checker only stats it
+            onnx.checker.check_model(os.fspath(path), full_check=False)
+        elif model.ByteSize() <= PROTOBUF_SIZE_LIMIT:
             onnx.checker.check_model(model, full_check=False)
         elif path is not None:
             onnx.checker.check_model(os.fspath(path), full_check=False)

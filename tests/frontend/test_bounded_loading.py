@@ -479,13 +479,37 @@ def _model_with_external_link(tmp_path, data_owner: int, folder_owner: int) -> P
 
 
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to chown")
-def test_hard_linked_external_data_of_another_owner_is_refused(tmp_path):
-    """A hard link has no target to resolve, so containment checks pass it: before, a folder's
-    maker could hand over any file they could link. Linked data of the folder's own owner
-    (a deduplicated copy) still loads."""
+def test_hard_linked_external_data_is_refused_whoever_owns_it(tmp_path):
+    """A hard link has no target to resolve, so containment checks pass it: a folder's maker could
+    hand over any file they could link. Issue 47: one of the folder's own owner loaded too; it
+    is the same file wherever its other names are, so every hard link is refused."""
     path = _model_with_external_link(tmp_path, data_owner=0, folder_owner=4321)
-    linked = r"w\.bin. is a hard link \(2 names\) to a file of uid 0, not of the folder's owner"
+    linked = r"w\.bin. is a hard link \(2 names\): the same file lives elsewhere too"
     with pytest.raises(ModelLoadError, match=linked):
         metaopt.load(path)
     same_owner = _model_with_external_link(tmp_path / "ok", data_owner=4321, folder_owner=4321)
-    assert metaopt.load(same_owner) is not None
+    with pytest.raises(ModelLoadError, match=linked):
+        metaopt.load(same_owner)
+
+
+def test_a_model_the_checker_refuses_reads_none_of_its_external_data(tmp_path, monkeypatch):
+    """Issue 47: a 1 GiB file of zeros was read whole (+1.25 GB, 7 s) before the model was refused.
+    The file-based checker (it stats external data, never reads it) runs before any read; here
+    the graph reads a value no node makes. 64 MiB of zeros on disk; reading it is an error."""
+    from metaopt.frontend import safe_load
+
+    n = 16 << 20  # floats: 64 MiB
+    (tmp_path / "w.bin").write_bytes(bytes(4 * n))
+    t = _raw_tensor("w", [n])
+    t.data_location = TensorProto.EXTERNAL
+    t.external_data.add(key="location", value="w.bin")
+    bad = _model([helper.make_node("Add", ["x", "nowhere"], ["y"])], [_vi("x", [n])], [_vi("y", [n])], [t])
+    path = tmp_path / "m.onnx"
+    path.write_bytes(bad.SerializeToString())
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("external data was read before the model was checked")
+
+    monkeypatch.setattr(safe_load, "_load_external", no_read)
+    with pytest.raises(ModelLoadError, match=r"m\.onnx: not a valid ONNX model .*nowhere"):
+        metaopt.load(path)
