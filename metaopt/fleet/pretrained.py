@@ -217,6 +217,12 @@ def load_pretrained(
         # one var at a time into the scope, its file mapped only while it is read: the pages of
         # the slices read count in the process's RSS for as long as the mapping lives
         with safe_open(files[key], framework="pt") as f:
+            # the file may have changed since `_check` read its header: the same check again
+            # on the header this mapping holds, so a slice is never cut at a stale shape
+            info = f.get_slice(key)
+            problem = _disagrees(v, key, list(info.get_shape()), info.get_dtype(), program, files[key])
+            if problem is not None:
+                raise PretrainedError(f"load_pretrained: {problem} (the file changed while loading?)")
             loaded += _fill(exe, program, share, v, _reader(f, key))
     return sorted(loaded)
 
@@ -332,6 +338,7 @@ def _check(program: Program, want: list[Var], files: dict[str, Path], prefix: st
     from safetensors import safe_open
 
     shapes: dict[str, list[int]] = {}
+    dtypes: dict[str, str] = {}
     by_file: dict[Path, list[str]] = {}
     for v in want:
         key = _key(v.name, prefix)
@@ -340,7 +347,8 @@ def _check(program: Program, want: list[Var], files: dict[str, Path], prefix: st
     for file, keys in by_file.items():
         with safe_open(file, framework="pt") as f:
             for key in keys:
-                shapes[key] = list(f.get_slice(key).get_shape())
+                info = f.get_slice(key)
+                shapes[key], dtypes[key] = list(info.get_shape()), info.get_dtype()
     for v in want:
         key = _key(v.name, prefix)
         if key not in files:
@@ -353,12 +361,28 @@ def _check(program: Program, want: list[Var], files: dict[str, Path], prefix: st
                 )
             hint = did_you_mean(key, files)
             return f"{v.kind} {v.name!r} of program {program.name!r}: {path} has no key {key!r}{hint}"
-        full = list(v.full_shape or ())
-        if shapes[key] != full:
-            return (
-                f"{v.kind} {v.name!r} is {full} in program {program.name!r} but key {key!r} is "
-                f"{shapes[key]} in {files[key]}"
-            )
+        problem = _disagrees(v, key, shapes[key], dtypes[key], program, files[key])
+        if problem is not None:
+            return problem
+    return None
+
+
+# safetensors' dtype names by kind: a float converts to another float (load_state_dict does);
+# a float stored for an integer or a bool var, or the reverse, is another tensor, not a precision
+_SAFETENSORS_FLOATS = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+
+
+def _disagrees(v: Var, key: str, shape: list[int], dtype: str, program: Program, file: Path) -> str | None:
+    full = list(v.full_shape or ())
+    if shape != full:
+        return (
+            f"{v.kind} {v.name!r} is {full} in program {program.name!r} but key {key!r} is {shape} in {file}"
+        )
+    if (dtype in _SAFETENSORS_FLOATS) != torch_dtype(v.dtype).is_floating_point:
+        return (
+            f"{v.kind} {v.name!r} is {v.dtype} in program {program.name!r} but key {key!r} is {dtype} in "
+            f"{file}: not a precision to convert (a float for an integer var, or the reverse)"
+        )
     return None
 
 

@@ -246,3 +246,76 @@ def test_trained_values_go_back_to_transformers_and_to_the_module(tmp_path, shar
     feed = batch("hf-gpt2", 5)
     with torch.no_grad():  # the HF model and the user's wrapped module: the same values, the same loss
         assert torch.equal(back(**feed).loss, module(**feed))
+
+
+def _raw_safetensors(path: Path, header: dict | bytes, data: bytes, length: int | None = None) -> None:
+    """A safetensors file written by hand: an 8-byte header length (`length`, else the header's
+    own), the header, the data."""
+    import struct
+
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw) if length is None else length) + raw + data)
+
+
+@pytest.mark.parametrize(
+    "header, data, length",
+    [
+        ({}, b"", 2**63),  # a header-length field of 2^63
+        (  # offsets past the end of the file
+            {
+                "w": {"dtype": "F32", "shape": [4, 3], "data_offsets": [0, 48]},
+                "b": {"dtype": "F32", "shape": [3], "data_offsets": [48, 60]},
+            },
+            bytes(20),
+            None,
+        ),
+        (  # overlapping offsets
+            {
+                "w": {"dtype": "F32", "shape": [4, 3], "data_offsets": [0, 48]},
+                "b": {"dtype": "F32", "shape": [3], "data_offsets": [0, 12]},
+            },
+            bytes(48),
+            None,
+        ),
+        (b"{not json", b"", None),
+    ],
+    ids=["header-length-2^63", "offsets-past-the-file", "overlapping-offsets", "header-not-json"],
+)
+def test_a_hostile_safetensors_file_is_refused_by_name(tiny, header, data, length):
+    """Issue 47, item 3: each a PretrainedError naming the file, in well under a second, nothing
+    allocated at the sizes the file claims (safetensors validates the header before mapping)."""
+    p, folder = tiny
+    _raw_safetensors(folder / "model.safetensors", header, data, length)
+    exe = metaopt.Executor("cpu")
+    with pytest.raises(
+        pretrained.PretrainedError, match=r"model\.safetensors is not a readable safetensors file"
+    ):
+        fleet.load_pretrained(exe, p, folder)
+    assert not exe.scope
+
+
+def test_a_tensor_of_another_kind_than_the_programs_is_refused(tiny):
+    """bfloat16 into float32 converts (previous test); int64 into a float32 param is another
+    tensor, not a precision: named with both dtypes."""
+    p, folder = tiny
+    save_file({"w": torch.ones(4, 3, dtype=torch.int64), "b": torch.zeros(3)}, folder / "model.safetensors")
+    with pytest.raises(
+        pretrained.PretrainedError, match=r"param 'w' is float32 .* key 'w' is I64 .*not a precision"
+    ):
+        fleet.load_pretrained(metaopt.Executor("cpu"), p, folder)
+
+
+def test_a_file_changed_after_its_header_was_checked_is_refused_not_sliced_stale(tiny, monkeypatch):
+    """The header is read again by the mapping each var is read from: a file replaced between the
+    checks and the read (another shape under the same key) is named, not cut at the old shape."""
+    p, folder = tiny
+    check = pretrained._check
+
+    def check_then_replace(*args, **kwargs):
+        problem = check(*args, **kwargs)
+        save_file({"w": torch.ones(3, 4), "b": torch.zeros(3)}, folder / "model.safetensors")
+        return problem
+
+    monkeypatch.setattr(pretrained, "_check", check_then_replace)
+    with pytest.raises(pretrained.PretrainedError, match=r"key 'w' is \[3, 4\] .*changed while loading"):
+        fleet.load_pretrained(metaopt.Executor("cpu"), p, folder)
