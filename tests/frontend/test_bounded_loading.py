@@ -134,6 +134,10 @@ _CHILD = textwrap.dedent(
     import metaopt
     from metaopt.frontend.safe_load import ModelLoadError
     from metaopt.frontend.onnx_import import ImportError_
+    # What the refusal path imports on first use (torch wraps the bounded fold's dispatch mode
+    # in its dynamo guard: torch._dynamo, sympy, ~30 MB of modules) is not what the file makes
+    # the load allocate: imported before the measure starts.
+    import torch._dynamo  # noqa: F401
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # Cap the address space 2 GB above what the interpreter holds now: a regression then
     # dies here with MemoryError instead of swapping the test machine.
