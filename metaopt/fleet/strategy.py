@@ -693,8 +693,9 @@ FIELDS: dict[str, Key] = {
         "bool",
         "apply each param's update inside the backward, as soon as its grad is final and the "
         "param is read no more, so the grad is freed there (PyTorch's optimizer-in-backward; "
-        "passes/update_in_backward.py). Refused with global-norm clipping, gradient merge, "
-        "pipeline and AMP loss scaling, which need every grad before any update",
+        "passes/update_in_backward.py; at sharding stage 3, as soon as its grad slice is "
+        "reduce-scattered). Refused with global-norm clipping, gradient merge, pipeline and AMP "
+        "loss scaling, which need every grad before any update, and at sharding stages 1 and 2",
         extra=True,
     ),
     "fuse_grad_size_in_num": Key(
