@@ -229,12 +229,19 @@ def load_pretrained(
 
 def _fill(exe: Any, program: Program, share: Share, v: Var, read: Any) -> list[str]:
     """Put this worker's share of `v` (from `read`, boxes of the full tensor) into `exe`'s scope,
-    and of AMP's float32 master copy of it (use_pure_fp16: its own layout) if the program has one."""
-    sharded_io.into_scope(exe, {v.name: _local(v, share, read).to(torch_dtype(v.dtype))})
+    and of AMP's float32 master copy of it (use_pure_fp16) if the program has one."""
+    value = _local(v, share, read).to(torch_dtype(v.dtype))
+    sharded_io.into_scope(exe, {v.name: value})
     master = program.vars.get(names.master(v.name))
     if master is None:
         return [v.name]
-    sharded_io.into_scope(exe, {master.name: _local(master, share, read).to(torch.float32)})
+    # the low-precision value widened, as master_weights makes a master from a program's own
+    # value (passes/master_weights.py): a meta program and one exported with the values run alike
+    if (master.split, master.zero) == (v.split, v.zero):
+        widened = value.to(torch.float32)
+    else:  # its own layout: its share read, then rounded as the param's value was
+        widened = _local(master, share, read).to(torch_dtype(v.dtype)).to(torch.float32)
+    sharded_io.into_scope(exe, {master.name: widened})
     return [v.name, master.name]
 
 

@@ -171,3 +171,50 @@ def test_a_module_other_than_the_programs_is_refused_naming_the_param():
     module = _module("hf-gpt2", meta=True)[0]
     with pytest.raises(PretrainedError, match=r"not in the module \(prefix 'x\.'\)"):
         fleet.init_from_module(exe, main, module, seed=0, prefix="x.")
+
+
+def _amp_offload_strategy() -> fleet.DistributedStrategy:
+    s = fleet.DistributedStrategy()
+    s.amp = True
+    s.amp_configs = {"dtype": "bfloat16", "use_pure_fp16": True, "use_fp16_guard": False}
+    s.recompute = True
+    s.recompute_configs = {"checkpoints": ["transformer.h.*"], "enable_offload": True}
+    return s
+
+
+def _trained(main: metaopt.Program, exe: metaopt.Executor) -> tuple[list[float], dict]:
+    losses = [float(exe.run(main, feed=batch("gpt", s), fetch_list=[main.loss])[0]) for s in range(2)]
+    return losses, {
+        v.name: exe.scope[v.name].clone()
+        for v in main.vars.values()
+        if v.kind in ("param", "buffer", "opt_state") and v.shape
+    }
+
+
+def test_a_meta_program_under_pure_bf16_with_offload_trains_as_one_exported_with_the_values():
+    """Issue 43: AMP O2 (bfloat16 params, float32 master weights made from the same values) and
+    recompute with offload on a program exported on meta and filled by init_from_module: bit for
+    bit the run of the same module exported with those values (the same program, the same bits)."""
+    env.reset()
+    fleet.init()
+    module, inputs, kwargs = _module("gpt", meta=True)
+    meta = metaopt.export(module, inputs, **kwargs)
+    fleet.distributed_optimizer(metaopt.optimizer.Adam(learning_rate=1e-3), _amp_offload_strategy()).minimize(
+        meta.loss
+    )
+    exe = metaopt.Executor("cpu")
+    filled = fleet.init_from_module(exe, meta, module, seed=SEED)
+    assert any(n.endswith("@MASTER") for n in filled)  # the master copies filled beside the params
+    got = _trained(meta, exe)
+
+    values = {m.names[0]: m.value for m in module_values(module, seed=SEED)}
+    valued, inputs, kwargs = _module("gpt")
+    assert valued.load_state_dict(values, strict=False).missing_keys == ["lm_head.weight"]  # tied to wte
+    ref = metaopt.export(valued, inputs, **kwargs)
+    fleet.distributed_optimizer(metaopt.optimizer.Adam(learning_rate=1e-3), _amp_offload_strategy()).minimize(
+        ref.loss
+    )
+    want = _trained(ref, metaopt.Executor("cpu"))
+    assert got[0] == want[0]
+    assert got[1].keys() == want[1].keys()
+    assert not [k for k, t in want[1].items() if not torch.equal(got[1][k], t)]
