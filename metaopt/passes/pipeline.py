@@ -804,6 +804,7 @@ class _Splitter:
         q.updates = {t: n for t, n in p.updates.items() if n in produced}
         q.updates.update(self.extra_updates.get(w, {}))
         q.modules = {m: outs for m, outs in p.modules.items() if all(o in produced for o in outs)}
+        q.derived = frozenset(x for x in p.derived if x in q.vars)
         q.sort_vars()
         return q
 
