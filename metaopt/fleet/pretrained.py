@@ -150,6 +150,11 @@ def _part_boxes(v: Var, share: Share) -> list[Box]:
     return [(tuple(o), tuple(s)) for o, s, _ in flat_boxes(tuple(v.zero.full), start, start + n)]
 
 
+def _index(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[slice, ...]:
+    """A box as an index: a tensor's, or safetensors' slice of a mapped file."""
+    return tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))
+
+
 def _local(v: Var, share: Share, read: Any) -> torch.Tensor:
     """`v`'s value on this worker, from `read(box)` (a box of the full tensor; None: all of it)."""
     if v.zero is None and v.split is None:
@@ -297,7 +302,7 @@ def init_from_module(
             def read(box: Box | None, value: torch.Tensor = value) -> torch.Tensor:
                 if box is None:
                     return value
-                return value[tuple(slice(o, o + n) for o, n in zip(*box, strict=True))]
+                return value[_index(*box)]
 
             filled += _fill(exe, program, share, want[name], read)
     except ModuleInitError as e:
@@ -333,8 +338,7 @@ def _reader(f: Any, key: str) -> Any:
     def read(box: Box | None) -> torch.Tensor:
         if box is None:
             return f.get_tensor(key)
-        offsets, sizes = box
-        return f.get_slice(key)[tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))]
+        return f.get_slice(key)[_index(*box)]
 
     return read
 
@@ -403,7 +407,7 @@ def _put(v: Var, share: Share, local: torch.Tensor, whole: torch.Tensor) -> None
         at = 0
         for o, s in _in_full(v, share, off, size):
             piece = t if v.split is None else t.narrow(v.split.axis, at, s[v.split.axis])
-            whole[tuple(slice(a, a + n) for a, n in zip(o, s, strict=True))] = piece
+            whole[_index(o, s)] = piece
             at += s[v.split.axis] if v.split is not None else 0
 
     if v.zero is None and v.split is None:
