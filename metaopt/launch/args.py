@@ -230,7 +230,8 @@ def restart_backoff(restart: int, environ: Mapping[str, str] | None = None) -> f
         raise ValueError(f"{BACKOFF_ENV}={raw!r} is not a number of seconds") from None
     if not base >= 0 or base == float("inf"):
         raise ValueError(f"{BACKOFF_ENV}={raw!r} must be a finite number of seconds >= 0")
-    return min(base * 2.0 ** max(restart - 1, 0), BACKOFF_MAX_S)
+    # the exponent capped: --max_restarts may be huge, and 2.0 ** 1024 overflows a float
+    return min(base * 2.0 ** min(max(restart - 1, 0), 64), BACKOFF_MAX_S)
 
 
 def _resolve(flag: str, host: str, resolve: Callable[[str], object] | None) -> None:

@@ -139,6 +139,15 @@ def test_an_ips_entry_or_master_addr_that_does_not_resolve_is_named(script):
         plan(["--nnodes=2", "--node-rank=1", "--master-addr=nowhere.invalid", script])
 
 
+def test_the_restart_backoff_doubles_to_a_minute_even_after_very_many_restarts():
+    from metaopt.launch.args import restart_backoff
+
+    assert [restart_backoff(k, {}) for k in (1, 2, 3, 7, 1025, 10**30)] == [1, 2, 4, 60, 60, 60]
+    assert restart_backoff(3, {"METAOPT_RESTART_BACKOFF": "0"}) == 0
+    with pytest.raises(ValueError, match="must be a finite number of seconds"):
+        restart_backoff(1, {"METAOPT_RESTART_BACKOFF": "inf"})
+
+
 def test_the_launcher_exits_at_once_on_an_unresolvable_ips_entry(script):
     import os
     import subprocess
