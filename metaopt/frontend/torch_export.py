@@ -24,6 +24,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from metaopt.frontend.capture import ExportError, capture, explain_failure
+from metaopt.frontend.experts import grouped_experts
 from metaopt.frontend.importer import import_model
 from metaopt.frontend.onnx_import import ImportOptions
 from metaopt.frontend.shape_probe import probe_shapes
@@ -65,7 +66,7 @@ def export(
         # in both traces, which only the math backend's (contiguous) is. (T5 and Swin failed
         # with "Cannot view a tensor with shape ... strides ..." otherwise.) ONNX has no layouts:
         # the program is the same whichever backend the trace saw.
-        with sdpa_kernel([SDPBackend.MATH]):
+        with sdpa_kernel([SDPBackend.MATH]), grouped_experts(module):
             with timed(_LOG, "export: torch.export capture"):
                 ep = capture(module, args, kwargs, dynamic_shapes)
             with timed(_LOG, "export: torch.onnx decomposition"):

@@ -11,6 +11,12 @@
   first and normalises in it; the stock translation normalises in the input's dtype and casts
   after (HF Funnel's float64 scores came out float32-precise). Ours casts first, as torch does.
 
+* ``transformers::grouped_mm_fallback`` and ``aten._grouped_mm`` (2-D tokens by 3-D experts, with
+  offsets): the grouped matmul HF's mixture-of-experts layers run over tokens sorted by expert.
+  Neither has a stock translation (transformers' own ONNX path unrolls one MatMul per expert).
+  Both become our ``metaopt::GroupedMatMul``, which holds every expert whatever the example
+  input routes.
+
 The exporter needs an ONNX schema for any op a translation emits; ours are registered in the
 ``metaopt`` domain once per process.
 """
@@ -52,6 +58,23 @@ def _opset() -> values.Opset:
                 ],
             )
         )
+    if not defs.has("GroupedMatMul", DOMAIN):
+        defs.register_schema(
+            defs.OpSchema(
+                "GroupedMatMul",
+                DOMAIN,
+                1,
+                doc="torch.nn.functional.grouped_mm(x, weight, offs=offsets): rows of x sorted by "
+                "expert, offsets the cumulative row counts; rows past the last offset are zero",
+                inputs=[
+                    defs.OpSchema.FormalParameter("x", "T"),
+                    defs.OpSchema.FormalParameter("weight", "T"),
+                    defs.OpSchema.FormalParameter("offsets", "I"),
+                ],
+                outputs=[defs.OpSchema.FormalParameter("output", "T")],
+                type_constraints=[("T", FLOATS, ""), ("I", ["tensor(int64)", "tensor(int32)"], "")],
+            )
+        )
     return values.Opset(DOMAIN, 1)
 
 
@@ -79,6 +102,33 @@ def _log_softmax(self, dim: int, dtype: int = -1):
     return onnx_op.LogSoftmax(self, axis=dim)
 
 
+def _grouped_mm_fallback(input, weight, offs):
+    return _opset().GroupedMatMul(input, weight, offs)
+
+
+def _grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
+    # torch._grouped_mm also has 2-D x 2-D and 3-D x 3-D forms and a bias; HF's experts use only
+    # this one (tokens [S, K] by experts [E, K, N] with offsets).
+    if offs is None or bias is not None or out_dtype is not None:
+        raise NotImplementedError(
+            "metaopt translates aten._grouped_mm only as tokens [S, K] by experts [E, K, N] with "
+            "offs, no bias, no out_dtype (what HF's mixture-of-experts layers call)"
+        )
+    if len(self.shape) != 2 or len(mat2.shape) != 3:
+        raise NotImplementedError(
+            f"metaopt translates aten._grouped_mm of a 2-D input by a 3-D weight only, got ranks "
+            f"{len(self.shape)} and {len(mat2.shape)}"
+        )
+    return _opset().GroupedMatMul(self, mat2, offs)
+
+
+def _transformers_ops() -> dict:
+    """transformers' custom ops, where this process has registered them (importing its MoE code)."""
+    ns = getattr(torch.ops, "transformers", None)
+    op = getattr(ns, "grouped_mm_fallback", None) if ns is not None else None
+    return {op.default: _grouped_mm_fallback} if op is not None else {}
+
+
 def translation_table() -> dict:
     """The `custom_translation_table` metaopt.export hands to torch.onnx.export."""
     _opset()
@@ -87,4 +137,6 @@ def translation_table() -> dict:
         aten.embedding.default: _embedding,
         aten.softmax.int: _softmax,
         aten.log_softmax.int: _log_softmax,
+        aten._grouped_mm.default: _grouped_mm,
+        **_transformers_ops(),
     }

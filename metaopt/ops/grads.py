@@ -111,6 +111,14 @@ def _pow(g, op, dy):
     return [g.emit1("PowGrad", [dy[0], x], like=x, exponent=float(n)), None]
 
 
+@grad_rule("Reciprocal")
+def _reciprocal(g, op, dy):
+    # torch: grad * -(result * result), from the saved output (negation is exact: same bits).
+    y = op.outputs[0]
+    sq = g.emit1("Mul", [y, y], like=y)
+    return [g.emit1("Neg", [g.emit1("Mul", [dy[0], sq], like=y)], like=op.inputs[0])]
+
+
 @grad_rule("Sqrt")
 def _sqrt(g, op, dy):
     # torch: grad / (2 * result), from the saved output.
@@ -307,8 +315,11 @@ def _reduce_sum_mean(g, op, dy):
     x = op.inputs[0]
     xs = g.var(x).shape
     axes = _reduce_axes(g, op, None if xs is None else len(xs))
-    if xs is None or axes is None or any(not isinstance(xs[a], int) for a in axes):
+    if axes is None:
         return g.vjp(op, dy)
+    if any(not isinstance(xs[a], int) for a in axes):  # over tokens (an MoE aux loss's mean)
+        attrs = {"axes": axes, "keepdims": op.attrs.get("keepdims", 1), "mean": int(op.type == "ReduceMean")}
+        return [g.emit1("ReduceGrad", [dy[0], x], like=x, **attrs)] + [None] * (len(op.inputs) - 1)
     grad = _with_kept_dims(g, op, dy[0], axes)
     if op.type == "ReduceMean":
         n = math.prod(xs[a] for a in axes)
@@ -485,15 +496,39 @@ def _matmul(g, op, dy):
     return [o or None for o in outs]
 
 
+@grad_rule("GroupedMatMul")
+def _grouped_matmul(g, op, dy):
+    # The offsets are routing (integers): no grad. dx and dweight in one op, per group.
+    x, w, offsets = op.inputs
+    outs, mask = g.contribs(2)
+    g.emit("GroupedMatMulGrad", [dy[0], x, w, offsets], outs, mask=mask)
+    return [outs[0] or None, outs[1] or None, None]
+
+
 @grad_rule("GatherND")
 def _gather_nd(g, op, dy):
     # Indexing by a tensor of indices (Swin's relative-position bias table): the grad is summed
     # into zeros at the gathered places; the data itself is not read. Needs the data's shape.
+    # A symbolic dim (tokens routed to experts): the data's shape read at run time instead.
     shape = g.var(op.inputs[0]).shape
-    if shape is None or not all(isinstance(d, int) for d in shape):
+    if shape is None:
         return g.vjp(op, dy)
-    attrs = {"sizes": list(shape), "batch_dims": op.attrs.get("batch_dims", 0)}
+    batch_dims = op.attrs.get("batch_dims", 0)
+    if not all(isinstance(d, int) for d in shape):
+        ins = [dy[0], op.inputs[1], op.inputs[0]]
+        return [g.emit1("GatherNDGrad", ins, like=op.inputs[0], batch_dims=batch_dims), None]
+    attrs = {"sizes": list(shape), "batch_dims": batch_dims}
     return [g.emit1("GatherNDGrad", [dy[0], op.inputs[1]], like=op.inputs[0], **attrs), None]
+
+
+@grad_rule("TopK")
+def _topk(g, op, dy):
+    # torch's value_selecting_reduction_backward: the values' grad put at their indices along the
+    # axis, zeros elsewhere (a router's top-k probabilities). The input is read for its shape.
+    if dy[0] is None:
+        return [None, None]
+    x, idx = op.inputs[0], op.outputs[1]
+    return [g.emit1("TopKGrad", [dy[0], idx, x], like=x, axis=op.attrs.get("axis", -1)), None]
 
 
 @grad_rule("AveragePool")

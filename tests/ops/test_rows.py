@@ -65,6 +65,7 @@ def test_amp_fields():
         "ConvTranspose",
         "Einsum",
         "Gemm",
+        "GroupedMatMul",
         "Linear",
         "LinearCrossEntropy",
         "MatMul",

@@ -159,6 +159,12 @@ LLAMAISH = dict(
     max_position_embeddings=64,
     attention_dropout=D,
 )
+MOEISH = dict(
+    LLAMAISH,
+    num_experts_per_tok=2,
+    output_router_logits=True,  # the load-balancing aux loss joins the LM loss
+    experts_implementation="eager",
+)
 BARTISH = dict(
     vocab_size=VOCAB,
     d_model=32,
@@ -394,6 +400,83 @@ def entries(Entry) -> list:  # noqa: N803 (the dataclass, passed in to avoid an 
             _clm(0),
             ("m.model.layers.*",),
             why="qkv biases",
+        ),
+        # mixtures of experts: HF's per-expert loop ("eager") is the torch reference; the export
+        # runs the same layers as one grouped matmul over every expert (frontend/experts.py)
+        e(
+            "hf-mixtral",
+            "decoder",
+            _build(
+                "MixtralForCausalLM", "MixtralConfig", **MOEISH, num_local_experts=4, router_aux_loss_coef=0.1
+            ),
+            _clm(0),
+            ("m.model.layers.*",),
+            fast=True,
+            why="top-2 softmax routing over 4 experts, load-balancing aux loss",
+        ),
+        e(
+            "hf-qwen2-moe",
+            "decoder",
+            _build(
+                "Qwen2MoeForCausalLM",
+                "Qwen2MoeConfig",
+                **MOEISH,
+                num_experts=4,
+                moe_intermediate_size=16,
+                shared_expert_intermediate_size=32,
+                router_aux_loss_coef=0.1,
+            ),
+            _clm(0),
+            ("m.model.layers.*",),
+            why="shared expert with a sigmoid gate beside top-2 routing, aux loss",
+        ),
+        e(
+            "hf-olmoe",
+            "decoder",
+            _build("OlmoeForCausalLM", "OlmoeConfig", **MOEISH, num_experts=4, moe_intermediate_size=16),
+            _clm(0),
+            ("m.model.layers.*",),
+            why="q/k norms, unnormalised top-2 probabilities",
+        ),
+        e(
+            "hf-deepseek-v3",
+            "decoder",
+            _build(
+                "DeepseekV3ForCausalLM",
+                "DeepseekV3Config",
+                **dict(MOEISH, num_key_value_heads=4),  # MLA: one latent, every head its own k/v
+                n_routed_experts=8,
+                moe_intermediate_size=16,
+                n_group=2,
+                topk_group=1,
+                n_shared_experts=1,
+                first_k_dense_replace=1,
+                kv_lora_rank=16,
+                q_lora_rank=16,
+                qk_rope_head_dim=4,
+                qk_nope_head_dim=8,
+                v_head_dim=8,
+            ),
+            _clm(0),
+            ("m.model.layers.*",),
+            why="MLA, sigmoid group-limited routing with a bias, shared expert, a dense first layer",
+        ),
+        e(
+            "hf-gpt-oss",
+            "decoder",
+            _build(
+                "GptOssForCausalLM",
+                "GptOssConfig",
+                **MOEISH,
+                num_local_experts=4,
+                head_dim=8,
+                sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"],
+                router_aux_loss_coef=0.1,
+            ),
+            _clm(0),
+            ("m.model.layers.*",),
+            why="clamped SwiGLU experts with biases, attention sinks, sliding window",
         ),
         e(
             "hf-gpt-neox",

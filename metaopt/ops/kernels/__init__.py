@@ -14,6 +14,7 @@ from metaopt.ops.kernels import (  # noqa: F401
     layerwise,
     loss,
     memcpy,
+    moe,
     nn,
     norm,
     optim,

@@ -385,10 +385,19 @@ def scaled_dot_product_attention(
         return (y, probs, dropped, *cuda_none)[:_nout] if _nout > 1 else y
     if _nout == 1:  # no backward reads this op: SDPA's own choice of kernel
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    qp, kp, vp = _one_head_size(q, k, v)
     y, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, False, attn_mask=mask, scale=scale
+        qp, kp, vp, 0.0, False, attn_mask=mask, scale=scale
     )
-    return (y, lse, *cuda_none)[:_nout]
+    return (y[..., : v.shape[-1]], lse, *cuda_none)[:_nout]
+
+
+def _one_head_size(*qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k, v zero-padded to one head size, which torch's flash CPU kernels require (DeepSeek's
+    multi-head latent attention has a value head narrower than the query/key head). Zero columns
+    add exact zeros to Q K^T and give zero output columns, sliced off after: the same values."""
+    size = max(t.shape[-1] for t in qkv)
+    return tuple(t if t.shape[-1] == size else F.pad(t, (0, size - t.shape[-1])) for t in qkv)
 
 
 def _aligned_bias(mask: torch.Tensor | None, b: int, h: int, sq: int, sk: int) -> torch.Tensor | None:
@@ -455,10 +464,12 @@ def scaled_dot_product_attention_grad(
     saved = saved[:n_cpu]
     if dropout_p == 0.0 and not dmask_wanted:
         (lse,) = saved
+        qp, kp, vp, dyp, yp = _one_head_size(q, k, v, dy, y)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dy, q, k, v, y, lse, 0.0, False, attn_mask=m4, scale=scale
+            dyp, qp, kp, vp, yp, lse, 0.0, False, attn_mask=m4, scale=scale
         )
-        return (dq, dk, dv, None)[:_nout]
+        d_qk, d_v = q.shape[-1], v.shape[-1]
+        return (dq[..., :d_qk], dk[..., :d_qk], dv[..., :d_v], None)[:_nout]
     if dropout_p > 0.0:
         probs, dropped = saved
         return _dropout_backward(dy, q, k, v, attn_mask, probs, dropped, scale, want, dmask_wanted)[:_nout]

@@ -427,3 +427,26 @@ def vjp(*args: torch.Tensor | None, op: str, n_in: int, wrt: list[int], n_out: i
             return tuple(torch.zeros_like(t) for t in targets)
         grads = torch.autograd.grad([o for o, _ in pairs], targets, [g for _, g in pairs], allow_unused=True)
     return tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, targets))
+
+
+@register("ReduceGrad", domain="metaopt", aliases=SAME)
+def reduce_grad(dy: torch.Tensor, x: torch.Tensor, axes: list[int], keepdims: int = 1, mean: int = 0):
+    """ReduceSum's / ReduceMean's grad over axes whose size is known only at run time (`x` is
+    read for its shape): dy broadcast back over them, divided by their size for a mean, as
+    torch's sum_backward / mean_backward. A view of dy where no division is needed."""
+    if not keepdims:
+        for a in sorted(axes):
+            dy = dy.unsqueeze(a)
+    if mean:
+        n = 1
+        for a in axes:
+            n *= x.shape[a]
+        dy = dy / n
+    return dy.expand(x.shape)
+
+
+@register("TopKGrad", domain="metaopt", fresh_outputs=True)
+def topk_grad(dy: torch.Tensor, indices: torch.Tensor, x: torch.Tensor, axis: int = -1) -> torch.Tensor:
+    """TopK's input grad from its values' grad: each value's grad at its index along `axis`,
+    zeros elsewhere (`x` read for its shape), as torch's value_selecting_reduction_backward."""
+    return dy.new_zeros(x.shape).scatter_(axis, indices.to(device=dy.device, dtype=torch.int64), dy)

@@ -93,11 +93,16 @@ def gather_nd(data: torch.Tensor, indices: torch.Tensor, batch_dims: int = 0) ->
 
 @register("GatherNDGrad", domain="metaopt", fresh_outputs=True)
 def gather_nd_grad(
-    dy: torch.Tensor, indices: torch.Tensor, sizes: list[int], batch_dims: int = 0
+    dy: torch.Tensor,
+    indices: torch.Tensor,
+    data: torch.Tensor | None = None,
+    sizes: list[int] | None = None,
+    batch_dims: int = 0,
 ) -> torch.Tensor:
-    """GatherND's grad: `dy` summed into zeros of the data's shape (`sizes`) at the gathered
-    places, as torch's index backward (index_put with accumulate: repeated indices add)."""
-    out = dy.new_zeros(sizes)
+    """GatherND's grad: `dy` summed into zeros of the data's shape (`sizes`, or the shape of
+    `data` where a dim is symbolic) at the gathered places, as torch's index backward
+    (index_put with accumulate: repeated indices add)."""
+    out = dy.new_zeros(sizes if data is None else data.shape)
     return out.index_put_(_nd_index(out, indices, batch_dims), dy, accumulate=True)
 
 
