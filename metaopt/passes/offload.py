@@ -10,7 +10,8 @@
   ``CopyWait(x@FETCH)`` right before that first use says where the copy must be done;
   every backward, recompute and optimizer op then reads ``x@FETCH``. So after the
   forward, device memory holds no offloaded checkpoint until its prefetch.
-* The last checkpoint (the backward needs it at once) is not offloaded;
+* The last checkpoint (the backward needs it at once) is not offloaded, nor is one the
+  executor computes on the host (shape arithmetic, ops/placement.py);
   `offload_checkpoints` may restrict the set further. `checkpoint_shape` (Fleet makes
   users give it) is only validated: every checkpoint's shape is inferred.
 * `moved` maps a checkpoint to the var that holds it after the forward when that is
@@ -27,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from metaopt.ir import Op, Program, Var, did_you_mean, eval_dim, names, roles
+from metaopt.ops.placement import host_placement
 from metaopt.passes.driver import plan_text
 from metaopt.passes.one_call import one_call
 
@@ -169,8 +171,13 @@ def _chosen(
 
     skipped = []
     usable = []
+    on_host = host_placement(q)[0]
     for c in checkpoints:
-        if held(c) not in prod:
+        if held(c) in on_host:
+            # Shape arithmetic (a module's output S*k of an MoE layer): never on the device, and
+            # fetched back there a reader wanting it on the host would wait for the device.
+            skipped.append((c, "a host value (shape arithmetic): not on the device"))
+        elif held(c) not in prod:
             skipped.append((c, "not made in the forward"))
         elif not any(held(c) in op.inputs for op in q.ops[first_after:]):
             skipped.append((c, "the backward does not read it"))

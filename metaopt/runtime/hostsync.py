@@ -7,7 +7,7 @@ the executor runs every kernel of a meta plan under `HostReadGuard`, which turns
 `HostSyncError` naming the op, its printed line and the var whose value was read.
 
 Host values proper (shape arithmetic the plan computes on the CPU, constants' host mirrors:
-runtime/plan.py's ``host_placement``) are real CPU tensors on meta too, and reading them is
+ops/placement.py's ``host_placement``) are real CPU tensors on meta too, and reading them is
 free on any device, so only reads of meta tensors are refused.
 
 Some of torch's in-place multi-tensor kernels (the fused optimizers, the foreach unscale of AMP)
