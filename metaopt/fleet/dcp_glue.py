@@ -45,6 +45,7 @@ class Pieces:
 
     @classmethod
     def of_split(cls, local: torch.Tensor, split: Split, index: int) -> Pieces:
+        split.require_model()
         parts: dict[torch.Size, torch.Tensor] = {}
         for full_at, local_at, n in split.pieces(index):
             offsets = [0] * local.dim()
@@ -68,6 +69,7 @@ class Pieces:
         tensor parallel): its flat elements are a run of the part `split` places at `mp_index`,
         stored as the boxes of the full tensor (n-d, not flat) that run covers: a partial row, whole
         rows, a partial row, at each depth, each box cut where the split's blocks end."""
+        split.require_model()
         start, n = zero.piece(index)
         parts: dict[torch.Size, torch.Tensor] = {}
         for offsets, sizes, at in flat_boxes(zero.full, start, start + n):

@@ -120,6 +120,7 @@ def _in_full(v: Var, share: Share, off: tuple[int, ...], size: tuple[int, ...]) 
     `size` in the part) is made of: cut where the split's blocks end, in order along the axis."""
     if v.split is None:
         return [(off, size)]
+    v.split.require_model()
     axis, out = v.split.axis, []
     a, length = off[axis], size[axis]
     for full_at, local_at, m in v.split.pieces(share.mp_index):

@@ -211,6 +211,7 @@ def _resolve_group(g: tuple[int, ...] | str, what: str) -> tuple[int, ...]:
 
 def local_part(full: torch.Tensor, split: Split, index: int) -> torch.Tensor:
     """Part `index` of `full` as `split` lays it out (a fresh tensor)."""
+    split.require_model()
     return torch.cat([full.narrow(split.axis, at, n) for at, _, n in split.pieces(index)], split.axis)
 
 

@@ -175,6 +175,27 @@ tp_local = _tagged(
 )
 
 
+# --- expert parallel (passes/expert_parallel.py) ---------------------------------------------
+
+
+ep_layout = _tagged(
+    "EP_LAYOUT",
+    "The row counts per (worker, local expert) of MoE layer `name` (its offsets), traded by ExpertRoute.",
+)
+ep_offsets = _tagged(
+    "EP_OFFSETS",
+    "This worker's experts' cumulative row counts of MoE layer `name` (its offsets), after ExpertRoute.",
+)
+ep_dispatched = _tagged(
+    "EP_DISPATCH",
+    "Rows of `name` sent to the workers holding their experts (ExpertExchange).",
+)
+ep_combined = _tagged(
+    "EP_COMBINE",
+    "Expert-local rows of `name` sent back to the workers that routed them (ExpertExchange reverse=1).",
+)
+
+
 # --- recompute partition (passes/recompute_partition.py) -------------------------------------
 
 

@@ -193,6 +193,7 @@ def _at_layout(t: _Tokens, *which: str) -> bool:
 
 
 _LAYOUT_KEYS = {"split": ("axis", "parts", "blocks"), "zero_shard": ("parts", "full")}
+_LAYOUT_OPTIONAL = {"split": ("group",), "zero_shard": ()}
 
 
 def _layout_args(t: _Tokens) -> dict[str, Any]:
@@ -205,8 +206,9 @@ def _layout_args(t: _Tokens) -> dict[str, Any]:
     while not t.at(")"):
         key = _name(t.next())
         t.expect("=")
-        if key in kv or key not in keys:
-            raise ValueError(f"{what}: unexpected key {key!r} ({', '.join(keys)}, once each)")
+        if key in kv or key not in keys + _LAYOUT_OPTIONAL[what]:
+            known = ", ".join(keys + _LAYOUT_OPTIONAL[what])
+            raise ValueError(f"{what}: unexpected key {key!r} ({known}, once each)")
         kv[key] = _value(t)
         if not t.at(")"):
             t.expect(",")
@@ -217,9 +219,9 @@ def _layout_args(t: _Tokens) -> dict[str, Any]:
 
 
 def _split(t: _Tokens) -> Split:
-    """``split(axis=0, parts=2, blocks=[96])``."""
+    """``split(axis=0, parts=2, blocks=[96])``, or with ``group="expert"`` (`Split.group`)."""
     kv = _layout_args(t)
-    return Split(kv["axis"], kv["parts"], tuple(kv["blocks"]))
+    return Split(kv["axis"], kv["parts"], tuple(kv["blocks"]), kv.get("group", "model"))
 
 
 def _zero(t: _Tokens) -> ZeroShard:

@@ -129,6 +129,9 @@ def _eval_node(node: ast.AST, dims: dict[str, int]) -> int | None:
     return None
 
 
+SPLIT_GROUPS = ("model", "expert")
+
+
 @dataclass(frozen=True)
 class Split:
     """A var that holds one worker's part of a larger tensor (tensor parallel's split params
@@ -146,12 +149,25 @@ class Split:
     axis: int
     parts: int
     blocks: tuple[int, ...]
+    # The hybrid axis whose index says which part a worker holds: "model" (tensor parallel) or
+    # "expert" (expert parallel's experts, passes/expert_parallel.py).
+    group: str = "model"
 
     def full_shape(self, local: Shape) -> Shape:
         return tuple(d * self.parts if i == self.axis else d for i, d in enumerate(local))
 
     def local_shape(self, full: Shape) -> Shape:
         return tuple(d // self.parts if i == self.axis else d for i, d in enumerate(full))
+
+    def require_model(self) -> None:
+        """Checkpoints and pretrained files place a part by the worker's index in its
+        model-parallel group: a split over another group (expert parallel's experts) is refused
+        until they learn that group's index."""
+        if self.group != "model":
+            raise NotImplementedError(
+                f"a param split over the {self.group!r} group (expert parallel) in a checkpoint or "
+                "pretrained file: not saved, loaded or read yet"
+            )
 
     def pieces(self, index: int) -> list[tuple[int, int, int]]:
         """(offset in the full tensor, offset in the local one, length) along `axis` of each
@@ -172,6 +188,7 @@ class Split:
             and self.parts >= 1
             and bool(self.blocks)
             and all(isinstance(b, int) and b > 0 and b % self.parts == 0 for b in self.blocks)
+            and self.group in SPLIT_GROUPS
             and shape is not None
             and 0 <= self.axis < len(shape)
             and shape[self.axis] == sum(self.blocks) // self.parts
@@ -185,7 +202,8 @@ class Split:
             )
 
     def __str__(self) -> str:
-        return f"split(axis={self.axis}, parts={self.parts}, blocks={list(self.blocks)})"
+        group = "" if self.group == "model" else f', group="{self.group}"'
+        return f"split(axis={self.axis}, parts={self.parts}, blocks={list(self.blocks)}{group})"
 
 
 @dataclass(frozen=True)

@@ -650,6 +650,42 @@ class Communicator:
         )
         return outs if outs[0].device == self.device else [o.to(self.device) for o in outs]
 
+    def all_to_all(
+        self,
+        t: torch.Tensor,
+        send: Sequence[int],
+        recv: Sequence[int],
+        what: str,
+        ranks: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """Rows of `t` sent by dim 0 to each worker of `ranks` (None: all) in group order:
+        `send[j]` rows to the j-th, and `recv[j]` rows from it (what it sends this worker); returns
+        the received rows, in group order, on this executor's device (new storage). The counts
+        must agree pairwise (an expert-parallel layout exchanges them first): a worker expecting
+        more rows than its peer sends waits, at most the timeout, then a `CommError` naming `what`."""
+        n = self.world_size if ranks is None else len(ranks)
+        if len(send) != n or len(recv) != n or sum(send) != t.shape[0]:
+            raise CommError(
+                f"all-to-all of {what}: {len(send)} send and {len(recv)} recv counts for a group of {n}, "
+                f"sending {sum(send)} of {t.shape[0]} rows"
+            )
+        buf = (t if self.backend != "nccl" else t.to(self.device)).contiguous()
+        out = torch.empty((sum(recv), *buf.shape[1:]), dtype=buf.dtype, device=buf.device)
+        group = self.group(ranks)
+        self._run(
+            lambda dist: dist.all_to_all_single(
+                out,
+                buf,
+                output_split_sizes=list(recv),
+                input_split_sizes=list(send),
+                group=group,
+                async_op=True,
+            ),
+            f"all-to-all of {what}",
+            [buf, out],
+        )
+        return out if out.device == self.device else out.to(self.device)
+
     def _run(self, start, what: str, tensors: list[torch.Tensor]) -> None:
         """A collective on `tensors` (the first: what this worker sends); on gloo, returns
         once gloo's thread has let go of them (`await_release`: else a process ending right

@@ -9,6 +9,7 @@ from metaopt.ops.kernels import (  # noqa: F401
     attention,
     comm,
     elementwise,
+    expert_parallel,
     grad,
     indexing,
     layerwise,

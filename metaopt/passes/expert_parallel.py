@@ -1,0 +1,327 @@
+"""Expert parallel as a rewrite of the forward program by var name (DeepSpeed-MoE, Megatron-Core's
+EP, Paddle's ``ep_degree``).
+
+    plan = plan_expert_parallel(program, ep_degree=2, ep_rank=rank, group=[0, 1])
+    print(plan)                        # which expert params split, where rows travel
+    program = expert_parallel(program, plan=plan)   # then minimize(): the backward follows
+
+* Every ``GroupedMatMul(x, w, offsets)`` (HF's grouped experts, ops/kernels/moe.py) is an
+  expert layer: its weight traced back through Transposes that keep dim 0 is an expert param
+  [E, ...]. Worker ``r`` of the group keeps experts ``r*E/ep .. (r+1)*E/ep - 1`` of it (the
+  var's `Split` has ``group="expert"``); E not divisible by ep, or an expert param read by
+  anything else, is refused naming the op's printed line.
+* Per ``offsets`` var (one MoE layer), ``layout, local_offsets = ExpertRoute(offsets, x)``
+  trades the row counts once (ops/kernels/expert_parallel.py); the layer's GroupedMatMuls read
+  ``local_offsets``.
+* Rows sorted by expert are "global" (this worker's tokens) or "local" (the rows this worker's
+  experts serve, from every worker). A GroupedMatMul makes local rows; a global input it reads
+  is dispatched first (``ExpertExchange``). An op reading local rows passes them on when its
+  split rule (ops/sharding.py) carries a split along dim 0 unchanged (the activation between the
+  two matmuls, the routing weights' product): its other row-aligned inputs are dispatched too.
+  Any other reader gets them combined back (``ExpertExchange(reverse=1)``) first. So the rows
+  travel out once before the first matmul and back once after the last row-wise op.
+* A local value's dim 0 is written as its bound, every row of every worker of the group
+  (``ep*(n)``): `estimate_memory` predicts the worst routing (all k x tokens to one worker).
+* Random ops on local rows (dropout inside the experts) are refused: their mask would differ
+  from one process's.
+
+The pass is pure and runs on the forward program, before append_backward: the backward comes
+from ExpertExchange's gradient rule (the exchange the other way). The expert params' grads are
+then this worker's own experts' over every token the group sent them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from metaopt.ir import Op, Program, Split, Var, names
+from metaopt.ir.printer import fmt_op
+from metaopt.ops import registry, sharding
+from metaopt.ops.sharding import Shard, ShardArgs
+
+GROUP = "expert"
+
+
+class ExpertParallelError(ValueError):
+    pass
+
+
+@dataclass
+class ExpertParallelPlan:
+    ep_degree: int
+    ep_rank: int
+    group: list[int]
+    params: dict[str, int] = field(default_factory=dict)  # expert param -> its E
+    views: dict[str, int] = field(default_factory=dict)  # Transposes of them -> E
+    routes: dict[str, int] = field(default_factory=dict)  # offsets var -> the op index routed before
+    route_x: dict[str, str] = field(default_factory=dict)  # offsets var -> the rows ExpertRoute sizes by
+    offsets_of: dict[int, str] = field(default_factory=dict)  # GroupedMatMul index -> its offsets var
+    local: dict[str, str] = field(default_factory=dict)  # var on local rows -> its offsets var
+    dispatch: dict[int, list[int]] = field(default_factory=dict)  # op -> input positions dispatched
+    combine: dict[int, list[int]] = field(default_factory=dict)  # op -> input positions combined
+    skipped: list[str] = field(default_factory=list)
+    moves: list[str] = field(default_factory=list)  # what travels where, in program order (printed)
+
+    def __str__(self) -> str:
+        lines = [
+            f"expert parallel plan: ep_degree={self.ep_degree}, rank {self.ep_rank} of group {self.group}, "
+            f"{len(self.routes)} MoE layer(s)"
+        ]
+        for w, e in self.params.items():
+            n = e // self.ep_degree
+            lines.append(f"  split  {w}: experts {self.ep_rank * n}..{(self.ep_rank + 1) * n - 1} of {e}")
+        lines += [f"  {m}" for m in self.moves]
+        lines += [f"  skipped: {s}" for s in self.skipped]
+        return "\n".join(lines)
+
+
+def plan_expert_parallel(
+    p: Program, *, ep_degree: int, ep_rank: int, group: Sequence[int] | str
+) -> ExpertParallelPlan:
+    """Which expert params split and where rows travel (module doc); nothing is rewritten."""
+    if not isinstance(ep_degree, int) or ep_degree < 1 or not 0 <= ep_rank < ep_degree:
+        raise ExpertParallelError(f"expert parallel: ep_rank {ep_rank} must be in [0, ep_degree={ep_degree})")
+    if not isinstance(group, str) and len(group) != ep_degree:
+        raise ExpertParallelError(
+            f"expert parallel: group {list(group)} must have ep_degree={ep_degree} ranks"
+        )
+    plan = ExpertParallelPlan(ep_degree, ep_rank, group if isinstance(group, str) else list(group))
+    producer = {o: i for i, op in enumerate(p.ops) for o in op.outputs if o}
+    readers: dict[str, list[int]] = {}
+    for i, op in enumerate(p.ops):
+        for x in op.inputs:
+            if x:
+                readers.setdefault(x, []).append(i)
+    matmuls = [i for i, op in enumerate(p.ops) if op.type == "GroupedMatMul"]
+    if not matmuls:
+        plan.skipped.append("no GroupedMatMul: the program has no experts to split")
+        return plan
+    for i in matmuls:
+        _plan_weight(p, plan, i, producer, readers)
+    for i, op in enumerate(p.ops):
+        _plan_op(p, plan, i, op)
+    leaving = [x for x in [*p.outputs, p.loss_name] if x in plan.local]
+    if leaving:
+        raise ExpertParallelError(
+            f"expert parallel: {leaving} on expert-local rows reach the program's outputs"
+        )
+    return plan
+
+
+def _plan_weight(p: Program, plan: ExpertParallelPlan, i: int, producer: dict, readers: dict) -> None:
+    op = p.ops[i]
+    offsets = op.inputs[2]
+    experts = (p.vars[offsets].shape or (None,))[0]
+    if not isinstance(experts, int):
+        raise ExpertParallelError(f"expert parallel: `{fmt_op(op)}`: its offsets' length is not static")
+    if experts % plan.ep_degree:
+        raise ExpertParallelError(
+            f"expert parallel: `{fmt_op(op)}`: {experts} experts do not split over ep_degree={plan.ep_degree}"
+        )
+    w, chain = op.inputs[1], []
+    while w in producer and p.ops[producer[w]].type == "Transpose":
+        t = p.ops[producer[w]]
+        if list(t.attrs.get("perm", []))[:1] != [0]:
+            raise ExpertParallelError(
+                f"expert parallel: `{fmt_op(t)}` moves the expert dim of {op.inputs[1]!r}"
+            )
+        chain.append(w)
+        w = t.inputs[0]
+    v = p.vars[w]
+    if v.kind != "param" or (v.shape or (None,))[0] != experts:
+        raise ExpertParallelError(
+            f"expert parallel: `{fmt_op(op)}`: its weight is not an expert param [{experts}, ...] "
+            f"(traced back to {w!r}, a {v.kind} of shape {list(v.shape or [])})"
+        )
+    for x in [w, *chain]:
+        others = [r for r in readers.get(x, []) if r != i and p.ops[r].outputs[0] not in chain]
+        if others:
+            raise ExpertParallelError(
+                f"expert parallel: expert param {w!r} is read outside its experts' matmul by "
+                f"`{fmt_op(p.ops[others[0]])}`"
+            )
+    plan.params[w] = experts
+    plan.views.update({c: experts for c in chain})
+    plan.offsets_of[i] = offsets
+    if offsets not in plan.routes:
+        plan.routes[offsets] = i
+        plan.route_x[offsets] = op.inputs[0]
+
+
+def _plan_op(p: Program, plan: ExpertParallelPlan, i: int, op: Op) -> None:
+    if i in plan.offsets_of:
+        x = op.inputs[0]
+        if x not in plan.local:
+            plan.dispatch[i] = [0]
+            plan.moves.append(f"dispatch {_typed(p, x)} to its experts' workers (op {i}, {op.type})")
+        plan.local[op.outputs[0]] = plan.offsets_of[i]
+        return
+    locals_in = [j for j, x in enumerate(op.inputs) if x in plan.local]
+    if not locals_in:
+        return
+    offsets = plan.local[op.inputs[locals_in[0]]]
+    rows = p.vars[plan.route_x[offsets]].shape[0]
+    aligned = [
+        j
+        for j, x in enumerate(op.inputs)
+        if x and (p.vars[x].shape or ())[:1] == (rows,) and len(p.vars[x].shape) > 1 or j in locals_in
+    ]
+    if _row_wise(p, op, aligned, rows):
+        if (registry.get(op.type) or registry.OpDef(op.type, None)).random:
+            raise ExpertParallelError(
+                f"expert parallel: `{fmt_op(op)}` draws random numbers on expert-local rows (dropout inside "
+                "the experts): its mask would differ from one process's"
+            )
+        extra = [j for j in aligned if j not in locals_in]
+        if extra:
+            plan.dispatch[i] = extra
+            for j in extra:
+                plan.moves.append(
+                    f"dispatch {_typed(p, op.inputs[j])} beside the expert rows (op {i}, {op.type})"
+                )
+        plan.local.update({o: offsets for o in op.outputs if o and (p.vars[o].shape or ())[:1] == (rows,)})
+        return
+    plan.combine[i] = locals_in
+    for j in locals_in:
+        plan.moves.append(
+            f"combine  {_typed(p, op.inputs[j])} back to the workers that routed it (op {i}, {op.type})"
+        )
+
+
+def _typed(p: Program, name: str) -> str:
+    v = p.vars[name]
+    return f"{name}: {v.dtype}[{', '.join(map(str, v.shape or ()))}]"
+
+
+def _row_wise(p: Program, op: Op, aligned: list[int], rows) -> bool:  # noqa: ANN001 - a Dim
+    """Whether `op` carries a split of its row-aligned inputs along dim 0 through unchanged, as
+    its split rule says (probed with a static stand-in for the rows)."""
+    rule = sharding.rule(op.type)
+    if rule is None:
+        return False
+    stand_in = 4
+
+    def concrete(name: str) -> tuple | None:
+        shape = p.vars[name].shape if name else None
+        if shape is None:
+            return None
+        shape = tuple(shape)
+        if shape[:1] == (rows,):
+            shape = (stand_in, *shape[1:])
+        return shape if all(isinstance(d, int) for d in shape) else None
+
+    shapes = [concrete(x) for x in op.inputs]
+    outs = [concrete(o) for o in op.outputs]
+    if any(shapes[j] is None for j in aligned):
+        return False
+    args = ShardArgs(
+        op=op,
+        shards=[Shard(0, (stand_in,)) if j in aligned else None for j in range(len(op.inputs))],
+        shapes=shapes,
+        out_shapes=outs,
+        mp=2,
+        constant=lambda name: None,
+    )
+    try:
+        res = rule.propagate(args)
+    except (sharding.ShardRefused, sharding.ShardNotImplemented, ValueError, TypeError, KeyError):
+        return False
+    return (
+        not res.constants
+        and not res.attrs
+        and all(s is not None and s.axis == 0 for s, o in zip(res.outputs, outs) if o is not None)
+    )
+
+
+def expert_parallel(p: Program, *, plan: ExpertParallelPlan) -> Program:
+    """A copy of `p` rewritten for `plan`'s worker: expert params cut to its experts, rows
+    dispatched and combined, local shapes at their bound (module doc)."""
+    q = p.clone()
+    ep, rank = plan.ep_degree, plan.ep_rank
+    for w, experts in plan.params.items():
+        n = experts // ep
+        if w in q.values:
+            q.values[w] = q.values[w][rank * n : (rank + 1) * n].clone()
+        v = q.vars[w]
+        v.shape = (n, *v.shape[1:])
+        v.split = Split(0, ep, (experts,), GROUP)
+    for c, experts in plan.views.items():
+        q.vars[c].shape = (experts // ep, *q.vars[c].shape[1:])
+    route: dict[str, tuple[str, str]] = {}  # offsets -> (layout, local offsets)
+    moved: dict[tuple[str, int], str] = {}  # (var, reverse) -> the exchanged var
+    ops: list[Op] = []
+    for i, op in enumerate(q.ops):
+        for offsets, at in plan.routes.items():
+            if at == i:
+                route[offsets] = _route(q, ops, offsets, plan.route_x[offsets], plan.group, ep)
+        for j in plan.dispatch.get(i, []):
+            offsets = (
+                next(plan.local[x] for x in op.inputs if x in plan.local)
+                if i not in plan.offsets_of
+                else plan.offsets_of[i]
+            )
+            op.inputs[j] = _exchange(q, ops, op.inputs[j], route[offsets][0], plan, 0, moved, offsets)
+        for j in plan.combine.get(i, []):
+            offsets = plan.local[op.inputs[j]]
+            op.inputs[j] = _exchange(q, ops, op.inputs[j], route[offsets][0], plan, 1, moved, offsets)
+        if i in plan.offsets_of:
+            op.inputs[2] = route[plan.offsets_of[i]][1]
+        for o in op.outputs:
+            if o in plan.local:
+                q.vars[o].shape = (_bound(q, plan, plan.local[o]), *q.vars[o].shape[1:])
+        ops.append(op)
+    q.ops = ops
+    return q
+
+
+def _bound(q: Program, plan: ExpertParallelPlan, offsets: str):  # noqa: ANN202 - a Dim
+    n = q.vars[plan.route_x[offsets]].shape[0]
+    return plan.ep_degree * n if isinstance(n, int) else f"{plan.ep_degree}*({n})"
+
+
+def _route(q: Program, ops: list[Op], offsets: str, x: str, group, ep: int) -> tuple[str, str]:  # noqa: ANN001
+    experts = q.vars[offsets].shape[0]
+    layout = names.fresh(names.ep_layout(offsets), q.vars)
+    q.add_var(Var(layout, "int64", (3 + 2 * experts,)))
+    local = names.fresh(names.ep_offsets(offsets), q.vars)
+    q.add_var(Var(local, q.vars[offsets].dtype, (experts // ep,)))
+    scope = _scope(q, offsets)
+    ops.append(
+        Op("ExpertRoute", [offsets, x], [layout, local], {"group": group}, scope=scope, origin=offsets)
+    )
+    return layout, local
+
+
+def _exchange(
+    q: Program,
+    ops: list[Op],
+    x: str,
+    layout: str,
+    plan: ExpertParallelPlan,
+    reverse: int,
+    moved: dict,
+    offsets: str,
+) -> str:
+    if (x, reverse) in moved:
+        return moved[(x, reverse)]
+    v = q.vars[x]
+    y = names.fresh((names.ep_combined if reverse else names.ep_dispatched)(x), q.vars)
+    rows = q.vars[plan.route_x[offsets]].shape[0] if reverse else _bound(q, plan, offsets)
+    q.add_var(Var(y, v.dtype, (rows, *v.shape[1:])))
+    ops.append(
+        Op(
+            "ExpertExchange",
+            [x, layout],
+            [y],
+            {"group": plan.group, "reverse": reverse},
+            scope=_scope(q, x),
+            origin=x,
+        )
+    )
+    moved[(x, reverse)] = y
+    return y
+
+
+def _scope(q: Program, var: str) -> str:
+    return next((op.scope for op in q.ops if var in op.outputs), "")

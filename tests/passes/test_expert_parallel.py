@@ -1,0 +1,110 @@
+"""Expert parallel (passes/expert_parallel.py, ops/kernels/expert_parallel.py): the plan, the
+printed rewrite, the refusals, and ep=2 on 2 gloo workers whose float64 grads equal torch's on
+the same batches (tests/training/ep_worker.py)."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from zoo import harness, models
+
+from metaopt.ir import Op, Var, verify
+from metaopt.passes.expert_parallel import ExpertParallelError, expert_parallel, plan_expert_parallel
+
+TRAINING = Path(__file__).resolve().parent.parent / "training"
+sys.path.insert(0, str(TRAINING))
+from workers import start_workers, wait_workers  # noqa: E402
+
+NAMES = ["hf-mixtral", "hf-deepseek-v3"]  # softmax top-2; sigmoid group-limited routing + shared experts
+
+
+@functools.cache
+def _exported(name: str):
+    return harness.export64(models.get(name))[1]
+
+
+def _plan(name: str, rank: int = 0, ep: int = 2):
+    return plan_expert_parallel(_exported(name), ep_degree=ep, ep_rank=rank, group=list(range(ep)))
+
+
+def test_plan_text(golden):
+    golden("expert_parallel/hf-mixtral", str(_plan("hf-mixtral", rank=1)) + "\n")
+
+
+def test_rewritten_program_holds_its_experts_and_moves_rows_once_each_way():
+    program = _exported("hf-mixtral")
+    for rank in range(2):
+        plan = _plan("hf-mixtral", rank)
+        q = expert_parallel(program, plan=plan)
+        verify(q)
+        for w, experts in plan.params.items():
+            half = experts // 2
+            assert torch.equal(q.values[w], program.values[w][rank * half : (rank + 1) * half]), w
+            assert q.vars[w].split is not None and q.vars[w].split.group == "expert"
+            assert "group=\"expert\"" in str(q.vars[w].split)
+        layers = len(plan.routes)
+        kinds = [(op.type, op.attrs.get("reverse")) for op in q.ops]
+        assert kinds.count(("ExpertRoute", None)) == layers == 2
+        # tokens out before the first matmul, the routing weights beside them, back once
+        assert kinds.count(("ExpertExchange", 0)) == 2 * layers
+        assert kinds.count(("ExpertExchange", 1)) == layers
+    assert program.vars[w].split is None and program.values[w].shape[0] == experts  # the pass is pure
+
+
+def test_local_rows_are_written_at_their_bound():
+    """Every row of every worker may route to one worker's experts: estimate_memory's worst case."""
+    program = _exported("hf-mixtral")
+    q = expert_parallel(program, plan=_plan("hf-mixtral"))
+    mm = next(op for op in q.ops if op.type == "GroupedMatMul")
+    rows = program.vars[next(op for op in program.ops if op.type == "GroupedMatMul").inputs[0]].shape[0]
+    assert q.vars[mm.outputs[0]].shape[0] == f"2*({rows})"
+
+
+def test_refusals_name_what_is_at_fault():
+    program = _exported("hf-mixtral")
+    with pytest.raises(ExpertParallelError, match=r"4 experts do not split over ep_degree=3"):
+        plan_expert_parallel(program, ep_degree=3, ep_rank=0, group=[0, 1, 2])
+    with pytest.raises(ExpertParallelError, match=r"ep_rank 2 must be in \[0, ep_degree=2\)"):
+        plan_expert_parallel(program, ep_degree=2, ep_rank=2, group=[0, 1])
+    # an expert param read elsewhere (a norm of it, say) cannot be cut to this worker's experts
+    p = program.clone()
+    w = next(op for op in p.ops if op.type == "GroupedMatMul")
+    weight = next(op for op in p.ops if op.outputs[0] == w.inputs[1]).inputs[0]
+    p.add_var(Var("peek", p.vars[weight].dtype, p.vars[weight].shape))
+    p.ops.insert(0, Op("Identity", [weight], ["peek"]))
+    with pytest.raises(ExpertParallelError, match=rf"expert param '{weight}' is read outside .* by `peek = Identity"):
+        plan_expert_parallel(p, ep_degree=2, ep_rank=0, group=[0, 1])
+
+
+def test_a_program_without_experts_says_so():
+    from conftest import exported
+
+    plan = plan_expert_parallel(exported("gpt")[2], ep_degree=2, ep_rank=0, group=[0, 1])
+    assert not plan.params and "no GroupedMatMul" in str(plan)
+
+
+# --- ep=2 on 2 gloo workers ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ep")
+    procs = start_workers(2, [str(TRAINING / "ep_worker.py"), str(out), *NAMES])
+    wait_workers(procs, "expert-parallel", 400)
+    return out
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_two_ep_workers_grads_equal_float64_torch(two_workers, name):
+    """Each worker its own batch and half the experts; its grads, reduced as data parallel does,
+    equal float64 torch's averaged over the two batches. The bar is the zoo's float32-island one
+    (1e-5): these routers compute in float32 themselves (`.float()`), in torch's run as well."""
+    got = [torch.load(two_workers / f"{name}.rank{r}.pt", weights_only=True) for r in range(2)]
+    for r in got:
+        assert r["worst"] <= harness.FLOAT32_ISLAND_REL
+        assert r["shapes"] and all(s[0] == _plan(name).params[k] // 2 for k, s in r["shapes"].items())
+    assert got[0]["program"] == got[1]["program"]  # every worker runs the same printed program
