@@ -45,7 +45,7 @@ def test_rewritten_program_holds_its_experts_and_moves_rows_once_each_way():
             half = experts // 2
             assert torch.equal(q.values[w], program.values[w][rank * half : (rank + 1) * half]), w
             assert q.vars[w].split is not None and q.vars[w].split.group == "expert"
-            assert "group=\"expert\"" in str(q.vars[w].split)
+            assert 'group="expert"' in str(q.vars[w].split)
         layers = len(plan.routes)
         kinds = [(op.type, op.attrs.get("reverse")) for op in q.ops]
         assert kinds.count(("ExpertRoute", None)) == layers == 2
