@@ -280,9 +280,10 @@ def _hybrid_group(topo: Topology, env: WorkerEnv) -> HybridCommunicateGroup:
         return HybridCommunicateGroup(topo, env.rank)  # no process group, so no groups
     from metaopt.layout.groups import make_topology_groups
 
-    # the collectives of tensor parallel, of data parallel beside it and of a pipeline look their
-    # groups up there (by axis, by ranks): only these exist on every worker
-    return HybridCommunicateGroup(topo, env.rank, make_topology_groups(topo, env.rank, AXES))
+    # the collectives of tensor parallel, of data parallel beside it, of a pipeline and of expert
+    # parallel look their groups up there (by axis, by ranks): only these exist on every worker
+    axes = (*AXES, *topo.expert_axes())
+    return HybridCommunicateGroup(topo, env.rank, make_topology_groups(topo, env.rank, axes))
 
 
 def _check_same_layout(topo: Topology | None) -> None:
@@ -291,7 +292,7 @@ def _check_same_layout(topo: Topology | None) -> None:
     pair their groups with the wrong peers, or wait in a collective the others never join
     (a timeout naming nothing). Raises WorkersDisagreeError on every worker alike, naming the
     first rank that differs from rank 0 and both layouts."""
-    mine = None if topo is None else list(topo.dims)
+    mine = None if topo is None else [*topo.dims, topo.ep_degree]  # Topology's field order
     dims = _gather(mine, "fleet.init: the exchange of hybrid_configs")
     differ = [r for r, d in enumerate(dims) if d != dims[0]]
     if differ:

@@ -247,6 +247,80 @@ def tensor_parallel_errors(strategy: Any, topo: Topology, init: Topology | None)
     return errors
 
 
+# --- expert parallel ---------------------------------------------------------------------------
+
+
+def _ep_degree(ctx: Context) -> int:
+    try:
+        return _layout(ctx).ep_degree
+    except ValueError:
+        return 1
+
+
+def _ep_on(ctx: Context) -> tuple[bool, str]:
+    ep = _ep_degree(ctx)
+    if ep == 1:
+        return False, "hybrid_configs ep_degree=1"
+    return True, f"hybrid_configs ep_degree={ep}"
+
+
+def _ep_check(ctx: Context) -> None:
+    """Refuse, by name, what does not run with experts split yet."""
+    if env.hybrid_topology() is None:
+        raise ValueError(
+            f"ep_degree={_ep_degree(ctx)}: expert parallel's groups are fleet.init's; give fleet.init the "
+            "strategy with hybrid_configs (fleet.init(is_collective=True, strategy=strategy))"
+        )
+    s = ctx.strategy
+    flags = {
+        "amp": "loss scaling's found_inf is taken from grads that differ per worker",
+        "sharding": "ZeRO of the expert params over their replicas (moe_sharding)",
+        "pipeline": "MoE layers in pipeline stages",
+        "localsgd": "local SGD averages params: the experts are split",
+        "fp16_allreduce": "the expert grads' own reduction in float16",
+        "tensor_parallel": "experts beside split dense layers",
+    }
+    why = [f"strategy.{f}=True ({reason})" for f, reason in flags.items() if getattr(s, f)]
+    clip = getattr(ctx.optimizer, "grad_clip", None)
+    if clip is not None and type(clip).__name__ == "ClipGradByGlobalNorm":
+        why.append("grad_clip=ClipGradByGlobalNorm (the norm of split expert grads: a sum over the group)")
+    if why:
+        raise NotImplementedError(
+            f"hybrid_configs ep_degree={_ep_degree(ctx)} cannot be combined yet with: " + "; ".join(why)
+        )
+
+
+def _ep_plan(p: Program, ctx: Context) -> Any:
+    from metaopt.passes.expert_parallel import plan_expert_parallel
+
+    topo = _layout(ctx)
+    group = topo.group_ranks("expert", ctx.rank)
+    plan = plan_expert_parallel(p, ep_degree=topo.ep_degree, ep_rank=group.index(ctx.rank), group=group)
+    if not plan.params:
+        raise ValueError(
+            f"hybrid_configs ep_degree={topo.ep_degree}, but {p.name!r} has no expert layers to split "
+            "(no GroupedMatMul: Hugging Face MoE models export them); leave ep_degree at 1"
+        )
+    return plan
+
+
+def _expert_parallel(p: Program, plan: Any, ctx: Context) -> Program:
+    from metaopt.passes.expert_parallel import expert_parallel
+
+    q = expert_parallel(p, plan=plan)
+    ctx.ep_plan = plan
+    # as tensor parallel's: the group by its axis, so every worker's program prints the same
+    for op in q.ops:
+        if op.attrs.get("group") == plan.group:  # the ops the pass added (fields, not types)
+            op.attrs["group"] = "expert_parallel"
+    return q
+
+
+def expert_params(ctx: Context) -> list[str]:
+    """The params expert parallel cut to this worker's experts."""
+    return [] if ctx.ep_plan is None else list(ctx.ep_plan.params)
+
+
 # --- amp -----------------------------------------------------------------------------------
 
 
@@ -471,6 +545,10 @@ def _dp_how(p: Program, ctx: Context) -> dict:
         # beside tensor parallel the replicas holding the same slices are one dp group, not all
         "group": "data_parallel" if mp > 1 else None,
         "scatter_parts": scatter,
+        # this worker's experts' grads hold every token of its expert group already: summed over
+        # the workers holding the same experts, divided by the data-parallel world
+        "experts": [ctx.grads[w] for w in expert_params(ctx) if w in ctx.grads],
+        "expert_replicas": ctx.world_size // _ep_degree(ctx) if ctx.ep_plan is not None else 1,
     }
 
 
@@ -565,7 +643,8 @@ def _broadcast_init(p: Program, plan: Any, ctx: Context) -> Program:
     # split params: within the data-parallel group (each MP rank holds its own slice), and beside
     # sharding within the sharding group too (its workers are replicas as well)
     groups = ("data_parallel", "sharding") if _zero_scatter(ctx) is not None else ("data_parallel",)
-    return broadcast_init(p, src=0, split=split_params(ctx), split_groups=groups)
+    # expert params: within the workers holding the same experts
+    return broadcast_init(p, src=0, split=split_params(ctx), split_groups=groups, experts=expert_params(ctx))
 
 
 # --- sharding (ZeRO) --------------------------------------------------------------------------------
@@ -1091,6 +1170,17 @@ STEPS: tuple[Step, ...] = (
         writes=("tp_plan",),
     ),
     Step(
+        "expert_parallel",
+        _ep_on,
+        _expert_parallel,
+        plan=_ep_plan,
+        check=_ep_check,
+        doc="experts split over the expert-parallel group, rows exchanged by all-to-all",
+        meta="expert_parallel",
+        reads=("optimizer", "rank", "strategy", "world_size"),
+        writes=("ep_plan",),
+    ),
+    Step(
         "amp_casts",
         _amp_on,
         _amp_casts,
@@ -1156,7 +1246,7 @@ STEPS: tuple[Step, ...] = (
         check=_dp_check,
         doc="AllReduce of the grads, in buckets",
         meta="data_parallel",
-        reads=("strategy", "world_size"),
+        reads=("ep_plan", "params_grads", "strategy", "world_size"),
         writes=("dp_plan",),
     ),
     Step(
@@ -1185,7 +1275,7 @@ STEPS: tuple[Step, ...] = (
         check=_dp_check,
         doc="rank 0's initial params, buffers",
         meta="data_parallel",
-        reads=("strategy", "tp_plan", "world_size"),
+        reads=("ep_plan", "strategy", "tp_plan", "world_size"),
     ),
     Step(
         "recompute",
@@ -1304,6 +1394,7 @@ STEPS: tuple[Step, ...] = (
 check_declarations(STEPS)  # a step reading what no earlier step writes fails at import
 FLEET_META_OPTIMIZERS = (
     "amp",
+    "expert_parallel",
     "localsgd",
     "fp16_allreduce",
     "lamb",

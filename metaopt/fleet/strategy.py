@@ -38,7 +38,8 @@ Differences from Fleet, on purpose:
   ``StrategyObject`` whose attribute assignments are kept, where Fleet's copy drops them). Each
   works, is ``NO_EFFECT`` (listed in the overview) or is refused at ``minimize``.
 - ``hybrid_configs`` has Fleet 2.x's keys (dp_degree, mp_degree, pp_degree, sharding_degree,
-  with its defaults); later Fleet keys (sep_degree, order, mp_configs, pp_configs) are unknown
+  with its defaults) and Paddle's expert-parallel ep_degree and moe_sharding_degree; later Fleet
+  keys (sep_degree, cp_degree, order, mp_configs, pp_configs) are unknown
   keys here, refused with the known ones listed. Its layout: ``metaopt/layout/topology.py``.
 """
 
@@ -310,6 +311,24 @@ HYBRID_CONFIGS: dict[str, Key] = {
     "pp_degree": Key(1, "int", "pipeline stages (needs strategy.pipeline=True when > 1)", check=_COUNT),
     "sharding_degree": Key(
         1, "int", "ZeRO sharding workers (needs strategy.sharding=True when > 1)", check=_COUNT
+    ),
+    "ep_degree": Key(
+        1,
+        "int",
+        "expert-parallel workers: each holds 1/ep_degree of every MoE layer's experts; they overlap "
+        "dp_degree x sharding_degree (Paddle's ep_degree), whose workers' tokens go to the experts' "
+        "owners by all-to-all",
+        check=_COUNT,
+    ),
+    "moe_sharding_degree": Key(
+        -1,
+        "int",
+        "workers holding the same experts: dp_degree x sharding_degree / ep_degree (-1: inferred; "
+        "Paddle's default is 1, which equals it when ep_degree spans the data-side workers)",
+        check=(
+            (lambda v: v == -1 or v >= 1, "must be >= 1, or -1 (inferred: dp x sharding / ep_degree)"),
+            _INT32,
+        ),
     ),
 }
 

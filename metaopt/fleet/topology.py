@@ -29,7 +29,7 @@ def hybrid_is_set(hybrid_configs: Mapping[str, Any]) -> bool:
     then do they lay the workers out (else the pipeline's own configs, or plain data parallel)."""
     from metaopt.fleet.strategy import HYBRID_CONFIGS
 
-    return any(hybrid_configs[k] != key.default for k, key in HYBRID_CONFIGS.items())
+    return any(hybrid_configs.get(k, key.default) != key.default for k, key in HYBRID_CONFIGS.items())
 
 
 def from_hybrid_configs(
@@ -39,7 +39,7 @@ def from_hybrid_configs(
     workers left over by the other degrees, as Fleet does). A product other than the world size
     is a ValueError naming the degrees and the world size."""
     mp, pp, sh = (hybrid_configs[k] for k in ("mp_degree", "pp_degree", "sharding_degree"))
-    dp = hybrid_configs["dp_degree"]
+    dp, ep = hybrid_configs["dp_degree"], hybrid_configs.get("ep_degree", 1)
     others = mp * pp * sh
     shard = f" x sharding_degree={sh}" if sh != 1 else ""
     if dp == -1:
@@ -55,7 +55,25 @@ def from_hybrid_configs(
             f"but the world size is {world_size} (WORLD_SIZE): the degrees' product must equal it "
             "(each worker holds one coordinate)"
         )
-    return Topology(dp_degree=dp, pp_degree=pp, sharding_degree=sh, mp_degree=mp)
+    if (dp * sh) % ep:
+        raise ValueError(
+            f"{where}: ep_degree={ep} must divide dp_degree={dp} x sharding_degree={sh}: expert parallel "
+            "splits each MoE layer's experts over data-side workers (Paddle's ep_degree), which hold "
+            "different batches"
+        )
+    if ep > 1 and mp > 1:
+        raise NotImplementedError(
+            f"{where}: ep_degree={ep} beside mp_degree={mp} (experts over the model-parallel ranks, or "
+            "beside them): not yet; expert parallel runs over dp_degree x sharding_degree"
+        )
+    moe = hybrid_configs.get("moe_sharding_degree", -1)
+    if moe not in (-1, dp * sh // ep):
+        raise ValueError(
+            f"{where}: moe_sharding_degree={moe}, but each expert's replicas are dp_degree={dp} x "
+            f"sharding_degree={sh} / ep_degree={ep} = {dp * sh // ep} workers: leave it at -1 (inferred) "
+            "or set it equal"
+        )
+    return Topology(dp_degree=dp, pp_degree=pp, sharding_degree=sh, mp_degree=mp, ep_degree=ep)
 
 
 def job_topology(strategy: Any, world_size: int, init: Topology | None = None) -> Topology:

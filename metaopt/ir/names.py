@@ -186,6 +186,14 @@ ep_offsets = _tagged(
     "EP_OFFSETS",
     "This worker's experts' cumulative row counts of MoE layer `name` (its offsets), after ExpertRoute.",
 )
+ep_summed = _tagged(
+    "EP_SUM",
+    "Expert grad `name` summed over the workers holding the same experts, before its division.",
+)
+ep_grad_scale = _fixed(
+    "ep_grad_scale",
+    "1 / the data-parallel world size: what expert grads are multiplied by after their sum.",
+)
 ep_dispatched = _tagged(
     "EP_DISPATCH",
     "Rows of `name` sent to the workers holding their experts (ExpertExchange).",

@@ -39,6 +39,13 @@ from typing import Any, NamedTuple
 from metaopt.ir import did_you_mean
 
 AXES: tuple[str, ...] = ("data", "pipe", "sharding", "model")  # outermost first
+# Expert parallel's groups overlap the data-side axes rather than adding one (Paddle's
+# ``ep_degree``): among the ranks sharing a pipe and model coordinate, in rank order, each run of
+# `ep_degree` consecutive ranks is an "expert" group (they hold different experts of every MoE
+# layer), and the ranks at the same place of each run are an "expert_replica" group (Paddle's
+# moe_sharding: they hold the same experts). dp=4, ep=2: expert groups [0, 1] [2, 3], replica
+# groups [0, 2] [1, 3].
+EXPERT_AXES: tuple[str, ...] = ("expert", "expert_replica")
 DEGREE_KEYS: dict[str, str] = {  # axis -> its strategy.hybrid_configs key
     "data": "dp_degree",
     "pipe": "pp_degree",
@@ -73,12 +80,39 @@ class Topology:
     pp_degree: int = 1
     sharding_degree: int = 1
     mp_degree: int = 1
+    ep_degree: int = 1  # experts split over runs of this many data-side ranks (EXPERT_AXES)
 
     def __post_init__(self) -> None:
         for axis in AXES:
             d = self.get_dim(axis)
             if isinstance(d, bool) or not isinstance(d, int) or d < 1:
                 raise ValueError(f"Topology: {DEGREE_KEYS[axis]} must be an int >= 1, got {d!r}")
+        ep, data_side = self.ep_degree, self.dp_degree * self.sharding_degree
+        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+            raise ValueError(f"Topology: ep_degree must be an int >= 1, got {ep!r}")
+        if data_side % ep:
+            raise ValueError(
+                f"Topology: ep_degree={ep} must divide dp_degree x sharding_degree = {data_side} (expert "
+                "parallel splits the experts over data-side ranks, which hold different batches)"
+            )
+
+    def expert_axes(self) -> tuple[str, ...]:
+        """The expert groups' axes when experts are split (ep_degree > 1), else none."""
+        return EXPERT_AXES if self.ep_degree > 1 else ()
+
+    def _expert_groups(self, axis: str) -> list[list[int]]:
+        groups: list[list[int]] = []
+        ep = self.ep_degree
+        for pipe in range(self.pp_degree):
+            for model in range(self.mp_degree):
+                ranks = [
+                    r
+                    for r in range(self.world_size())
+                    if self.get_coord(r).pipe == pipe and self.get_coord(r).model == model
+                ]
+                runs = [ranks[i : i + ep] for i in range(0, len(ranks), ep)]
+                groups += runs if axis == "expert" else [list(g) for g in zip(*runs, strict=True)]
+        return groups
 
     # --- sizes ---------------------------------------------------------------------------
     @property
@@ -147,7 +181,10 @@ class Topology:
 
     def get_comm_list(self, axis_name: str) -> list[list[int]]:
         """The groups of `axis_name`: for each coordinate of the other axes (row-major), the
-        ranks along `axis_name`. Every rank is in exactly one group of each axis."""
+        ranks along `axis_name`. Every rank is in exactly one group of each axis (the
+        `EXPERT_AXES` too)."""
+        if axis_name in EXPERT_AXES:
+            return self._expert_groups(axis_name)
         axis = _axis(axis_name)
         groups: dict[tuple[int, ...], list[int]] = {}
         for r in range(self.world_size()):
@@ -157,6 +194,9 @@ class Topology:
 
     def group_ranks(self, axis_name: str, rank: int) -> list[int]:
         """The ranks of `rank`'s group on `axis_name` (itself included)."""
+        if axis_name in EXPERT_AXES:
+            _check_rank(rank, self.world_size())
+            return next(g for g in self._expert_groups(axis_name) if rank in g)
         coord = self.get_coord(rank)._asdict()
         axis = _axis(axis_name)
         return [self.get_rank(**{**coord, axis: i}) for i in range(self.get_dim(axis))]
@@ -167,6 +207,8 @@ class Topology:
         parts = [f"dp_degree={self.dp_degree}", f"mp_degree={self.mp_degree}", f"pp_degree={self.pp_degree}"]
         if self.sharding_degree != 1:
             parts.append(f"sharding_degree={self.sharding_degree}")
+        if self.ep_degree != 1:
+            parts.append(f"ep_degree={self.ep_degree}")
         return ", ".join(parts)
 
     def table(self) -> str:
@@ -292,6 +334,22 @@ class HybridCommunicateGroup:
     def get_sharding_parallel_group_src_rank(self) -> int:
         return self.group_ranks("sharding")[0]
 
+    # expert parallel (Paddle's names)
+    def get_expert_parallel_world_size(self) -> int:
+        return self._topo.ep_degree
+
+    def get_expert_parallel_rank(self) -> int:
+        return self.group_ranks("expert").index(self.global_rank)
+
+    def get_expert_parallel_group(self) -> Any:
+        return self._group("expert")
+
+    def get_moe_sharding_parallel_world_size(self) -> int:
+        return (self._topo.dp_degree * self._topo.sharding_degree) // self._topo.ep_degree
+
+    def get_moe_sharding_parallel_group(self) -> Any:
+        return self._group("expert_replica")
+
     def __repr__(self) -> str:
-        groups = ", ".join(f"{a} group {self.group_ranks(a)}" for a in AXES)
+        groups = ", ".join(f"{a} group {self.group_ranks(a)}" for a in (*AXES, *self._topo.expert_axes()))
         return f"HybridCommunicateGroup(rank {self.global_rank}: {self._topo.describe()}; {groups})"

@@ -195,6 +195,10 @@ class OpDef:
     # whose allocations torch's meta device cannot see (numpy tables): constant folding sizes an
     # untrusted file's ops with it (passes/fold_constants.py). None: sized on the meta device.
     output_bytes: Callable[[dict, list], int | None] | None = field(default=None, compare=False)
+    # (rows, expert weight [E, ...], offsets [E]) input positions of an op running each expert's
+    # weight on its run of rows sorted by expert (GroupedMatMul): expert parallel cuts the weight
+    # to a worker's experts and sends the rows to their owners (passes/expert_parallel.py).
+    expert_inputs: tuple[int, int, int] | None = None
     # The gradient rule (ops/grads.py attaches it); None: torch.autograd's vjp of the kernel.
     grad: Callable[..., Any] | None = None
     # Estimated forward work of one op, (program, op) -> float in byte-equivalents (`op_cost`

@@ -15,7 +15,9 @@ of: a second op broadcasts those within this worker's data-parallel group only
 replicated params stay equal across the model-parallel group too. Beside sharding (ZeRO), whose
 workers are data-parallel replicas too, `split_groups` is ("data_parallel", "sharding"): a third
 op then broadcasts the split params within this worker's sharding group (from its first rank,
-which holds the data group's first value by then).
+which holds the data group's first value by then). Expert parallel's `experts` (each worker
+holds its own experts) are broadcast only within the workers holding the same experts
+(``group="expert_replica"``, from its first rank).
 """
 
 from __future__ import annotations
@@ -36,7 +38,12 @@ def startup_vars(p: Program) -> list[str]:
 
 
 def broadcast_init(
-    p: Program, *, src: int = 0, split: Sequence[str] = (), split_groups: Sequence[str] = ("data_parallel",)
+    p: Program,
+    *,
+    src: int = 0,
+    split: Sequence[str] = (),
+    split_groups: Sequence[str] = ("data_parallel",),
+    experts: Sequence[str] = (),
 ) -> Program:
     """`p` with ``Broadcast(params and buffers, src=src)  # role=startup`` first, and the
     `split` ones in ``Broadcast(..., src=0, group=g)`` after it, for each of `split_groups` in
@@ -50,7 +57,7 @@ def broadcast_init(
     if not isinstance(src, int) or isinstance(src, bool) or src < 0:
         raise BroadcastInitError(f"broadcast_init: src must be a worker rank >= 0, got {src!r}")
     xs = startup_vars(p)
-    unknown = [x for x in split if x not in xs]
+    unknown = [x for x in [*split, *experts] if x not in xs]
     if unknown:
         raise BroadcastInitError(
             f"broadcast_init: split param {unknown[0]!r} is not a param of {p.name!r}"
@@ -63,11 +70,14 @@ def broadcast_init(
             f"program {p.name!r} already has a startup op setting {again[0]!r} (broadcast_init was applied)"
         )
     q = p.clone()
-    local = set(split)
-    whole = [x for x in xs if x not in local]
+    local, own = set(split), set(experts)
+    whole = [x for x in xs if x not in local and x not in own]
     ops = [Op("Broadcast", whole, [], {"src": src}, role="startup")] if whole else []
     if split:
         group = [x for x in xs if x in local]  # program order, as the first op's
         ops += [Op("Broadcast", group, [], {"src": 0, "group": g}, role="startup") for g in split_groups]
+    if experts:
+        group = [x for x in xs if x in own]
+        ops.append(Op("Broadcast", group, [], {"src": 0, "group": "expert_replica"}, role="startup"))
     q.ops = [*ops, *q.ops]
     return q

@@ -34,10 +34,13 @@ pure.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from metaopt.ir import Op, Program, Var, ZeroShard, did_you_mean, names, roles
+import torch
+
+from metaopt.ir import Op, Program, Var, ZeroShard, did_you_mean, names, roles, torch_dtype
 from metaopt.passes.driver import plan_text
 
 
@@ -50,6 +53,7 @@ class Bucket:
     grads: list[str]
     nbytes: int
     after: int  # index of the op finishing its last grad; the AllReduce goes right after it
+    expert: bool = False  # expert parallel's grads: summed over their replicas, / world_size
 
 
 @dataclass
@@ -58,6 +62,7 @@ class DataParallelPlan:
     bucket_bytes: int
     group: str | None = None  # "data_parallel": this worker's data-parallel group; None: all workers
     scatter_parts: int | None = None  # ZeRO stage 2: reduce-scatter into 1/parts slices
+    expert_replicas: int = 1  # workers holding the same experts (expert parallel's replica group)
     buckets: list[Bucket] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (grad, why it is not reduced)
 
@@ -76,6 +81,11 @@ class DataParallelPlan:
             f"after fusion: {len(self.buckets)}",
             [
                 f"bucket {k}: {len(b.grads)} grads, {b.nbytes:,} bytes, after op {b.after}"
+                + (
+                    f" (expert grads: summed over {self.expert_replicas} replica(s), / {self.world_size})"
+                    if b.expert
+                    else ""
+                )
                 for k, b in enumerate(self.buckets)
             ],
             self.skipped,
@@ -91,8 +101,13 @@ def plan_data_parallel(
     at_update: bool = False,
     group: str | None = None,
     scatter_parts: int | None = None,
+    experts: Sequence[str] = (),
+    expert_replicas: int = 1,
 ) -> DataParallelPlan:
-    """Which grads go into which bucket, and where each bucket's AllReduce goes."""
+    """Which grads go into which bucket, and where each bucket's AllReduce goes. `experts`:
+    expert parallel's grads (this worker's experts, from every token of its expert group),
+    bucketed apart: summed over the `expert_replicas` workers holding the same experts and
+    divided by `world_size`, which makes them data parallel's average."""
     if world_size < 1:
         raise DataParallelError(f"data parallel: world_size must be >= 1, got {world_size}")
     if group not in (None, "data_parallel"):
@@ -104,8 +119,13 @@ def plan_data_parallel(
             f"data parallel: reduce-scatter over {scatter_parts} workers needs sharding groups that divide "
             f"every data-parallel worker ({world_size}{', of each group' if group else ''})"
         )
+    if experts and (scatter_parts is not None or group is not None or world_size % expert_replicas):
+        raise DataParallelError(
+            "data parallel: expert grads beside ZeRO or tensor parallel's groups: not yet"
+        )
     producers = p.producers()
-    plan = DataParallelPlan(world_size, bucket_bytes, group, scatter_parts)
+    plan = DataParallelPlan(world_size, bucket_bytes, group, scatter_parts, expert_replicas)
+    expert = set(experts)
     ready: list[tuple[int, str]] = []
     for g in dict.fromkeys(grads):
         if g not in p.vars:
@@ -124,6 +144,7 @@ def plan_data_parallel(
         n = _nbytes(p.vars[g])
         fits = (
             current is not None
+            and current.expert == (g in expert)
             and bucket_bytes > 0
             and current.nbytes + n <= bucket_bytes
             and p.vars[current.grads[0]].dtype == p.vars[g].dtype
@@ -133,7 +154,7 @@ def plan_data_parallel(
             current.nbytes += n
             current.after = at
         else:
-            current = Bucket([g], n, at)
+            current = Bucket([g], n, at, g in expert)
             plan.buckets.append(current)
     if at_update:
         first = next((i for i, op in enumerate(p.ops) if roles.is_update(op.role)), len(p.ops))
@@ -170,18 +191,42 @@ def apply_data_parallel(p: Program, plan: DataParallelPlan) -> Program:
                     )
                 q.vars[r] = reduced_var(r, q.vars[g], plan.scatter_parts)
                 outs.append(r)
-            ops += reduce_ops(
-                q.vars,
-                list(b.grads),
-                outs,
-                scatter_parts=plan.scatter_parts,
-                replicas=plan.scatter_parts is not None and plan.scatter_parts != plan.world_size,
-                group=plan.group,
-            )
+            if b.expert:
+                ops += _expert_reduce_ops(q, list(b.grads), outs, plan)
+            else:
+                ops += reduce_ops(
+                    q.vars,
+                    list(b.grads),
+                    outs,
+                    scatter_parts=plan.scatter_parts,
+                    replicas=plan.scatter_parts is not None and plan.scatter_parts != plan.world_size,
+                    group=plan.group,
+                )
             renamed.update(zip(b.grads, outs, strict=True))
     q.ops = ops
     q.outputs = [renamed.get(x, x) for x in q.outputs]
     return q
+
+
+def _expert_reduce_ops(q: Program, grads: list[str], outs: list[str], plan: DataParallelPlan) -> list[Op]:
+    """Expert grads summed over the workers holding the same experts (none to sum with when
+    each expert has one owner), then divided by the data-parallel world: every worker's tokens
+    reached some owner of each expert, so the sum over its replicas is the sum over all batches."""
+    ops, sums = [], grads
+    if plan.expert_replicas > 1:
+        sums = [names.fresh(names.ep_summed(g), q.vars) for g in grads]
+        for g, s in zip(grads, sums, strict=True):
+            q.vars[s] = q.vars[g].copy(name=s)
+        ops.append(Op("AllReduce", grads, sums, {"reduce": "sum", "group": "expert_replica"}, role="comm"))
+    scale: dict[str, str] = {}  # dtype -> its constant
+    for s, r in zip(sums, outs, strict=True):
+        dtype = q.vars[s].dtype
+        if dtype not in scale:
+            scale[dtype] = names.fresh(names.ep_grad_scale(), q.vars)
+            value = torch.tensor(1.0 / plan.world_size, dtype=torch_dtype(dtype))
+            q.add_var(Var(scale[dtype], dtype, (), kind="constant"), value)
+        ops.append(Op("Mul", [s, scale[dtype]], [r], role="comm"))
+    return ops
 
 
 def reduced_var(name: str, grad: Var, scatter_parts: int | None) -> Var:

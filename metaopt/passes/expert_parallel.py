@@ -5,11 +5,12 @@ EP, Paddle's ``ep_degree``).
     print(plan)                        # which expert params split, where rows travel
     program = expert_parallel(program, plan=plan)   # then minimize(): the backward follows
 
-* Every ``GroupedMatMul(x, w, offsets)`` (HF's grouped experts, ops/kernels/moe.py) is an
-  expert layer: its weight traced back through Transposes that keep dim 0 is an expert param
-  [E, ...]. Worker ``r`` of the group keeps experts ``r*E/ep .. (r+1)*E/ep - 1`` of it (the
-  var's `Split` has ``group="expert"``); E not divisible by ep, or an expert param read by
-  anything else, is refused naming the op's printed line.
+* Every op whose row has ``expert_inputs`` (``GroupedMatMul(x, w, offsets)``, HF's grouped
+  experts, ops/kernels/moe.py) is an expert layer: its weight traced back through ops whose split
+  rules keep dim 0 where it is (the Transposes to [E, K, N]) is an expert param [E, ...].
+  Worker ``r`` of the group keeps experts ``r*E/ep .. (r+1)*E/ep - 1`` of it (the var's `Split`
+  has ``group="expert"``); E not divisible by ep, or an expert param read by anything else, is
+  refused naming the op's printed line.
 * Per ``offsets`` var (one MoE layer), ``layout, local_offsets = ExpertRoute(offsets, x)``
   trades the row counts once (ops/kernels/expert_parallel.py); the layer's GroupedMatMuls read
   ``local_offsets``.
@@ -93,9 +94,9 @@ def plan_expert_parallel(
         for x in op.inputs:
             if x:
                 readers.setdefault(x, []).append(i)
-    matmuls = [i for i, op in enumerate(p.ops) if op.type == "GroupedMatMul"]
+    matmuls = [i for i, op in enumerate(p.ops) if _expert_inputs(op) is not None]
     if not matmuls:
-        plan.skipped.append("no GroupedMatMul: the program has no experts to split")
+        plan.skipped.append("no expert layer (GroupedMatMul): the program has no experts to split")
         return plan
     for i in matmuls:
         _plan_weight(p, plan, i, producer, readers)
@@ -109,9 +110,15 @@ def plan_expert_parallel(
     return plan
 
 
+def _expert_inputs(op: Op) -> tuple[int, int, int] | None:
+    row = registry.get(op.type)
+    return None if row is None else row.expert_inputs
+
+
 def _plan_weight(p: Program, plan: ExpertParallelPlan, i: int, producer: dict, readers: dict) -> None:
     op = p.ops[i]
-    offsets = op.inputs[2]
+    at_x, at_w, at_offsets = _expert_inputs(op)
+    offsets = op.inputs[at_offsets]
     experts = (p.vars[offsets].shape or (None,))[0]
     if not isinstance(experts, int):
         raise ExpertParallelError(f"expert parallel: `{fmt_op(op)}`: its offsets' length is not static")
@@ -119,19 +126,20 @@ def _plan_weight(p: Program, plan: ExpertParallelPlan, i: int, producer: dict, r
         raise ExpertParallelError(
             f"expert parallel: `{fmt_op(op)}`: {experts} experts do not split over ep_degree={plan.ep_degree}"
         )
-    w, chain = op.inputs[1], []
-    while w in producer and p.ops[producer[w]].type == "Transpose":
+    w, chain = op.inputs[at_w], []
+    while w in producer and p.vars[w].kind != "param":
         t = p.ops[producer[w]]
-        if list(t.attrs.get("perm", []))[:1] != [0]:
+        if not _keeps_dim0(p, t):
             raise ExpertParallelError(
-                f"expert parallel: `{fmt_op(t)}` moves the expert dim of {op.inputs[1]!r}"
+                f"expert parallel: `{fmt_op(t)}` makes expert weight {op.inputs[at_w]!r} but does not keep "
+                "its expert dim first"
             )
         chain.append(w)
         w = t.inputs[0]
     v = p.vars[w]
     if v.kind != "param" or (v.shape or (None,))[0] != experts:
         raise ExpertParallelError(
-            f"expert parallel: `{fmt_op(op)}`: its weight is not an expert param [{experts}, ...] "
+            f"expert parallel: `{fmt_op(op)}`: its weight is not a param [{experts}, ...] "
             f"(traced back to {w!r}, a {v.kind} of shape {list(v.shape or [])})"
         )
     for x in [w, *chain]:
@@ -146,14 +154,27 @@ def _plan_weight(p: Program, plan: ExpertParallelPlan, i: int, producer: dict, r
     plan.offsets_of[i] = offsets
     if offsets not in plan.routes:
         plan.routes[offsets] = i
-        plan.route_x[offsets] = op.inputs[0]
+        plan.route_x[offsets] = op.inputs[at_x]
+
+
+def _keeps_dim0(p: Program, op: Op) -> bool:
+    """Whether `op`, of one run-time input, carries a split of it along dim 0 to its output's
+    dim 0, as its split rule says (a Transpose of an expert weight that leaves the expert dim
+    first, a cast of it)."""
+    runtime = [j for j, x in enumerate(op.inputs) if x and p.vars[x].kind != "constant"]
+    return (
+        runtime == [0]
+        and len(op.outputs) == 1
+        and _row_wise(p, op, [0], (p.vars[op.inputs[0]].shape or (None,))[0])
+    )
 
 
 def _plan_op(p: Program, plan: ExpertParallelPlan, i: int, op: Op) -> None:
     if i in plan.offsets_of:
-        x = op.inputs[0]
+        at_x = _expert_inputs(op)[0]
+        x = op.inputs[at_x]
         if x not in plan.local:
-            plan.dispatch[i] = [0]
+            plan.dispatch[i] = [at_x]
             plan.moves.append(f"dispatch {_typed(p, x)} to its experts' workers (op {i}, {op.type})")
         plan.local[op.outputs[0]] = plan.offsets_of[i]
         return
@@ -266,7 +287,7 @@ def expert_parallel(p: Program, *, plan: ExpertParallelPlan) -> Program:
             offsets = plan.local[op.inputs[j]]
             op.inputs[j] = _exchange(q, ops, op.inputs[j], route[offsets][0], plan, 1, moved, offsets)
         if i in plan.offsets_of:
-            op.inputs[2] = route[plan.offsets_of[i]][1]
+            op.inputs[_expert_inputs(op)[2]] = route[plan.offsets_of[i]][1]
         for o in op.outputs:
             if o in plan.local:
                 q.vars[o].shape = (_bound(q, plan, plan.local[o]), *q.vars[o].shape[1:])

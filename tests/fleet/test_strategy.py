@@ -129,7 +129,15 @@ FLEET_DEFAULTS = {
         "pp_degree": 1,
     },
     # Fleet's HybridConfig: dp_degree -1 = inferred from the world size
-    "hybrid_configs": {"dp_degree": -1, "mp_degree": 1, "pp_degree": 1, "sharding_degree": 1},
+    # + Paddle 3's expert parallel (moe_sharding_degree: metaopt infers it, -1, where Paddle's is 1)
+    "hybrid_configs": {
+        "dp_degree": -1,
+        "mp_degree": 1,
+        "pp_degree": 1,
+        "sharding_degree": 1,
+        "ep_degree": 1,
+        "moe_sharding_degree": -1,
+    },
     # Fleet 2.x's other fields (distributed_strategy.proto): accepted, refused at minimize when set
     "fuse_grad_size_in_num": 8,
     "last_comm_group_size_MB": 1.0,
@@ -337,6 +345,8 @@ OUT_OF_RANGE = {
     "hybrid_configs.mp_degree": [0, -1, _INT32_TOO_BIG],
     "hybrid_configs.pp_degree": [0, _INT32_TOO_BIG],
     "hybrid_configs.sharding_degree": [0],
+    "hybrid_configs.ep_degree": [0, -1],
+    "hybrid_configs.moe_sharding_degree": [0, -2],
     "sharding_configs.segment_broadcast_MB": [0.0, -1.0, 2.0**32],
     "lamb_configs.lamb_weight_decay": [-0.01, 1e300],  # 1e300: a float32 overflow (issue 47)
     "localsgd_configs.k_steps": [0, 10**9],  # never averages (issue 47)
@@ -728,9 +738,10 @@ def test_unimplemented_values_still_load_and_print_as_refused(tmp_path):
 
 def test_hybrid_configs_have_fleets_keys_defaults_and_did_you_mean():
     s = fleet.DistributedStrategy()
-    assert s.hybrid_configs == {"dp_degree": -1, "mp_degree": 1, "pp_degree": 1, "sharding_degree": 1}
+    ep = {"ep_degree": 1, "moe_sharding_degree": -1}
+    assert s.hybrid_configs == {"dp_degree": -1, "mp_degree": 1, "pp_degree": 1, "sharding_degree": 1, **ep}
     s.hybrid_configs = {"dp_degree": 2, "pp_degree": 2}  # replaced: the others at their defaults
-    assert s.hybrid_configs == {"dp_degree": 2, "mp_degree": 1, "pp_degree": 2, "sharding_degree": 1}
+    assert s.hybrid_configs == {"dp_degree": 2, "mp_degree": 1, "pp_degree": 2, "sharding_degree": 1, **ep}
     with pytest.raises(
         ValueError, match=r"strategy\.hybrid_configs: unknown key 'mp_degre' \(did you mean 'mp_degree'"
     ):

@@ -1,6 +1,8 @@
-"""Expert parallel (passes/expert_parallel.py, ops/kernels/expert_parallel.py): the plan, the
-printed rewrite, the refusals, and ep=2 on 2 gloo workers whose float64 grads equal torch's on
-the same batches (tests/training/ep_worker.py)."""
+"""Expert parallel (passes/expert_parallel.py, ops/kernels/expert_parallel.py, hybrid_configs'
+ep_degree): the plan, the printed rewrite, the refusals; ep=2 on 2 gloo workers whose float64
+grads equal torch's on the same batches; and fleet's dp x ep (2 x 2 on 2 workers, 4 x 2 on 4:
+two workers per expert) training as one process of torch.optim.SGD on every worker's batch
+(tests/training/ep_worker.py)."""
 
 from __future__ import annotations
 
@@ -13,10 +15,12 @@ import torch
 from zoo import harness, models
 
 from metaopt.ir import Op, Var, verify
+from metaopt.ir.printer import fmt_op
 from metaopt.passes.expert_parallel import ExpertParallelError, expert_parallel, plan_expert_parallel
 
 TRAINING = Path(__file__).resolve().parent.parent / "training"
 sys.path.insert(0, str(TRAINING))
+import ep_worker  # noqa: E402  (beside the other workers, started as a script there)
 from workers import start_workers, wait_workers  # noqa: E402
 
 NAMES = ["hf-mixtral", "hf-deepseek-v3"]  # softmax top-2; sigmoid group-limited routing + shared experts
@@ -33,6 +37,17 @@ def _plan(name: str, rank: int = 0, ep: int = 2):
 
 def test_plan_text(golden):
     golden("expert_parallel/hf-mixtral", str(_plan("hf-mixtral", rank=1)) + "\n")
+
+
+def test_rewritten_moe_layer(golden):
+    """The first MoE layer's experts after the rewrite, as print(program) shows them: the route,
+    the rows and routing weights dispatched, the matmuls on this worker's experts with their local
+    offsets, the combine."""
+    q = expert_parallel(_exported("hf-mixtral"), plan=_plan("hf-mixtral"))
+    scope = "m.model.layers.0.mlp.experts"
+    lines = [fmt_op(op) for op in q.ops if op.scope == scope]
+    params = [f"{v.name}: {list(v.shape)} {v.split}" for v in q.params() if v.name.startswith(scope)]
+    golden("expert_parallel/hf-mixtral_layer0", "\n".join([*params, *lines]) + "\n")
 
 
 def test_rewritten_program_holds_its_experts_and_moves_rows_once_each_way():
@@ -85,7 +100,7 @@ def test_a_program_without_experts_says_so():
     from conftest import exported
 
     plan = plan_expert_parallel(exported("gpt")[2], ep_degree=2, ep_rank=0, group=[0, 1])
-    assert not plan.params and "no GroupedMatMul" in str(plan)
+    assert not plan.params and "no expert layer (GroupedMatMul)" in str(plan)
 
 
 # --- ep=2 on 2 gloo workers ------------------------------------------------------------------
@@ -94,7 +109,15 @@ def test_a_program_without_experts_says_so():
 @pytest.fixture(scope="module")
 def two_workers(tmp_path_factory):
     out = tmp_path_factory.mktemp("ep")
-    procs = start_workers(2, [str(TRAINING / "ep_worker.py"), str(out), *NAMES])
+    procs = start_workers(2, [str(TRAINING / "ep_worker.py"), str(out), "pass,fleet:2x2", *NAMES])
+    wait_workers(procs, "expert-parallel", 400)
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_workers(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ep4")
+    procs = start_workers(4, [str(TRAINING / "ep_worker.py"), str(out), "fleet:4x2", "hf-mixtral"])
     wait_workers(procs, "expert-parallel", 400)
     return out
 
@@ -109,3 +132,63 @@ def test_two_ep_workers_grads_equal_float64_torch(two_workers, name):
         assert r["worst"] <= harness.FLOAT32_ISLAND_REL
         assert r["shapes"] and all(s[0] == _plan(name).params[k] // 2 for k, s in r["shapes"].items())
     assert got[0]["program"] == got[1]["program"]  # every worker runs the same printed program
+
+
+@functools.cache
+def _torch_sgd(name: str, dp: int) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+    """One process of float64 torch: each step the grads of every worker's batch averaged (data
+    parallel's step), then torch.optim.SGD. Each worker's losses, and the params after."""
+    entry = models.get(name)
+    module = entry.build(0.0).double()
+    params = dict(module.named_parameters())
+    opt = torch.optim.SGD(list(params.values()), lr=ep_worker.LR)
+    losses: list[list[float]] = [[] for _ in range(dp)]
+    for step in range(ep_worker.STEPS):
+        total = {k: torch.zeros_like(v) for k, v in params.items()}
+        for r in range(dp):
+            module.zero_grad(set_to_none=True)
+            loss = module(*ep_worker.fleet_batch(entry, step, r, dp))
+            loss.backward()
+            losses[r].append(loss.item())
+            for k, v in params.items():
+                if v.grad is not None:
+                    total[k] += v.grad
+        for k, v in params.items():
+            v.grad = total[k] / dp
+        opt.step()
+    return losses, {k: v.detach().clone() for k, v in params.items()}
+
+
+def _check_fleet(out: Path, name: str, dp: int, ep: int) -> None:
+    got = [torch.load(out / f"{name}.fleet.rank{r}.pt", weights_only=True) for r in range(dp)]
+    losses, want = _torch_sgd(name, dp)
+    # float64 on both sides; the routers compute in float32 themselves (`.float()`), so the
+    # float32-island bar of the zoo
+    tol = {"rtol": harness.FLOAT32_ISLAND_REL, "atol": 1e-7}
+    for r, g in enumerate(got):
+        assert g["applied"] == ["expert_parallel", "data_parallel"]
+        assert g["losses"] == pytest.approx(losses[r], rel=harness.FLOAT32_ISLAND_REL)
+        assert g["experts"], "no expert param was split"
+        index = r % ep  # place in its expert group: runs of ep consecutive ranks
+        for k, v in g["params"].items():
+            if k in g["experts"]:
+                n = want[k].shape[0] // ep
+                torch.testing.assert_close(v, want[k][index * n : (index + 1) * n], **tol)
+            else:
+                torch.testing.assert_close(v, want[k], **tol)
+        # each worker holds its own experts and the dense params, as estimate_memory says
+        assert g["measured_persistable"] == g["predicted_persistable"]
+    expert_bytes = sum(v.numel() * v.element_size() for k, v in want.items() if k in got[0]["experts"])
+    dense_bytes = sum(v.numel() * v.element_size() for k, v in want.items() if k not in got[0]["experts"])
+    held = sum(v.numel() * v.element_size() for v in got[0]["params"].values())
+    assert held == dense_bytes + expert_bytes // ep
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fleet_dp2_x_ep2_trains_as_one_process(two_workers, name):
+    _check_fleet(two_workers, name, dp=2, ep=2)
+
+
+def test_fleet_dp4_x_ep2_trains_as_one_process(four_workers):
+    """Two workers hold each expert: their grads are summed over that pair."""
+    _check_fleet(four_workers, "hf-mixtral", dp=4, ep=2)

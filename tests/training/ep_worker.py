@@ -1,16 +1,25 @@
 """One expert-parallel worker (started by tests/passes/test_expert_parallel.py with RANK/
-WORLD_SIZE/MASTER_*; ep_degree = the world size, group = every worker).
+WORLD_SIZE/MASTER_*).
 
-argv: out_dir name...  (MoE zoo entries). For each, in float64 (dropout 0): the entry exported,
-rewritten by the expert-parallel pass for this worker, and its param grads on this worker's own
-batch (seed 1 + rank: ep here overlaps data parallel, as Paddle's ep_degree does). Data
-parallel's reduction, done here by hand: a dense param's grad averaged over the workers, an
-expert param's (this worker's experts, every worker's tokens) divided by the world size. The
-truth: float64 torch's grads of the module on each worker's batch, averaged (what data parallel
-on one process per batch computes: the router's aux loss is each batch's own, as on every peer).
+argv: out_dir modes name...  (modes: comma-separated, run in order; names: MoE zoo entries)
+
+mode "pass" (ep_degree = the world size, group = every worker). For each, in float64 (dropout
+0): the entry exported, rewritten by the expert-parallel pass for this worker, and its param
+grads on this worker's own batch (seed 1 + rank: ep here overlaps data parallel, as Paddle's
+ep_degree does). Data parallel's reduction, done here by hand: a dense param's grad averaged
+over the workers, an expert param's (this worker's experts, every worker's tokens) divided by
+the world size. The truth: float64 torch's grads of the module on each worker's batch, averaged
+(what data parallel on one process per batch computes: the router's aux loss is each batch's
+own, as on every peer).
 
 Writes `<out>/<name>.rank<r>.pt`: the worst relative error (`harness.float64_worst`, which raises
-past its bar), the printed program, and the expert params' local shapes."""
+past its bar), the printed program, and the expert params' local shapes.
+
+mode "fleet:<dp>x<ep>" (hybrid_configs dp_degree, ep_degree; fleet.init with them): float64,
+dropout 0, fleet.distributed_optimizer(SGD).minimize, STEPS steps, worker r fed batch
+``seed 10 + step * world + r``. Writes `<out>/<name>.fleet.rank<r>.pt`: its losses, its params
+(expert params: its slice), which params are expert ones, and its persistable bytes measured by
+the executor and predicted by estimate_memory."""
 
 from __future__ import annotations
 
@@ -20,15 +29,66 @@ import torch
 import torch.distributed as dist
 from zoo import harness, models
 
+import metaopt
 from metaopt import fleet
 from metaopt.passes.expert_parallel import expert_parallel, plan_expert_parallel
+from metaopt.passes.memory_estimate import estimate_memory
 
 BATCH = 3
+STEPS = 3
+LR = 0.05
+
+
+def fleet_batch(entry, step: int, rank: int, world: int) -> tuple:
+    return tuple(harness._double(x) for x in entry.inputs(BATCH, 10 + step * world + rank))
+
+
+def train_fleet(out: str, name: str, dp: int, ep: int) -> None:
+    rank = fleet.worker_index()
+    entry = models.get(name)
+    module, program = harness.export64(entry)
+    strategy = fleet.DistributedStrategy()
+    strategy.hybrid_configs = {"dp_degree": dp, "ep_degree": ep}
+    opt = fleet.distributed_optimizer(metaopt.optimizer.SGD(learning_rate=LR), strategy)
+    opt.minimize(program.loss)
+    exe = metaopt.Executor("cpu")
+    losses = []
+    for step in range(STEPS):
+        feed = harness._feed(module, fleet_batch(entry, step, rank, dp))
+        (loss,) = exe.run(program, feed=feed, fetch_list=[program.loss])
+        losses.append(float(loss))
+    experts = {v.name for v in program.params() if v.split is not None and v.split.group == "expert"}
+    predicted = estimate_memory(program, dims={"batch": BATCH})
+    torch.save(
+        {
+            "losses": losses,
+            "params": {v.name: exe.scope[v.name].clone() for v in program.params()},
+            "experts": sorted(experts),
+            "applied": opt.applied_meta_list,
+            "measured_persistable": exe.memory_stats()["persistable_bytes"],
+            "predicted_persistable": predicted.persistable_bytes,
+        },
+        f"{out}/{name}.fleet.rank{rank}.pt",
+    )
 
 
 def main() -> None:
-    out, names = sys.argv[1], sys.argv[2:]
-    fleet.init(is_collective=True)
+    out, modes, names = sys.argv[1], sys.argv[2].split(","), sys.argv[3:]
+    layout = next((m.removeprefix("fleet:") for m in modes if m.startswith("fleet:")), None)
+    strategy = fleet.DistributedStrategy()
+    if layout is not None:  # the pass mode's groups are explicit ranks: it runs under these too
+        dp, ep = (int(v) for v in layout.split("x"))
+        strategy.hybrid_configs = {"dp_degree": dp, "ep_degree": ep}
+    fleet.init(is_collective=True, strategy=strategy)
+    if "pass" in modes:
+        check_pass(out, names)
+    if layout is not None:
+        for name in names:
+            train_fleet(out, name, dp, ep)
+    fleet.barrier_worker()
+
+
+def check_pass(out: str, names: list[str]) -> None:
     rank, world = fleet.worker_index(), fleet.worker_num()
     for name in names:
         entry = models.get(name)
@@ -53,7 +113,6 @@ def main() -> None:
             {"worst": worst, "program": str(q), "plan": str(plan), "shapes": shapes},
             f"{out}/{name}.rank{rank}.pt",
         )
-    fleet.barrier_worker()
 
 
 if __name__ == "__main__":

@@ -31,11 +31,15 @@ def all_reduce(
     ``avg`` divides by the group's size. `comm_dtype` ("float16", Fleet's fp16_allreduce): the
     grads travel in that dtype (runtime/comm.py: divided first, cast back after). ``overlap=1``
     (passes/overlap_comm.py): the outputs are in flight until the ``CommWait`` of them."""
-    if group not in (None, "data_parallel"):
-        raise ValueError(f"AllReduce: group must be 'data_parallel' or absent, got {group!r}")
+    if group not in (None, "data_parallel", "expert_replica"):
+        raise ValueError(
+            f"AllReduce: group must be 'data_parallel', 'expert_replica' or absent, got {group!r}"
+        )
     if ranks is not None and _rt.pipeline is None:
         raise ValueError("AllReduce with ranks runs in a pipeline stage program only")
-    if group == "data_parallel":
+    if group == "expert_replica":  # expert parallel's grads: over the workers holding the same experts
+        ranks = hybrid_ranks("expert_replica", "AllReduce")
+    elif group == "data_parallel":
         ranks = _rt.pipeline.dp_ranks() if _rt.pipeline is not None else hybrid_ranks("data", "AllReduce")
     elif ranks is not None:
         ranks = [_rt.pipeline.rank_of(r) for r in ranks]
@@ -83,12 +87,15 @@ def broadcast(*xs: torch.Tensor, src: int = 0, group: str | None = None, _rt, _k
     """Data parallel's start (as DDP's constructor): every worker takes worker `src`'s initial
     params and buffers. ``group="data_parallel"`` (``"sharding"``): only within this worker's
     data-parallel (sharding) group of the hybrid layout, from its `src`-th rank (tensor parallel's
-    split params: each model-parallel rank holds its own slice). A startup op: the executor runs
+    split params: each model-parallel rank holds its own slice); ``"expert_replica"``: within the
+    workers holding the same experts (expert parallel's params). A startup op: the executor runs
     it once, on the program's first run, and it writes the scope's tensors themselves (the
     program's `values` are never touched)."""
-    axes = {"data_parallel": "data", "sharding": "sharding"}
+    axes = {"data_parallel": "data", "sharding": "sharding", "expert_replica": "expert_replica"}
     if group is not None and group not in axes:
-        raise ValueError(f"Broadcast: group must be 'data_parallel', 'sharding' or absent, got {group!r}")
+        raise ValueError(
+            f"Broadcast: group must be 'data_parallel', 'sharding', 'expert_replica' or absent, got {group!r}"
+        )
     ranks = None
     if group is not None:
         ranks = hybrid_ranks(axes[group], "Broadcast")

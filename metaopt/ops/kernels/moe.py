@@ -38,7 +38,14 @@ def _groups(offsets: torch.Tensor, experts: int, rows: int) -> list[tuple[int, i
     return out
 
 
-@register("GroupedMatMul", domain="metaopt", fresh_outputs=True, expensive=True, amp="white")
+@register(
+    "GroupedMatMul",
+    domain="metaopt",
+    fresh_outputs=True,
+    expensive=True,
+    amp="white",
+    expert_inputs=(0, 1, 2),
+)
 def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(x.shape[0], weight.shape[2], dtype=x.dtype, device=x.device)
     if x.device.type == "meta":
