@@ -117,6 +117,7 @@ class DistributedOptimizer:
         self.context: Context | None = None  # what the last minimize's steps handed each other
         self.amp_plan = self.recompute_plan = self.memory_report = None
         self.data_parallel_plan = self.pipeline_plan = self.tensor_parallel_plan = None
+        self.expert_parallel_plan = None
         self.partition_plan = None
         self.stage_programs: list[Program] = []
 
@@ -211,6 +212,7 @@ class DistributedOptimizer:
         self.recompute_plan = ctx.plans.get("recompute")
         self.data_parallel_plan = ctx.plans.get("data_parallel")
         self.tensor_parallel_plan = ctx.plans.get("tensor_parallel")
+        self.expert_parallel_plan = ctx.plans.get("expert_parallel")
         self.partition_plan = ctx.plans.get("partition")  # recompute partition: what is sliced, why not
         self.pipeline_plan = ctx.plans.get("pipeline_split")
         self.memory_report = ctx.memory_report

@@ -274,7 +274,6 @@ def _ep_check(ctx: Context) -> None:
     s = ctx.strategy
     flags = {
         "amp": "loss scaling's found_inf is taken from grads that differ per worker",
-        "sharding": "ZeRO of the expert params over their replicas (moe_sharding)",
         "pipeline": "MoE layers in pipeline stages",
         "localsgd": "local SGD averages params: the experts are split",
         "fp16_allreduce": "the expert grads' own reduction in float16",
@@ -705,6 +704,7 @@ def _sh_plan(p: Program, ctx: Context) -> PartPlans:
         "stage": cfg["stage"],
         "bucket_bytes": int(cfg["segment_broadcast_MB"] * 2**20),
         "index": _sharding_index(ctx),
+        "keep": expert_params(ctx),  # each worker of a sharding group holds other experts
     }
     return PartPlans.of(partial(plan_sharding, **how), ctx.parts)
 
@@ -1327,7 +1327,7 @@ STEPS: tuple[Step, ...] = (
         check=_sh_check,
         doc="updates on 1/N slices: optimizer state (stage 2: grads; stage 3: params) sharded",
         meta="sharding",
-        reads=("rank", "strategy", "world_size"),
+        reads=("ep_plan", "rank", "strategy", "world_size"),
     ),
     Step(
         "state_offload",

@@ -119,9 +119,10 @@ def plan_data_parallel(
             f"data parallel: reduce-scatter over {scatter_parts} workers needs sharding groups that divide "
             f"every data-parallel worker ({world_size}{', of each group' if group else ''})"
         )
-    if experts and (scatter_parts is not None or group is not None or world_size % expert_replicas):
+    if experts and (group is not None or world_size % expert_replicas):
         raise DataParallelError(
-            "data parallel: expert grads beside ZeRO or tensor parallel's groups: not yet"
+            f"data parallel: expert grads beside tensor parallel's groups, or over {expert_replicas} "
+            f"replicas that do not divide the {world_size} workers: not yet"
         )
     producers = p.producers()
     plan = DataParallelPlan(world_size, bucket_bytes, group, scatter_parts, expert_replicas)

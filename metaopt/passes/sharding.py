@@ -58,6 +58,7 @@ param whose optimizer state is not at its initial zeros are refused by name. Pur
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,6 +122,7 @@ class ShardingPlan:
     scattered: bool = False  # the grads the updates read are slices already (data parallel's reduce-scatter)
     # ops reading every grad whole (clipping) swapped for their row's form on slices: index -> type
     sharded_forms: dict[int, str] = field(default_factory=dict)
+    kept: list[str] = field(default_factory=list)  # params updated whole (`keep`: expert parallel's)
 
     @property
     def state_bytes(self) -> int:
@@ -143,6 +145,10 @@ class ShardingPlan:
             f"sharding stage {self.stage} over {self.degree} workers: {len(self.params)} params, "
             f"optimizer state {self.state_bytes:,} -> {self.state_bytes_per_worker:,} bytes per worker",
         ]
+        if self.kept:
+            lines.append(
+                f"  updated whole (expert params, each worker its own experts): {len(self.kept)} params"
+            )
         if self.stage == 3:
             whole = sum(sp.nbytes for sp in self.params)
             held = sum(sp.slice_bytes for sp in self.params)
@@ -166,10 +172,18 @@ class ShardingPlan:
 
 
 def plan_sharding(
-    p: Program, *, degree: int, stage: int = 1, bucket_bytes: int = 32 << 20, index: int = 0
+    p: Program,
+    *,
+    degree: int,
+    stage: int = 1,
+    bucket_bytes: int = 32 << 20,
+    index: int = 0,
+    keep: Sequence[str] = (),
 ) -> ShardingPlan:
     """Which params' updates run sharded, and the buckets their params are gathered in (stage
-    3: before their reads; `index`, this worker's chunk, slices their initial values)."""
+    3: before their reads; `index`, this worker's chunk, slices their initial values). `keep`:
+    params whose updates (state, and at stage 3 the param) stay whole: expert parallel's, which
+    each worker of a sharding group holds a different part of (Paddle's moe_sharding_degree 1)."""
     if stage not in (1, 2, 3):
         raise ShardingError(f"sharding: stage must be 1, 2 or 3, got {stage!r}")
     if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
@@ -192,6 +206,9 @@ def plan_sharding(
                     continue  # makes slices already (a pipeline's sum of a tied param's grad slices)
                 plan.sharded_forms[i] = _sharded_form(op, row)
                 sliced.update(op.outputs)
+            continue
+        if op.inputs[0] in keep:
+            plan.kept.append(op.inputs[0])
             continue
         sp = _sharded_param(p, i, op, row, op.inputs[1] in sliced, degree)
         if producers.get(sp.grad, -1) > i:

@@ -210,6 +210,7 @@ class Communicator:
         self.timeout = timeout()
         self.seconds = 0.0  # time the last run waited for collectives (an overlapped one: at its wait)
         self.bytes = 0  # bytes all-reduced in the last run
+        self.all_to_all_bytes = 0  # bytes the last run's all-to-alls sent to other workers
         self.messages = 0  # pipeline messages sent and received in the last run
         self.headers = 0  # of them with a header
         self._pending: list = []  # (work, what, tensor) of sends not yet known to be done
@@ -235,6 +236,7 @@ class Communicator:
             self.abandon()
         self.seconds = 0.0
         self.bytes = 0
+        self.all_to_all_bytes = 0
         self.messages = 0
         self.headers = 0
 
@@ -684,6 +686,9 @@ class Communicator:
             f"all-to-all of {what}",
             [buf, out],
         )
+        me = (list(ranks) if ranks is not None else list(range(self.world_size))).index(self.rank)
+        row = buf[0].numel() * buf.element_size() if buf.shape[0] else 0
+        self.all_to_all_bytes += (sum(send) - send[me]) * row  # what travels: rows kept here do not
         return out if out.device == self.device else out.to(self.device)
 
     def _run(self, start, what: str, tensors: list[torch.Tensor]) -> None:

@@ -24,6 +24,10 @@ class Runtime:
             self._comm = Communicator(self.device)
         return self._comm
 
+    def all_to_all_bytes(self) -> int:
+        """Bytes the last run's all-to-alls (expert parallel's) sent to other workers."""
+        return 0 if self._comm is None else self._comm.all_to_all_bytes
+
     def start_run(self) -> None:
         self.copies.start_run()
         if self._comm is not None:

@@ -325,6 +325,8 @@ class Executor:
             # copied to host memory and back in the last run (a pipeline's: its last step)
             "offloaded_bytes": self.runtime.copies.offloaded_bytes,
             "fetched_bytes": self.runtime.copies.fetched_bytes,
+            # sent to other workers by the last run's all-to-alls (expert parallel's rows)
+            "all_to_all_bytes": self.runtime.all_to_all_bytes(),
         }
         # Offload copies of the last run: their own time, and how long compute waited on them
         # (on CUDA, read from events: this synchronises the device).

@@ -188,6 +188,8 @@ def test_train_repairs_and_collectives():
         "ShardGather",
         "ShardedClipByGlobalNorm",
         "LocalSGDAverage",  # local SGD's (passes/local_sgd.py)
+        "ExpertRoute",  # expert parallel's all-to-alls (ops/kernels/expert_parallel.py)
+        "ExpertExchange",
     }
     assert all(table[t].needs_runtime for t in collectives)  # they run through the communicator
     assert "ranks" in inspect.signature(table["AllReduce"].kernel).parameters

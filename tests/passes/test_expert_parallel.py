@@ -24,6 +24,9 @@ import ep_worker  # noqa: E402  (beside the other workers, started as a script t
 from workers import start_workers, wait_workers  # noqa: E402
 
 NAMES = ["hf-mixtral", "hf-deepseek-v3"]  # softmax top-2; sigmoid group-limited routing + shared experts
+# + a shared expert (Qwen2-MoE), softmax without renormalising (OLMoE), experts with biases (gpt-oss:
+# gathered by expert id from the whole [E, N] param, which stays replicated)
+EVERY_MOE = [*NAMES, "hf-qwen2-moe", "hf-olmoe", "hf-gpt-oss"]
 
 
 @functools.cache
@@ -109,7 +112,8 @@ def test_a_program_without_experts_says_so():
 @pytest.fixture(scope="module")
 def two_workers(tmp_path_factory):
     out = tmp_path_factory.mktemp("ep")
-    procs = start_workers(2, [str(TRAINING / "ep_worker.py"), str(out), "pass,fleet:2x2", *NAMES])
+    jobs = [f"pass={','.join(EVERY_MOE)}", f"dp:2x2={','.join(NAMES)}", "dp-rc:2x2=hf-mixtral"]
+    procs = start_workers(2, [str(TRAINING / "ep_worker.py"), str(out), *jobs])
     wait_workers(procs, "expert-parallel", 400)
     return out
 
@@ -117,12 +121,22 @@ def two_workers(tmp_path_factory):
 @pytest.fixture(scope="module")
 def four_workers(tmp_path_factory):
     out = tmp_path_factory.mktemp("ep4")
-    procs = start_workers(4, [str(TRAINING / "ep_worker.py"), str(out), "fleet:4x2", "hf-mixtral"])
+    procs = start_workers(4, [str(TRAINING / "ep_worker.py"), str(out), "dp:4x2=hf-mixtral"])
     wait_workers(procs, "expert-parallel", 400)
     return out
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.fixture(scope="module")
+def sharded_workers(tmp_path_factory):
+    """sharding_degree 2 x ep_degree 2 on 2 workers: the dense params' ZeRO at each stage."""
+    out = tmp_path_factory.mktemp("ep_zero")
+    jobs = [f"zero{stage}:2x2=hf-deepseek-v3" for stage in (1, 2, 3)]
+    procs = start_workers(2, [str(TRAINING / "ep_worker.py"), str(out), *jobs])
+    wait_workers(procs, "expert-parallel", 400)
+    return out
+
+
+@pytest.mark.parametrize("name", EVERY_MOE)
 def test_two_ep_workers_grads_equal_float64_torch(two_workers, name):
     """Each worker its own batch and half the experts; its grads, reduced as data parallel does,
     equal float64 torch's averaged over the two batches. The bar is the zoo's float32-island one
@@ -159,14 +173,14 @@ def _torch_sgd(name: str, dp: int) -> tuple[list[list[float]], dict[str, torch.T
     return losses, {k: v.detach().clone() for k, v in params.items()}
 
 
-def _check_fleet(out: Path, name: str, dp: int, ep: int) -> None:
-    got = [torch.load(out / f"{name}.fleet.rank{r}.pt", weights_only=True) for r in range(dp)]
+def _check_fleet(out: Path, name: str, dp: int, ep: int, kind: str = "dp") -> None:
+    got = [torch.load(out / f"{name}.{kind}.rank{r}.pt", weights_only=True) for r in range(dp)]
     losses, want = _torch_sgd(name, dp)
     # float64 on both sides; the routers compute in float32 themselves (`.float()`), so the
     # float32-island bar of the zoo
     tol = {"rtol": harness.FLOAT32_ISLAND_REL, "atol": 1e-7}
     for r, g in enumerate(got):
-        assert g["applied"] == ["expert_parallel", "data_parallel"]
+        assert "expert_parallel" in g["applied"] and "data_parallel" in g["applied"]
         assert g["losses"] == pytest.approx(losses[r], rel=harness.FLOAT32_ISLAND_REL)
         assert g["experts"], "no expert param was split"
         index = r % ep  # place in its expert group: runs of ep consecutive ranks
@@ -178,15 +192,36 @@ def _check_fleet(out: Path, name: str, dp: int, ep: int) -> None:
                 torch.testing.assert_close(v, want[k], **tol)
         # each worker holds its own experts and the dense params, as estimate_memory says
         assert g["measured_persistable"] == g["predicted_persistable"]
+        assert 0 < g["all_to_all_bytes"] <= g["all_to_all_bound"]
     expert_bytes = sum(v.numel() * v.element_size() for k, v in want.items() if k in got[0]["experts"])
     dense_bytes = sum(v.numel() * v.element_size() for k, v in want.items() if k not in got[0]["experts"])
     held = sum(v.numel() * v.element_size() for v in got[0]["params"].values())
     assert held == dense_bytes + expert_bytes // ep
+    return got
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_fleet_dp2_x_ep2_trains_as_one_process(two_workers, name):
     _check_fleet(two_workers, name, dp=2, ep=2)
+
+
+def test_recompute_beside_expert_parallel_is_bitwise(two_workers):
+    """A recomputed MoE layer re-runs its exchanges with the routing held from the forward:
+    losses and params bit for bit those without recompute."""
+    plain = [torch.load(two_workers / f"hf-mixtral.dp.rank{r}.pt", weights_only=True) for r in range(2)]
+    rc = _check_fleet(two_workers, "hf-mixtral", dp=2, ep=2, kind="dp-rc")
+    for a, b in zip(plain, rc, strict=True):
+        assert "recompute" in b["applied"]
+        assert a["losses"] == b["losses"]
+        assert all(torch.equal(a["params"][k], v) for k, v in b["params"].items())
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_sharding2_x_ep2_trains_as_one_process(sharded_workers, stage):
+    """The dense params' optimizer state (grads at 2, params at 3) sharded over the two workers,
+    each holding its own experts whole (Paddle's moe_sharding_degree 1)."""
+    got = _check_fleet(sharded_workers, "hf-deepseek-v3", dp=2, ep=2, kind=f"zero{stage}")
+    assert all("sharding" in g["applied"] for g in got)
 
 
 def test_fleet_dp4_x_ep2_trains_as_one_process(four_workers):

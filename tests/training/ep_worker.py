@@ -1,7 +1,7 @@
 """One expert-parallel worker (started by tests/passes/test_expert_parallel.py with RANK/
 WORLD_SIZE/MASTER_*).
 
-argv: out_dir modes name...  (modes: comma-separated, run in order; names: MoE zoo entries)
+argv: out_dir mode=name,name... ...  (each mode with the MoE zoo entries it runs, in order)
 
 mode "pass" (ep_degree = the world size, group = every worker). For each, in float64 (dropout
 0): the entry exported, rewritten by the expert-parallel pass for this worker, and its param
@@ -15,11 +15,13 @@ own, as on every peer).
 Writes `<out>/<name>.rank<r>.pt`: the worst relative error (`harness.float64_worst`, which raises
 past its bar), the printed program, and the expert params' local shapes.
 
-mode "fleet:<dp>x<ep>" (hybrid_configs dp_degree, ep_degree; fleet.init with them): float64,
-dropout 0, fleet.distributed_optimizer(SGD).minimize, STEPS steps, worker r fed batch
-``seed 10 + step * world + r``. Writes `<out>/<name>.fleet.rank<r>.pt`: its losses, its params
-(expert params: its slice), which params are expert ones, and its persistable bytes measured by
-the executor and predicted by estimate_memory."""
+modes "<kind>:<workers>x<ep>" (`train_fleet`: hybrid_configs dp_degree or sharding_degree, and
+ep_degree; fleet.init with them): float64, dropout 0, fleet.distributed_optimizer(SGD).minimize,
+STEPS steps, worker r fed batch ``seed 10 + step * world + r``. Writes
+`<out>/<name>.<kind>.rank<r>.pt`: its losses, its params
+(expert params: its slice), which params are expert ones, its persistable bytes measured by
+the executor and predicted by estimate_memory, and the bytes its last step's all-to-alls sent
+beside their bound."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from workers import gathered_params
 from zoo import harness, models
 
 import metaopt
@@ -43,18 +46,37 @@ def fleet_batch(entry, step: int, rank: int, world: int) -> tuple:
     return tuple(harness._double(x) for x in entry.inputs(BATCH, 10 + step * world + rank))
 
 
-def train_fleet(out: str, name: str, dp: int, ep: int) -> None:
+def hybrid(kind: str, degree: int, ep: int) -> dict:
+    """The layout of a fleet mode: `degree` data-parallel (``dp``) or sharding (``zero*``) workers."""
+    return (
+        {"dp_degree": degree, "ep_degree": ep}
+        if kind.startswith("dp")
+        else {"dp_degree": 1, "sharding_degree": degree, "ep_degree": ep}
+    )
+
+
+def train_fleet(out: str, name: str, mode: str) -> None:
+    """`mode`: ``<kind>:<workers>x<ep>``, kind ``dp`` (data parallel), ``dp-rc`` (with recompute
+    of every decoder layer) or ``zero1`` / ``zero2`` / ``zero3`` (sharding at that stage)."""
     rank = fleet.worker_index()
+    kind, layout = mode.split(":")
+    degree, ep = (int(v) for v in layout.split("x"))
     entry = models.get(name)
     module, program = harness.export64(entry)
     strategy = fleet.DistributedStrategy()
-    strategy.hybrid_configs = {"dp_degree": dp, "ep_degree": ep}
+    strategy.hybrid_configs = hybrid(kind, degree, ep)
+    if kind == "dp-rc":
+        strategy.recompute = True
+        strategy.recompute_configs = {"checkpoints": ["m.model.layers.*"]}
+    if kind.startswith("zero"):
+        strategy.sharding = True
+        strategy.sharding_configs = {"stage": int(kind.removeprefix("zero"))}
     opt = fleet.distributed_optimizer(metaopt.optimizer.SGD(learning_rate=LR), strategy)
     opt.minimize(program.loss)
     exe = metaopt.Executor("cpu")
     losses = []
     for step in range(STEPS):
-        feed = harness._feed(module, fleet_batch(entry, step, rank, dp))
+        feed = harness._feed(module, fleet_batch(entry, step, rank, degree))
         (loss,) = exe.run(program, feed=feed, fetch_list=[program.loss])
         losses.append(float(loss))
     experts = {v.name for v in program.params() if v.split is not None and v.split.group == "expert"}
@@ -62,29 +84,39 @@ def train_fleet(out: str, name: str, dp: int, ep: int) -> None:
     torch.save(
         {
             "losses": losses,
-            "params": {v.name: exe.scope[v.name].clone() for v in program.params()},
+            "params": gathered_params(exe, program),
             "experts": sorted(experts),
             "applied": opt.applied_meta_list,
             "measured_persistable": exe.memory_stats()["persistable_bytes"],
+            "all_to_all_bytes": exe.memory_stats()["all_to_all_bytes"],
+            # what may travel per step: every input row of every exchange (and the route's counts)
+            "all_to_all_bound": sum(
+                program.vars[op.inputs[0]].nbytes({"batch": BATCH})
+                for op in program.ops
+                if op.attrs.get("group") == "expert_parallel"
+            ),
             "predicted_persistable": predicted.persistable_bytes,
         },
-        f"{out}/{name}.fleet.rank{rank}.pt",
+        f"{out}/{name}.{kind}.rank{rank}.pt",
     )
 
 
 def main() -> None:
-    out, modes, names = sys.argv[1], sys.argv[2].split(","), sys.argv[3:]
-    layout = next((m.removeprefix("fleet:") for m in modes if m.startswith("fleet:")), None)
+    out, jobs = sys.argv[1], [a.split("=", 1) for a in sys.argv[2:]]
+    runs = [(mode, names.split(",")) for mode, names in jobs]
+    # one layout per launch (fleet.init makes its groups once); the pass mode's groups are
+    # explicit ranks, so it runs under any
+    layout = next((m for m, _ in runs if m != "pass"), None)
     strategy = fleet.DistributedStrategy()
-    if layout is not None:  # the pass mode's groups are explicit ranks: it runs under these too
-        dp, ep = (int(v) for v in layout.split("x"))
-        strategy.hybrid_configs = {"dp_degree": dp, "ep_degree": ep}
-    fleet.init(is_collective=True, strategy=strategy)
-    if "pass" in modes:
-        check_pass(out, names)
     if layout is not None:
-        for name in names:
-            train_fleet(out, name, dp, ep)
+        kind, degrees = layout.split(":")
+        strategy.hybrid_configs = hybrid(kind, *(int(v) for v in degrees.split("x")))
+    fleet.init(is_collective=True, strategy=strategy)
+    for mode, names in runs:
+        for name in names if mode != "pass" else []:
+            train_fleet(out, name, mode)
+        if mode == "pass":
+            check_pass(out, names)
     fleet.barrier_worker()
 
 
