@@ -73,6 +73,11 @@ class ExpertParallelPlan:
             n = e // self.ep_degree
             lines.append(f"  split  {w}: experts {self.ep_rank * n}..{(self.ep_rank + 1) * n - 1} of {e}")
         lines += [f"  {m}" for m in self.moves]
+        if self.routes:
+            lines.append(
+                "  rows an expert layer receives: data (the routing); shapes and estimate_memory use their "
+                f"bound, every row of the {self.ep_degree} workers (all tokens to this worker's experts)"
+            )
         lines += [f"  skipped: {s}" for s in self.skipped]
         return "\n".join(lines)
 

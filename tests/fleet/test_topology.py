@@ -205,6 +205,39 @@ def test_a_wrong_world_size_is_refused_naming_the_three_degrees():
     )
 
 
+def test_expert_groups_overlap_the_data_side_ranks():
+    """Paddle's ep_degree: runs of ep consecutive data-side ranks hold different experts; the
+    ranks at one place of each run hold the same ones (moe_sharding)."""
+    t = from_hybrid_configs(_hybrid(dp_degree=4, ep_degree=2), 4)
+    assert t == Topology(dp_degree=4, ep_degree=2) and t.world_size() == 4  # no axis of its own
+    assert t.get_comm_list("expert") == [[0, 1], [2, 3]]
+    assert t.get_comm_list("expert_replica") == [[0, 2], [1, 3]]
+    assert t.group_ranks("expert", 3) == [2, 3] and t.group_ranks("expert_replica", 3) == [1, 3]
+    assert t.describe().endswith("ep_degree=2")
+    hcg = HybridCommunicateGroup(t, 3)
+    assert hcg.get_expert_parallel_world_size() == 2 and hcg.get_expert_parallel_rank() == 1
+    assert hcg.get_moe_sharding_parallel_world_size() == 2
+    # beside a pipeline: within each stage
+    t = Topology(dp_degree=2, pp_degree=2, ep_degree=2)
+    assert t.get_comm_list("expert") == [[0, 2], [1, 3]]
+    # over sharding too
+    assert Topology(dp_degree=1, sharding_degree=2, ep_degree=2).get_comm_list("expert") == [[0, 1]]
+
+
+def test_expert_degrees_that_do_not_fit_are_refused():
+    with pytest.raises(ValueError, match=r"ep_degree=3 must divide dp_degree=4 x sharding_degree=1"):
+        from_hybrid_configs(_hybrid(dp_degree=4, ep_degree=3), 4)
+    with pytest.raises(
+        ValueError, match=r"moe_sharding_degree=1, but each expert's replicas are .* = 2 workers"
+    ):
+        from_hybrid_configs(_hybrid(dp_degree=4, ep_degree=2, moe_sharding_degree=1), 4)
+    assert from_hybrid_configs(_hybrid(dp_degree=4, ep_degree=2, moe_sharding_degree=2), 4).ep_degree == 2
+    with pytest.raises(NotImplementedError, match=r"ep_degree=2 beside mp_degree=2"):
+        from_hybrid_configs(_hybrid(dp_degree=2, mp_degree=2, ep_degree=2), 4)
+    with pytest.raises(ValueError, match=r"Topology: ep_degree=4 must divide"):
+        Topology(dp_degree=2, ep_degree=4)
+
+
 class _S:
     """The strategy fields job_topology reads."""
 

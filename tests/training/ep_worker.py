@@ -96,6 +96,8 @@ def train_fleet(out: str, name: str, mode: str) -> None:
                 if op.attrs.get("group") == "expert_parallel"
             ),
             "predicted_persistable": predicted.persistable_bytes,
+            "measured_peak": exe.memory_stats()["peak_bytes"],
+            "predicted_peak": predicted.peak_bytes,
         },
         f"{out}/{name}.{kind}.rank{rank}.pt",
     )
@@ -103,20 +105,17 @@ def train_fleet(out: str, name: str, mode: str) -> None:
 
 def main() -> None:
     out, jobs = sys.argv[1], [a.split("=", 1) for a in sys.argv[2:]]
-    runs = [(mode, names.split(",")) for mode, names in jobs]
-    # one layout per launch (fleet.init makes its groups once); the pass mode's groups are
-    # explicit ranks, so it runs under any
-    layout = next((m for m, _ in runs if m != "pass"), None)
-    strategy = fleet.DistributedStrategy()
-    if layout is not None:
-        kind, degrees = layout.split(":")
-        strategy.hybrid_configs = hybrid(kind, *(int(v) for v in degrees.split("x")))
-    fleet.init(is_collective=True, strategy=strategy)
-    for mode, names in runs:
-        for name in names if mode != "pass" else []:
-            train_fleet(out, name, mode)
+    fleet.init(is_collective=True)  # the pass mode's groups are explicit ranks: it runs under any
+    for mode, names in jobs:
         if mode == "pass":
-            check_pass(out, names)
+            check_pass(out, names.split(","))
+            continue
+        kind, degrees = mode.split(":")
+        strategy = fleet.DistributedStrategy()
+        strategy.hybrid_configs = hybrid(kind, *(int(v) for v in degrees.split("x")))
+        fleet.init(is_collective=True, strategy=strategy)  # its layout's groups (kept when unchanged)
+        for name in names.split(","):
+            train_fleet(out, name, mode)
     fleet.barrier_worker()
 
 
