@@ -273,7 +273,6 @@ def _ep_check(ctx: Context) -> None:
         )
     s = ctx.strategy
     flags = {
-        "amp": "loss scaling's found_inf is taken from grads that differ per worker",
         "pipeline": "MoE layers in pipeline stages",
         "localsgd": "local SGD averages params: the experts are split",
         "fp16_allreduce": "the expert grads' own reduction in float16",
@@ -403,9 +402,10 @@ def _unscale_grads(p: Program, plan: Any, ctx: Context) -> Program:
         incr_ratio=cfg["incr_ratio"],
         decr_ratio=cfg["decr_ratio"],
         master_dtype="float32" if cfg["use_pure_fp16"] else None,
-        # a pipeline stage, or ZeRO's reduce-scattered grads (each worker checks its slices):
-        # the workers must agree on which steps they skip
-        across_workers=p.pipeline is not None or _zero_scatter(ctx) is not None,
+        # a pipeline stage, ZeRO's reduce-scattered grads (each worker checks its slices), or
+        # expert parallel's (each worker checks its own experts'): the workers must agree on
+        # which steps they skip
+        across_workers=p.pipeline is not None or _zero_scatter(ctx) is not None or ctx.ep_plan is not None,
         init_loss_scaling=cfg["init_loss_scaling"],
     )
 
@@ -1344,7 +1344,7 @@ STEPS: tuple[Step, ...] = (
         _unscale_grads,
         doc="check inf/nan, unscale, skip overflowed steps",
         meta="amp",
-        reads=("loss_scaling", "strategy", "world_size"),
+        reads=("ep_plan", "loss_scaling", "strategy", "world_size"),
     ),
     Step(
         "master_weights",

@@ -34,6 +34,7 @@ from zoo import harness, models
 
 import metaopt
 from metaopt import fleet
+from metaopt.ir import names
 from metaopt.passes.expert_parallel import expert_parallel, plan_expert_parallel
 from metaopt.passes.memory_estimate import estimate_memory
 
@@ -57,14 +58,18 @@ def hybrid(kind: str, degree: int, ep: int) -> dict:
 
 def train_fleet(out: str, name: str, mode: str) -> None:
     """`mode`: ``<kind>:<workers>x<ep>``, kind ``dp`` (data parallel), ``dp-rc`` (with recompute
-    of every decoder layer) or ``zero1`` / ``zero2`` / ``zero3`` (sharding at that stage)."""
+    of every decoder layer), ``dp-amp`` (float32, AMP float16) or ``zero1`` / ``zero2`` /
+    ``zero3`` (sharding at that stage)."""
     rank = fleet.worker_index()
     kind, layout = mode.split(":")
     degree, ep = (int(v) for v in layout.split("x"))
     entry = models.get(name)
-    module, program = harness.export64(entry)
+    module, program = harness.export(entry, 0.0) if kind == "dp-amp" else harness.export64(entry)
     strategy = fleet.DistributedStrategy()
     strategy.hybrid_configs = hybrid(kind, degree, ep)
+    if kind == "dp-amp":  # float32 model, float16 white ops, dynamic loss scaling
+        strategy.amp = True
+        strategy.amp_configs = {"dtype": "float16", "use_dynamic_loss_scaling": True}
     if kind == "dp-rc":
         strategy.recompute = True
         strategy.recompute_configs = {"checkpoints": ["m.model.layers.*"]}
@@ -74,16 +79,25 @@ def train_fleet(out: str, name: str, mode: str) -> None:
     opt = fleet.distributed_optimizer(metaopt.optimizer.SGD(learning_rate=LR), strategy)
     opt.minimize(program.loss)
     exe = metaopt.Executor("cpu")
-    losses = []
+    losses, scales = [], []
     for step in range(STEPS):
-        feed = harness._feed(module, fleet_batch(entry, step, rank, degree))
-        (loss,) = exe.run(program, feed=feed, fetch_list=[program.loss])
+        batch = fleet_batch(entry, step, rank, degree)
+        if kind == "dp-amp":
+            batch = tuple(x.float() if x.is_floating_point() else x for x in batch)
+        (loss,) = exe.run(program, feed=harness._feed(module, batch), fetch_list=[program.loss])
         losses.append(float(loss))
+        if names.loss_scaling() in exe.scope:
+            scales.append(float(exe.scope[names.loss_scaling()]))
     experts = {v.name for v in program.params() if v.split is not None and v.split.group == "expert"}
     predicted = estimate_memory(program, dims={"batch": BATCH})
     torch.save(
         {
             "losses": losses,
+            "loss_scales": scales,
+            # AMP: every worker's overflow check summed, so all skip the same steps
+            "found_inf_reduced": any(
+                names.found_inf() in op.inputs and op.attrs.get("reduce") == "sum" for op in program.ops
+            ),
             "params": gathered_params(exe, program),
             "experts": sorted(experts),
             "applied": opt.applied_meta_list,
@@ -106,15 +120,15 @@ def train_fleet(out: str, name: str, mode: str) -> None:
 def main() -> None:
     out, jobs = sys.argv[1], [a.split("=", 1) for a in sys.argv[2:]]
     fleet.init(is_collective=True)  # the pass mode's groups are explicit ranks: it runs under any
-    for mode, names in jobs:
+    for mode, entries in jobs:
         if mode == "pass":
-            check_pass(out, names.split(","))
+            check_pass(out, entries.split(","))
             continue
         kind, degrees = mode.split(":")
         strategy = fleet.DistributedStrategy()
         strategy.hybrid_configs = hybrid(kind, *(int(v) for v in degrees.split("x")))
         fleet.init(is_collective=True, strategy=strategy)  # its layout's groups (kept when unchanged)
-        for name in names.split(","):
+        for name in entries.split(","):
             train_fleet(out, name, mode)
     fleet.barrier_worker()
 
