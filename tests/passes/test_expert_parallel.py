@@ -14,7 +14,7 @@ import pytest
 import torch
 from zoo import harness, models
 
-from metaopt.ir import Op, Var, verify
+from metaopt.ir import Op, Var, eval_dim, verify
 from metaopt.ir.printer import fmt_op
 from metaopt.passes.expert_parallel import ExpertParallelError, expert_parallel, plan_expert_parallel
 
@@ -237,3 +237,22 @@ def test_sharding2_x_ep2_trains_as_one_process(two_workers, stage):
 def test_fleet_dp4_x_ep2_trains_as_one_process(four_workers):
     """Two workers hold each expert: their grads are summed over that pair."""
     _check_fleet(four_workers, "hf-mixtral", dp=4, ep=2)
+
+
+def test_a_workers_program_runs_on_meta_at_its_bound():
+    """Without a group to talk to: on the meta device the exchanges issue no collective and give
+    their bound rows (every row of the group), the shapes `estimate_memory` counts, so one process
+    can take a step of any worker of an expert-parallel job (what a planner needs)."""
+    import metaopt
+
+    entry = models.get("hf-mixtral")
+    module, program = harness.export(entry, 0.0)
+    q = expert_parallel(program, plan=plan_expert_parallel(program, ep_degree=2, ep_rank=1, group=[0, 1]))
+    metaopt.optimizer.SGD(learning_rate=0.1).minimize(q.loss)
+    real = harness._feed(module, entry.inputs(3, 0))
+    feed = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in real.items()}
+    mm = next(op for op in q.ops if op.type == "GroupedMatMul").outputs[0]
+    loss, rows = metaopt.Executor("meta").run(q, feed=feed, fetch_list=[q.loss, mm])
+    assert loss.is_meta and rows.is_meta
+    n = program.vars[next(op for op in program.ops if op.type == "GroupedMatMul").inputs[0]].shape[0]
+    assert rows.shape[0] == 2 * eval_dim(n, {"batch": 3})

@@ -121,6 +121,7 @@ def _exchange_grad(g, op, dy):
     # recompute re-runs it: every worker of the group runs the same program, so the re-emitted
     # exchange meets its peers' in the same order, and moves the same rows
     recomputable=True,
+    host_inputs=(1,),  # the layout: ExpertRoute's host value, read with .tolist()
     grad=_exchange_grad,
     notes="expert parallel: rows to their experts' owners (dispatch) or back (reverse=1, combine)",
 )
