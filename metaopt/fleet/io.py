@@ -124,6 +124,8 @@ def _refuse_parts(program: Program) -> None:
                 f"({v.zero}) and this process is alone: call save_persistables on every worker of the "
                 "sharded job"
             )
+        if v.split is not None and v.split.group != "model":
+            v.split.require_model()
         if v.split is not None and v.split.parts > 1:
             raise sharded_io.CheckpointError(
                 f"save_persistables: var {v.name!r} of program {program.name!r} is one of "

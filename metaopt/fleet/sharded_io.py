@@ -167,6 +167,11 @@ def mp_place(program: Program, what: str) -> MPPlace | None:
     split = [v for v in saved_vars(program) if v.split is not None]
     if not split:
         return None
+    for v in split:  # expert parallel's parts: placed by another group's index (not yet)
+        try:
+            v.split.require_model()
+        except NotImplementedError as e:
+            raise NotImplementedError(f"{what}: var {v.name!r} of program {program.name!r}: {e}") from None
     group = model_parallel_group(program, what)
     if group is None:
         if all(v.split.parts == 1 for v in split):

@@ -177,6 +177,7 @@ def _check_fleet(out: Path, name: str, dp: int, ep: int, kind: str = "dp") -> No
         assert "expert_parallel" in g["applied"] and "data_parallel" in g["applied"]
         assert g["losses"] == pytest.approx(losses[r], rel=harness.FLOAT32_ISLAND_REL)
         assert g["experts"], "no expert param was split"
+        assert "split over the 'expert' group (expert parallel)" in g["save_refused"]
         index = r % ep  # place in its expert group: runs of ep consecutive ranks
         for k, v in g["params"].items():
             if k in g["experts"]:
