@@ -204,6 +204,22 @@ ep_combined = _tagged(
 )
 
 
+# --- expert capacity (passes/expert_capacity.py) ---------------------------------------------
+
+
+capacity_layout = _tagged(
+    "CAP_LAYOUT", "Row counts and capacity of MoE layer `name` (its offsets), CapacityRoute's."
+)
+capacity_offsets = _tagged("CAP_OFFSETS", "The fixed slots' offsets of MoE layer `name` (its offsets).")
+capacity_dropped = _tagged("CAP_DROPPED", "Rows MoE layer `name` (its offsets) dropped this step.")
+capacity_packed = _tagged("CAP_PACK", "Rows of `name` in their experts' fixed slots (CapacityPack).")
+capacity_unpacked = _tagged("CAP_UNPACK", "Slotted rows of `name` back in sorted order (CapacityUnpack).")
+moe_dropped_tokens = _fixed(
+    "moe_dropped_tokens",
+    "Token-expert rows every MoE layer dropped this step at its capacity (a program output: fetch it).",
+)
+
+
 # --- recompute partition (passes/recompute_partition.py) -------------------------------------
 
 

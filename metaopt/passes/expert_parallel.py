@@ -49,20 +49,30 @@ class ExpertParallelError(ValueError):
 
 
 @dataclass
-class ExpertParallelPlan:
-    ep_degree: int
-    ep_rank: int
-    group: list[int]
+class ExpertRows:
+    """Where an expert layer's rows live (`find_expert_rows`): shared by the passes that move
+    them (expert parallel: to other workers; expert capacity: into fixed-size slots)."""
+
+    routes: dict[str, int] = field(default_factory=dict)  # offsets var -> the op index routed before
+    route_x: dict[str, str] = field(default_factory=dict)  # offsets var -> the rows the route sizes by
+    offsets_of: dict[int, str] = field(default_factory=dict)  # expert matmul index -> its offsets var
+    local: dict[str, str] = field(default_factory=dict)  # var on moved rows -> its offsets var
+    dispatch: dict[int, list[int]] = field(default_factory=dict)  # op -> input positions moved out
+    combine: dict[int, list[int]] = field(default_factory=dict)  # op -> input positions moved back
+    moves: list[str] = field(default_factory=list)  # what moves where, in program order (printed)
+    skipped: list[str] = field(default_factory=list)
+    what: str = "expert parallel"  # the pass, in errors
+    out_text: str = "to its experts' workers"
+    back_text: str = "back to the workers that routed it"
+
+
+@dataclass
+class ExpertParallelPlan(ExpertRows):
+    ep_degree: int = 1
+    ep_rank: int = 0
+    group: list[int] | str = field(default_factory=list)
     params: dict[str, int] = field(default_factory=dict)  # expert param -> its E
     views: dict[str, int] = field(default_factory=dict)  # Transposes of them -> E
-    routes: dict[str, int] = field(default_factory=dict)  # offsets var -> the op index routed before
-    route_x: dict[str, str] = field(default_factory=dict)  # offsets var -> the rows ExpertRoute sizes by
-    offsets_of: dict[int, str] = field(default_factory=dict)  # GroupedMatMul index -> its offsets var
-    local: dict[str, str] = field(default_factory=dict)  # var on local rows -> its offsets var
-    dispatch: dict[int, list[int]] = field(default_factory=dict)  # op -> input positions dispatched
-    combine: dict[int, list[int]] = field(default_factory=dict)  # op -> input positions combined
-    skipped: list[str] = field(default_factory=list)
-    moves: list[str] = field(default_factory=list)  # what travels where, in program order (printed)
 
     def __str__(self) -> str:
         lines = [
@@ -92,7 +102,9 @@ def plan_expert_parallel(
         raise ExpertParallelError(
             f"expert parallel: group {list(group)} must have ep_degree={ep_degree} ranks"
         )
-    plan = ExpertParallelPlan(ep_degree, ep_rank, group if isinstance(group, str) else list(group))
+    plan = ExpertParallelPlan(
+        ep_degree=ep_degree, ep_rank=ep_rank, group=group if isinstance(group, str) else list(group)
+    )
     producer = {o: i for i, op in enumerate(p.ops) for o in op.outputs if o}
     readers: dict[str, list[int]] = {}
     for i, op in enumerate(p.ops):
@@ -105,14 +117,29 @@ def plan_expert_parallel(
         return plan
     for i in matmuls:
         _plan_weight(p, plan, i, producer, readers)
-    for i, op in enumerate(p.ops):
-        _plan_op(p, plan, i, op)
-    leaving = [x for x in [*p.outputs, p.loss_name] if x in plan.local]
-    if leaving:
-        raise ExpertParallelError(
-            f"expert parallel: {leaving} on expert-local rows reach the program's outputs"
-        )
+    find_expert_rows(p, plan)
     return plan
+
+
+def find_expert_rows(p: Program, rows: ExpertRows) -> None:
+    """Fill `rows`: each expert layer's offsets and the rows its matmuls read, then, op by op,
+    which values live on moved rows, which inputs move out and which come back (module doc)."""
+    for i, op in enumerate(p.ops):
+        at = _expert_inputs(op)
+        if at is None:
+            continue
+        offsets = op.inputs[at[2]]
+        if not isinstance((p.vars[offsets].shape or (None,))[0], int):
+            raise ExpertParallelError(f"{rows.what}: `{fmt_op(op)}`: its offsets' length is not static")
+        rows.offsets_of[i] = offsets
+        if offsets not in rows.routes:
+            rows.routes[offsets] = i
+            rows.route_x[offsets] = op.inputs[at[0]]
+    for i, op in enumerate(p.ops):
+        _plan_op(p, rows, i, op)
+    leaving = [x for x in [*p.outputs, p.loss_name] if x in rows.local]
+    if leaving:
+        raise ExpertParallelError(f"{rows.what}: {leaving} on moved expert rows reach the program's outputs")
 
 
 def _expert_inputs(op: Op) -> tuple[int, int, int] | None:
@@ -122,7 +149,7 @@ def _expert_inputs(op: Op) -> tuple[int, int, int] | None:
 
 def _plan_weight(p: Program, plan: ExpertParallelPlan, i: int, producer: dict, readers: dict) -> None:
     op = p.ops[i]
-    at_x, at_w, at_offsets = _expert_inputs(op)
+    _, at_w, at_offsets = _expert_inputs(op)
     offsets = op.inputs[at_offsets]
     experts = (p.vars[offsets].shape or (None,))[0]
     if not isinstance(experts, int):
@@ -156,10 +183,6 @@ def _plan_weight(p: Program, plan: ExpertParallelPlan, i: int, producer: dict, r
             )
     plan.params[w] = experts
     plan.views.update({c: experts for c in chain})
-    plan.offsets_of[i] = offsets
-    if offsets not in plan.routes:
-        plan.routes[offsets] = i
-        plan.route_x[offsets] = op.inputs[at_x]
 
 
 def _keeps_dim0(p: Program, op: Op) -> bool:
@@ -174,13 +197,13 @@ def _keeps_dim0(p: Program, op: Op) -> bool:
     )
 
 
-def _plan_op(p: Program, plan: ExpertParallelPlan, i: int, op: Op) -> None:
+def _plan_op(p: Program, plan: ExpertRows, i: int, op: Op) -> None:
     if i in plan.offsets_of:
         at_x = _expert_inputs(op)[0]
         x = op.inputs[at_x]
         if x not in plan.local:
             plan.dispatch[i] = [at_x]
-            plan.moves.append(f"dispatch {_typed(p, x)} to its experts' workers (op {i}, {op.type})")
+            plan.moves.append(f"dispatch {_typed(p, x)} {plan.out_text} (op {i}, {op.type})")
         plan.local[op.outputs[0]] = plan.offsets_of[i]
         return
     locals_in = [j for j, x in enumerate(op.inputs) if x in plan.local]
@@ -196,8 +219,8 @@ def _plan_op(p: Program, plan: ExpertParallelPlan, i: int, op: Op) -> None:
     if _row_wise(p, op, aligned, rows):
         if (registry.get(op.type) or registry.OpDef(op.type, None)).random:
             raise ExpertParallelError(
-                f"expert parallel: `{fmt_op(op)}` draws random numbers on expert-local rows (dropout inside "
-                "the experts): its mask would differ from one process's"
+                f"{plan.what}: `{fmt_op(op)}` draws random numbers on moved expert rows (dropout inside "
+                "the experts): its mask would differ from the program's"
             )
         extra = [j for j in aligned if j not in locals_in]
         if extra:
@@ -211,7 +234,7 @@ def _plan_op(p: Program, plan: ExpertParallelPlan, i: int, op: Op) -> None:
     plan.combine[i] = locals_in
     for j in locals_in:
         plan.moves.append(
-            f"combine  {_typed(p, op.inputs[j])} back to the workers that routed it (op {i}, {op.type})"
+            f"combine  {_typed(p, op.inputs[j])} {plan.back_text} (op {i}, {op.type})"
         )
 
 

@@ -14,6 +14,8 @@ class Runtime:
         self.copies = CopyEngine(device)
         self._comm = None
         self.pipeline = None  # the PipelineState of the pipeline step being run, if any
+        # counts kernels keep across this executor's runs (rate limits of their warnings)
+        self.counters: dict[str, int] = {}
 
     @property
     def comm(self):

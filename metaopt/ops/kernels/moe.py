@@ -16,6 +16,10 @@ GPU, as HF's fallback). The output's shape never depends on them.
 
 from __future__ import annotations
 
+import fractions
+import logging
+import math
+
 import torch
 
 from metaopt.ops.registry import register
@@ -77,3 +81,109 @@ def grouped_matmul_grad(
             if dw is not None:
                 torch.mm(x[s:t].t(), dy[s:t], out=dw[e])
     return (dx, dw)[:_nout]
+
+
+# --- expert capacity (passes/expert_capacity.py) ------------------------------------------------
+# Each expert serves at most `capacity` rows per step (GShard / Megatron's capacity factor): rows
+# past it are dropped (their expert output is zero; the token keeps its other experts' and the
+# residual), and every expert's rows sit in a slot of exactly `capacity` rows, zero-padded, so the
+# shapes never depend on the routing (what CUDA graphs need). The layout, an int64 host tensor:
+# ``[n, experts, capacity, dropped, counts (experts)]``.
+
+_capacity_log = logging.getLogger("metaopt.moe")
+
+
+def capacity_of(capacity_factor: float, rows: int, experts: int) -> int:
+    """Slots per expert: ceil(capacity_factor x rows / experts), as the pass writes it in dims."""
+    num, den = _ratio(capacity_factor)
+    return (num * rows + den * experts - 1) // (den * experts)
+
+
+def _ratio(capacity_factor: float) -> tuple[int, int]:
+    f = fractions.Fraction(capacity_factor).limit_denominator(1000)
+    return f.numerator, f.denominator
+
+
+@register("CapacityRoute", domain="metaopt", host_outputs=True, recomputable=False, needs_runtime=True)
+def capacity_route(
+    offsets: torch.Tensor, x: torch.Tensor, *, capacity_factor: float, _rt, _key: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(layout, the slots' offsets [E]: (e+1) x capacity, the rows dropped: int64 scalar)."""
+    experts, n = offsets.shape[0], x.shape[0]
+    cap = capacity_of(capacity_factor, n, experts)
+    slots = torch.arange(1, experts + 1, dtype=offsets.dtype) * cap
+    if offsets.device.type == "meta":  # shapes only: nothing routed, nothing dropped
+        head = torch.tensor([n, experts, cap, 0], dtype=torch.int64)
+        return (
+            torch.cat([head, torch.zeros(experts, dtype=torch.int64)]),
+            slots,
+            torch.zeros((), dtype=torch.int64),
+        )
+    ends = offsets.detach().to("cpu", torch.int64).reshape(-1)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    if int(counts.min()) < 0 or int(counts.sum()) > n:
+        raise ValueError(
+            f"CapacityRoute: offsets must be non-decreasing and at most the {n} rows, got {ends.tolist()}"
+        )
+    dropped = int((counts - cap).clamp(min=0).sum())
+    if dropped:  # warned at the 1st, 10th, 100th ... step of this executor that drops rows here
+        key = f"capacity drops {_key}"
+        times = _rt.counters[key] = _rt.counters.get(key, 0) + 1
+        if times == 1 or math.log10(times).is_integer():
+            _capacity_log.warning(
+                "expert capacity %d (capacity_factor %g) dropped %d of %d rows at %s (step %d that dropped)",
+                cap,
+                capacity_factor,
+                dropped,
+                int(counts.sum()),
+                _key,
+                times,
+            )
+    head = torch.tensor([n, experts, cap, dropped], dtype=torch.int64)
+    return torch.cat([head, counts]), slots, torch.tensor(dropped, dtype=torch.int64)
+
+
+def _slots(layout: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(n, source rows, slot rows) of the rows kept: source row in the sorted input, its slot."""
+    n, experts, cap = (int(v) for v in layout[:3].tolist())
+    counts = layout[4 : 4 + experts]
+    starts = torch.cumsum(counts, 0) - counts
+    src, dst = [], []
+    for e in range(experts):
+        k = min(int(counts[e]), cap)
+        src.append(torch.arange(int(starts[e]), int(starts[e]) + k))
+        dst.append(torch.arange(e * cap, e * cap + k))
+    return n, torch.cat(src), torch.cat(dst)
+
+
+def _pack_grad(g, op, dy):
+    return [g.emit1("CapacityUnpack", [dy[0], op.inputs[1]], like=op.inputs[0]), None]
+
+
+def _unpack_grad(g, op, dy):
+    return [g.emit1("CapacityPack", [dy[0], op.inputs[1]], like=op.inputs[0]), None]
+
+
+@register("CapacityPack", domain="metaopt", fresh_outputs=True, host_inputs=(1,), grad=_pack_grad)
+def capacity_pack(x: torch.Tensor, layout: torch.Tensor) -> torch.Tensor:
+    """Rows sorted by expert into `capacity` slots per expert (zero padding; rows past an
+    expert's capacity left out): [experts x capacity, ...]."""
+    experts, cap = int(layout[1]), int(layout[2])
+    out = torch.zeros((experts * cap, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    if x.device.type == "meta":
+        return out
+    _, src, dst = _slots(layout)
+    out[dst.to(x.device)] = x[src.to(x.device)]
+    return out
+
+
+@register("CapacityUnpack", domain="metaopt", fresh_outputs=True, host_inputs=(1,), grad=_unpack_grad)
+def capacity_unpack(y: torch.Tensor, layout: torch.Tensor) -> torch.Tensor:
+    """The inverse of CapacityPack: each kept row back at its sorted place, dropped rows zero."""
+    n = int(layout[0])
+    out = torch.zeros((n, *y.shape[1:]), dtype=y.dtype, device=y.device)
+    if y.device.type == "meta":
+        return out
+    _, src, dst = _slots(layout)
+    out[src.to(y.device)] = y[dst.to(y.device)]
+    return out
