@@ -250,6 +250,30 @@ def tensor_parallel_errors(strategy: Any, topo: Topology, init: Topology | None)
 # --- expert parallel ---------------------------------------------------------------------------
 
 
+def _cap_on(ctx: Context) -> tuple[bool, str]:
+    cf = ctx.strategy.moe_configs["capacity_factor"]
+    return cf is not None, f"moe_configs['capacity_factor']={cf}"
+
+
+def _cap_plan(p: Program, ctx: Context) -> Any:
+    from metaopt.passes.expert_capacity import plan_expert_capacity
+
+    cf = ctx.strategy.moe_configs["capacity_factor"]
+    plan = plan_expert_capacity(p, capacity_factor=cf)
+    if not plan.routes:
+        raise ValueError(
+            f"moe_configs['capacity_factor']={cf}, but {p.name!r} has no expert layers (no GroupedMatMul: "
+            "Hugging Face MoE models export them); leave it None"
+        )
+    return plan
+
+
+def _expert_capacity(p: Program, plan: Any, ctx: Context) -> Program:
+    from metaopt.passes.expert_capacity import expert_capacity
+
+    return expert_capacity(p, plan=plan)
+
+
 def _ep_degree(ctx: Context) -> int:
     try:
         return _layout(ctx).ep_degree
@@ -1170,6 +1194,15 @@ STEPS: tuple[Step, ...] = (
         writes=("tp_plan",),
     ),
     Step(
+        "expert_capacity",
+        _cap_on,
+        _expert_capacity,
+        plan=_cap_plan,
+        doc="each expert's rows in fixed slots of its capacity, the rows past it dropped and counted",
+        meta="expert_capacity",
+        reads=("strategy",),
+    ),
+    Step(
         "expert_parallel",
         _ep_on,
         _expert_parallel,
@@ -1394,6 +1427,7 @@ STEPS: tuple[Step, ...] = (
 check_declarations(STEPS)  # a step reading what no earlier step writes fails at import
 FLEET_META_OPTIMIZERS = (
     "amp",
+    "expert_capacity",
     "expert_parallel",
     "localsgd",
     "fp16_allreduce",

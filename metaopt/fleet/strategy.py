@@ -563,9 +563,28 @@ CONFIGS: dict[str, dict[str, Key]] = {
 }
 # Configs with no feature flag (Fleet has none for them): always in effect, printed when they
 # differ from their defaults. "hybrid" -> strategy.hybrid_configs.
+# metaopt's moe_configs (no Fleet proto: Paddle sets the capacity on its MoE layer): the
+# experts of every MoE layer the exported program has (passes/expert_capacity.py).
+MOE_CONFIGS: dict[str, Key] = {
+    "capacity_factor": Key(
+        None,
+        "float|None",
+        "each expert serves at most ceil(capacity_factor x token-expert rows / experts) rows per step, "
+        "in fixed zero-padded slots (static shapes); rows past it are dropped and counted in the program "
+        "output 'moe_dropped_tokens'; None: no capacity, no row dropped",
+        extra=True,
+        check=(
+            (
+                lambda v: v is None or (math.isfinite(v) and 0 < v <= FLOAT32_MAX),
+                "must be None or a finite number > 0",
+            ),
+        ),
+    ),
+}
 FLAGLESS_CONFIGS: dict[str, dict[str, Key]] = {
     "hybrid": HYBRID_CONFIGS,
     "gradient_scale": GRADIENT_SCALE_CONFIGS,
+    "moe": MOE_CONFIGS,
 }
 ALL_CONFIGS: dict[str, dict[str, Key]] = {**CONFIGS, **FLAGLESS_CONFIGS, **REFUSED_CONFIG_TABLES}
 

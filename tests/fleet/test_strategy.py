@@ -138,6 +138,7 @@ FLEET_DEFAULTS = {
         "ep_degree": 1,
         "moe_sharding_degree": -1,
     },
+    "moe_configs": {"capacity_factor": None},  # metaopt's: passes/expert_capacity.py
     # Fleet 2.x's other fields (distributed_strategy.proto): accepted, refused at minimize when set
     "fuse_grad_size_in_num": 8,
     "last_comm_group_size_MB": 1.0,
@@ -215,6 +216,7 @@ FLEET_DEFAULTS = {
     },
 }
 OURS = {
+    "moe_configs": {"capacity_factor"},  # the whole table is metaopt's
     "recompute_configs": {
         "enable_partition",
         "policy",
@@ -346,6 +348,7 @@ OUT_OF_RANGE = {
     "hybrid_configs.pp_degree": [0, _INT32_TOO_BIG],
     "hybrid_configs.sharding_degree": [0],
     "hybrid_configs.ep_degree": [0, -1],
+    "moe_configs.capacity_factor": [0.0, -1.0, 1e300],
     "hybrid_configs.moe_sharding_degree": [0, -2],
     "sharding_configs.segment_broadcast_MB": [0.0, -1.0, 2.0**32],
     "lamb_configs.lamb_weight_decay": [-0.01, 1e300],  # 1e300: a float32 overflow (issue 47)

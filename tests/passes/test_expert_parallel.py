@@ -115,7 +115,7 @@ def two_workers(tmp_path_factory):
     model; dp2 x ep2, with recompute and with AMP too; sharding2 x ep2 at ZeRO stages 1-3."""
     out = tmp_path_factory.mktemp("ep")
     jobs = [f"pass={','.join(EVERY_MOE)}", f"dp:2x2={','.join(NAMES)}", "dp-rc:2x2=hf-mixtral"]
-    jobs += ["dp-amp:2x2=hf-mixtral"]
+    jobs += ["dp-amp:2x2=hf-mixtral", "dp-cap:2x2=hf-mixtral"]
     jobs += [f"zero{stage}:2x2=hf-deepseek-v3" for stage in (1, 2, 3)]
     procs = start_workers(2, [str(TRAINING / "ep_worker.py"), str(out), *jobs])
     wait_workers(procs, "expert-parallel", 400)
@@ -225,6 +225,13 @@ def test_amp_beside_expert_parallel_skips_alike_and_trains(two_workers):
     for r, g in enumerate(got):
         assert "amp" in g["applied"] and "expert_parallel" in g["applied"]
         assert g["losses"] == pytest.approx(losses[r], rel=2e-3)
+
+
+def test_expert_capacity_beside_expert_parallel_trains_as_one_process(two_workers):
+    """moe_configs capacity_factor = experts: each expert's fixed slots hold all its rows, so the
+    job is exact; the exchanges then move whole slots (static splits)."""
+    got = _check_fleet(two_workers, "hf-mixtral", dp=2, ep=2, kind="dp-cap")
+    assert all(g["applied"][:2] == ["expert_capacity", "expert_parallel"] for g in got)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -58,7 +58,8 @@ def hybrid(kind: str, degree: int, ep: int) -> dict:
 
 def train_fleet(out: str, name: str, mode: str) -> None:
     """`mode`: ``<kind>:<workers>x<ep>``, kind ``dp`` (data parallel), ``dp-rc`` (with recompute
-    of every decoder layer), ``dp-amp`` (float32, AMP float16) or ``zero1`` / ``zero2`` /
+    of every decoder layer), ``dp-amp`` (float32, AMP float16), ``dp-cap`` (expert capacity's
+    fixed slots, none dropped, exchanged with static splits) or ``zero1`` / ``zero2`` /
     ``zero3`` (sharding at that stage)."""
     rank = fleet.worker_index()
     kind, layout = mode.split(":")
@@ -70,6 +71,8 @@ def train_fleet(out: str, name: str, mode: str) -> None:
     if kind == "dp-amp":  # float32 model, float16 white ops, dynamic loss scaling
         strategy.amp = True
         strategy.amp_configs = {"dtype": "float16", "use_dynamic_loss_scaling": True}
+    if kind == "dp-cap":  # a slot for every row (capacity_factor = experts): nothing dropped
+        strategy.moe_configs = {"capacity_factor": 4.0}
     if kind == "dp-rc":
         strategy.recompute = True
         strategy.recompute_configs = {"checkpoints": ["m.model.layers.*"]}
