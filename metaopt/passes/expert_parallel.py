@@ -33,10 +33,11 @@ then this worker's own experts' over every token the group sent them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from metaopt.ir import Op, Program, Split, Var, names
+from metaopt.ir import Op, Program, Split, Var, names, torch_dtype
 from metaopt.ir.printer import fmt_op
 from metaopt.ops import registry, sharding
 from metaopt.ops.sharding import Shard, ShardArgs
@@ -73,6 +74,25 @@ class ExpertParallelPlan(ExpertRows):
     group: list[int] | str = field(default_factory=list)
     params: dict[str, int] = field(default_factory=dict)  # expert param -> its E
     views: dict[str, int] = field(default_factory=dict)  # Transposes of them -> E
+    # bytes a worker's exchanges may send per step, a dim expression (`traffic`; not the program
+    # itself: holding it would keep the whole expert params alive beside the cut ones)
+    all_to_all_bytes: str = "0"
+
+    def traffic(self, p: Program) -> str:
+        """The bytes a worker's exchanges may send per step, as a dim expression: every row of
+        each dispatched var (this worker's tokens) and of each combined one (at its bound), in the
+        forward, and as many in the backward (the grads go back the same ways), plus each layer's
+        row counts."""
+        terms = []
+        for i, js in [*self.dispatch.items(), *self.combine.items()]:
+            for j in js:
+                x = p.ops[i].inputs[j]
+                v = p.vars[x]
+                rows = v.shape[0] if x not in self.local else _bound_of(self, p, self.local[x])
+                row_bytes = math.prod(v.shape[1:]) * torch_dtype(v.dtype).itemsize
+                terms.append(f"({rows})*{row_bytes}")
+        counts = sum(p.vars[o].shape[0] * 8 for o in self.routes)  # ExpertRoute's int64 counts, once
+        return f"2*({' + '.join(terms)}) + {counts}" if terms else "0"
 
     def __str__(self) -> str:
         lines = [
@@ -83,6 +103,8 @@ class ExpertParallelPlan(ExpertRows):
             n = e // self.ep_degree
             lines.append(f"  split  {w}: experts {self.ep_rank * n}..{(self.ep_rank + 1) * n - 1} of {e}")
         lines += [f"  {m}" for m in self.moves]
+        if self.routes:
+            lines.append(f"  all-to-all bytes per step, at most: {self.all_to_all_bytes}")
         if self.routes:
             lines.append(
                 "  rows an expert layer receives: data (the routing); shapes and estimate_memory use their "
@@ -118,6 +140,7 @@ def plan_expert_parallel(
     for i in matmuls:
         _plan_weight(p, plan, i, producer, readers)
     find_expert_rows(p, plan)
+    plan.all_to_all_bytes = plan.traffic(p)
     return plan
 
 
@@ -233,9 +256,7 @@ def _plan_op(p: Program, plan: ExpertRows, i: int, op: Op) -> None:
         return
     plan.combine[i] = locals_in
     for j in locals_in:
-        plan.moves.append(
-            f"combine  {_typed(p, op.inputs[j])} {plan.back_text} (op {i}, {op.type})"
-        )
+        plan.moves.append(f"combine  {_typed(p, op.inputs[j])} {plan.back_text} (op {i}, {op.type})")
 
 
 def _typed(p: Program, name: str) -> str:
@@ -325,6 +346,11 @@ def expert_parallel(p: Program, *, plan: ExpertParallelPlan) -> Program:
 
 
 def _bound(q: Program, plan: ExpertParallelPlan, offsets: str):  # noqa: ANN202 - a Dim
+    return _bound_of(plan, q, offsets)
+
+
+def _bound_of(plan: ExpertParallelPlan, q: Program, offsets: str):  # noqa: ANN202 - a Dim
+    """Rows an expert layer may receive: every row of every worker of the group."""
     n = q.vars[plan.route_x[offsets]].shape[0]
     return plan.ep_degree * n if isinstance(n, int) else f"{plan.ep_degree}*({n})"
 

@@ -116,7 +116,7 @@ def two_workers(tmp_path_factory):
     out = tmp_path_factory.mktemp("ep")
     jobs = [f"pass={','.join(EVERY_MOE)}", f"dp:2x2={','.join(NAMES)}", "dp-rc:2x2=hf-mixtral"]
     jobs += ["dp-amp:2x2=hf-mixtral", "dp-cap:2x2=hf-mixtral"]
-    jobs += [f"zero{stage}:2x2=hf-deepseek-v3" for stage in (1, 2, 3)]
+    jobs += [f"zero{stage}:2x2={','.join(NAMES)}" for stage in (1, 2, 3)]
     procs = start_workers(2, [str(TRAINING / "ep_worker.py"), str(out), *jobs])
     wait_workers(procs, "expert-parallel", 400)
     return out
@@ -234,11 +234,12 @@ def test_expert_capacity_beside_expert_parallel_trains_as_one_process(two_worker
     assert all(g["applied"][:2] == ["expert_capacity", "expert_parallel"] for g in got)
 
 
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_sharding2_x_ep2_trains_as_one_process(two_workers, stage):
+def test_sharding2_x_ep2_trains_as_one_process(two_workers, stage, name):
     """The dense params' optimizer state (grads at 2, params at 3) sharded over the two workers,
     each holding its own experts whole (Paddle's moe_sharding_degree 1)."""
-    got = _check_fleet(two_workers, "hf-deepseek-v3", dp=2, ep=2, kind=f"zero{stage}")
+    got = _check_fleet(two_workers, name, dp=2, ep=2, kind=f"zero{stage}")
     assert all("sharding" in g["applied"] for g in got)
 
 

@@ -34,7 +34,7 @@ from zoo import harness, models
 
 import metaopt
 from metaopt import fleet
-from metaopt.ir import names
+from metaopt.ir import eval_dim, names
 from metaopt.passes.expert_parallel import expert_parallel, plan_expert_parallel
 from metaopt.passes.memory_estimate import estimate_memory
 
@@ -112,12 +112,8 @@ def train_fleet(out: str, name: str, mode: str) -> None:
             "save_refused": refused,
             "measured_persistable": exe.memory_stats()["persistable_bytes"],
             "all_to_all_bytes": exe.memory_stats()["all_to_all_bytes"],
-            # what may travel per step: every input row of every exchange (and the route's counts)
-            "all_to_all_bound": sum(
-                program.vars[op.inputs[0]].nbytes({"batch": BATCH})
-                for op in program.ops
-                if op.attrs.get("group") == "expert_parallel"
-            ),
+            # the plan's bound on what may travel per step
+            "all_to_all_bound": eval_dim(opt.expert_parallel_plan.all_to_all_bytes, {"batch": BATCH}),
             "predicted_persistable": predicted.persistable_bytes,
             "measured_peak": exe.memory_stats()["peak_bytes"],
             "predicted_peak": predicted.peak_bytes,
