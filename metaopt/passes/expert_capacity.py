@@ -31,8 +31,7 @@ import fractions
 from dataclasses import dataclass, field
 
 from metaopt.ir import Op, Program, Var, names
-from metaopt.ops import registry
-from metaopt.passes.expert_parallel import ExpertParallelError, ExpertRows, find_expert_rows
+from metaopt.passes.expert_parallel import ExpertParallelError, ExpertRows, find_expert_rows, move_rows
 
 
 class ExpertCapacityError(ExpertParallelError):
@@ -103,42 +102,22 @@ def _capacity_dim(capacity_factor: float, rows, experts: int):  # noqa: ANN001, 
 def expert_capacity(p: Program, *, plan: CapacityPlan) -> Program:
     """A copy of `p` with `plan`'s slots (module doc)."""
     q = p.clone()
-    route: dict[str, tuple[str, str, str]] = {}  # offsets -> (layout, slot offsets, dropped)
-    moved: dict[tuple[str, int], str] = {}
-    ops: list[Op] = []
-    for i, op in enumerate(q.ops):
-        for offsets, at in plan.routes.items():
-            if at == i:
-                route[offsets] = _route(q, ops, offsets, plan)
-        for j in plan.dispatch.get(i, []):
-            offsets = (
-                plan.offsets_of[i]
-                if i in plan.offsets_of
-                else next(plan.local[x] for x in op.inputs if x in plan.local)
-            )
-            op.inputs[j] = _move(
-                q, ops, op.inputs[j], route[offsets][0], plan, offsets, back=False, moved=moved
-            )
-        for j in plan.combine.get(i, []):
-            offsets = plan.local[op.inputs[j]]
-            op.inputs[j] = _move(
-                q, ops, op.inputs[j], route[offsets][0], plan, offsets, back=True, moved=moved
-            )
-        if i in plan.offsets_of:
-            op.inputs[registry.get(op.type).expert_inputs[2]] = route[plan.offsets_of[i]][1]
-        for o in op.outputs:
-            if o in plan.local:
-                q.vars[o].shape = (_slots(q, plan, plan.local[o]), *q.vars[o].shape[1:])
-        ops.append(op)
-    if route:
+
+    def route(ops: list[Op], offsets: str) -> tuple[str, str, str]:
+        return _route(q, ops, offsets, plan)
+
+    def move(ops: list[Op], x: str, layout: str, offsets: str, back: bool) -> str:
+        return _move(q, ops, x, layout, plan, offsets, back=back)
+
+    # the last layer's first expert matmul: the count of every layer is made by then
+    last = q.ops[max(plan.routes.values())] if plan.routes else None
+    routed = move_rows(q, plan, route=route, move=move, rows_of=lambda offsets: _slots(q, plan, offsets))
+    if routed:
         total = names.moe_dropped_tokens()
         q.add_var(Var(total, "int64", ()))
-        last = max(plan.routes.values())
-        dropped = [d for _, _, d in route.values()]
-        at = next(k for k, op in enumerate(ops) if op is q.ops[last])
-        ops.insert(at, Op("Sum", dropped, [total], role="forward", scope=""))
+        at = next(k for k, op in enumerate(q.ops) if op is last)
+        q.ops.insert(at, Op("Sum", [d for _, _, d in routed.values()], [total], role="forward", scope=""))
         q.outputs = [*q.outputs, total]
-    q.ops = ops
     return q
 
 
@@ -171,23 +150,12 @@ def _route(q: Program, ops: list[Op], offsets: str, plan: CapacityPlan) -> tuple
 
 
 def _move(
-    q: Program,
-    ops: list[Op],
-    x: str,
-    layout: str,
-    plan: CapacityPlan,
-    offsets: str,
-    *,
-    back: bool,
-    moved: dict,
+    q: Program, ops: list[Op], x: str, layout: str, plan: CapacityPlan, offsets: str, *, back: bool
 ) -> str:
-    if (x, back) in moved:
-        return moved[(x, back)]
     v = q.vars[x]
     y = names.fresh((names.capacity_unpacked if back else names.capacity_packed)(x), q.vars)
     rows = q.vars[plan.route_x[offsets]].shape[0] if back else _slots(q, plan, offsets)
     q.add_var(Var(y, v.dtype, (rows, *v.shape[1:])))
     scope = next((op.scope for op in q.ops if x in op.outputs), "")
     ops.append(Op("CapacityUnpack" if back else "CapacityPack", [x, layout], [y], scope=scope, origin=x))
-    moved[(x, back)] = y
     return y

@@ -318,31 +318,49 @@ def expert_parallel(p: Program, *, plan: ExpertParallelPlan) -> Program:
         v.split = Split(0, ep, (experts,), GROUP)
     for c, experts in plan.views.items():
         q.vars[c].shape = (experts // ep, *q.vars[c].shape[1:])
-    route: dict[str, tuple[str, str]] = {}  # offsets -> (layout, local offsets)
-    moved: dict[tuple[str, int], str] = {}  # (var, reverse) -> the exchanged var
+
+    def route(ops: list[Op], offsets: str) -> tuple[str, str]:
+        return _route(q, ops, offsets, plan.route_x[offsets], plan.group, ep)
+
+    def move(ops: list[Op], x: str, layout: str, offsets: str, back: bool) -> str:
+        return _exchange(q, ops, x, layout, plan, int(back), offsets)
+
+    move_rows(q, plan, route=route, move=move, rows_of=lambda offsets: _bound(q, plan, offsets))
+    return q
+
+
+def move_rows(q: Program, rows: ExpertRows, *, route, move, rows_of) -> dict[str, tuple]:  # noqa: ANN001
+    """The one sweep of the passes that move expert rows, in place on `q` (their clone): before
+    each layer's first expert matmul ``route(ops, offsets) -> (layout, new offsets, ...)`` appends
+    its op; each input `rows` says moves out (back) is replaced by ``move(ops, x, layout, offsets,
+    back)`` (once per var and way); the expert matmuls read the new offsets, and every value on
+    moved rows gets ``rows_of(offsets)`` rows. Returns each layer's route results, by offsets."""
+    routed: dict[str, tuple] = {}
+    moved: dict[tuple[str, bool], str] = {}
     ops: list[Op] = []
+
+    def moved_var(x: str, offsets: str, back: bool) -> str:
+        if (x, back) not in moved:
+            moved[(x, back)] = move(ops, x, routed[offsets][0], offsets, back)
+        return moved[(x, back)]
+
     for i, op in enumerate(q.ops):
-        for offsets, at in plan.routes.items():
+        for offsets, at in rows.routes.items():
             if at == i:
-                route[offsets] = _route(q, ops, offsets, plan.route_x[offsets], plan.group, ep)
-        for j in plan.dispatch.get(i, []):
-            offsets = (
-                next(plan.local[x] for x in op.inputs if x in plan.local)
-                if i not in plan.offsets_of
-                else plan.offsets_of[i]
-            )
-            op.inputs[j] = _exchange(q, ops, op.inputs[j], route[offsets][0], plan, 0, moved, offsets)
-        for j in plan.combine.get(i, []):
-            offsets = plan.local[op.inputs[j]]
-            op.inputs[j] = _exchange(q, ops, op.inputs[j], route[offsets][0], plan, 1, moved, offsets)
-        if i in plan.offsets_of:
-            op.inputs[_expert_inputs(op)[2]] = route[plan.offsets_of[i]][1]
+                routed[offsets] = route(ops, offsets)
+        for j in rows.dispatch.get(i, []):
+            offsets = rows.offsets_of.get(i) or next(rows.local[x] for x in op.inputs if x in rows.local)
+            op.inputs[j] = moved_var(op.inputs[j], offsets, back=False)
+        for j in rows.combine.get(i, []):
+            op.inputs[j] = moved_var(op.inputs[j], rows.local[op.inputs[j]], back=True)
+        if i in rows.offsets_of:
+            op.inputs[_expert_inputs(op)[2]] = routed[rows.offsets_of[i]][1]
         for o in op.outputs:
-            if o in plan.local:
-                q.vars[o].shape = (_bound(q, plan, plan.local[o]), *q.vars[o].shape[1:])
+            if o in rows.local:
+                q.vars[o].shape = (rows_of(rows.local[o]), *q.vars[o].shape[1:])
         ops.append(op)
     q.ops = ops
-    return q
+    return routed
 
 
 def _bound(q: Program, plan: ExpertParallelPlan, offsets: str):  # noqa: ANN202 - a Dim
@@ -369,32 +387,14 @@ def _route(q: Program, ops: list[Op], offsets: str, x: str, group, ep: int) -> t
 
 
 def _exchange(
-    q: Program,
-    ops: list[Op],
-    x: str,
-    layout: str,
-    plan: ExpertParallelPlan,
-    reverse: int,
-    moved: dict,
-    offsets: str,
+    q: Program, ops: list[Op], x: str, layout: str, plan: ExpertParallelPlan, reverse: int, offsets: str
 ) -> str:
-    if (x, reverse) in moved:
-        return moved[(x, reverse)]
     v = q.vars[x]
     y = names.fresh((names.ep_combined if reverse else names.ep_dispatched)(x), q.vars)
     rows = q.vars[plan.route_x[offsets]].shape[0] if reverse else _bound(q, plan, offsets)
     q.add_var(Var(y, v.dtype, (rows, *v.shape[1:])))
-    ops.append(
-        Op(
-            "ExpertExchange",
-            [x, layout],
-            [y],
-            {"group": plan.group, "reverse": reverse},
-            scope=_scope(q, x),
-            origin=x,
-        )
-    )
-    moved[(x, reverse)] = y
+    attrs = {"group": plan.group, "reverse": reverse}
+    ops.append(Op("ExpertExchange", [x, layout], [y], attrs, scope=_scope(q, x), origin=x))
     return y
 
 
