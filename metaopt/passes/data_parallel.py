@@ -190,7 +190,7 @@ def apply_data_parallel(p: Program, plan: DataParallelPlan) -> Program:
                     raise DataParallelError(
                         f"data parallel: {r!r} exists already: is the program reduced twice?"
                     )
-                q.vars[r] = reduced_var(r, q.vars[g], plan.scatter_parts)
+                q.vars[r] = reduced_var(r, q.vars[g], None if b.expert else plan.scatter_parts)
                 outs.append(r)
             if b.expert:
                 ops += _expert_reduce_ops(q, list(b.grads), outs, plan)
