@@ -27,10 +27,10 @@ parallel yet (refused by fleet).
 
 from __future__ import annotations
 
-import fractions
 from dataclasses import dataclass, field
 
 from metaopt.ir import Op, Program, Var, names
+from metaopt.ops.kernels.moe import capacity_of, capacity_ratio
 from metaopt.passes.expert_parallel import ExpertParallelError, ExpertRows, find_expert_rows, move_rows
 
 
@@ -92,10 +92,10 @@ def plan_expert_capacity(p: Program, *, capacity_factor: float) -> CapacityPlan:
 
 
 def _capacity_dim(capacity_factor: float, rows, experts: int):  # noqa: ANN001, ANN202 - Dims
-    f = fractions.Fraction(capacity_factor).limit_denominator(1000)
-    num, den = f.numerator, f.denominator
+    """`capacity_of` as a dim: an int for static rows, else the same expression over the dims."""
     if isinstance(rows, int):
-        return (num * rows + den * experts - 1) // (den * experts)
+        return capacity_of(capacity_factor, rows, experts)
+    num, den = capacity_ratio(capacity_factor)
     return f"({num}*({rows})+{den * experts - 1})//{den * experts}"
 
 

@@ -27,24 +27,20 @@ from __future__ import annotations
 
 import torch
 
+from metaopt.ops.kernels.moe import offset_counts
 from metaopt.ops.registry import register_collective
 
 
-def group_ranks(ranks: list[int] | str, op: str) -> list[int]:
+def group_ranks(group: list[int] | str, op: str) -> list[int]:
     """The global ranks of the expert-parallel group ("expert_parallel": this worker's, from
     fleet.init's layout)."""
-    if not isinstance(ranks, str):
-        return list(ranks)
-    if ranks != "expert_parallel":
-        raise ValueError(f"{op}: ranks must be a list of ranks or 'expert_parallel', got {ranks!r}")
+    if not isinstance(group, str):
+        return list(group)
+    if group != "expert_parallel":
+        raise ValueError(f"{op}: group must be a list of ranks or 'expert_parallel', got {group!r}")
     from metaopt.ops.kernels.comm import hybrid_ranks
 
     return hybrid_ranks("expert", op)
-
-
-def _counts(offsets: torch.Tensor) -> torch.Tensor:
-    ends = offsets.detach().to("cpu", torch.int64).reshape(-1)
-    return torch.diff(ends, prepend=ends.new_zeros(1))
 
 
 @register_collective(
@@ -69,11 +65,7 @@ def expert_route(
         return torch.cat([head, torch.zeros(2 * ep * local, dtype=torch.int64)]), torch.zeros(
             local, dtype=offsets.dtype
         )
-    counts = _counts(offsets)
-    if int(counts.min()) < 0 or int(counts.sum()) > n:
-        raise ValueError(
-            f"ExpertRoute: offsets must be non-decreasing and at most the {n} rows, got {offsets.tolist()}"
-        )
+    counts = offset_counts(offsets, n, "ExpertRoute")
     send = counts.reshape(ep, local)
     if ep == 1:
         recv = send.clone()

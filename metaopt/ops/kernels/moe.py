@@ -83,6 +83,18 @@ def grouped_matmul_grad(
     return (dx, dw)[:_nout]
 
 
+def offset_counts(offsets: torch.Tensor, rows: int, op: str) -> torch.Tensor:
+    """Each expert's row count (int64, on the host) from cumulative `offsets`, checked as
+    GroupedMatMul defines them: non-decreasing, at most `rows`; else a ValueError naming `op`."""
+    ends = offsets.detach().to("cpu", torch.int64).reshape(-1)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    if counts.numel() and (int(counts.min()) < 0 or int(ends[-1]) > rows):
+        raise ValueError(
+            f"{op}: offsets must be non-decreasing and at most the {rows} rows, got {ends.tolist()}"
+        )
+    return counts
+
+
 # --- expert capacity (passes/expert_capacity.py) ------------------------------------------------
 # Each expert serves at most `capacity` rows per step (GShard / Megatron's capacity factor): rows
 # past it are dropped (their expert output is zero; the token keeps its other experts' and the
@@ -95,11 +107,13 @@ _capacity_log = logging.getLogger("metaopt.moe")
 
 def capacity_of(capacity_factor: float, rows: int, experts: int) -> int:
     """Slots per expert: ceil(capacity_factor x rows / experts), as the pass writes it in dims."""
-    num, den = _ratio(capacity_factor)
+    num, den = capacity_ratio(capacity_factor)
     return (num * rows + den * experts - 1) // (den * experts)
 
 
-def _ratio(capacity_factor: float) -> tuple[int, int]:
+def capacity_ratio(capacity_factor: float) -> tuple[int, int]:
+    """The capacity factor as the fraction (numerator, denominator) capacities are computed with,
+    here and in the dims the pass writes (passes/expert_capacity.py)."""
     f = fractions.Fraction(capacity_factor).limit_denominator(1000)
     return f.numerator, f.denominator
 
@@ -119,12 +133,7 @@ def capacity_route(
             slots,
             torch.zeros((), dtype=torch.int64),
         )
-    ends = offsets.detach().to("cpu", torch.int64).reshape(-1)
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    if int(counts.min()) < 0 or int(counts.sum()) > n:
-        raise ValueError(
-            f"CapacityRoute: offsets must be non-decreasing and at most the {n} rows, got {ends.tolist()}"
-        )
+    counts = offset_counts(offsets, n, "CapacityRoute")
     dropped = int((counts - cap).clamp(min=0).sum())
     if dropped:  # warned at the 1st, 10th, 100th ... step of this executor that drops rows here
         key = f"capacity drops {_key}"
