@@ -373,6 +373,14 @@ TENSOR_PARALLEL_CONFIGS: dict[str, Key] = {
         "looks up its rows and the fused LM head + cross-entropy runs over its vocab slice",
         extra=True,
     ),
+    "sequence_parallel": Key(
+        False,
+        "bool",
+        "Megatron's sequence parallel: the norm / dropout / residual regions between the row and the "
+        "next column layers hold 1/mp of the sequence; all-reduces become reduce-scatter + all-gather "
+        "(passes/sequence_parallel.py; PaddleNLP's sequence_parallel model flag)",
+        extra=True,
+    ),
 }
 
 # feature flag -> its config table; the order is the printed order (and that of META_OPTIMIZERS).

@@ -175,6 +175,19 @@ tp_local = _tagged(
 )
 
 
+# --- sequence parallel (passes/sequence_parallel.py) -----------------------------------------
+
+
+sp_scattered = _tagged(
+    "SP_SCATTER",
+    "This model-parallel rank's chunk of replicated `name` along the sequence (SPScatter).",
+)
+sp_gathered = _tagged(
+    "SP_GATHER",
+    "Sequence-split `name` all-gathered whole, for the ops that read all of it (SPGather).",
+)
+
+
 # --- expert parallel (passes/expert_parallel.py) ---------------------------------------------
 
 

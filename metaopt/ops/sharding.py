@@ -313,6 +313,21 @@ def _rotary(a: ShardArgs) -> ShardResult:
     return _elementwise(a)
 
 
+def _norm(a: ShardArgs) -> ShardResult:
+    """LayerNormalization / RMSNormalization (normalizing the dims from their `axis` on) and
+    RMSNorm (the last dim): a split on an axis before the normalized ones passes (each token is
+    normalized on its own: sequence parallel's norms); scale and bias replicated. Every output
+    (the saved mean and inverse std too) is split as the input."""
+    s = _only_input_0(a)
+    rank = len(a.shapes[0])
+    start = rank - 1 if a.op.type == "RMSNorm" else _axis(a.op.attrs.get("axis", -1), rank)
+    if s.axis >= start:
+        raise ShardRefused(f"it normalizes over the split axis {s.axis}")
+    outs = [Shard(s.axis, s.blocks) if o and len(a.out_shapes[k] or ()) > s.axis else None
+            for k, o in enumerate(a.op.outputs)]  # fmt: skip
+    return ShardResult(outs)
+
+
 _UNARY = (
     "Identity", "Gelu", "Relu", "Tanh", "Sigmoid", "Erf", "Neg", "Cast", "Sqrt", "Exp", "Silu", "QuickGelu",
 )  # fmt: skip
@@ -332,6 +347,7 @@ _RULES: dict[str, ShardRule] = {
     "Unsqueeze": ShardRule(_unsqueeze),
     "Expand": ShardRule(_expand),
     "RotaryGrad": ShardRule(_rotary),
+    **{t: ShardRule(_norm) for t in ("LayerNormalization", "RMSNormalization", "RMSNorm")},
 }
 
 

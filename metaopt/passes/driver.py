@@ -73,6 +73,7 @@ class Context(Run):
     tied: dict[str, str] = field(default_factory=dict)  # param dropped -> the param it reads instead
     checkpoints: list[str] = field(default_factory=list)  # recompute's, after resolution
     tp_plan: Any = None  # tensor parallel's plan: split params, sharded values, the mp degree
+    sp_plan: Any = None  # sequence parallel's plan (beside tensor parallel): the sequence-split values
     ep_plan: Any = None  # expert parallel's plan: the expert params cut to this worker's experts
     dp_plan: Any = None  # data parallel's plan: its buckets of grads (what fp16_allreduce narrows)
     partition_slices: dict[str, str] = field(default_factory=dict)  # checkpoint -> its 1/mp slice var

@@ -26,6 +26,7 @@ from metaopt.ops.kernels import (  # noqa: F401
     rng,
     rnn,
     rotary,
+    sequence_parallel,
     tensor,
     tensor_parallel,
     vision,

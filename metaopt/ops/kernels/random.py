@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 
 from metaopt.ir.dtypes import torch_dtype_from_onnx
+from metaopt.ops.kernels.partition import group_ranks
 from metaopt.ops.registry import SAME, register
-from metaopt.ops.rng_streams import drawn
+from metaopt.ops.rng_streams import drawn, mp_rank
 
 _FLOAT = 1  # ONNX TensorProto.FLOAT, the default dtype of the random generators
 _INT32 = 6  # ONNX TensorProto.INT32, Multinomial's default output dtype
@@ -41,20 +42,50 @@ def dropout(
     training_mode: torch.Tensor | None = None,
     seed: int | None = None,
     is_test: int | None = None,
+    slice_axis: int | None = None,
+    slice_group: list[int] | str | None = None,
     _nout: int = 1,
 ):
     """ONNX Dropout: identity (mask all true) unless `training_mode` is given and true.
 
     `ratio` is an input since opset 12 and an attribute before; both arrive here.
+
+    `slice_axis` / `slice_group` (sequence parallel, passes/sequence_parallel.py): `data` is this
+    model-parallel rank's chunk along `slice_axis` of a value one process holds whole. The mask
+    is drawn for the whole value, as one process draws it, from the stream every rank of the
+    group shares, and this rank keeps its chunk: the masks of all ranks together are one
+    process's mask, bit for bit. It costs a whole-size draw on every rank (a transient the size
+    of the whole value); a counter-based generator could skip to the chunk (not built).
     """
     if training_mode is not None and bool(training_mode):
         p = _ratio(ratio)
         if p > 0.0:
-            out, mask = torch.native_dropout(data, p, True)
+            if slice_axis is not None:
+                out, mask = _sliced_dropout(data, p, slice_axis, slice_group)
+            else:
+                out, mask = torch.native_dropout(data, p, True)
             return (out, mask) if _nout > 1 else out
     if _nout > 1:
         return data, torch.ones_like(data, dtype=torch.bool)
     return data
+
+
+def _sliced_dropout(
+    data: torch.Tensor, p: float, axis: int, group: list[int] | str | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """native_dropout of the whole value, `data` in this rank's chunk and zeros elsewhere; this
+    rank's chunk of its output and mask (elementwise: the chunk's bits are one process's)."""
+    if group is None:
+        raise ValueError("Dropout: slice_axis needs slice_group (the model-parallel group it is split over)")
+    parts = len(group_ranks(group, "Dropout"))
+    rank = mp_rank(group)
+    n = data.shape[axis]
+    shape = list(data.shape)
+    shape[axis] = n * parts
+    whole = data.new_zeros(shape)
+    whole.narrow(axis, rank * n, n).copy_(data)
+    out, mask = torch.native_dropout(whole, p, True)
+    return out.narrow(axis, rank * n, n).contiguous(), mask.narrow(axis, rank * n, n).contiguous()
 
 
 @register("RandomNormal", needs_device=True, random=True)

@@ -1,0 +1,128 @@
+"""Megatron's three sequence-parallel collectives (passes/sequence_parallel.py inserts them).
+
+With sequence parallel beside tensor parallel, the regions between a row-parallel layer and
+the next column-parallel one (norms, dropout, residual adds) hold 1/mp of the sequence on each
+rank instead of all of it, replicated:
+
+* ``SPScatter(x)`` (Megatron's scatter_to_sequence_parallel_region): this rank's chunk of a
+  replicated value along `axis`, as new storage (the whole value can be freed); backward: the
+  chunks' grads all-gathered (``SPGather``).
+* ``SPGather(x)`` (gather_from_sequence_parallel_region): every rank's chunk all-gathered along
+  `axis`. Its backward depends on who reads the whole value (`backward`): ``"scatter"`` when
+  replicated ops do (their grad is the same on every rank: keep this rank's chunk), or
+  ``"reduce_scatter"`` when only column-parallel layers do (each rank's grad is a partial sum:
+  sum it over the group and keep the chunk; the layer's TPCopy is then not needed).
+* ``SPReduceScatter(x)`` (reduce_scatter_to_sequence_parallel_region): a row-parallel layer's
+  partial product summed over the group, this rank's chunk kept; backward: all-gather.
+
+The chunk of rank r (its place in the ascending group) is ``[r * n, (r + 1) * n)`` along `axis`,
+n = the whole length / mp: contiguous, as one process's sequence. `group` is as TPReduce's
+(global ranks, or ``"model_parallel"``); the rank is found at run time, so every rank's program
+reads the same. A group of one is the identity.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metaopt.ops.kernels.partition import group_ranks
+from metaopt.ops.registry import register, register_collective
+
+BACKWARDS = ("scatter", "reduce_scatter")
+
+
+def _group(op) -> list[int] | str:  # noqa: ANN001
+    group = op.attrs["group"]
+    return group if isinstance(group, str) else list(group)
+
+
+def _scatter_grad(g, op, dy):
+    return [g.emit1("SPGather", [dy[0]], like=op.inputs[0], axis=op.attrs["axis"], group=_group(op),
+                    backward="scatter")]  # fmt: skip
+
+
+def _gather_grad(g, op, dy):
+    kind = op.attrs.get("backward", "scatter")
+    if kind not in BACKWARDS:
+        raise ValueError(f"SPGather: backward must be one of {BACKWARDS}, got {kind!r}")
+    to = "SPScatter" if kind == "scatter" else "SPReduceScatter"
+    return [g.emit1(to, [dy[0]], like=op.inputs[0], axis=op.attrs["axis"], group=_group(op))]
+
+
+def _reduce_scatter_grad(g, op, dy):
+    return [g.emit1("SPGather", [dy[0]], like=op.inputs[0], axis=op.attrs["axis"], group=_group(op),
+                    backward="reduce_scatter")]  # fmt: skip
+
+
+def _place(group: list[int] | str, rank: int, op: str) -> tuple[list[int], int]:
+    ranks = group_ranks(group, op)
+    if rank not in ranks:
+        raise ValueError(
+            f"{op}: this worker (rank {rank}) is not in its model-parallel group {ranks}: the program "
+            "was rewritten for another layout"
+        )
+    return ranks, ranks.index(rank)
+
+
+def chunk(x: torch.Tensor, axis: int, parts: int, index: int) -> torch.Tensor:
+    """Chunk `index` of `parts` equal ones of `x` along `axis` (a view)."""
+    n = x.shape[axis]
+    if n % parts:
+        raise ValueError(f"sequence parallel: length {n} along axis {axis} is not divisible by {parts}")
+    return x.narrow(axis, index * (n // parts), n // parts)
+
+
+@register(
+    "SPScatter",
+    domain="metaopt",
+    needs_runtime=True,
+    fresh_outputs=True,
+    grad=_scatter_grad,
+    notes="sequence parallel: this model-parallel rank's chunk along `axis` (backward: all-gather)",
+)
+def sp_scatter(x: torch.Tensor, axis: int, group: list[int] | str, _rt, _key: str) -> torch.Tensor:
+    ranks = group_ranks(group, "SPScatter")
+    if len(ranks) == 1:
+        return x.clone()
+    ranks, me = _place(group, _rt.comm.rank, "SPScatter")
+    return chunk(x, axis, len(ranks), me).contiguous().clone()
+
+
+@register_collective(
+    "SPGather",
+    fresh_outputs=True,
+    # every rank of the group runs the same program, so a recomputed gather meets its peers'
+    recomputable=True,
+    grad=_gather_grad,
+    notes="sequence parallel: every model-parallel rank's chunk all-gathered along `axis`",
+)
+def sp_gather(
+    x: torch.Tensor, axis: int, group: list[int] | str, _rt, _key: str, backward: str = "scatter"
+) -> torch.Tensor:
+    ranks = group_ranks(group, "SPGather")
+    if len(ranks) == 1:
+        return x.clone()
+    _place(group, _rt.comm.rank, "SPGather")
+    pieces = _rt.comm.all_gather(x, f"{_key} over model-parallel group {ranks}", ranks)
+    return torch.cat(pieces, axis)
+
+
+@register_collective(
+    "SPReduceScatter",
+    fresh_outputs=True,
+    recomputable=True,
+    grad=_reduce_scatter_grad,
+    notes="sequence parallel: a partial sum reduced over the model-parallel group, this rank's chunk kept",
+)
+def sp_reduce_scatter(x: torch.Tensor, axis: int, group: list[int] | str, _rt, _key: str) -> torch.Tensor:
+    ranks = group_ranks(group, "SPReduceScatter")
+    if len(ranks) == 1:
+        return x.clone()
+    _place(group, _rt.comm.rank, "SPReduceScatter")
+    parts = len(ranks)
+    # the communicator scatters equal chunks of a flat buffer: lay the chunks out one after another
+    flat = torch.cat([chunk(x, axis, parts, k).reshape(-1) for k in range(parts)])
+    out = _rt.comm.reduce_scatter(flat, "sum", f"{_key} over model-parallel group {ranks}", ranks)
+    shape = list(x.shape)
+    shape[axis] //= parts
+    return out.view(shape)

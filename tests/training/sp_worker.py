@@ -1,0 +1,98 @@
+"""One worker of sequence parallel beside tensor parallel through fleet (started by
+tests/passes/test_sequence_parallel.py with RANK/WORLD_SIZE/MASTER_*):
+``python sp_worker.py OUT DP MP CASE ...``, CASE = ``<model>[:rc]`` (rc: recompute, a checkpoint
+per block).
+
+fleet.init lays the DP x MP workers out; the strategy turns on tensor parallel with tp_worker's
+column/row layers and ``sequence_parallel``. Each data-parallel replica is fed its share of the
+step's batch, every MP rank of a replica the same share. 3 SGD steps from `metaopt.seed(SEED)`;
+writes the losses, this worker's params, how its split params are split, the plans and the
+program to ``OUT/<case>.rank<r>.pt``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import tp_worker
+from training_cases import CHECKPOINTS, _module, batch
+
+import metaopt
+from metaopt import fleet
+
+SEED = 0
+HIDDEN_DROPOUT = {"hf-gpt2": 0.1, "hf-llama": 0.0}  # LLaMA has no hidden dropout (only attention's)
+
+
+def build(name: str) -> tuple[torch.nn.Module, tuple, dict]:
+    """The zoo's model with its hidden dropout on and its attention dropout off: dropout on split
+    heads draws each rank's own mask (Megatron's model-parallel stream), not one process's."""
+    torch.manual_seed(0)
+    module, inputs, kwargs = _module(name, HIDDEN_DROPOUT[name])
+    for m in module.modules():
+        if hasattr(m, "attn_dropout"):
+            m.attn_dropout.p = 0.0
+        if hasattr(m, "attention_dropout"):
+            m.attention_dropout = 0.0
+    return module, inputs, kwargs
+
+
+def strategy(name: str, dp: int, mp: int, recompute: bool) -> fleet.DistributedStrategy:
+    s = fleet.DistributedStrategy()
+    s.hybrid_configs = {"dp_degree": dp, "mp_degree": mp}
+    s.tensor_parallel = True
+    s.tensor_parallel_configs = {
+        "column": tp_worker.COLUMN[name],
+        "row": tp_worker.ROW[name],
+        "sequence_parallel": True,
+    }
+    s.fuse_all_reduce_ops = False
+    if recompute:
+        s.recompute = True
+        s.recompute_configs = {"checkpoints": CHECKPOINTS[name]}
+    return s
+
+
+def replica_batch(name: str, step: int, dp_rank: int, dp: int) -> dict[str, torch.Tensor]:
+    full = batch(name, step)
+    n = next(iter(full.values())).shape[0] // dp
+    return {k: v[dp_rank * n : (dp_rank + 1) * n] for k, v in full.items()}
+
+
+def train(case: str, dp: int, mp: int) -> dict:
+    name, _, mode = case.partition(":")
+    module, inputs, kwargs = build(name)
+    program = metaopt.export(module, inputs, **kwargs)
+    opt = fleet.distributed_optimizer(metaopt.optimizer.SGD(learning_rate=tp_worker.LR), strategy(name, dp, mp, mode == "rc"))
+    opt.minimize(program.loss)
+    hcg = fleet.get_hybrid_communicate_group()
+    exe = metaopt.Executor("cpu")
+    metaopt.seed(SEED)
+    losses = []
+    for step in range(tp_worker.STEPS):
+        feed = replica_batch(name, step, hcg.get_data_parallel_rank(), dp)
+        (loss,) = exe.run(program, feed=feed, fetch_list=[program.loss])
+        losses.append(float(loss))
+    return {
+        "losses": losses,
+        "params": {v.name: exe.scope[v.name].clone() for v in program.params()},
+        "splits": {sp.name: (sp.axis, sp.blocks) for sp in opt.tensor_parallel_plan.params},
+        "sp_plan": str(opt.sequence_parallel_plan),
+        "program": str(program),
+        "peak": exe.memory_stats()["peak_bytes"],
+        "mp_rank": hcg.get_model_parallel_rank(),
+        "dp_rank": hcg.get_data_parallel_rank(),
+    }
+
+
+def main() -> None:
+    out, dp, mp, cases = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
+    fleet.init(is_collective=True, strategy=strategy("hf-gpt2", dp, mp, False))
+    for case in cases:
+        torch.save(train(case, dp, mp), f"{out}/{case.replace(':', '.')}.rank{fleet.worker_index()}.pt")
+    fleet.barrier_worker()
+
+
+if __name__ == "__main__":
+    main()
