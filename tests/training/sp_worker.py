@@ -64,14 +64,18 @@ def train(case: str, dp: int, mp: int) -> dict:
     name, _, mode = case.partition(":")
     module, inputs, kwargs = build(name)
     program = metaopt.export(module, inputs, **kwargs)
-    opt = fleet.distributed_optimizer(metaopt.optimizer.SGD(learning_rate=tp_worker.LR), strategy(name, dp, mp, mode == "rc"))
+    opt = fleet.distributed_optimizer(
+        metaopt.optimizer.SGD(learning_rate=tp_worker.LR), strategy(name, dp, mp, mode == "rc")
+    )
     opt.minimize(program.loss)
     hcg = fleet.get_hybrid_communicate_group()
     exe = metaopt.Executor("cpu")
+    # the feeds first: making the first one builds a model (training_cases' feed names), which
+    # draws from the RNG the dropout masks are then drawn from
+    feeds = [replica_batch(name, step, hcg.get_data_parallel_rank(), dp) for step in range(tp_worker.STEPS)]
     metaopt.seed(SEED)
     losses = []
-    for step in range(tp_worker.STEPS):
-        feed = replica_batch(name, step, hcg.get_data_parallel_rank(), dp)
+    for feed in feeds:
         (loss,) = exe.run(program, feed=feed, fetch_list=[program.loss])
         losses.append(float(loss))
     return {
