@@ -69,6 +69,12 @@ class OpDef:
     # Tensor parallel: how a value split along an axis passes through the op (an
     # ops/sharding.ShardRule, set beside its family's rules there); None: a split value cannot
     shard: Any = None
+    # Sequence parallel's part for the op (passes/sequence_parallel.py; set in ops/sharding.py):
+    # "reduce" (a row-parallel layer's all-reduce sum: it becomes a reduce-scatter), "copy" (a
+    # column layer's TPCopy: a gather with a reduce-scatter backward replaces it), "bias" (an Add
+    # after the sum: added to the chunk after the reduce-scatter), "sliced_draw" (a random op that
+    # draws one process's mask for a sequence chunk: Dropout's slice_axis). None: none of these.
+    sequence: str | None = None
     # (output index, input index) pairs: the kernel writes that output into that
     # input's storage and returns it (optimizer updates, like torch.optim's in-place
     # steps: a fresh copy of a large param costs page faults every step). The plan

@@ -353,7 +353,23 @@ _RULES: dict[str, ShardRule] = {
 
 for _type, _rule in _RULES.items():  # each rule goes into its op's row (`OpDef.shard`)
     registry.extend(_type, shard=_rule)
-del _type, _rule
+# sequence parallel's part of a few ops (`OpDef.sequence`, passes/sequence_parallel.py)
+for _type, _kind in {"TPReduce": "reduce", "TPCopy": "copy", "Add": "bias", "Dropout": "sliced_draw"}.items():
+    registry.extend(_type, sequence=_kind)
+del _type, _rule, _kind
+
+
+def sequence_kind(op: Any) -> str | None:
+    """The op's part in sequence parallel (its row's `sequence`); None: none."""
+    row = registry.get(op.type)
+    return None if row is None else row.sequence
+
+
+def is_view(op: Any) -> bool:
+    """Whether the op only views its input (Reshape, Identity ...): its grad passes partial sums on
+    as partial sums."""
+    row = registry.get(op.type)
+    return row is not None and row.view
 
 
 def rule(op_type: str) -> ShardRule | None:

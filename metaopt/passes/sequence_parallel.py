@@ -159,7 +159,7 @@ def plan_sequence_parallel(
 def _reduce_points(p: Program, plan: SequencePlan, consumers: dict) -> list[ReducePoint]:
     out = []
     for i, op in enumerate(p.ops):
-        if op.type != "TPReduce" or _group_of(op) != plan.group:
+        if sharding.sequence_kind(op) != "reduce" or _group_of(op) != plan.group:
             continue
         at, bias_add, bias, chain = op.outputs[0], None, "", []
         readers = consumers.get(at, [])
@@ -186,7 +186,7 @@ def _reduce_points(p: Program, plan: SequencePlan, consumers: dict) -> list[Redu
 
 
 def _is_bias_add(p: Program, op: Op, x: str) -> bool:
-    if op.type != "Add" or op.inputs[0] != x or len(op.inputs) != 2:
+    if sharding.sequence_kind(op) != "bias" or op.inputs[0] != x or len(op.inputs) != 2:
         return False
     b = p.vars.get(op.inputs[1])
     return b is not None and b.kind == "param" and len(b.shape or ()) == 1
@@ -276,7 +276,7 @@ def _try_rule(p: Program, plan: SequencePlan, op: Op, split: dict[str, Shard]) -
     """The op's rule asked about the sequence split (None: it cannot take it, or it is a
     tensor-parallel collective, whose inputs are gathered)."""
     rule = sharding.rule(op.type)
-    if rule is None or op.type in ("TPCopy", "TPReduce") or registry.get(op.type).collective:
+    if rule is None or sharding.sequence_kind(op) in ("copy", "reduce") or registry.get(op.type).collective:
         return None
     args = ShardArgs(
         op=op,
@@ -339,9 +339,9 @@ def _copies_behind(p: Program, readers: list[int], consumers: dict) -> list[int]
     while todo:
         i = todo.pop()
         op = p.ops[i]
-        if op.type == "TPCopy":
+        if sharding.sequence_kind(op) == "copy":
             found.append(i)
-        elif op.type == "Reshape" and consumers.get(op.outputs[0]):
+        elif sharding.is_view(op) and consumers.get(op.outputs[0]):
             todo += consumers[op.outputs[0]]
         else:
             return None
@@ -371,7 +371,7 @@ def _plan_draws(p: Program, plan: SequencePlan) -> None:
         if not res.draws:
             continue
         op = p.ops[i]
-        if op.type != "Dropout":
+        if sharding.sequence_kind(op) != "sliced_draw":
             raise NotImplementedError(
                 f"sequence_parallel: `{fmt_op(op)}` draws random numbers on the local sequence; only "
                 "Dropout draws one process's mask there so far"
