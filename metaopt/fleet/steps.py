@@ -169,8 +169,9 @@ def _tensor_parallel(p: Program, plan: Any, ctx: Context) -> Program:
     if ctx.strategy.tensor_parallel_configs["sequence_parallel"]:
         from metaopt.passes.sequence_parallel import plan_sequence_parallel, sequence_parallel
 
-        ctx.sp_plan = plan_sequence_parallel(q, degree=plan.mp_degree, group=plan.group)
-        q = sequence_parallel(q, plan=ctx.sp_plan)
+        sp_plan = plan_sequence_parallel(q, degree=plan.mp_degree, group=plan.group)
+        q = sequence_parallel(q, plan=sp_plan)
+        ctx.sp_plan = sp_plan
     # The workers' programs are compared line by line at minimize, and the MP groups of two
     # replicas differ ([0, 1] and [2, 3]): name the group by its axis; the kernels look this
     # worker's up in the groups fleet.init made on every worker (layout/groups.py).

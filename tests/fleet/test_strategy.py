@@ -97,13 +97,14 @@ FLEET_DEFAULTS = {
         "chunks": 1,  # ours: virtual stages per worker (interleaved)
     },
     "gradient_merge_configs": {"k_steps": 1, "avg": True},
-    # Fleet's TensorParallelConfig (column / row: ours)
+    # Fleet's TensorParallelConfig (column / row / vocab / sequence_parallel: ours)
     "tensor_parallel_configs": {
         "tensor_parallel_degree": 1,
         "tensor_init_seed": -1,
         "column": [],
         "row": [],
         "vocab": [],
+        "sequence_parallel": False,
     },
     "localsgd_configs": {"k_steps": 1, "begin_step": 1},
     # Fleet's LambConfig and LarsConfig
@@ -228,7 +229,7 @@ OURS = {
         "seed_random_ops",
     },
     "pipeline_configs": {"cuts", "num_stages", "dp_degree", "shared", "chunks"},
-    "tensor_parallel_configs": {"column", "row", "vocab"},
+    "tensor_parallel_configs": {"column", "row", "sequence_parallel", "vocab"},
 }
 
 
