@@ -177,8 +177,9 @@ def _tensor_parallel(p: Program, plan: Any, ctx: Context) -> Program:
     # worker's up in the groups fleet.init made on every worker (layout/groups.py).
     ranks = list(plan.group)
     for op in q.ops:
-        if op.attrs.get("group") == ranks:  # the collectives the pass added (fields, not types)
-            op.attrs["group"] = "model_parallel"
+        for attr in ("group", "slice_group"):  # the collectives the passes added (fields, not types),
+            if op.attrs.get(attr) == ranks:  # and sequence parallel's dropout drawing a chunk
+                op.attrs[attr] = "model_parallel"
     return q
 
 

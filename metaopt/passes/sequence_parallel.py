@@ -47,12 +47,11 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
-
 from metaopt.ir import Op, Program, Var, names, roles, torch_dtype
 from metaopt.ir.printer import fmt_op
 from metaopt.ops import registry, sharding
 from metaopt.ops.sharding import Shard, ShardArgs, ShardResult
+from metaopt.passes.tensor_parallel import drop_unread_constants, rewrite_constants
 
 GATHER_BACKWARDS = ("scatter", "reduce_scatter")
 
@@ -439,13 +438,13 @@ def sequence_parallel(p: Program, *, plan: SequencePlan) -> Program:
         else:
             _rename_inputs(p, op, i, plan, new)
             if i in plan.region:
-                _apply_changes(q, op, plan.region[i])
+                rewrite_constants(q, op, plan.region[i].constants, plan.region[i].attrs)
             if i in plan.draws:
                 op.attrs.update({"rng": "shared", "slice_axis": plan.axis, "slice_group": group})
             ops.append(op)
         ops += after.get(i, [])
     q.ops = ops
-    _drop_unread_constants(p, q)
+    drop_unread_constants(p, q)
     q.sort_vars()
     return q
 
@@ -542,22 +541,3 @@ def _rename_inputs(p: Program, op: Op, i: int, plan: SequencePlan, new: dict) ->
         x = dropped.get(x, x)  # a dropped TPCopy's reader reads what it copied (gathered, below)
         renamed.append(new["gather"].get(x, x) if x else x)
     op.inputs = renamed
-
-
-def _apply_changes(q: Program, op: Op, res: ShardResult) -> None:
-    for k, value in res.constants.items():
-        src = op.inputs[k]
-        name = names.fresh(names.tp_local(src), q.vars)
-        t = torch.tensor(value, dtype=q.values[src].dtype).reshape(q.values[src].shape)
-        q.add_var(Var(name, q.vars[src].dtype, q.vars[src].shape, kind="constant"), t)
-        op.inputs[k] = name
-    op.attrs.update(res.attrs)
-
-
-def _drop_unread_constants(p: Program, q: Program) -> None:
-    read = {x for op in q.ops for x in op.inputs if x}
-    was_read = p.consumers()
-    for name in list(q.vars):
-        if q.vars[name].kind == "constant" and name not in read and name in was_read:
-            del q.vars[name]
-            q.values.pop(name, None)

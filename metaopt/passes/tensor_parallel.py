@@ -598,11 +598,11 @@ def tensor_parallel(p: Program, *, plan: TensorParallelPlan) -> Program:
             ops += _rewrite_row(q, op, layer, plan)
         else:
             if i in plan.changes:
-                _rewrite_change(q, op, plan.changes[i])
+                rewrite_constants(q, op, plan.changes[i].constants, plan.changes[i].attrs)
             op.attrs.update(plan.rng.get(i, {}))
             ops.append(op)
     q.ops = ops
-    _drop_unread_constants(p, q)
+    drop_unread_constants(p, q)
     q.sort_vars()  # the new constants among the constants: the printed program reads top-down
     return q
 
@@ -658,19 +658,20 @@ def _rewrite_vocab(q: Program, op: Op, v: VocabOp, plan: TensorParallelPlan, cop
     return [*new, Op(vocab_parallel.LOSS_OP, ins, [v.out], dict(v.attrs), **kw)]
 
 
-def _rewrite_change(q: Program, op: Op, change: Change) -> None:
-    for k, value in change.constants.items():
+def rewrite_constants(q: Program, op: Op, constants: dict[int, list], attrs: dict) -> None:
+    """Give `op` this rank's shape constants (new constant vars) and attrs (a split rule's result)."""
+    for k, value in constants.items():
         src = op.inputs[k]
         name = names.fresh(names.tp_local(src), q.vars)
         v = q.vars[src]
         t = torch.tensor(value, dtype=q.values[src].dtype).reshape(q.values[src].shape)
         q.add_var(Var(name, v.dtype, v.shape, kind="constant"), t)
         op.inputs[k] = name
-    op.attrs.update(change.attrs)
+    op.attrs.update(attrs)
 
 
-def _drop_unread_constants(p: Program, q: Program) -> None:
-    # The replaced shape constants nothing reads any more (each reshape had its own, usually).
+def drop_unread_constants(p: Program, q: Program) -> None:
+    """Drop the constants of `p` that rewritten `q` no longer reads (each reshape had its own)."""
     read = {x for op in q.ops for x in op.inputs if x}
     was_read = p.consumers()
     for name in list(q.vars):

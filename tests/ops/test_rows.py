@@ -190,6 +190,8 @@ def test_train_repairs_and_collectives():
         "LocalSGDAverage",  # local SGD's (passes/local_sgd.py)
         "ExpertRoute",  # expert parallel's all-to-alls (ops/kernels/expert_parallel.py)
         "ExpertExchange",
+        "SPGather",  # sequence parallel's (ops/kernels/sequence_parallel.py; SPScatter is local)
+        "SPReduceScatter",
     }
     assert all(table[t].needs_runtime for t in collectives)  # they run through the communicator
     assert "ranks" in inspect.signature(table["AllReduce"].kernel).parameters
