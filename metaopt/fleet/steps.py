@@ -940,6 +940,24 @@ def _partition(p: Program, plan: Any, ctx: Context) -> Program:
     return q
 
 
+def _regather_on(ctx: Context) -> tuple[bool, str]:
+    on, why = _tp_on(ctx)
+    sp = bool(ctx.strategy.tensor_parallel_configs["sequence_parallel"])
+    return on and sp, f"tensor_parallel_configs['sequence_parallel']={sp}" + ("" if on else f"; {why}")
+
+
+def _regather_plan(p: Program, ctx: Context) -> Any:
+    from metaopt.passes.sequence_regather import plan_regather
+
+    return plan_regather(p)
+
+
+def _regather(p: Program, plan: Any, ctx: Context) -> Program:
+    from metaopt.passes.sequence_regather import regather
+
+    return regather(p, plan=plan)
+
+
 def _offload_on(ctx: Context) -> tuple[bool, str]:
     on = bool(ctx.strategy.recompute and ctx.strategy.recompute_configs["enable_offload"])
     return on, f"recompute_configs['enable_offload']={bool(ctx.strategy.recompute_configs['enable_offload'])}"
@@ -1337,6 +1355,15 @@ STEPS: tuple[Step, ...] = (
         meta="recompute",
         reads=("checkpoints", "memory_report", "partition_slices", "strategy", "tp_plan", "world_size"),
         writes=("memory_report", "partition_slices"),
+    ),
+    Step(
+        "sequence_regather",
+        _regather_on,
+        _regather,
+        plan=_regather_plan,
+        doc="column layers' gathered inputs all-gathered again for the backward (not held)",
+        meta="tensor_parallel",
+        reads=("strategy", "world_size"),
     ),
     Step(
         "offload",

@@ -73,7 +73,8 @@ class OpDef:
     # "reduce" (a row-parallel layer's all-reduce sum: it becomes a reduce-scatter), "copy" (a
     # column layer's TPCopy: a gather with a reduce-scatter backward replaces it), "bias" (an Add
     # after the sum: added to the chunk after the reduce-scatter), "sliced_draw" (a random op that
-    # draws one process's mask for a sequence chunk: Dropout's slice_axis). None: none of these.
+    # draws one process's mask for a sequence chunk: Dropout's slice_axis), "gather" (SPGather: the
+    # backward gathers again instead of holding its output, passes/sequence_regather.py). None: none.
     sequence: str | None = None
     # (output index, input index) pairs: the kernel writes that output into that
     # input's storage and returns it (optimizer updates, like torch.optim's in-place

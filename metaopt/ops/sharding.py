@@ -354,7 +354,10 @@ _RULES: dict[str, ShardRule] = {
 for _type, _rule in _RULES.items():  # each rule goes into its op's row (`OpDef.shard`)
     registry.extend(_type, shard=_rule)
 # sequence parallel's part of a few ops (`OpDef.sequence`, passes/sequence_parallel.py)
-for _type, _kind in {"TPReduce": "reduce", "TPCopy": "copy", "Add": "bias", "Dropout": "sliced_draw"}.items():
+_SEQUENCE = {
+    "TPReduce": "reduce", "TPCopy": "copy", "Add": "bias", "Dropout": "sliced_draw", "SPGather": "gather",
+}  # fmt: skip
+for _type, _kind in _SEQUENCE.items():
     registry.extend(_type, sequence=_kind)
 del _type, _rule, _kind
 

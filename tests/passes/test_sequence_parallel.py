@@ -158,6 +158,22 @@ def test_mp2_with_sequence_parallel_trains_as_one_process(runs, name):
     assert "reduce   " in ranks[0]["sp_plan"] and "SPReduceScatter" in ranks[0]["program"]
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_each_workers_memory_is_as_predicted(runs, case):
+    """The executor's count of live bytes after every op of the last step, and its peak, equal
+    estimate_memory's replay of the worker's program (exact: both count the same storages; the
+    split regions at their local shapes)."""
+    for r in runs[case]:
+        assert r["measured"] == r["predicted"]
+
+
+def test_the_backward_gathers_the_column_inputs_again_instead_of_holding_them(runs):
+    program = runs["hf-gpt2"][0]["program"]
+    again = [line for line in program.splitlines() if "= SPGather(" in line and "role=recompute" in line]
+    # ln_1 and ln_2 of both blocks (the four column layers' inputs), and the LM head's input
+    assert len(again) == 5
+
+
 def test_recompute_beside_sequence_parallel_is_bitwise(runs):
     for plain, rc in zip(runs["hf-gpt2"], runs["hf-gpt2:rc"]):
         assert plain["losses"] == rc["losses"]

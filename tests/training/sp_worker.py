@@ -20,6 +20,8 @@ from training_cases import CHECKPOINTS, _module, batch
 
 import metaopt
 from metaopt import fleet
+from metaopt.ir import roles
+from metaopt.passes.memory_estimate import estimate_memory
 
 SEED = 0
 HIDDEN_DROPOUT = {"hf-gpt2": 0.1, "hf-llama": 0.0}  # LLaMA has no hidden dropout (only attention's)
@@ -69,7 +71,7 @@ def train(case: str, dp: int, mp: int) -> dict:
     )
     opt.minimize(program.loss)
     hcg = fleet.get_hybrid_communicate_group()
-    exe = metaopt.Executor("cpu")
+    exe = metaopt.Executor("cpu", record_timeline=True)
     # the feeds first: making the first one builds a model (training_cases' feed names), which
     # draws from the RNG the dropout masks are then drawn from
     feeds = [replica_batch(name, step, hcg.get_data_parallel_rank(), dp) for step in range(tp_worker.STEPS)]
@@ -78,8 +80,16 @@ def train(case: str, dp: int, mp: int) -> dict:
     for feed in feeds:
         (loss,) = exe.run(program, feed=feed, fetch_list=[program.loss])
         losses.append(float(loss))
+    # workspace=False: the executor counts vars, not a kernel's temporaries (memory_estimate doc)
+    est = estimate_memory(program, dims={"batch": feeds[-1]["labels"].shape[0]}, workspace=False)
     return {
         "losses": losses,
+        "measured": (exe.memory_stats()["last_run_peak_bytes"], exe.memory_timeline()),
+        # the last step's timeline has no startup op (they run on the first step only)
+        "predicted": (
+            est.peak_bytes,
+            [b for b, op in zip(est.timeline, program.ops) if not roles.is_startup(op.role)],
+        ),
         "params": {v.name: exe.scope[v.name].clone() for v in program.params()},
         "splits": {sp.name: (sp.axis, sp.blocks) for sp in opt.tensor_parallel_plan.params},
         "sp_plan": str(opt.sequence_parallel_plan),
