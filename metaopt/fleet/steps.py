@@ -153,8 +153,9 @@ def _tp_plan(p: Program, ctx: Context) -> Any:
         column, row = found.column, found.row
     group = topo.group_ranks("model", ctx.rank)
     plan = plan_tensor_parallel(
-        p, mp_degree=mp, mp_rank=rank, column=column, row=row, group=group, vocab=list(cfg["vocab"])
-    )
+        p, mp_degree=mp, mp_rank=rank, column=column, row=row, group=group, vocab=list(cfg["vocab"]),
+        one_process_dropout=cfg["one_process_dropout"],
+    )  # fmt: skip
     if found is not None:  # why each Linear 'auto' left replicated, in place of "not named"
         rest = [s for s in plan.skipped if not s.endswith("a Linear not named in column or row (replicated)")]
         plan.skipped[:] = [*(f"auto: {s}" for s in found.skipped), *rest]

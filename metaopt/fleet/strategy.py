@@ -381,6 +381,15 @@ TENSOR_PARALLEL_CONFIGS: dict[str, Key] = {
         "(passes/sequence_parallel.py; PaddleNLP's sequence_parallel model flag)",
         extra=True,
     ),
+    "one_process_dropout": Key(
+        False,
+        "bool",
+        "dropout on split values (attention over a rank's heads) draws one process's mask: the whole "
+        "mask from the shared stream, each rank keeping its slice (a whole-size draw per rank; CPU "
+        "only), so a tensor-parallel run drops what one process drops; False: each rank its own "
+        "stream (Megatron's model-parallel RNG)",
+        extra=True,
+    ),
 }
 
 # feature flag -> its config table; the order is the printed order (and that of META_OPTIMIZERS).

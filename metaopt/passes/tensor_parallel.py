@@ -131,6 +131,7 @@ class TensorParallelPlan:
     sharded: dict[str, Shard] = field(default_factory=dict)  # split activations (full layout)
     events: list[str] = field(default_factory=list)  # what the rewrite does, in program order
     skipped: list[str] = field(default_factory=list)
+    one_process_dropout: bool = False  # random ops on split values draw one process's mask, sliced
 
     def __str__(self) -> str:
         kinds = [layer.kind for layer in self.layers.values()]
@@ -185,11 +186,14 @@ def plan_tensor_parallel(
     row: Sequence[str],
     group: Sequence[int],
     vocab: Sequence[str] = (),
+    one_process_dropout: bool = False,
 ) -> TensorParallelPlan:
     """Which params split how, which collectives go where, which ops change (module doc);
-    `vocab`: embeddings (module paths or patterns) or params whose table is split by vocab rows."""
+    `vocab`: embeddings (module paths or patterns) or params whose table is split by vocab rows;
+    `one_process_dropout`: a random op on a split value draws one process's mask (the whole mask
+    from the shared stream, this rank's slice kept) instead of this rank's own stream."""
     _check_args(p, mp_degree, mp_rank, group)
-    plan = TensorParallelPlan(mp_degree, mp_rank, tuple(group))
+    plan = TensorParallelPlan(mp_degree, mp_rank, tuple(group), one_process_dropout=one_process_dropout)
     producers, consumers = p.producers(), p.consumers()
     cols, rows = _resolve(p, column, "column", producers), _resolve(p, row, "row", producers)
     kinds = {**cols, **rows}
@@ -389,13 +393,33 @@ def _plan_through(p: Program, plan: TensorParallelPlan, i: int) -> None:
     if res.constants or res.attrs:
         plan.changes[i] = Change(i, res.constants, res.attrs, res.note)
         plan.events.append(f"{op.type:<8} {op.outputs[0]}: {res.note}")
-    if res.draws:  # its own mask on this rank's slice: the rank's model-parallel stream
+    if res.draws and plan.one_process_dropout:
+        plan.rng[i] = _one_process_draw(p, plan, op, args.shards)
+        plan.events.append(
+            f"rng      {op.outputs[0]}: {op.type} draws one process's mask (drawn whole from the shared "
+            f"stream, this rank's slice of axis {plan.rng[i]['slice_axis']} kept)"
+        )
+    elif res.draws:  # its own mask on this rank's slice: the rank's model-parallel stream
         r = plan.mp_rank
         plan.rng[i] = rng_streams.model_parallel_attrs(plan.group)
         plan.events.append(
             f"rng      {op.outputs[0]}: {op.type} draws from the model-parallel RNG stream of rank {r} "
             f"(seed + {rng_streams.MP_SEED_OFFSET} + {r})"
         )
+
+
+def _one_process_draw(p: Program, plan: TensorParallelPlan, op: Op, shards: list) -> dict:
+    """The attrs of a random op on a split value drawing one process's mask (its row must say it
+    can: ``sequence="sliced_draw"``), sliced along its first input's split axis."""
+    s = shards[0]
+    if sharding.sequence_kind(op) != "sliced_draw" or s is None or len(s.blocks) != 1:
+        one_block = s is not None and len(s.blocks) == 1
+        why = "its row draws no sliced mask" if one_block else "its input is split in blocks"
+        raise NotImplementedError(
+            f"tensor parallel: `{fmt_op(op)}` cannot draw one process's mask ({why}); "
+            "leave one_process_dropout off (each rank draws its own)"
+        )
+    return {**rng_streams.shared_attrs(), "slice_axis": s.axis, "slice_group": list(plan.group)}
 
 
 def _random(op: Op) -> bool:

@@ -105,6 +105,7 @@ FLEET_DEFAULTS = {
         "row": [],
         "vocab": [],
         "sequence_parallel": False,
+        "one_process_dropout": False,
     },
     "localsgd_configs": {"k_steps": 1, "begin_step": 1},
     # Fleet's LambConfig and LarsConfig
@@ -229,7 +230,7 @@ OURS = {
         "seed_random_ops",
     },
     "pipeline_configs": {"cuts", "num_stages", "dp_degree", "shared", "chunks"},
-    "tensor_parallel_configs": {"column", "row", "sequence_parallel", "vocab"},
+    "tensor_parallel_configs": {"column", "one_process_dropout", "row", "sequence_parallel", "vocab"},
 }
 
 

@@ -1,7 +1,7 @@
 """One worker of sequence parallel beside tensor parallel through fleet (started by
 tests/passes/test_sequence_parallel.py with RANK/WORLD_SIZE/MASTER_*):
-``python sp_worker.py OUT DP MP CASE ...``, CASE = ``<model>[:rc]`` (rc: recompute, a checkpoint
-per block).
+``python sp_worker.py OUT DP MP CASE ...``, CASE = ``<model>[:rc|:nodrop]`` (rc: recompute, a
+checkpoint per block; nodrop: every dropout off, else 0.1).
 
 fleet.init lays the DP x MP workers out; the strategy turns on tensor parallel with tp_worker's
 column/row layers and ``sequence_parallel``. Each data-parallel replica is fed its share of the
@@ -24,20 +24,14 @@ from metaopt.ir import roles
 from metaopt.passes.memory_estimate import estimate_memory
 
 SEED = 0
-HIDDEN_DROPOUT = {"hf-gpt2": 0.1, "hf-llama": 0.0}  # LLaMA has no hidden dropout (only attention's)
+DROPOUT = 0.1
 
 
-def build(name: str) -> tuple[torch.nn.Module, tuple, dict]:
-    """The zoo's model with its hidden dropout on and its attention dropout off: dropout on split
-    heads draws each rank's own mask (Megatron's model-parallel stream), not one process's."""
+def build(name: str, dropout: float = DROPOUT) -> tuple[torch.nn.Module, tuple, dict]:
+    """The zoo's model with every dropout at `dropout` (GPT-2: embeddings, residuals and attention;
+    LLaMA: attention only)."""
     torch.manual_seed(0)
-    module, inputs, kwargs = _module(name, HIDDEN_DROPOUT[name])
-    for m in module.modules():
-        if hasattr(m, "attn_dropout"):
-            m.attn_dropout.p = 0.0
-        if hasattr(m, "attention_dropout"):
-            m.attention_dropout = 0.0
-    return module, inputs, kwargs
+    return _module(name, dropout)
 
 
 def strategy(name: str, dp: int, mp: int, recompute: bool) -> fleet.DistributedStrategy:
@@ -48,6 +42,8 @@ def strategy(name: str, dp: int, mp: int, recompute: bool) -> fleet.DistributedS
         "column": tp_worker.COLUMN[name],
         "row": tp_worker.ROW[name],
         "sequence_parallel": True,
+        # attention dropout over a rank's heads draws one process's mask: the run equals one process
+        "one_process_dropout": True,
     }
     s.fuse_all_reduce_ops = False
     if recompute:
@@ -64,7 +60,7 @@ def replica_batch(name: str, step: int, dp_rank: int, dp: int) -> dict[str, torc
 
 def train(case: str, dp: int, mp: int) -> dict:
     name, _, mode = case.partition(":")
-    module, inputs, kwargs = build(name)
+    module, inputs, kwargs = build(name, 0.0 if mode == "nodrop" else DROPOUT)
     program = metaopt.export(module, inputs, **kwargs)
     opt = fleet.distributed_optimizer(
         metaopt.optimizer.SGD(learning_rate=tp_worker.LR), strategy(name, dp, mp, mode == "rc")
@@ -90,6 +86,7 @@ def train(case: str, dp: int, mp: int) -> dict:
             est.peak_bytes,
             [b for b, op in zip(est.timeline, program.ops) if not roles.is_startup(op.role)],
         ),
+        "forward_ops": sum(roles.is_forward(op.role) for op in program.ops if not roles.is_startup(op.role)),
         "params": {v.name: exe.scope[v.name].clone() for v in program.params()},
         "splits": {sp.name: (sp.axis, sp.blocks) for sp in opt.tensor_parallel_plan.params},
         "sp_plan": str(opt.sequence_parallel_plan),

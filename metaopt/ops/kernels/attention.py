@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from metaopt.ir.dtypes import torch_dtype_from_onnx
 from metaopt.ir.program import device_form
 from metaopt.ops import onnx_bodies, patterns, rng_streams
+from metaopt.ops.kernels.partition import group_ranks
 from metaopt.ops.registry import register
 
 _MODE_WITH_BIAS = 2
@@ -255,21 +256,31 @@ def _scores_fresh(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, s
 _HALF_RANGE = 1 << 31
 
 
-def _dropout(x: torch.Tensor, p: float) -> torch.Tensor:
+def _dropout(x: torch.Tensor, p: float, whole: tuple[int, int, int] | None = None) -> torch.Tensor:
     """`x` with each entry zeroed with probability `p` and the others scaled by 1 / (1 - p), as
     ``native_dropout(x, p, True)[0]`` computes it (``x * keep * scale``), the mask drawn as 32
     uniform bits per entry: keep where the bits, read as int32, fall below the threshold that
     leaves a 1 - p share (exact to 2^-32; torch's float bernoulli is exact to 2^-24). The bits come
     from the default generator (``random_`` over the whole int64 range), so a recorded generator
-    state replays the mask bit for bit (recompute) and tensor parallel's stream swap covers it."""
+    state replays the mask bit for bit (recompute) and tensor parallel's stream swap covers it.
+
+    `whole` = (axis, parts, index): `x` is chunk `index` of `parts` along `axis` of a value one
+    process holds whole (tensor parallel's heads, with one process's dropout): the bits are drawn
+    for the whole value, as one process draws them, and this chunk's are kept."""
     if p >= 1.0:
         return torch.zeros_like(x)
-    n = x.numel()
+    shape = list(x.shape)
+    if whole is not None:
+        shape[whole[0]] *= whole[1]
+    n = math.prod(shape)
     bits = torch.empty((n + 1) // 2, dtype=torch.int64, device=x.device).random_(-(1 << 63), None)
     threshold = round((1.0 - p) * (1 << 32)) - _HALF_RANGE  # P(int32 < t) = (t + 2^31) / 2^32
     if threshold >= _HALF_RANGE:
         return x.clone()  # p below 2^-33: nothing is dropped
-    keep = bits.view(torch.int32)[:n].view(x.shape) < threshold
+    keep = bits.view(torch.int32)[:n].view(shape) < threshold
+    if whole is not None:
+        axis, _, index = whole
+        keep = keep.narrow(axis, index * x.shape[axis], x.shape[axis])
     return x.mul(keep).mul_(1.0 / (1.0 - p))
 
 
@@ -360,16 +371,26 @@ def scaled_dot_product_attention(
     attn_mask: torch.Tensor | None = None,
     scale: float = 1.0,
     dropout_p: float = 0.0,
+    slice_axis: int | None = None,
+    slice_group: list[int] | str | None = None,
     _nout: int = 1,
 ):
     """softmax(scale * q k^T + attn_mask) v, dropout `dropout_p` on the probabilities; q, k, v
-    are (batch, heads, seq, size). Outputs: y, then what the backward reads (see above):
+    are (batch, heads, seq, size). `slice_axis` / `slice_group`: q, k and v are this rank's chunk
+    of the heads (tensor parallel), and the dropout mask is one process's: drawn whole, this
+    rank's heads kept (`_dropout`). Outputs: y, then what the backward reads (see above):
     (y, LSE) when dropout_p == 0, (y, PROBS, DROPPED) when dropout_p > 0: the probabilities
     before and after dropout (see `_dropout_backward` for why not the mask). Those are the
     CPU's; `_nout` > 1 asks for every saved output of both devices (`saved_forms`), the other
     device's left None."""
     mask = _mask4(attn_mask, q.dtype)
+    whole = _whole(slice_axis, slice_group) if dropout_p > 0.0 else None
     if device_form(q.device) == "cuda":  # the saved outputs marked `on cuda`
+        if whole is not None:
+            raise NotImplementedError(
+                "ScaledDotProductAttention: one process's dropout mask over a rank's heads (slice_axis) "
+                "on CUDA: the fused kernel draws its own mask; not built"
+            )
         return _efficient(q, k, v, mask, scale, dropout_p, _nout)
     cuda_none = (None,) * max(0, _nout - (3 if dropout_p > 0.0 else 2))
     if dropout_p > 0.0:
@@ -378,7 +399,7 @@ def scaled_dot_product_attention(
         dead = _dead_rows(mask)
         if dead is not None:
             probs = probs.masked_fill_(dead, 0.0)
-        dropped = _dropout(probs, dropout_p)
+        dropped = _dropout(probs, dropout_p, whole)
         sk = k.shape[2]
         y = torch.bmm(dropped.view(b * h, sq, sk), v.reshape(b * h, sk, v.shape[3]))
         y = y.view(b, h, sq, v.shape[3])
@@ -390,6 +411,16 @@ def scaled_dot_product_attention(
         qp, kp, vp, 0.0, False, attn_mask=mask, scale=scale
     )
     return (y[..., : v.shape[-1]], lse, *cuda_none)[:_nout]
+
+
+def _whole(axis: int | None, group: list[int] | str | None) -> tuple[int, int, int] | None:
+    """(axis, parts, this rank's index) of a sliced draw, None without one."""
+    if axis is None:
+        return None
+    if group is None:
+        raise ValueError(f"{_SDPA}: slice_axis needs slice_group (the model-parallel group it is split over)")
+    ranks = group_ranks(group, _SDPA)
+    return axis, len(ranks), rng_streams.mp_rank(group)
 
 
 def _one_head_size(*qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
