@@ -1358,7 +1358,7 @@ STEPS: tuple[Step, ...] = (
         writes=("memory_report", "partition_slices"),
     ),
     Step(
-        "sequence_regather",
+        "sp_regather",
         _regather_on,
         _regather,
         plan=_regather_plan,

@@ -39,7 +39,7 @@ class RegatherPlan:
     events: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
-        head = f"sequence_regather: {len(self.items)} gathered values all-gathered again for the backward"
+        head = f"sp_regather: {len(self.items)} gathered values all-gathered again for the backward"
         return "\n".join([head, *(f"  {e}" for e in self.events), *(f"  skipped  {s}" for s in self.skipped)])
 
 

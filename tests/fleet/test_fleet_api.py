@@ -143,6 +143,7 @@ STEP_ORDER = [
     "broadcast_init",
     "recompute",
     "partition",
+    "sp_regather",
     "offload",
     "pipeline_split",
     "sharding",
