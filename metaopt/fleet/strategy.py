@@ -38,8 +38,9 @@ Differences from Fleet, on purpose:
   ``StrategyObject`` whose attribute assignments are kept, where Fleet's copy drops them). Each
   works, is ``NO_EFFECT`` (listed in the overview) or is refused at ``minimize``.
 - ``hybrid_configs`` has Fleet 2.x's keys (dp_degree, mp_degree, pp_degree, sharding_degree,
-  with its defaults) and Paddle's expert-parallel ep_degree and moe_sharding_degree; later Fleet
-  keys (sep_degree, cp_degree, order, mp_configs, pp_configs) are unknown
+  with its defaults), Paddle's expert-parallel ep_degree and moe_sharding_degree, and Paddle's
+  ``order`` (the axes outermost first); later Fleet keys (sep_degree, cp_degree, mp_configs,
+  pp_configs) are unknown
   keys here, refused with the known ones listed. Its layout: ``metaopt/layout/topology.py``.
 """
 
@@ -56,6 +57,7 @@ import torch
 
 from metaopt.atomic import atomic_write
 from metaopt.ir import did_you_mean
+from metaopt.layout.topology import PADDLE_ORDER, axes_order
 
 Check = tuple[Callable[[Any], bool], str]  # (predicate, "must be ...")
 
@@ -295,6 +297,16 @@ _DP_DEGREE: tuple[Check, ...] = (
     ),
     _INT32,
 )
+def _order_ok(v: Any) -> bool:
+    try:
+        axes_order(v)
+    except NotImplementedError:
+        return True  # a layout metaopt cannot build: refused by name at fleet.init / minimize
+    except ValueError:
+        return False
+    return True
+
+
 HYBRID_CONFIGS: dict[str, Key] = {
     "dp_degree": Key(
         -1,
@@ -319,6 +331,15 @@ HYBRID_CONFIGS: dict[str, Key] = {
         "dp_degree x sharding_degree (Paddle's ep_degree), whose workers' tokens go to the experts' "
         "owners by all-to-all",
         check=_COUNT,
+    ),
+    "order": Key(
+        list(PADDLE_ORDER),
+        "list[str]",
+        "the axes outermost first (Paddle's names): ranks enumerate the coordinates in this order, "
+        "the last varying fastest (adjacent ranks: a node's); 'sep' and 'cp' (not built: degree 1) "
+        "may sit anywhere; Paddle 3's 'ep' / 'moe_sharding' are refused (expert groups are laid over "
+        "consecutive data-side ranks)",
+        check=((_order_ok, "must list each of dp, pp, sharding, mp once (sep, cp: at most once)"),),
     ),
     "moe_sharding_degree": Key(
         -1,

@@ -7,7 +7,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from metaopt.layout.topology import AXES, Coordinate, HybridCommunicateGroup, ParallelMode, Topology
+from metaopt.layout.topology import (
+    AXES,
+    PADDLE_ORDER,
+    Coordinate,
+    HybridCommunicateGroup,
+    ParallelMode,
+    Topology,
+    axes_order,
+)
 
 __all__ = [
     "AXES",
@@ -73,7 +81,8 @@ def from_hybrid_configs(
             f"sharding_degree={sh} / ep_degree={ep} = {dp * sh // ep} workers: leave it at -1 (inferred) "
             "or set it equal"
         )
-    return Topology(dp_degree=dp, pp_degree=pp, sharding_degree=sh, mp_degree=mp, ep_degree=ep)
+    order = axes_order(hybrid_configs.get("order", PADDLE_ORDER), f"{where}['order']")
+    return Topology(dp_degree=dp, pp_degree=pp, sharding_degree=sh, mp_degree=mp, ep_degree=ep, order=order)
 
 
 def job_topology(strategy: Any, world_size: int, init: Topology | None = None) -> Topology:

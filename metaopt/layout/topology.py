@@ -46,6 +46,20 @@ AXES: tuple[str, ...] = ("data", "pipe", "sharding", "model")  # outermost first
 # moe_sharding: they hold the same experts). dp=4, ep=2: expert groups [0, 1] [2, 3], replica
 # groups [0, 2] [1, 3].
 EXPERT_AXES: tuple[str, ...] = ("expert", "expert_replica")
+# Paddle's hybrid_configs["order"] names -> our axes ("sep", "cp": segment and context parallel,
+# not built: their degree is 1, so wherever they sit they change no rank)
+ORDER_NAMES: dict[str, str | None] = {
+    "dp": "data",
+    "pp": "pipe",
+    "sharding": "sharding",
+    "sep": None,
+    "cp": None,
+    "mp": "model",
+}
+# Paddle 3's expert axes: metaopt lays the expert groups over runs of consecutive data-side ranks
+# (EXPERT_AXES), not by their place in the order
+EXPERT_ORDER_NAMES = ("ep", "moe_sharding")
+PADDLE_ORDER: tuple[str, ...] = ("dp", "pp", "sharding", "sep", "mp")  # Paddle's default, outermost first
 DEGREE_KEYS: dict[str, str] = {  # axis -> its strategy.hybrid_configs key
     "data": "dp_degree",
     "pipe": "pp_degree",
@@ -81,8 +95,13 @@ class Topology:
     sharding_degree: int = 1
     mp_degree: int = 1
     ep_degree: int = 1  # experts split over runs of this many data-side ranks (EXPERT_AXES)
+    # the axes outermost first (Paddle's hybrid_configs["order"], read by `axes_order`): the rank
+    # enumerates the coordinates in this order, the last axis varying fastest
+    order: tuple[str, ...] = AXES
 
     def __post_init__(self) -> None:
+        if sorted(self.order) != sorted(AXES):
+            raise ValueError(f"Topology: order must hold each of {list(AXES)} once, got {list(self.order)}")
         for axis in AXES:
             d = self.get_dim(axis)
             if isinstance(d, bool) or not isinstance(d, int) or d < 1:
@@ -134,13 +153,12 @@ class Topology:
 
     # --- ranks and coordinates ---------------------------------------------------------------
     def get_coord(self, rank: int) -> Coordinate:
-        """`rank`'s coordinate: the model axis varies fastest."""
+        """`rank`'s coordinate: the last axis of `order` (the model axis, by default) varies fastest."""
         _check_rank(rank, self.world_size())
-        out = []
-        for d in reversed(self.dims):
-            rank, c = divmod(rank, d)
-            out.append(c)
-        return Coordinate(*reversed(out))
+        coord = {}
+        for axis in reversed(self.order):
+            rank, coord[axis] = divmod(rank, self.get_dim(axis))
+        return Coordinate(**coord)
 
     def get_rank(self, **coord: int) -> int:
         """The rank at a full coordinate, e.g. ``get_rank(data=1, pipe=0, sharding=0, model=1)``."""
@@ -155,7 +173,7 @@ class Topology:
                 f"Topology.get_rank: the coordinate needs every axis of {list(AXES)}; missing {missing}"
             )
         rank = 0
-        for axis in AXES:
+        for axis in self.order:
             c, d = coord[axis], self.get_dim(axis)
             if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < d:
                 raise ValueError(
@@ -209,6 +227,9 @@ class Topology:
             parts.append(f"sharding_degree={self.sharding_degree}")
         if self.ep_degree != 1:
             parts.append(f"ep_degree={self.ep_degree}")
+        if self.order != AXES:
+            names = {a: n for n, a in ORDER_NAMES.items() if a is not None}
+            parts.append(f"order={[names[a] for a in self.order]}")
         return ", ".join(parts)
 
     def table(self) -> str:
@@ -221,6 +242,37 @@ class Topology:
             cells = (getattr(self.get_coord(r), a) for r in range(world))
             rows.append(f"{a:<8}" + "".join(f"{c:>{width}}" for c in cells))
         return "\n".join(rows)
+
+
+def axes_order(names: Any, where: str = "hybrid_configs['order']") -> tuple[str, ...]:
+    """Our axes, outermost first, from Paddle's order names (``["dp", "pp", "sharding", "sep",
+    "mp"]``): each of dp, pp, sharding and mp once; "sep" and "cp" (degree 1: segment and context
+    parallel are not built) at most once, anywhere. A ValueError names what is wrong; Paddle 3's
+    "ep" and "moe_sharding" are a NotImplementedError (`EXPERT_ORDER_NAMES`)."""
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"{where} must be a list of axis names, got {names!r}")
+    names = list(names)
+    placed = [n for n in names if n in EXPERT_ORDER_NAMES]
+    if placed:
+        raise NotImplementedError(
+            f"{where}: placing {placed} by the order is not built: metaopt lays the expert groups over "
+            "runs of ep_degree consecutive data-side ranks (the ranks sharing a pipe and model place); "
+            f"leave {placed} out of the order"
+        )
+    for n in names:
+        if n not in ORDER_NAMES:
+            raise ValueError(
+                f"{where}: unknown axis {n!r}{did_you_mean(n, list(ORDER_NAMES))}; Paddle's names: "
+                f"{list(ORDER_NAMES)}"
+            )
+    twice = sorted({n for n in names if names.count(n) > 1})
+    missing = [n for n, a in ORDER_NAMES.items() if a is not None and n not in names]
+    if twice or missing:
+        what = f"{twice} more than once" if twice else f"no {missing}"
+        raise ValueError(
+            f"{where}={names} names {what}: list each of dp, pp, sharding, mp once, outermost first"
+        )
+    return tuple(ORDER_NAMES[n] for n in names if ORDER_NAMES[n] is not None)
 
 
 def _axis(name: str) -> str:

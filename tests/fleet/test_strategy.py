@@ -138,6 +138,7 @@ FLEET_DEFAULTS = {
         "pp_degree": 1,
         "sharding_degree": 1,
         "ep_degree": 1,
+        "order": ["dp", "pp", "sharding", "sep", "mp"],  # Paddle's default, outermost first
         "moe_sharding_degree": -1,
     },
     "moe_configs": {"capacity_factor": None},  # metaopt's: passes/expert_capacity.py
@@ -743,7 +744,7 @@ def test_unimplemented_values_still_load_and_print_as_refused(tmp_path):
 
 def test_hybrid_configs_have_fleets_keys_defaults_and_did_you_mean():
     s = fleet.DistributedStrategy()
-    ep = {"ep_degree": 1, "moe_sharding_degree": -1}
+    ep = {"ep_degree": 1, "moe_sharding_degree": -1, "order": ["dp", "pp", "sharding", "sep", "mp"]}
     assert s.hybrid_configs == {"dp_degree": -1, "mp_degree": 1, "pp_degree": 1, "sharding_degree": 1, **ep}
     s.hybrid_configs = {"dp_degree": 2, "pp_degree": 2}  # replaced: the others at their defaults
     assert s.hybrid_configs == {"dp_degree": 2, "mp_degree": 1, "pp_degree": 2, "sharding_degree": 1, **ep}

@@ -238,6 +238,62 @@ def test_expert_degrees_that_do_not_fit_are_refused():
         Topology(dp_degree=2, ep_degree=4)
 
 
+# --- Paddle's hybrid_configs["order"] ----------------------------------------------------------------
+
+
+def test_order_places_the_axes_outermost_first():
+    # model outermost, data innermost: model-parallel peers 2 ranks apart, replicas adjacent
+    t = from_hybrid_configs(_hybrid(dp_degree=2, mp_degree=2, order=["mp", "pp", "sharding", "dp"]), 4)
+    assert t.order == ("model", "pipe", "sharding", "data")
+    assert t.get_comm_list("model") == [[0, 2], [1, 3]] and t.get_comm_list("data") == [[0, 1], [2, 3]]
+    assert [t.get_coord(r).model for r in range(4)] == [0, 0, 1, 1]
+    assert "order=['mp', 'pp', 'sharding', 'dp']" in t.describe()
+    # Paddle's default (with 'sep', degree 1 here) is the layout without an order
+    assert from_hybrid_configs(_hybrid(dp_degree=2, mp_degree=2), 4) == Topology(dp_degree=2, mp_degree=2)
+    assert from_hybrid_configs(
+        _hybrid(dp_degree=2, mp_degree=2, order=["dp", "sep", "pp", "sharding", "mp"]), 4
+    ) == (Topology(dp_degree=2, mp_degree=2))
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(AXES)))
+def test_every_order_is_a_bijection_and_every_group_holds_one_rank_per_coordinate(order):
+    t = Topology(dp_degree=2, pp_degree=3, sharding_degree=1, mp_degree=2, order=order)
+    coords = [t.get_coord(r) for r in range(t.world_size())]
+    assert len(set(coords)) == t.world_size()
+    assert all(t.get_rank(**c._asdict()) == r for r, c in enumerate(coords))
+    fastest = order[-1]  # the innermost axis: its groups are runs of adjacent ranks
+    assert all(g == list(range(g[0], g[0] + len(g))) for g in t.get_comm_list(fastest))
+    for axis in AXES:
+        assert sorted(r for g in t.get_comm_list(axis) for r in g) == list(range(t.world_size()))
+
+
+def test_a_bad_order_is_refused_naming_the_name():
+    with pytest.raises(ValueError, match=r"unknown axis 'shardng' \(did you mean 'sharding'\?\)"):
+        from_hybrid_configs(_hybrid(order=["dp", "pp", "shardng", "mp"]), 4)
+    with pytest.raises(ValueError, match=r"names \['mp'\] more than once"):
+        from_hybrid_configs(_hybrid(order=["dp", "mp", "pp", "sharding", "mp"]), 4)
+    with pytest.raises(ValueError, match=r"names no \['pp'\]"):
+        from_hybrid_configs(_hybrid(order=["dp", "sharding", "mp"]), 4)
+    paddle3 = ["sharding", "moe_sharding", "pp", "sep", "cp", "dp", "ep", "mp"]  # docs/moe.md's Paddle code
+    with pytest.raises(
+        NotImplementedError, match=r"placing \['moe_sharding', 'ep'\] by the order is not built"
+    ):
+        from_hybrid_configs(_hybrid(dp_degree=2, mp_degree=2, order=paddle3), 4)
+    s = fleet.DistributedStrategy()
+    with pytest.raises(
+        ValueError, match=r"hybrid_configs\['order'\]: must list each of dp, pp, sharding, mp"
+    ):
+        s.hybrid_configs = {"order": ["dp", "pp", "mp"]}
+
+
+def test_fleet_inits_order_must_agree_with_the_optimizers():
+    init = Topology(dp_degree=2, mp_degree=2)
+    with pytest.raises(
+        ValueError, match=r"order=\['mp', 'pp', 'sharding', 'dp'\]\) differ from the layout fleet.init"
+    ):
+        job_topology(_S({"dp_degree": 2, "mp_degree": 2, "order": ["mp", "pp", "sharding", "dp"]}), 4, init)
+
+
 class _S:
     """The strategy fields job_topology reads."""
 

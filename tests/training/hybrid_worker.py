@@ -1,6 +1,7 @@
 """One hybrid-parallel worker (started by test_hybrid_topology.py with RANK/WORLD_SIZE/MASTER_*).
 
-argv: out dir, then layouts "dp,mp,pp". For each layout, in order (every worker alike):
+argv: out dir, then layouts "dp,mp,pp[,order]" (order: a key of ORDERS). For each layout, in
+order (every worker alike):
 ``fleet.init`` with those hybrid_configs, then record what ``fleet.get_hybrid_communicate_group()``
 says (ranks, sizes, src ranks) and, for each axis, the all_reduce (sum) of this worker's rank over
 its group and of a 1 (the group's size). Then: with pp > 1, train two SGD steps of a tiny program
@@ -41,9 +42,17 @@ def _program() -> Program:
     return p
 
 
-def _strategy(dp: int, mp: int, pp: int) -> fleet.DistributedStrategy:
+ORDERS = {"mp-first": ["mp", "pp", "sharding", "dp"]}  # a layout's optional 4th field: Paddle's order
+
+
+def _strategy(dp: int, mp: int, pp: int, order: str = "") -> fleet.DistributedStrategy:
     s = fleet.DistributedStrategy()
-    s.hybrid_configs = {"dp_degree": dp, "mp_degree": mp, "pp_degree": pp}
+    s.hybrid_configs = {
+        "dp_degree": dp,
+        "mp_degree": mp,
+        "pp_degree": pp,
+        **({"order": ORDERS[order]} if order else {}),
+    }
     return s
 
 
@@ -86,8 +95,8 @@ def _pipeline(dp: int, pp: int) -> dict:
     }
 
 
-def _layout(dp: int, mp: int, pp: int) -> dict:
-    fleet.init(is_collective=True, strategy=_strategy(dp, mp, pp))
+def _layout(dp: int, mp: int, pp: int, order: str = "") -> dict:
+    fleet.init(is_collective=True, strategy=_strategy(dp, mp, pp, order))
     hcg = fleet.get_hybrid_communicate_group()
     rec = {
         "global_rank": hcg.get_global_rank(),
@@ -114,8 +123,8 @@ def main() -> None:
     out, layouts = sys.argv[1], sys.argv[2:]
     result: dict = {}
     for layout in layouts:
-        dp, mp, pp = (int(x) for x in layout.split(","))
-        result[layout] = _layout(dp, mp, pp)
+        dp, mp, pp, *order = layout.split(",")
+        result[layout] = _layout(int(dp), int(mp), int(pp), *order)
     try:  # 2 x 2 x 2 on 4 workers: refused by every worker alike, before any group is made
         fleet.init(is_collective=True, strategy=_strategy(2, 2, 2))
         result["wrong_world"] = None

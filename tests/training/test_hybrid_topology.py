@@ -14,8 +14,9 @@ from metaopt.layout.topology import AXES, Topology
 
 HERE = Path(__file__).parent
 WORLD = 4
-# dp x pp (with a pipeline run), then dp x mp (minimize: no tensor_parallel, refused), re-initialised
-LAYOUTS = ["2,1,2", "2,2,1"]
+# dp x pp (with a pipeline run), then dp x mp (minimize: no tensor_parallel, refused), then dp x mp
+# with Paddle's order putting the model axis outermost; re-initialised each time
+LAYOUTS = ["2,1,2", "2,2,1", "2,2,1,mp-first"]
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +73,19 @@ def test_dp2_x_mp2_accessors_groups_and_the_tensor_parallel_refusal(results):
             assert r["sums"][axis] == [sum(members), len(members)], (rank, axis)
         # fleet.init's strategy sets mp_degree but not tensor_parallel: nothing names layers to split
         assert r["refused"].startswith("hybrid_configs mp_degree=2 needs strategy.tensor_parallel=True")
+
+
+def test_an_order_with_the_model_axis_outermost_makes_its_groups_two_ranks_apart(results):
+    topo = Topology(dp_degree=2, mp_degree=2, order=("model", "pipe", "sharding", "data"))
+    for rank, res in enumerate(results):
+        r = res["2,2,1,mp-first"]
+        model, data = divmod(rank, 2)  # rank = model x dp_degree + data
+        assert r["dp"] == [data, 2] and r["mp"] == [model, 2]
+        assert r["groups"]["model"] == [data, 2 + data] and r["groups"]["data"] == [2 * model, 2 * model + 1]
+        assert r["groups"] == {a: topo.group_ranks(a, rank) for a in ("data", "model", "pipe", "sharding")}
+        for axis in AXES:  # the process groups fleet.init made are these
+            members = r["groups"][axis]
+            assert r["sums"][axis] == [sum(members), len(members)], (rank, axis)
 
 
 def test_the_groups_agree_with_the_pure_layout(results):
