@@ -128,6 +128,16 @@ def _tp_check(ctx: Context) -> None:
         why.append(
             "grad_clip=ClipGradByGlobalNorm (the norm of split grads needs an all-reduce over the MP group)"
         )
+    s = ctx.strategy
+    if (
+        s.tensor_parallel_configs["sequence_parallel"]
+        and s.recompute
+        and s.recompute_configs["enable_partition"]
+    ):
+        why.append(
+            "tensor_parallel_configs['sequence_parallel'] beside recompute_configs['enable_partition'] (a "
+            "checkpoint on the local sequence differs per rank: slicing it as a replicated one is not built)"
+        )
     if why:
         raise NotImplementedError(
             f"strategy.tensor_parallel=True with mp_degree={_mp_degree(ctx)} cannot be combined yet with: "

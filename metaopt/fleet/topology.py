@@ -37,7 +37,16 @@ def hybrid_is_set(hybrid_configs: Mapping[str, Any]) -> bool:
     then do they lay the workers out (else the pipeline's own configs, or plain data parallel)."""
     from metaopt.fleet.strategy import HYBRID_CONFIGS
 
-    return any(hybrid_configs.get(k, key.default) != key.default for k, key in HYBRID_CONFIGS.items())
+    def default(k: str, key: Any) -> bool:
+        v = hybrid_configs.get(k, key.default)
+        if k == "order":  # Paddle 2.x's default (no "sep") places the axes as 3.x's does
+            try:
+                return axes_order(v) == AXES
+            except (ValueError, NotImplementedError):
+                return False
+        return v == key.default
+
+    return not all(default(k, key) for k, key in HYBRID_CONFIGS.items())
 
 
 def from_hybrid_configs(

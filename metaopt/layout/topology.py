@@ -102,6 +102,11 @@ class Topology:
     def __post_init__(self) -> None:
         if sorted(self.order) != sorted(AXES):
             raise ValueError(f"Topology: order must hold each of {list(AXES)} once, got {list(self.order)}")
+        # Axes of degree 1 change no rank wherever they sit: an order placing the others as the
+        # default does is the default (so equal layouts compare equal)
+        placed = [a for a in self.order if self.get_dim(a) > 1]
+        if placed == [a for a in AXES if self.get_dim(a) > 1]:
+            object.__setattr__(self, "order", AXES)
         for axis in AXES:
             d = self.get_dim(axis)
             if isinstance(d, bool) or not isinstance(d, int) or d < 1:
@@ -208,7 +213,7 @@ class Topology:
         for r in range(self.world_size()):
             c = self.get_coord(r)
             groups.setdefault(tuple(v for a, v in zip(AXES, c, strict=True) if a != axis), []).append(r)
-        return list(groups.values())  # rank order makes the keys row-major already
+        return list(groups.values())  # in rank order of their first member
 
     def group_ranks(self, axis_name: str, rank: int) -> list[int]:
         """The ranks of `rank`'s group on `axis_name` (itself included)."""

@@ -127,13 +127,23 @@ def plan_sequence_parallel(
             f"{late.role} op (`{fmt_op(late)}`): apply it before append_backward / minimize"
         )
     group = group if isinstance(group, str) else tuple(group)
+    if not isinstance(group, str) and (len(group) != degree or list(group) != sorted(set(group))):
+        raise SequenceParallelError(
+            f"sequence_parallel: group {list(group)} must list the {degree} global ranks of the "
+            f"model-parallel group, ascending (degree={degree})"
+        )
     plan = SequencePlan(degree, group, axis, _types={i: op.type for i, op in enumerate(p.ops)})
     producers, consumers = p.producers(), p.consumers()
     plan.reduces = _reduce_points(p, plan, consumers)
     if not plan.reduces:
+        others = sorted({str(_group_of(op)) for op in p.ops if sharding.sequence_kind(op) == "reduce"})
+        why = (
+            f"its TPReduce ops are over {others}: give that group"
+            if others
+            else "apply tensor_parallel first (sequence parallel splits the regions between its layers)"
+        )
         raise SequenceParallelError(
-            f"sequence_parallel: program {p.name!r} has no TPReduce over group {plan._group_text()}: "
-            "apply tensor_parallel first (sequence parallel splits the regions between its layers)"
+            f"sequence_parallel: program {p.name!r} has no TPReduce over group {plan._group_text()}: {why}"
         )
     plan.length = _length(p, plan)
     sources: set[str] = set()
@@ -340,7 +350,7 @@ def _copies_behind(p: Program, readers: list[int], consumers: dict) -> list[int]
         op = p.ops[i]
         if sharding.sequence_kind(op) == "copy":
             found.append(i)
-        elif sharding.is_view(op) and consumers.get(op.outputs[0]):
+        elif sharding.is_view(op) and len(op.outputs) == 1 and consumers.get(op.outputs[0]):
             todo += consumers[op.outputs[0]]
         else:
             return None

@@ -54,7 +54,8 @@ def plan_regather(p: Program) -> RegatherPlan:
         for v in values:  # the forward views of the gathered value, breadth first
             for k in consumers.get(v, []):
                 view = p.ops[k]
-                if roles.is_forward(view.role) and sharding.is_view(view) and view.inputs[0] == v:
+                one = len(view.outputs) == 1  # a Split's other pieces would not be re-made
+                if roles.is_forward(view.role) and sharding.is_view(view) and one and view.inputs[0] == v:
                     chain.append(k)
                     values.append(view.outputs[0])
         readers = sorted(

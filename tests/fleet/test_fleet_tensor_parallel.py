@@ -166,6 +166,15 @@ def test_global_norm_clipping_with_tensor_parallel_is_refused(monkeypatch):
     _refused(_tp_strategy(), NotImplementedError, r"grad_clip=ClipGradByGlobalNorm", opt)
 
 
+def test_sequence_parallel_beside_recompute_partition_is_refused(monkeypatch):
+    # a checkpoint on the local sequence differs per rank: partition would slice it as replicated
+    _fake_job(monkeypatch, 0, dp=1, mp=2)
+    s = _tp_strategy(sequence_parallel=True)
+    s.recompute = True
+    s.recompute_configs = {"checkpoints": ["transformer.h.*"], "enable_partition": True}
+    _refused(s, NotImplementedError, r"'sequence_parallel'\] beside recompute_configs\['enable_partition'\]")
+
+
 def test_a_tensor_parallel_degree_other_than_mp_degree_is_refused_naming_both(monkeypatch):
     _fake_job(monkeypatch, 0, dp=2, mp=2)
     _refused(

@@ -286,6 +286,16 @@ def test_a_bad_order_is_refused_naming_the_name():
         s.hybrid_configs = {"order": ["dp", "pp", "mp"]}
 
 
+def test_an_order_moving_only_axes_of_degree_1_is_the_default_layout():
+    # pp=1 and sharding=1 change no rank wherever they sit; Paddle 2.x's default has no "sep"
+    moved = from_hybrid_configs(_hybrid(dp_degree=2, mp_degree=2, order=["pp", "dp", "mp", "sharding"]), 4)
+    assert moved == Topology(dp_degree=2, mp_degree=2) and moved.order == AXES
+    from metaopt.fleet.topology import hybrid_is_set
+
+    assert not hybrid_is_set({"order": ["dp", "pp", "sharding", "mp"]})
+    assert hybrid_is_set({"order": ["mp", "pp", "sharding", "dp"]})
+
+
 def test_fleet_inits_order_must_agree_with_the_optimizers():
     init = Topology(dp_degree=2, mp_degree=2)
     with pytest.raises(

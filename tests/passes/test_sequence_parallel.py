@@ -90,10 +90,22 @@ def test_refusals_name_the_cause(gpt2_tp):
     plain = metaopt.export(module, inputs, **kwargs)
     with pytest.raises(SequenceParallelError, match="apply tensor_parallel first"):
         plan_sequence_parallel(plain, degree=2, group=[0, 1])
+    named = gpt2_tp.clone()  # the group by its axis, as fleet writes it: any degree is taken at its word
+    for op in named.ops:
+        if op.attrs.get("group") == [0, 1]:
+            op.attrs["group"] = "model_parallel"
     with pytest.raises(
         SequenceParallelError, match="sequence length 12 .* not divisible by the model-parallel degree 8"
     ):
-        plan_sequence_parallel(gpt2_tp, degree=8, group=[0, 1])
+        plan_sequence_parallel(named, degree=8, group="model_parallel")
+    with pytest.raises(
+        SequenceParallelError, match=r"group \[1, 0\] must list the 2 global ranks .* ascending"
+    ):
+        plan_sequence_parallel(gpt2_tp, degree=2, group=[1, 0])
+    with pytest.raises(
+        SequenceParallelError, match=r"no TPReduce over group \[2, 3\]: its TPReduce ops are over"
+    ):
+        plan_sequence_parallel(gpt2_tp, degree=2, group=[2, 3])
     trained = gpt2_tp.clone()
     metaopt.optimizer.SGD(learning_rate=0.1).minimize(trained.loss)
     with pytest.raises(SequenceParallelError, match="apply it before append_backward"):

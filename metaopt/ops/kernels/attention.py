@@ -420,7 +420,7 @@ def _whole(axis: int | None, group: list[int] | str | None) -> tuple[int, int, i
     if group is None:
         raise ValueError(f"{_SDPA}: slice_axis needs slice_group (the model-parallel group it is split over)")
     ranks = group_ranks(group, _SDPA)
-    return axis, len(ranks), rng_streams.mp_rank(group)
+    return axis, len(ranks), rng_streams.mp_rank(group if isinstance(group, str) else sorted(group))
 
 
 def _one_head_size(*qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -54,8 +54,8 @@ def dropout(
     model-parallel rank's chunk along `slice_axis` of a value one process holds whole. The mask
     is drawn for the whole value, as one process draws it, from the stream every rank of the
     group shares, and this rank keeps its chunk: the masks of all ranks together are one
-    process's mask, bit for bit. It costs a whole-size draw on every rank (a transient the size
-    of the whole value); a counter-based generator could skip to the chunk (not built).
+    process's mask, bit for bit. It costs a whole-size draw on every rank (transients: the whole
+    value's input, output and mask); a counter-based generator could skip to the chunk (not built).
     """
     if training_mode is not None and bool(training_mode):
         p = _ratio(ratio)
@@ -78,7 +78,7 @@ def _sliced_dropout(
     if group is None:
         raise ValueError("Dropout: slice_axis needs slice_group (the model-parallel group it is split over)")
     parts = len(group_ranks(group, "Dropout"))
-    rank = mp_rank(group)
+    rank = mp_rank(group if isinstance(group, str) else sorted(group))  # chunks go by ascending rank
     n = data.shape[axis]
     shape = list(data.shape)
     shape[axis] = n * parts

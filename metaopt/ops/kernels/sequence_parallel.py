@@ -85,7 +85,7 @@ def sp_scatter(x: torch.Tensor, axis: int, group: list[int] | str, _rt, _key: st
     if len(ranks) == 1:
         return x.clone()
     ranks, me = _place(group, _rt.comm.rank, "SPScatter")
-    return chunk(x, axis, len(ranks), me).contiguous().clone()
+    return chunk(x, axis, len(ranks), me).clone(memory_format=torch.contiguous_format)
 
 
 @register_collective(
