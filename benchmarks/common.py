@@ -121,3 +121,14 @@ def worker_results(launch, args, prefix: str, nproc: int = 2) -> tuple[str, list
         with open(os.path.join(out, f"rank{r}.json")) as f:
             results.append(json.load(f))
     return out, results
+
+
+class LMLoss(torch.nn.Module):
+    """A Hugging Face causal LM that returns its loss (what metaopt.export and eager both run)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.m = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.m(input_ids=input_ids, labels=labels).loss

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from common import RESULTS, machine
+from common import RESULTS, LMLoss, machine
 
 SIDES = ("torch", "metaopt", "metaopt-meta")
 
@@ -43,19 +43,11 @@ def child(side: str, width: int, layers: int) -> dict:
     torch.set_num_threads(2)
     cfg = transformers.GPT2Config(n_embd=width, n_layer=layers, n_head=width // 64, n_positions=128)
 
-    class LM(torch.nn.Module):
-        def __init__(self, m: torch.nn.Module) -> None:
-            super().__init__()
-            self.m = m
-
-        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            return self.m(input_ids=input_ids, labels=labels).loss
-
     ids = torch.randint(0, cfg.vocab_size, (2, 64))
     base = _rss_bytes()
     device = "meta" if side == "metaopt-meta" else "cpu"
     with torch.device(device):
-        model = LM(transformers.GPT2LMHeadModel(cfg)).train()
+        model = LMLoss(transformers.GPT2LMHeadModel(cfg)).train()
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     t0 = time.perf_counter()
     if side == "torch":

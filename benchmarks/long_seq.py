@@ -34,8 +34,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-import common  # noqa: F401  (puts the repo on sys.path)
 import torch
+from common import LMLoss  # (common puts the repo on sys.path)
 
 import metaopt  # before transformers (DESIGN: import order)
 from metaopt import fleet
@@ -47,15 +47,6 @@ from metaopt.passes.tensor_parallel import plan_tensor_parallel, tensor_parallel
 COLUMN = ["m.transformer.h.*.attn.c_attn", "m.transformer.h.*.mlp.c_fc"]
 ROW = ["m.transformer.h.*.attn.c_proj", "m.transformer.h.*.mlp.c_proj"]
 CHECKPOINTS = ["m.transformer.h.*"]
-
-
-class LMLoss(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.m = model
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.m(input_ids=input_ids, labels=labels).loss
 
 
 def build(a) -> tuple[torch.nn.Module, tuple]:

@@ -34,19 +34,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import common  # noqa: F401  (puts the repo on sys.path)
 import torch
+from common import LMLoss  # (common puts the repo on sys.path)
 
 import metaopt  # before transformers (DESIGN: import order)
-
-
-class LMLoss(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.m = model
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.m(input_ids=input_ids, labels=labels).loss
 
 
 def build(a, impl: str) -> torch.nn.Module:
