@@ -50,8 +50,8 @@ from dataclasses import dataclass, field
 from metaopt.ir import Op, Program, Var, names, roles, torch_dtype
 from metaopt.ir.printer import fmt_op
 from metaopt.ops import registry, sharding
-from metaopt.ops.sharding import Shard, ShardArgs, ShardResult
-from metaopt.passes.tensor_parallel import drop_unread_constants, rewrite_constants
+from metaopt.ops.sharding import Shard, ShardResult
+from metaopt.passes.tensor_parallel import drop_unread_constants, rewrite_constants, shard_args
 
 GATHER_BACKWARDS = ("scatter", "reduce_scatter")
 
@@ -90,6 +90,7 @@ class SequencePlan:
     dropped_copies: list[int] = field(default_factory=list)  # TPCopy ops a reduce-scatter replaces
     draws: list[int] = field(default_factory=list)  # region Dropouts: one process's mask, sliced
     events: list[str] = field(default_factory=list)
+    _types: dict[int, str] = field(default_factory=dict, repr=False)  # op index -> type, for printing
 
     def __str__(self) -> str:
         kinds = Counter(self._types.get(i, "?") for i in self.region)
@@ -102,10 +103,13 @@ class SequencePlan:
         )
         return "\n".join([head, *(f"  {e}" for e in self.events)])
 
-    _types: dict[int, str] = field(default_factory=dict, repr=False)
-
     def _group_text(self) -> str:
         return self.group if isinstance(self.group, str) else str(list(self.group))
+
+    def whole(self) -> Shard:
+        """How a value spanning the sequence is split (values of the regions' rank and up:
+        `_spans_sequence` takes no lower one)."""
+        return Shard(self.axis, (self.length,))
 
     def attrs(self) -> dict:
         return {"axis": self.axis, "group": self.group if isinstance(self.group, str) else list(self.group)}
@@ -246,22 +250,18 @@ class _State:
 
 
 def _owned(plan: SequencePlan) -> set[int]:
-    out = set()
-    for r in plan.reduces:
-        out |= {r.reduce, *r.chain} | ({r.bias_add} if r.bias_add is not None else set())
-    return out
+    """The ops of the reduce points (TPReduce, bias Add, reshapes): rewritten as one."""
+    return {i for r in plan.reduces for i in _indices(r)}
 
 
 def _propagate(p: Program, plan: SequencePlan, sources: set[str]) -> _State:
-    whole = Shard(plan.axis, (plan.length,))
-    state = _State({r.out: whole for r in plan.reduces}, {}, set(), {})
-    state.split.update({x: _aligned(p, x, plan) for x in sources})
+    state = _State({x: plan.whole() for x in [*(r.out for r in plan.reduces), *sources]}, {}, set(), {})
     owned = _owned(plan)
     for i, op in enumerate(p.ops):
         if i in owned or not any(x in state.split for x in op.inputs if x):
             continue
         want = [x for x in op.inputs if x and x not in state.split and _spans_sequence(p, x, plan)]
-        res = _try_rule(p, plan, op, {**state.split, **{x: _aligned(p, x, plan) for x in want}})
+        res = _try_rule(p, plan, op, {**state.split, **dict.fromkeys(want, plan.whole())})
         if res is None:
             for x in op.inputs:
                 if x in state.split and x not in sources:  # a source is whole under its own name
@@ -275,40 +275,19 @@ def _propagate(p: Program, plan: SequencePlan, sources: set[str]) -> _State:
     return state
 
 
-def _aligned(p: Program, x: str, plan: SequencePlan) -> Shard:
-    """A value spanning the sequence, split as the region splits it (values of the regions'
-    rank: `_spans_sequence` takes no lower one)."""
-    return Shard(plan.axis, (plan.length,))
-
-
 def _try_rule(p: Program, plan: SequencePlan, op: Op, split: dict[str, Shard]) -> ShardResult | None:
     """The op's rule asked about the sequence split (None: it cannot take it, or it is a
     tensor-parallel collective, whose inputs are gathered)."""
     rule = sharding.rule(op.type)
     if rule is None or sharding.sequence_kind(op) in ("copy", "reduce") or registry.get(op.type).collective:
         return None
-    args = ShardArgs(
-        op=op,
-        shards=[split.get(x) if x else None for x in op.inputs],
-        shapes=[_shape(p, x) for x in op.inputs],
-        out_shapes=[_shape(p, o) for o in op.outputs],
-        mp=plan.degree,
-        constant=lambda name: _constant(p, name),
-    )
     try:
-        res = rule.propagate(args)
+        res = rule.propagate(shard_args(p, op, split, plan.degree))
     except (sharding.ShardRefused, sharding.ShardNotImplemented):
         return None
     if any(s is not None and any(b % plan.degree for b in s.blocks) for s in res.outputs):
         return None
     return res
-
-
-def _constant(p: Program, name: str) -> list | None:
-    v, t = p.vars.get(name), p.values.get(name)
-    if v is None or v.kind != "constant" or t is None:
-        return None
-    return t.reshape(-1).tolist()
 
 
 def _hoist(p: Program, plan: SequencePlan, x: str, producers: dict) -> set[str]:
@@ -321,7 +300,7 @@ def _hoist(p: Program, plan: SequencePlan, x: str, producers: dict) -> set[str]:
     ins = [v for v in op.inputs if v and _spans_sequence(p, v, plan)]
     if not ins or p.vars[x].kind != "activation":
         return {x}
-    res = _try_rule(p, plan, op, {v: _aligned(p, v, plan) for v in ins})
+    res = _try_rule(p, plan, op, dict.fromkeys(ins, plan.whole()))
     if res is None or any(o == x and s is None for o, s in zip(op.outputs, res.outputs)):
         return {x}
     return set(ins)
@@ -487,7 +466,7 @@ def _new_vars(p: Program, q: Program, plan: SequencePlan) -> dict[str, dict[str,
 
 
 def _local(p: Program, x: str, plan: SequencePlan) -> tuple:
-    return _aligned(p, x, plan).local_shape(tuple(p.vars[x].shape), plan.degree)
+    return plan.whole().local_shape(tuple(p.vars[x].shape), plan.degree)
 
 
 def _placed_ops(p: Program, plan: SequencePlan, new: dict) -> tuple[dict, dict, list]:

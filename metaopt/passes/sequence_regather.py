@@ -26,8 +26,7 @@ from metaopt.ops import sharding
 
 @dataclass(frozen=True)
 class Regather:
-    gather: int  # the forward SPGather's op index
-    chain: tuple[int, ...]  # it and the forward views of its output read in the backward, in order
+    chain: tuple[int, ...]  # the forward SPGather and the views of its output, in program order
     first: int  # the first backward op reading any of them
     readers: tuple[int, ...]  # the backward ops reading them
 
@@ -64,7 +63,7 @@ def plan_regather(p: Program) -> RegatherPlan:
         if not readers:
             plan.skipped.append(f"{op.outputs[0]}: no backward op reads it (or a view of it)")
             continue
-        plan.items.append(Regather(i, tuple(sorted(chain)), readers[0], tuple(readers)))
+        plan.items.append(Regather(tuple(sorted(chain)), readers[0], tuple(readers)))
         plan.events.append(
             f"regather {op.outputs[0]}: from {op.inputs[0]} before `{p.ops[readers[0]].type}` "
             f"({len(readers)} backward readers; {len(chain) - 1} views re-made)"

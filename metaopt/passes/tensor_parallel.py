@@ -366,14 +366,7 @@ def _plan_through(p: Program, plan: TensorParallelPlan, i: int) -> None:
             f"through `{fmt_op(op)}`: no split rule for {op.type} (metaopt/ops/sharding.py); end the split "
             "region before it with a row-parallel layer"
         )
-    args = ShardArgs(
-        op=op,
-        shards=[plan.sharded.get(x) if x else None for x in op.inputs],
-        shapes=[_shape(p, x) for x in op.inputs],
-        out_shapes=[_shape(p, o) for o in op.outputs],
-        mp=plan.mp_degree,
-        constant=lambda name: _constant(p, name),
-    )
+    args = shard_args(p, op, plan.sharded, plan.mp_degree)
     try:
         res = rule.propagate(args)
     except sharding.ShardNotImplemented as e:
@@ -425,6 +418,19 @@ def _one_process_draw(p: Program, plan: TensorParallelPlan, op: Op, shards: list
 def _random(op: Op) -> bool:
     row = registry.get(op.type)
     return row is not None and row.random
+
+
+def shard_args(p: Program, op: Op, split: dict[str, Shard], mp: int) -> ShardArgs:
+    """What a split rule (ops/sharding.py) sees of `op` in `p`, its inputs split as `split` says
+    (sequence parallel asks the same rules about the sequence axis)."""
+    return ShardArgs(
+        op=op,
+        shards=[split.get(x) if x else None for x in op.inputs],
+        shapes=[_shape(p, x) for x in op.inputs],
+        out_shapes=[_shape(p, o) for o in op.outputs],
+        mp=mp,
+        constant=lambda name: _constant(p, name),
+    )
 
 
 def _shape(p: Program, name: str) -> tuple | None:

@@ -54,8 +54,13 @@ def _reduce_scatter_grad(g, op, dy):
                     backward="reduce_scatter")]  # fmt: skip
 
 
-def _place(group: list[int] | str, rank: int, op: str) -> tuple[list[int], int]:
+def _members(group: list[int] | str, rt, op: str) -> tuple[list[int], int] | None:  # noqa: ANN001
+    """(the group's ranks, ascending; this worker's index among them), or None for a group of
+    one: the identity, which runs without torch.distributed."""
     ranks = group_ranks(group, op)
+    if len(ranks) == 1:
+        return None
+    rank = rt.comm.rank
     if rank not in ranks:
         raise ValueError(
             f"{op}: this worker (rank {rank}) is not in its model-parallel group {ranks}: the program "
@@ -81,10 +86,10 @@ def chunk(x: torch.Tensor, axis: int, parts: int, index: int) -> torch.Tensor:
     notes="sequence parallel: this model-parallel rank's chunk along `axis` (backward: all-gather)",
 )
 def sp_scatter(x: torch.Tensor, axis: int, group: list[int] | str, _rt, _key: str) -> torch.Tensor:
-    ranks = group_ranks(group, "SPScatter")
-    if len(ranks) == 1:
+    members = _members(group, _rt, "SPScatter")
+    if members is None:
         return x.clone()
-    ranks, me = _place(group, _rt.comm.rank, "SPScatter")
+    ranks, me = members
     return chunk(x, axis, len(ranks), me).clone(memory_format=torch.contiguous_format)
 
 
@@ -99,10 +104,10 @@ def sp_scatter(x: torch.Tensor, axis: int, group: list[int] | str, _rt, _key: st
 def sp_gather(
     x: torch.Tensor, axis: int, group: list[int] | str, _rt, _key: str, backward: str = "scatter"
 ) -> torch.Tensor:
-    ranks = group_ranks(group, "SPGather")
-    if len(ranks) == 1:
+    members = _members(group, _rt, "SPGather")
+    if members is None:
         return x.clone()
-    _place(group, _rt.comm.rank, "SPGather")
+    ranks, _ = members
     pieces = _rt.comm.all_gather(x, f"{_key} over model-parallel group {ranks}", ranks)
     return torch.cat(pieces, axis)
 
@@ -115,10 +120,10 @@ def sp_gather(
     notes="sequence parallel: a partial sum reduced over the model-parallel group, this rank's chunk kept",
 )
 def sp_reduce_scatter(x: torch.Tensor, axis: int, group: list[int] | str, _rt, _key: str) -> torch.Tensor:
-    ranks = group_ranks(group, "SPReduceScatter")
-    if len(ranks) == 1:
+    members = _members(group, _rt, "SPReduceScatter")
+    if members is None:
         return x.clone()
-    _place(group, _rt.comm.rank, "SPReduceScatter")
+    ranks, _ = members
     parts = len(ranks)
     # the communicator scatters equal chunks of a flat buffer: lay the chunks out one after another
     flat = torch.cat([chunk(x, axis, parts, k).reshape(-1) for k in range(parts)])
