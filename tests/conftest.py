@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import json
 import os
 import shutil
 import sys
@@ -31,6 +32,10 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[ENV] = tempfile.mkdtemp(prefix="metaopt-export-cache-")
         config._metaopt_export_cache = os.environ[ENV]
     _share_the_cores(config)
+    if hasattr(config.option, "loadscopereorder"):  # xdist: keep the collection's order (LPT, below)
+        config.option.loadscopereorder = False
+    if config.getoption("--update-file-times"):
+        _SPENT["files"] = {}
 
 
 def _share_the_cores(config: pytest.Config) -> None:
@@ -54,27 +59,53 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         os.environ.pop(ENV, None)
 
 
-# Folders whose tests start worker processes or train real models: the longest files. With
-# `-n 2 --dist loadfile` each xdist worker takes the next whole file when it is free, so running
-# these first (longest first, as in LPT scheduling) leaves the short files to even out the end
-# instead of one worker finishing a long file alone.
-_LONG_FIRST = ("training", "zoo", "passes", "launch", "fleet")
+# Each test file's seconds in a recorded run (`pytest --update-file-times`): the order files are
+# handed to the two xdist workers. With `--dist loadfile` a worker takes the next whole file when it
+# is free; longest first (LPT scheduling) leaves the short files to even out the end instead of one
+# worker finishing a long file alone. xdist's own order (files with the most tests first) is turned
+# off for this: it put the multi-process files, which have few tests each, last.
+FILE_TIMES = Path(__file__).resolve().parent / "file_times.json"
+
+
+def _file_times() -> dict[str, float]:
+    try:
+        return json.loads(FILE_TIMES.read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    tests = ROOT / "tests"
+    times = _file_times()
 
-    def rank(item: pytest.Item) -> int:
-        path = Path(str(item.path))
-        top = path.relative_to(tests).parts[0] if path.is_relative_to(tests) else ""
-        return _LONG_FIRST.index(top) if top in _LONG_FIRST else len(_LONG_FIRST)
+    def seconds(item: pytest.Item) -> float:
+        return -times.get(item.nodeid.split("::", 1)[0], 0.0)
 
-    items.sort(key=rank)  # stable: each file's tests keep their order
+    items.sort(key=seconds)  # stable: each file's tests keep their order
     if not config.getoption("--slow"):
-        skip = pytest.mark.skip(reason="marked slow: a third shape of a check the suite runs at two (--slow)")
+        skip = pytest.mark.skip(
+            reason="marked slow: a long case or third shape of a check the suite runs otherwise (--slow)"
+        )
         for item in items:
             if "slow" in item.keywords:
                 item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    spent = _SPENT.get("files")
+    if spent is not None:
+        path = report.nodeid.split("::", 1)[0]
+        spent[path] = spent.get(path, 0.0) + report.duration
+
+
+_SPENT: dict[str, dict[str, float]] = {}
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    spent = _SPENT.get("files")
+    if spent and not hasattr(session.config, "workerinput"):  # the controller (or a run without xdist)
+        merged = {**_file_times(), **{f: round(t, 1) for f, t in spent.items()}}  # a partial run: its files
+        ordered = dict(sorted(merged.items(), key=lambda x: -x[1]))
+        FILE_TIMES.write_text(json.dumps(ordered, indent=0) + "\n")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -89,6 +120,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         default=False,
         help="also run the tests marked slow (the suite's default leaves them out to stay under 10 min)",
+    )
+    parser.addoption(
+        "--update-file-times",
+        action="store_true",
+        default=False,
+        help="record each test file's seconds in tests/file_times.json (the order xdist hands files out)",
     )
 
 

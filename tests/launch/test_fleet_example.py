@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from test_launcher import ROOT, _env
 
 
@@ -34,6 +35,8 @@ def test_train_fleet_recompute_runs_under_metaoptrun(tmp_path):
     assert "[Epoch 0, batch 2]" in log1
 
 
+# --slow (30 s): hybrid layouts train in the suite (tests/training/test_hybrid_pipeline.py)
+@pytest.mark.slow
 def test_train_hybrid_runs_under_metaoptrun(tmp_path):
     """examples/train_hybrid.py at dp=2 x mp=2 on 4 CPU workers: the model-parallel ranks of a
     replica compute one model (the same losses, bit for bit: replicated values are all-reduced

@@ -267,6 +267,8 @@ def test_max_restarts_reruns_the_group_after_one_failure(tmp_path):
     assert (logs / "workerlog.1").read_text().strip() == "attempt 1"
 
 
+# --slow (12 s): restarts themselves are in the suite (test_max_restarts_reruns_the_group_after_one_failure)
+@pytest.mark.slow
 def test_restarts_back_off_and_only_the_first_and_latest_logs_are_kept(tmp_path):
     """Issue 47: --max_restarts=10**30 restarted 81 times in 40 s and kept every attempt's log.
     Each restart waits METAOPT_RESTART_BACKOFF doubled (here 0.01 s: 0.01, 0.02, ...), and a

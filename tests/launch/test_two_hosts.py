@@ -112,6 +112,8 @@ def test_data_parallel_across_two_hosts_equals_one_process(two_hosts, tmp_path):
         assert torch.equal(ranks[0]["params"][k], ranks[1]["params"][k]), k
 
 
+# --slow (32 s): restarts are in the suite on one host (test_launcher.py); this is the two-host run
+@pytest.mark.slow
 def test_a_worker_crash_restarts_the_job_from_the_latest_checkpoint_and_it_ends_equal(two_hosts, tmp_path):
     """--max_restarts 1 on both hosts: host b's worker dies after step 3's checkpoint; both
     launchers restart their workers, which load the latest checkpoint (a folder both hosts

@@ -136,21 +136,6 @@ def _measured_activation_peak(program: metaopt.Program, batch: int) -> int:
     return stats["peak_bytes"] - stats["persistable_bytes"]
 
 
-def test_bert_24_layers_activation_peak_at_most_a_quarter():
-    bert = programs.get("bert")
-    program = _bert24()
-    q = recompute(program, checkpoints=["bert.encoder.layer.*"])
-    feed = dict(zip(bert.INPUT_NAMES, bert.example_inputs("tiny", 16, num_layers=24, seed=3), strict=True))
-    peaks = []
-    for prog in (program, q):
-        exe = metaopt.Executor("cpu")
-        metaopt.seed(0)
-        exe.run(prog, feed=feed, fetch_list=[prog.loss])
-        stats = exe.memory_stats()
-        peaks.append(stats["peak_bytes"] - stats["persistable_bytes"])
-    assert peaks[1] <= 0.25 * peaks[0], peaks
-
-
 def test_fleet_recompute_path_and_plan():
     fleet.init(is_collective=True)
     _, _, program = exported("bert", dropout=0.5)
@@ -169,19 +154,25 @@ def test_fleet_recompute_path_and_plan():
     assert "predicted activation peak" in str(report)
 
 
-def test_predicted_peak_within_ten_percent_of_measured():
+def test_predicted_peak_within_ten_percent_of_measured_and_recompute_holds_at_most_a_quarter():
+    """BERT at 24 layers, batch 16: the activation peak with a checkpoint per layer is at most a
+    quarter of the peak without, and each is predicted within 10% of the measured."""
     bert = programs.get("bert")
     program = _bert24()
     plan = plan_recompute(program, checkpoints=["bert.encoder.layer.*"])
     q = recompute(program, checkpoints=["bert.encoder.layer.*"])
     report = memory_report(program, plan, q, batch=16)
     feed = dict(zip(bert.INPUT_NAMES, bert.example_inputs("tiny", 16, num_layers=24, seed=3), strict=True))
+    peaks = []
     for prog, predicted in ((program, report.peak_before), (q, report.peak_after)):
         exe = metaopt.Executor("cpu")
+        metaopt.seed(0)
         exe.run(prog, feed=feed, fetch_list=[prog.loss])
         stats = exe.memory_stats()
         measured = stats["peak_bytes"] - stats["persistable_bytes"]
         assert abs(predicted - measured) <= 0.10 * measured, (prog.name, predicted, measured)
+        peaks.append(measured)
+    assert peaks[1] <= 0.25 * peaks[0], peaks
 
 
 def test_a_plan_that_saves_nothing_is_warned_about():

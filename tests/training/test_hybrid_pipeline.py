@@ -171,6 +171,8 @@ def test_mp2_x_pp2_equals_one_process(tmp_path):
         )
 
 
+# --slow (17 s): the suite runs mp2 x pp2 here, dp2 x mp2 and dp2 x pp2 in their own files
+@pytest.mark.slow
 def test_dp2_x_mp2_x_pp2_on_8_workers_equals_one_process(tmp_path):
     _check(_run_workers(tmp_path, 2, 2, 2, ["sgd", "adam"]), Topology(dp_degree=2, mp_degree=2, pp_degree=2))
 
