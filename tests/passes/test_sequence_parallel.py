@@ -142,7 +142,7 @@ def _one_process(
     p = metaopt.export(module, inputs, **kwargs)
     metaopt.optimizer.SGD(learning_rate=tp_worker.LR).minimize(p.loss)
     exe = metaopt.Executor("cpu")
-    feeds = [batch(name, s) for s in range(tp_worker.STEPS)]  # before the seed, as the workers do
+    feeds = [batch(name, s) for s in range(tp_worker.STEPS)]
     metaopt.seed(sp_worker.SEED)
     losses = [float(exe.run(p, feed=f, fetch_list=[p.loss])[0]) for f in feeds]
     return losses, {v.name: exe.scope[v.name].clone() for v in p.params()}

@@ -68,8 +68,6 @@ def train(case: str, dp: int, mp: int) -> dict:
     opt.minimize(program.loss)
     hcg = fleet.get_hybrid_communicate_group()
     exe = metaopt.Executor("cpu", record_timeline=True)
-    # the feeds first: making the first one builds a model (training_cases' feed names), which
-    # draws from the RNG the dropout masks are then drawn from
     feeds = [replica_batch(name, step, hcg.get_data_parallel_rank(), dp) for step in range(tp_worker.STEPS)]
     metaopt.seed(SEED)
     losses = []

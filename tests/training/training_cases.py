@@ -38,8 +38,12 @@ def _zoo(name: str):
 
 @functools.cache
 def _feed_names(name: str) -> list[str]:
+    """The model's feed names, found by building it once: under its own RNG state, so the
+    first `batch()` of a process draws nothing from torch's stream (a worker that seeds and then
+    makes its first feed draws the same dropout masks as one whose feed names were cached)."""
     harness, entry = _zoo(name)
-    return harness.feed_names(entry.build(0.0), 8)
+    with torch.random.fork_rng(devices=[]):
+        return harness.feed_names(entry.build(0.0), 8)
 
 
 def export(name: str, dropout: float = 0.0, *, meta: bool = False) -> metaopt.Program:
