@@ -18,9 +18,11 @@ converted, as ``torch.nn.Module.load_state_dict`` does.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,15 +64,25 @@ def _files(path: str | os.PathLike) -> dict[str, Path]:
 
 
 def _keys_of(file: Path) -> dict[str, Path]:
+    with _opened(file) as f:
+        return dict.fromkeys(f.keys(), file)
+
+
+@contextlib.contextmanager
+def _opened(file: Path, when: str = "") -> Iterator[Any]:
+    """`file` opened by safetensors (its header parsed, the data mapped); a file safetensors
+    refuses is a PretrainedError naming it (`when`: what the message adds, e.g. that the file
+    changed after its header was checked)."""
     from safetensors import safe_open
 
     try:
-        with safe_open(file, framework="pt") as f:
-            return dict.fromkeys(f.keys(), file)
+        f = safe_open(file, framework="pt")
     except Exception as e:  # safetensors raises its own errors on a bad header
         raise PretrainedError(
-            f"{file} is not a readable safetensors file ({type(e).__name__}: {e})"
+            f"{file} is not a readable safetensors file{when} ({type(e).__name__}: {e})"
         ) from None
+    with f:
+        yield f
 
 
 def _from_index(index: Path) -> dict[str, Path]:
@@ -89,8 +101,8 @@ def _from_index(index: Path) -> dict[str, Path]:
     shards: dict[str, dict[str, Path]] = {}
     for key, shard in weight_map.items():
         if shard not in shards:
-            target = (folder / shard).resolve()
-            if os.path.isabs(shard) or target.parent != folder or not target.is_file():
+            target = _shard_file(folder, shard)
+            if target is None:
                 raise PretrainedError(
                     f"{index}: key {key!r} is in shard {shard!r}, which is not a file of {folder}"
                 )
@@ -99,6 +111,23 @@ def _from_index(index: Path) -> dict[str, Path]:
             raise PretrainedError(f"{index}: key {key!r} is not in its shard {shard!r}")
         out[key] = shards[shard][key]
     return out
+
+
+def _shard_file(folder: Path, shard: str) -> Path | None:
+    """The file an index's shard name stands for, or None where it is not the folder's own: a
+    plain name (no folder, not absolute) of a file in `folder`, or, in a Hugging Face cache
+    snapshot (``<repo>/snapshots/<revision>/``), a link into that repo's ``<repo>/blobs/``, where
+    the cache keeps the files its snapshots link to. Nothing else outside the folder is read."""
+    if os.path.isabs(shard) or Path(shard).name != shard:
+        return None
+    target = (folder / shard).resolve()
+    if not target.is_file():
+        return None
+    if target.parent == folder:
+        return target
+    if folder.parent.name == "snapshots" and target.parent == folder.parent.parent / "blobs":
+        return target
+    return None
 
 
 # --- what this worker holds of each var ---------------------------------------------------------
@@ -213,8 +242,6 @@ def load_pretrained(
             f"load_pretrained: {path} holds {len(unexpected)} key(s) no worker's program has "
             f"(prefix {prefix!r}): {unexpected[:10]}; pass strict=False to ignore them"
         )
-    from safetensors import safe_open
-
     loaded = []
     for v in want:
         key = _key(v.name, prefix)
@@ -222,7 +249,7 @@ def load_pretrained(
             continue  # a buffer with a value of its own (checked above)
         # one var at a time into the scope, its file mapped only while it is read: the pages of
         # the slices read count in the process's RSS for as long as the mapping lives
-        with safe_open(files[key], framework="pt") as f:
+        with _opened(files[key], " (it changed while loading?)") as f:
             # the file may have changed since `_check` read its header: the same check again
             # on the header this mapping holds, so a slice is never cut at a stale shape
             info = f.get_slice(key)
@@ -347,8 +374,6 @@ def _reader(f: Any, key: str) -> Any:
 def _check(program: Program, want: list[Var], files: dict[str, Path], prefix: str, path: Any) -> str | None:
     """This worker's problem with the source, or None: a missing param (or a buffer with no value
     of its own), a shape other than the program's full shape."""
-    from safetensors import safe_open
-
     shapes: dict[str, list[int]] = {}
     dtypes: dict[str, str] = {}
     by_file: dict[Path, list[str]] = {}
@@ -357,7 +382,7 @@ def _check(program: Program, want: list[Var], files: dict[str, Path], prefix: st
         if key in files:
             by_file.setdefault(files[key], []).append(key)
     for file, keys in by_file.items():
-        with safe_open(file, framework="pt") as f:
+        with _opened(file, " (it changed since the keys were listed?)") as f:
             for key in keys:
                 info = f.get_slice(key)
                 shapes[key], dtypes[key] = list(info.get_shape()), info.get_dtype()

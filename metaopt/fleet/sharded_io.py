@@ -799,13 +799,25 @@ METADATA_BASE_BYTES = 1 << 20
 
 
 def piece_budget(info: dict[str, Any], world: int) -> int:
-    """The most pieces a save of `world` workers writes of a var described by `info`."""
-    return world * (2 * len(info["shape"]) + 1) * MAX_BLOCKS
+    """The most pieces a save of `world` workers writes of a var described by `info`: no more
+    than its elements either (pieces that tile it hold one at least; an empty one per worker
+    aside), whatever metaopt.json's world size says."""
+    numel = math.prod(info["shape"])
+    return min(world * (2 * len(info["shape"]) + 1) * MAX_BLOCKS, numel + world)
 
 
-def metadata_budget(meta: dict[str, Any]) -> int:
-    """The most bytes the `.metadata` of the checkpoint `meta` (its metaopt.json) can need."""
-    world = meta["world_size"]
+def saving_world(folder: Path, meta: dict[str, Any]) -> int:
+    """The workers that wrote the checkpoint `folder`: metaopt.json's world size, but no more
+    than the data files there (DCP writes one per worker), so an edited metaopt.json cannot
+    raise the metadata's budgets."""
+    files = sum(1 for _ in folder.glob("*.distcp"))
+    return max(1, min(meta["world_size"], files))
+
+
+def metadata_budget(meta: dict[str, Any], world: int | None = None) -> int:
+    """The most bytes the `.metadata` of the checkpoint `meta` (its metaopt.json) written by
+    `world` workers (default: its world size) can need."""
+    world = meta["world_size"] if world is None else world
     per_var = sum(
         piece_budget(info, world) * (PIECE_BYTES + 2 * len(name)) for name, info in meta["vars"].items()
     )
@@ -821,7 +833,7 @@ def check_pieces(folder: Path, meta: dict[str, Any], md: Metadata) -> str | None
 
     from metaopt.fleet.tiling import tiling_fault
 
-    world, described = meta["world_size"], meta["vars"]
+    world, described = saving_world(folder, meta), meta["vars"]
     stored: set[tuple[str, tuple[int, ...]]] = set()
     for index in md.storage_data or {}:
         offset = getattr(index, "offset", None)
@@ -926,7 +938,9 @@ def load_sharded(exe: Any, folder: Path, program: Program, *, strict: bool = Tru
         place = mp_place(program, "load_persistables")
         zi = zero_index(program, "load_persistables")
         meta = _read_info(folder)
-        md = dcp_glue.SafeReader(folder, max_bytes=metadata_budget(meta)).read_metadata()
+        md = dcp_glue.SafeReader(
+            folder, max_bytes=metadata_budget(meta, saving_world(folder, meta))
+        ).read_metadata()
         problem = (
             _check_vars(folder, meta, want, md)
             or _check_rng_sizes(folder, md, rank)

@@ -57,7 +57,7 @@ import torch
 
 from metaopt.atomic import atomic_write
 from metaopt.ir import did_you_mean
-from metaopt.layout.topology import PADDLE_ORDER, axes_order
+from metaopt.layout.topology import NOT_BUILT_AXES, PADDLE_ORDER, axes_order
 
 Check = tuple[Callable[[Any], bool], str]  # (predicate, "must be ...")
 
@@ -340,6 +340,21 @@ HYBRID_CONFIGS: dict[str, Key] = {
         "may sit anywhere; Paddle 3's 'ep' / 'moe_sharding' are refused (expert groups are laid over "
         "consecutive data-side ranks)",
         check=((_order_ok, "must list each of dp, pp, sharding, mp once (sep, cp: at most once)"),),
+    ),
+    "sep_degree": Key(
+        1,
+        "int",
+        "segment-parallel workers (Paddle's sep_degree: each holds 1/sep_degree of every sample's "
+        "tokens, heads exchanged by all-to-all around attention): not built, refused above 1 "
+        "(UNIMPLEMENTED)",
+        check=_COUNT,
+    ),
+    "cp_degree": Key(
+        1,
+        "int",
+        "context-parallel workers (ring attention over 1/cp_degree of the tokens each): not built, "
+        "refused above 1 (UNIMPLEMENTED)",
+        check=_COUNT,
     ),
     "moe_sharding_degree": Key(
         -1,
@@ -840,6 +855,13 @@ UNIMPLEMENTED: dict[str, str] = {
     "conv_workspace_size_limit": "torch sizes the cuDNN convolution workspace itself",
     "cudnn_batchnorm_spatial_persistent": "torch picks the cuDNN BatchNorm kernel itself",
     "split_data": "the fed batch is each worker's own (auto-parallel, semi_auto, is refused)",
+    **{
+        f"hybrid_configs.{key}": (
+            f"{what} is not built; for long sequences tensor_parallel_configs['sequence_parallel'] "
+            "splits the norm / dropout regions along the sequence beside mp_degree"
+        )
+        for key, what in NOT_BUILT_AXES.items()
+    },
     "sparse_table_configs": "parameter-server sparse tables; metaopt trains collectively",
     "gradient_scale_configs.scale_strategy": (
         "data parallel divides the summed grads by the worker count ('avg'); for 'sum' scale the loss"

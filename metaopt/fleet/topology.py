@@ -9,6 +9,7 @@ from typing import Any
 
 from metaopt.layout.topology import (
     AXES,
+    NOT_BUILT_AXES,
     PADDLE_ORDER,
     Coordinate,
     HybridCommunicateGroup,
@@ -54,7 +55,14 @@ def from_hybrid_configs(
 ) -> Topology:
     """The topology `hybrid_configs` give `world_size` workers; dp_degree=-1 is inferred (the
     workers left over by the other degrees, as Fleet does). A product other than the world size
-    is a ValueError naming the degrees and the world size."""
+    is a ValueError naming the degrees and the world size; an axis metaopt does not lay out
+    (sep_degree, cp_degree) above 1 a NotImplementedError naming it."""
+    for key, what in NOT_BUILT_AXES.items():
+        if hybrid_configs.get(key, 1) != 1:
+            raise NotImplementedError(
+                f"{where}['{key}']={hybrid_configs[key]}: {what} is not built in metaopt; leave it at 1 "
+                "(for long sequences: tensor_parallel_configs['sequence_parallel'] beside mp_degree)"
+            )
     mp, pp, sh = (hybrid_configs[k] for k in ("mp_degree", "pp_degree", "sharding_degree"))
     dp, ep = hybrid_configs["dp_degree"], hybrid_configs.get("ep_degree", 1)
     others = mp * pp * sh

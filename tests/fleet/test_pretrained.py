@@ -319,3 +319,71 @@ def test_a_file_changed_after_its_header_was_checked_is_refused_not_sliced_stale
     monkeypatch.setattr(pretrained, "_check", check_then_replace)
     with pytest.raises(pretrained.PretrainedError, match=r"key 'w' is \[3, 4\] .*changed while loading"):
         fleet.load_pretrained(metaopt.Executor("cpu"), p, folder)
+
+
+def _hf_cache(tmp_path: Path, shards: dict[str, dict[str, torch.Tensor]]) -> Path:
+    """A Hugging Face cache repo as the hub client lays it out: the files in ``blobs/`` under
+    their hashes, ``snapshots/<revision>/`` linking to them by relative links; the snapshot."""
+    repo = tmp_path / "models--org--tiny"
+    snapshot = repo / "snapshots" / "abc123"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    weight_map = {}
+    for i, (name, tensors) in enumerate(shards.items()):
+        save_file(tensors, repo / "blobs" / f"blob{i}")
+        os.symlink(f"../../blobs/blob{i}", snapshot / name)
+        weight_map.update(dict.fromkeys(tensors, name))
+    (repo / "blobs" / "index").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    os.symlink("../../blobs/index", snapshot / pretrained.INDEX)
+    return snapshot
+
+
+def test_a_sharded_snapshot_of_the_hugging_face_cache_loads_through_its_blob_links(tiny, tmp_path):
+    """The hub client's cache links a snapshot's files into the repo's blobs/: those links are
+    followed (and only those: a link into another repo's blobs is refused as any link out)."""
+    p, _ = tiny
+    snapshot = _hf_cache(
+        tmp_path / "cache",
+        {"a.safetensors": {"w": torch.ones(4, 3)}, "b.safetensors": {"b": torch.full((3,), 2.0)}},
+    )
+    exe = metaopt.Executor("cpu")
+    assert sorted(fleet.load_pretrained(exe, p, snapshot)) == ["b", "w"]
+    assert torch.equal(exe.scope["w"], torch.ones(4, 3)) and torch.equal(
+        exe.scope["b"], torch.full((3,), 2.0)
+    )
+    other = _hf_cache(
+        tmp_path / "other", {"a.safetensors": {"w": torch.ones(4, 3)}, "b.safetensors": {"b": torch.zeros(3)}}
+    )
+    (snapshot / "b.safetensors").unlink()
+    os.symlink(other.parent.parent / "blobs" / "blob1", snapshot / "b.safetensors")
+    with pytest.raises(
+        pretrained.PretrainedError, match=r"is in shard 'b\.safetensors', which is not a file of"
+    ):
+        fleet.load_pretrained(metaopt.Executor("cpu"), p, snapshot)
+
+
+@pytest.mark.parametrize("when", ["before the check", "after the check"])
+def test_a_file_turned_to_garbage_while_loading_is_refused_by_name(tiny, monkeypatch, when):
+    """A file rewritten between the listing of its keys and the reads (another process saving into
+    the folder): a PretrainedError naming the file, never safetensors' own error."""
+    p, folder = tiny
+    file = folder / "model.safetensors"
+    name = "_share" if when == "before the check" else "_check"  # _share runs before _check
+    real = getattr(pretrained, name)
+
+    def then_garbage(*args, **kwargs):
+        if when == "before the check":
+            file.write_bytes(b"\xff" * 64)
+        out = real(*args, **kwargs)
+        if when == "after the check":
+            file.write_bytes(b"\xff" * 64)
+        return out
+
+    monkeypatch.setattr(pretrained, name, then_garbage)
+    exe = metaopt.Executor("cpu")
+    with pytest.raises(
+        pretrained.PretrainedError,
+        match=r"model\.safetensors is not a readable safetensors file \(it changed",
+    ):
+        fleet.load_pretrained(exe, p, folder)
+    assert not exe.scope

@@ -679,7 +679,7 @@ def test_a_flat_var_s_element_is_named_in_its_own_shape_too(tmp_path):
                 dcp_glue.dcp_meta.ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([0, 0]))
                 for _ in range(40)
             ),
-            r"var 'w' has 41 pieces in .*; a save of 1 worker\(s\) writes at most 40",
+            r"var 'w' has 41 pieces in .*; a save of 1 worker\(s\) writes at most 19",
         ),
         (
             lambda md: setattr(md.state_dict_metadata["w"].chunks[0], "offsets", ["0", 0]),
@@ -704,11 +704,18 @@ def test_the_metadata_s_pieces_and_blobs_must_match(tmp_path, change, message):
     assert not exe.scope
 
 
-def test_a_bloated_metadata_is_refused_unread(tmp_path, monkeypatch):
+@pytest.mark.parametrize("edited_world", [None, 1 << 20], ids=["as-saved", "metaopt.json-says-2^20-workers"])
+def test_a_bloated_metadata_is_refused_unread(tmp_path, monkeypatch, edited_world):
     """A 6 MB `.metadata` (200k extra pieces in the audit: 13 s and +375 MB, then a raw KeyError)
-    is more than this checkpoint's 3 vars and 1 worker can need: refused before unpickling."""
+    is more than this checkpoint's 3 vars and 1 worker can need: refused before unpickling. Also
+    when metaopt.json is edited to claim 2^20 workers (the audit: 4.9 s and +167 MB, its budgets
+    grown with that count): the budgets count the workers whose data files are there."""
     _save(tmp_path, 1, 1.0)
     folder = tmp_path / "ckpt" / "step-00000001"
+    if edited_world is not None:
+        info = json.loads((folder / "metaopt.json").read_text())
+        info["world_size"] = edited_world
+        (folder / "metaopt.json").write_text(json.dumps(info))
     good = (folder / ".metadata").read_bytes()
     (folder / ".metadata").write_bytes(good + b"\0" * (6 << 20))
     monkeypatch.setattr(dcp_glue, "_MetadataUnpickler", None)  # never reached

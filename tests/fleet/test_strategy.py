@@ -139,6 +139,8 @@ FLEET_DEFAULTS = {
         "sharding_degree": 1,
         "ep_degree": 1,
         "order": ["dp", "pp", "sharding", "sep", "mp"],  # Paddle's default, outermost first
+        "sep_degree": 1,  # Paddle's segment parallel; cp_degree: context parallel (neither built)
+        "cp_degree": 1,
         "moe_sharding_degree": -1,
     },
     "moe_configs": {"capacity_factor": None},  # metaopt's: passes/expert_capacity.py
@@ -351,6 +353,8 @@ OUT_OF_RANGE = {
     "hybrid_configs.pp_degree": [0, _INT32_TOO_BIG],
     "hybrid_configs.sharding_degree": [0],
     "hybrid_configs.ep_degree": [0, -1],
+    "hybrid_configs.sep_degree": [0, -1],
+    "hybrid_configs.cp_degree": [0, -1],
     "moe_configs.capacity_factor": [0.0, -1.0, 1e300],
     "hybrid_configs.moe_sharding_degree": [0, -2],
     "sharding_configs.segment_broadcast_MB": [0.0, -1.0, 2.0**32],
@@ -744,7 +748,13 @@ def test_unimplemented_values_still_load_and_print_as_refused(tmp_path):
 
 def test_hybrid_configs_have_fleets_keys_defaults_and_did_you_mean():
     s = fleet.DistributedStrategy()
-    ep = {"ep_degree": 1, "moe_sharding_degree": -1, "order": ["dp", "pp", "sharding", "sep", "mp"]}
+    ep = {
+        "ep_degree": 1,
+        "moe_sharding_degree": -1,
+        "order": ["dp", "pp", "sharding", "sep", "mp"],
+        "sep_degree": 1,
+        "cp_degree": 1,
+    }
     assert s.hybrid_configs == {"dp_degree": -1, "mp_degree": 1, "pp_degree": 1, "sharding_degree": 1, **ep}
     s.hybrid_configs = {"dp_degree": 2, "pp_degree": 2}  # replaced: the others at their defaults
     assert s.hybrid_configs == {"dp_degree": 2, "mp_degree": 1, "pp_degree": 2, "sharding_degree": 1, **ep}
@@ -763,6 +773,27 @@ def test_hybrid_configs_have_fleets_keys_defaults_and_did_you_mean():
     assert s.hybrid_configs["pp_degree"] == 2  # a refused assignment changes nothing
     with pytest.raises(TypeError, match=r"strategy\.hybrid_configs is read-only"):
         s.hybrid_configs["dp_degree"] = 4
+
+
+@pytest.mark.parametrize("key", ["sep_degree", "cp_degree"])
+def test_paddles_segment_and_context_parallel_degrees_are_refused_by_name_above_one(key):
+    """Paddle's keys, not typos: at 1 (Paddle's default) they are accepted and change nothing;
+    above 1 minimize and fleet.init refuse them naming the key and what metaopt has instead."""
+    from metaopt.fleet.topology import from_hybrid_configs, hybrid_is_set
+
+    s = fleet.DistributedStrategy()
+    s.hybrid_configs = {key: 1, "mp_degree": 2}
+    assert not s.unimplemented() and from_hybrid_configs(s.hybrid_configs, 2).describe()
+    s.hybrid_configs = {key: 2}
+    assert hybrid_is_set(s.hybrid_configs)
+    (refused,) = s.unimplemented()
+    assert isinstance(refused, NotImplementedError)
+    assert f"strategy.hybrid_configs['{key}']=2: not implemented in metaopt" in str(refused)
+    assert "tensor_parallel_configs['sequence_parallel']" in str(refused)
+    with pytest.raises(
+        NotImplementedError, match=rf"fleet.init: strategy.hybrid_configs\['{key}'\]=2: .* not built"
+    ):
+        from_hybrid_configs(s.hybrid_configs, 4, "fleet.init: strategy.hybrid_configs")
 
 
 def test_hybrid_configs_print_once_set_and_none_prints_as_refused():
