@@ -74,7 +74,9 @@ class OpDef:
     # column layer's TPCopy: a gather with a reduce-scatter backward replaces it), "bias" (an Add
     # after the sum: added to the chunk after the reduce-scatter), "sliced_draw" (a random op that
     # draws one process's mask for a sequence chunk: Dropout's slice_axis), "gather" (SPGather: the
-    # backward gathers again instead of holding its output, passes/sequence_regather.py). None: none.
+    # backward gathers again instead of holding its output, passes/sequence_regather.py), "remake"
+    # (Cast: cheap enough that the backward re-makes it from a re-gathered value too, as AMP casts a
+    # column layer's gathered input). None: none.
     sequence: str | None = None
     # (output index, input index) pairs: the kernel writes that output into that
     # input's storage and returns it (optimizer updates, like torch.optim's in-place

@@ -356,7 +356,7 @@ for _type, _rule in _RULES.items():  # each rule goes into its op's row (`OpDef.
 # sequence parallel's part of a few ops (`OpDef.sequence`, passes/sequence_parallel.py)
 _SEQUENCE = {
     "TPReduce": "reduce", "TPCopy": "copy", "Add": "bias", "Dropout": "sliced_draw", "SPGather": "gather",
-    "ScaledDotProductAttention": "sliced_draw",
+    "ScaledDotProductAttention": "sliced_draw", "Cast": "remake",
 }  # fmt: skip
 for _type, _kind in _SEQUENCE.items():
     registry.extend(_type, sequence=_kind)

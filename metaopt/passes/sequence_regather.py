@@ -8,8 +8,9 @@ weight grad).
 
 Requires: a training program whose forward has sequence parallel's ``SPGather`` ops (rows with
 ``sequence="gather"``). Ensures: no backward op reads a gathered (whole-sequence) value of the
-forward, nor a view of one (the reshape to a Gemm's rows): right before the first backward op
-reading one, the gather and its views are re-emitted (role ``recompute``, outputs
+forward, nor a view of one (the reshape to a Gemm's rows) or a cast of one (AMP's low-precision
+copy a column layer reads: rows with ``sequence="remake"``): right before the first backward op
+reading one, the gather, its views and casts are re-emitted (role ``recompute``, outputs
 ``names.recompute``) from the sequence chunk, which the forward holds anyway, and the backward
 reads those. The forward's whole value then dies at its last forward reader: the regions'
 activations held for the backward are 1/mp of tensor parallel's, as Korthikanti et al. count them.
@@ -50,11 +51,12 @@ def plan_regather(p: Program) -> RegatherPlan:
         if sharding.sequence_kind(op) != "gather" or not roles.is_forward(op.role):
             continue
         chain, values = [i], [op.outputs[0]]
-        for v in values:  # the forward views of the gathered value, breadth first
+        for v in values:  # the forward views and casts of the gathered value, breadth first
             for k in consumers.get(v, []):
                 view = p.ops[k]
                 one = len(view.outputs) == 1  # a Split's other pieces would not be re-made
-                if roles.is_forward(view.role) and sharding.is_view(view) and one and view.inputs[0] == v:
+                cheap = sharding.is_view(view) or sharding.sequence_kind(view) == "remake"
+                if roles.is_forward(view.role) and cheap and one and view.inputs[0] == v:
                     chain.append(k)
                     values.append(view.outputs[0])
         readers = sorted(
@@ -66,7 +68,7 @@ def plan_regather(p: Program) -> RegatherPlan:
         plan.items.append(Regather(tuple(sorted(chain)), readers[0], tuple(readers)))
         plan.events.append(
             f"regather {op.outputs[0]}: from {op.inputs[0]} before `{p.ops[readers[0]].type}` "
-            f"({len(readers)} backward readers; {len(chain) - 1} views re-made)"
+            f"({len(readers)} backward readers; {len(chain) - 1} views / casts re-made)"
         )
     return plan
 

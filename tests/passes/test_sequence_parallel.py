@@ -12,6 +12,7 @@ gathers and reduce-scatters re-run over the same group). The 4-worker dp 2 x mp 
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -114,7 +115,7 @@ def test_refusals_name_the_cause(gpt2_tp):
 
 # --- mp 2 on 2 gloo workers ----------------------------------------------------------------------
 
-CASES = ["hf-gpt2", "hf-gpt2:rc", "hf-llama"]
+CASES = ["hf-gpt2", "hf-gpt2:rc", "hf-llama", "hf-gpt2:amp"]
 
 
 def _launch(out: Path, dp: int, mp: int, cases: list[str]) -> dict[str, list[dict]]:
@@ -193,6 +194,44 @@ def test_the_backward_gathers_the_column_inputs_again_instead_of_holding_them(ru
     again = [line for line in program.splitlines() if "= SPGather(" in line and "role=recompute" in line]
     # ln_1 and ln_2 of both blocks (the four column layers' inputs), and the LM head's input
     assert len(again) == 5
+
+
+def _ops(program: str) -> dict[str, tuple[str, list[str], str]]:
+    """A printed program's ops: output -> (type, inputs, role)."""
+    out = {}
+    for m in re.finditer(r"^  (\S+) = (\w+)\(([^)]*)\).*# role=(\w+)", program, re.M):
+        ins = [x.strip() for x in m[3].split(",") if x.strip() and "=" not in x]
+        out[m[1]] = (m[2], ins, m[4])
+    return out
+
+
+def test_under_amp_the_backward_casts_the_regathered_chunk_again(runs):
+    """bfloat16 AMP casts a float32 gathered input of a column layer (after its reshape to the
+    Gemm's rows); the weight grad reads that cast. The regather re-makes the cast too (Cast's row:
+    sequence="remake"), so no backward op reads the forward's whole value, its view or its whole
+    bfloat16 copy: the backward holds the chunk, as without AMP. The losses stay within 1e-2
+    (relative) of the float32 run's: bfloat16 keeps 8 bits of mantissa."""
+    ranks = runs["hf-gpt2:amp"]
+    for r in ranks:
+        ops = _ops(r["program"])
+        whole = {o for o, (t, _, role) in ops.items() if t == "SPGather" and role == "forward"}
+        grown = True
+        while grown:  # the forward's views and casts of gathered values
+            more = {o for o, (t, ins, role) in ops.items() if role == "forward" and ins and ins[0] in whole}
+            more = {o for o in more if ops[o][0] in ("Reshape", "Cast")}
+            grown = bool(more - whole)
+            whole |= more
+        # the first block's attention input comes from the float32 embeddings: cast; the rest of
+        # the residual stream is bfloat16 already (Add and LayerNorm follow their inputs)
+        casts = {o for o in whole if ops[o][0] == "Cast"}
+        assert casts == {"m.transformer.h.0.attn.c_attn/reshape@CAST_BF16"}, casts
+        late = {o: ins for o, (_, ins, role) in ops.items() if role == "backward" and set(ins) & whole}
+        assert not late, late
+        remade = [o for o, (t, _, role) in ops.items() if t == "Cast" and role == "recompute"]
+        assert len(remade) == len(casts)
+    torch.testing.assert_close(
+        torch.tensor(ranks[0]["losses"]), torch.tensor(runs["hf-gpt2"][0]["losses"]), rtol=1e-2, atol=0
+    )
 
 
 def test_recompute_beside_sequence_parallel_is_bitwise(runs):

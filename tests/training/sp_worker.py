@@ -1,7 +1,7 @@
 """One worker of sequence parallel beside tensor parallel through fleet (started by
 tests/passes/test_sequence_parallel.py with RANK/WORLD_SIZE/MASTER_*):
-``python sp_worker.py OUT DP MP CASE ...``, CASE = ``<model>[:rc|:nodrop]`` (rc: recompute, a
-checkpoint per block; nodrop: every dropout off, else 0.1).
+``python sp_worker.py OUT DP MP CASE ...``, CASE = ``<model>[:rc|:nodrop|:amp]`` (rc: recompute, a
+checkpoint per block; nodrop: every dropout off, else 0.1; amp: bfloat16 AMP).
 
 fleet.init lays the DP x MP workers out; the strategy turns on tensor parallel with tp_worker's
 column/row layers and ``sequence_parallel``. Each data-parallel replica is fed its share of the
@@ -34,7 +34,7 @@ def build(name: str, dropout: float = DROPOUT) -> tuple[torch.nn.Module, tuple, 
     return _module(name, dropout)
 
 
-def strategy(name: str, dp: int, mp: int, recompute: bool) -> fleet.DistributedStrategy:
+def strategy(name: str, dp: int, mp: int, recompute: bool, amp: bool = False) -> fleet.DistributedStrategy:
     s = fleet.DistributedStrategy()
     s.hybrid_configs = {"dp_degree": dp, "mp_degree": mp}
     s.tensor_parallel = True
@@ -46,6 +46,9 @@ def strategy(name: str, dp: int, mp: int, recompute: bool) -> fleet.DistributedS
         "one_process_dropout": True,
     }
     s.fuse_all_reduce_ops = False
+    if amp:
+        s.amp = True
+        s.amp_configs = {"dtype": "bfloat16"}
     if recompute:
         s.recompute = True
         s.recompute_configs = {"checkpoints": CHECKPOINTS[name]}
@@ -63,7 +66,7 @@ def train(case: str, dp: int, mp: int) -> dict:
     module, inputs, kwargs = build(name, 0.0 if mode == "nodrop" else DROPOUT)
     program = metaopt.export(module, inputs, **kwargs)
     opt = fleet.distributed_optimizer(
-        metaopt.optimizer.SGD(learning_rate=tp_worker.LR), strategy(name, dp, mp, mode == "rc")
+        metaopt.optimizer.SGD(learning_rate=tp_worker.LR), strategy(name, dp, mp, mode == "rc", mode == "amp")
     )
     opt.minimize(program.loss)
     hcg = fleet.get_hybrid_communicate_group()
