@@ -118,15 +118,16 @@ def test_refusals_name_the_cause(gpt2_tp):
 CASES = ["hf-gpt2", "hf-gpt2:rc", "hf-llama", "hf-gpt2:amp"]
 
 
-def _launch(out: Path, dp: int, mp: int, cases: list[str]) -> dict[str, list[dict]]:
+def _launch(out: Path, dp: int, mp: int, cases: list[str], layout: str = "") -> dict[str, list[dict]]:
+    world = dp * mp * (2 if layout else 1)
     procs = start_workers(
-        dp * mp,
+        world,
         [str(TRAINING / "sp_worker.py"), str(out), str(dp), str(mp), *cases],
-        {"METAOPT_COMM_TIMEOUT": "60"},
+        {"METAOPT_COMM_TIMEOUT": "60", "SP_LAYOUT": layout},
     )
     wait_workers(procs, "sequence parallel", 600)
     return {
-        c: [torch.load(out / f"{c.replace(':', '.')}.rank{r}.pt", weights_only=False) for r in range(dp * mp)]
+        c: [torch.load(out / f"{c.replace(':', '.')}.rank{r}.pt", weights_only=False) for r in range(world)]
         for c in cases
     }
 
@@ -258,3 +259,23 @@ def test_dp2_mp2_with_sequence_parallel_trains_as_one_process(tmp_path):
             torch.testing.assert_close(got[n], t, rtol=1e-5, atol=4e-5, msg=n)
     mean = [sum(r[0]["losses"][s] for r in replicas.values()) / 2 for s in range(tp_worker.STEPS)]
     torch.testing.assert_close(torch.tensor(mean), torch.tensor(losses), rtol=1e-5, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["zero1", "zero3", "pp"])
+def test_sequence_parallel_beside_zero_and_the_pipeline_trains_as_one_process(tmp_path, layout):
+    """mp 2 with sequence parallel beside sharding_degree 2 (ZeRO stage 1 and 3: the sharding
+    ranks are the replicas, each fed half the batch) or pp_degree 2 (2 micro-batches): GPT-2
+    without dropout, the losses of 3 SGD steps equal one process's on the whole batch (rtol 1e-5:
+    the replicas' and micro-batches' sums round otherwise; measured within 5e-7)."""
+    ranks = _launch(tmp_path, 1, 2, ["hf-gpt2:nodrop"], layout)["hf-gpt2:nodrop"]
+    want, _ = _one_process("hf-gpt2", 0.0)
+    got = [r["losses"] for r in ranks if r["losses"][0] is not None]
+    if layout == "pp":  # the last stage's two MP ranks fetch the loss
+        assert len(got) == 2 and got[0] == got[1]
+        mean = got[0]
+    else:  # each replica's loss is of its half; their mean is the whole batch's
+        by_replica = {r["replica"]: r["losses"] for r in ranks}
+        assert sorted(by_replica) == [0, 1]
+        mean = [(a + b) / 2 for a, b in zip(by_replica[0], by_replica[1], strict=True)]
+    torch.testing.assert_close(torch.tensor(mean), torch.tensor(want), rtol=1e-5, atol=0)

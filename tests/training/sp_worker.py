@@ -8,10 +8,16 @@ column/row layers and ``sequence_parallel``. Each data-parallel replica is fed i
 step's batch, every MP rank of a replica the same share. 3 SGD steps from `metaopt.seed(SEED)`;
 writes the losses, this worker's params, how its split params are split, the plans and the
 program to ``OUT/<case>.rank<r>.pt``.
+
+``SP_LAYOUT`` (4 workers, MP 2): "zero1" / "zero3" add sharding_degree 2 at that ZeRO stage (the
+sharding ranks are the data-parallel replicas, each fed its half of the batch); "pp" adds
+pp_degree 2 (2 micro-batches, every worker fed the whole batch, the loss fetched on the last
+stage). These write the losses only (ZeRO-3's params are flat slices).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -53,6 +59,39 @@ def strategy(name: str, dp: int, mp: int, recompute: bool, amp: bool = False) ->
         s.recompute = True
         s.recompute_configs = {"checkpoints": CHECKPOINTS[name]}
     return s
+
+
+def with_layout(s: fleet.DistributedStrategy, layout: str) -> fleet.DistributedStrategy:
+    """`s` with SP_LAYOUT's axis beside MP 2 (module doc)."""
+    if layout.startswith("zero"):
+        s.hybrid_configs = {"dp_degree": 1, "mp_degree": 2, "sharding_degree": 2}
+        s.sharding = True
+        s.sharding_configs = {"stage": int(layout[-1])}
+    elif layout == "pp":
+        s.hybrid_configs = {"dp_degree": 1, "mp_degree": 2, "pp_degree": 2}
+        s.pipeline = True
+        s.pipeline_configs = {"accumulate_steps": 2, "micro_batch_size": None}
+    return s
+
+
+def train_layout(case: str, layout: str) -> dict:
+    name, _, mode = case.partition(":")
+    module, inputs, kwargs = build(name, 0.0 if mode == "nodrop" else DROPOUT)
+    program = metaopt.export(module, inputs, **kwargs)
+    s = with_layout(strategy(name, 1, 2, mode == "rc"), layout)
+    fleet.distributed_optimizer(metaopt.optimizer.SGD(learning_rate=tp_worker.LR), s).minimize(program.loss)
+    hcg = fleet.get_hybrid_communicate_group()
+    last = layout != "pp" or hcg.get_stage_id() == hcg.get_pipe_parallel_world_size() - 1
+    metaopt.seed(SEED)
+    exe, losses = metaopt.Executor("cpu"), []
+    for step in range(tp_worker.STEPS):
+        if layout == "pp":
+            feed = batch(name, step)
+        else:
+            feed = replica_batch(name, step, hcg.get_sharding_parallel_rank(), 2)
+        got = exe.run(program, feed=feed, fetch_list=[program.loss] if last else [])
+        losses.append(float(got[0]) if last else None)
+    return {"losses": losses, "replica": hcg.get_sharding_parallel_rank() if layout != "pp" else 0}
 
 
 def replica_batch(name: str, step: int, dp_rank: int, dp: int) -> dict[str, torch.Tensor]:
@@ -100,9 +139,11 @@ def train(case: str, dp: int, mp: int) -> dict:
 
 def main() -> None:
     out, dp, mp, cases = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
-    fleet.init(is_collective=True, strategy=strategy("hf-gpt2", dp, mp, False))
+    layout = os.environ.get("SP_LAYOUT", "")
+    fleet.init(is_collective=True, strategy=with_layout(strategy("hf-gpt2", dp, mp, False), layout))
     for case in cases:
-        torch.save(train(case, dp, mp), f"{out}/{case.replace(':', '.')}.rank{fleet.worker_index()}.pt")
+        got = train_layout(case, layout) if layout else train(case, dp, mp)
+        torch.save(got, f"{out}/{case.replace(':', '.')}.rank{fleet.worker_index()}.pt")
     fleet.barrier_worker()
 
 
