@@ -9,6 +9,7 @@ fields (kind, role, stage, scope, origin), never in names. Persistable values
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import difflib
 import hashlib
@@ -17,6 +18,7 @@ import math
 import operator
 import weakref
 from collections.abc import Iterable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,10 +36,28 @@ VAR_KINDS = ("input", "param", "buffer", "activation", "grad", "opt_state", "con
 DEVICE_FORMS = ("cpu", "cuda")
 
 
+# The form a kernel takes on the meta device: CUDA's (meta stands in for a GPU: the meta executor,
+# torch's shape propagation), or the CPU's while memory_layout replays a CPU program's layouts.
+_META_FORM: ContextVar[str] = ContextVar("metaopt_meta_form", default="cuda")
+
+
 def device_form(device: torch.device | str) -> str:
-    """The `DEVICE_FORMS` entry a device runs: "cpu" on the CPU, else "cuda"."""
+    """The `DEVICE_FORMS` entry a device runs: "cpu" on the CPU, else "cuda" (the meta device:
+    the form `meta_stands_for` sets, CUDA's by default)."""
     kind = device if isinstance(device, str) else device.type
+    if kind == "meta":
+        return _META_FORM.get()
     return "cpu" if kind == "cpu" else "cuda"
+
+
+@contextlib.contextmanager
+def meta_stands_for(form: str) -> Iterator[None]:
+    """Kernels run on the meta device take `form`'s path ("cpu" or "cuda") inside the block."""
+    token = _META_FORM.set(form)
+    try:
+        yield
+    finally:
+        _META_FORM.reset(token)
 
 
 _KIND_ORDER = {"input": 0, "param": 1, "buffer": 2, "opt_state": 3, "constant": 4}
@@ -695,7 +715,6 @@ class Program:
         else:
             self.values[name] = torch.full(shape, fill, dtype=dtype)
             self.fills.pop(name, None)
-
 
     def sort_vars(self) -> None:
         """Inputs, params, buffers, optimizer state, constants, then the rest in program

@@ -222,7 +222,7 @@ class _Replay:
         self.peak, self.peak_op = self.live, -1
         self.timeline: list[int] = []
         self.workspaces: dict[int, int] = {}  # op -> its kernel temporaries (nonzero only)
-        self.layouts = Layouts(p, self._shape)  # which view rows' kernels copy instead
+        self.layouts = Layouts(p, self._shape, device)  # which view rows' kernels copy instead
 
     def nbytes(self, name: str) -> int:
         v = self.p.vars[name]

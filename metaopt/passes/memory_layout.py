@@ -24,12 +24,15 @@ from typing import Any
 import torch
 
 from metaopt.ir import Op, Program, torch_dtype
+from metaopt.ir.program import meta_stands_for
 from metaopt.ops import registry
 
 
 class Layouts:
-    def __init__(self, p: Program, shape_of: Callable[[str], tuple | None]) -> None:
-        self.p, self.shape_of = p, shape_of
+    def __init__(self, p: Program, shape_of: Callable[[str], tuple | None], device: str = "cpu") -> None:
+        # `device`: the DEVICE_FORMS entry the program runs on; a kernel with a form per device
+        # (attention's backward) takes that one on the meta device (`meta_stands_for`)
+        self.p, self.shape_of, self.device = p, shape_of, device
         self.strides: dict[str, tuple[int, ...]] = {}  # values not laid out contiguously
 
     def step(self, op: Op, row: Any, view: bool) -> dict[int, int] | None:
@@ -71,11 +74,12 @@ class Layouts:
             if x and arg is None:
                 return None
             args.append(arg)
-        key = (op.type, repr(sorted(op.attrs.items())), len(op.outputs), *map(_key, args))
+        key = (self.device, op.type, repr(sorted(op.attrs.items())), len(op.outputs), *map(_key, args))
         if key not in _OUTCOMES:
             if len(_OUTCOMES) >= _CACHE_SIZE:
                 _OUTCOMES.clear()
-            _OUTCOMES[key] = _run(row, op, args)
+            with meta_stands_for(self.device):
+                _OUTCOMES[key] = _run(row, op, args)
         outcome = _OUTCOMES[key]
         return (list(op.inputs), outcome) if outcome is not None else None
 
