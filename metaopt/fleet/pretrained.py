@@ -73,7 +73,7 @@ def _opened(file: Path, when: str = "") -> Iterator[Any]:
     """`file` opened by safetensors (its header parsed, the data mapped); a file safetensors
     refuses is a PretrainedError naming it (`when`: what the message adds, e.g. that the file
     changed after its header was checked)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     try:
         f = safe_open(file, framework="pt")
@@ -82,7 +82,10 @@ def _opened(file: Path, when: str = "") -> Iterator[Any]:
             f"{file} is not a readable safetensors file{when} ({type(e).__name__}: {e})"
         ) from None
     with f:
-        yield f
+        try:
+            yield f
+        except SafetensorError as e:  # a read of it: a key gone, a slice out of a changed file
+            raise PretrainedError(f"{file}: {e}{when}") from None
 
 
 def _from_index(index: Path) -> dict[str, Path]:
@@ -116,8 +119,9 @@ def _from_index(index: Path) -> dict[str, Path]:
 def _shard_file(folder: Path, shard: str) -> Path | None:
     """The file an index's shard name stands for, or None where it is not the folder's own: a
     plain name (no folder, not absolute) of a file in `folder`, or, in a Hugging Face cache
-    snapshot (``<repo>/snapshots/<revision>/``), a link into that repo's ``<repo>/blobs/``, where
-    the cache keeps the files its snapshots link to. Nothing else outside the folder is read."""
+    snapshot (``models--<org>--<name>/snapshots/<revision>/``), a link into that repo's
+    ``blobs/``, where the cache keeps the files its snapshots link to. Nothing else outside the
+    folder is read."""
     if os.path.isabs(shard) or Path(shard).name != shard:
         return None
     target = (folder / shard).resolve()
@@ -125,7 +129,9 @@ def _shard_file(folder: Path, shard: str) -> Path | None:
         return None
     if target.parent == folder:
         return target
-    if folder.parent.name == "snapshots" and target.parent == folder.parent.parent / "blobs":
+    repo = folder.parent.parent
+    hub = repo.name.startswith(("models--", "datasets--", "spaces--"))  # the hub client's repo folders
+    if hub and folder.parent.name == "snapshots" and target.parent == repo / "blobs":
         return target
     return None
 

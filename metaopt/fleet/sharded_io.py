@@ -800,10 +800,10 @@ METADATA_BASE_BYTES = 1 << 20
 
 def piece_budget(info: dict[str, Any], world: int) -> int:
     """The most pieces a save of `world` workers writes of a var described by `info`: no more
-    than its elements either (pieces that tile it hold one at least; an empty one per worker
-    aside), whatever metaopt.json's world size says."""
+    than its elements either (pieces that tile it hold one at least; empty ones, a block per
+    worker at most, aside), whatever metaopt.json's world size says."""
     numel = math.prod(info["shape"])
-    return min(world * (2 * len(info["shape"]) + 1) * MAX_BLOCKS, numel + world)
+    return min(world * (2 * len(info["shape"]) + 1) * MAX_BLOCKS, numel + world * MAX_BLOCKS)
 
 
 def saving_world(folder: Path, meta: dict[str, Any]) -> int:

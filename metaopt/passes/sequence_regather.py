@@ -65,12 +65,25 @@ def plan_regather(p: Program) -> RegatherPlan:
         if not readers:
             plan.skipped.append(f"{op.outputs[0]}: no backward op reads it (or a view of it)")
             continue
-        plan.items.append(Regather(tuple(sorted(chain)), readers[0], tuple(readers)))
+        plan.items.append(Regather(_needed(p, chain, readers), readers[0], tuple(readers)))
         plan.events.append(
             f"regather {op.outputs[0]}: from {op.inputs[0]} before `{p.ops[readers[0]].type}` "
-            f"({len(readers)} backward readers; {len(chain) - 1} views / casts re-made)"
+            f"({len(readers)} backward readers; {len(_needed(p, chain, readers)) - 1} views / casts re-made)"
         )
     return plan
+
+
+def _needed(p: Program, chain: list[int], readers: list[int]) -> tuple[int, ...]:
+    """The ops of `chain` the backward `readers` need, in program order: a view or cast no
+    backward op reads (directly or through a later one of the chain) is not made again (a cast
+    would be a whole-sequence buffer for nothing)."""
+    wanted = {x for k in readers for x in p.ops[k].inputs if x}
+    kept = []
+    for k in sorted(chain, reverse=True):
+        if p.ops[k].outputs[0] in wanted:
+            kept.append(k)
+            wanted.add(p.ops[k].inputs[0])
+    return tuple(sorted(kept))
 
 
 def regather(p: Program, *, plan: RegatherPlan) -> Program:

@@ -30,6 +30,7 @@ import torch
 from metaopt import limits
 from metaopt.ir import Program, eval_dim, roles, torch_dtype
 from metaopt.ir.printer import fmt_op
+from metaopt.ir.program import device_form
 from metaopt.passes.memory_estimate import MemoryWhere, estimate_memory, human_bytes, where_alive
 from metaopt.runtime.executor import Executor
 
@@ -140,7 +141,8 @@ def memory_picture(
     if feed is not None:
         bound.update(_dims_of_feed(program, feed))
     keep = tuple(fetches) or ((program.loss_name,) if program.loss_name else tuple(program.outputs))
-    est = estimate_memory(program, dims=bound, fetches=keep, workspace=False)
+    form = device_form(device)
+    est = estimate_memory(program, dims=bound, fetches=keep, workspace=False, device=form)
     pic = MemoryPicture(
         name=program.name,
         dims=bound,
@@ -153,7 +155,7 @@ def memory_picture(
         persistables=persistable_breakdown(program),
         host=dict(est.host),
     )
-    full = estimate_memory(program, dims=bound, fetches=keep, workspace=True)
+    full = estimate_memory(program, dims=bound, fetches=keep, workspace=True, device=form)
     if full.timeline != est.timeline:
         pic.with_workspace = list(full.timeline)
     if measure:

@@ -321,10 +321,12 @@ def test_a_file_changed_after_its_header_was_checked_is_refused_not_sliced_stale
         fleet.load_pretrained(metaopt.Executor("cpu"), p, folder)
 
 
-def _hf_cache(tmp_path: Path, shards: dict[str, dict[str, torch.Tensor]]) -> Path:
+def _hf_cache(
+    tmp_path: Path, shards: dict[str, dict[str, torch.Tensor]], repo: str = "models--org--tiny"
+) -> Path:
     """A Hugging Face cache repo as the hub client lays it out: the files in ``blobs/`` under
     their hashes, ``snapshots/<revision>/`` linking to them by relative links; the snapshot."""
-    repo = tmp_path / "models--org--tiny"
+    repo = tmp_path / repo
     snapshot = repo / "snapshots" / "abc123"
     (repo / "blobs").mkdir(parents=True)
     snapshot.mkdir(parents=True)
@@ -360,6 +362,13 @@ def test_a_sharded_snapshot_of_the_hugging_face_cache_loads_through_its_blob_lin
         pretrained.PretrainedError, match=r"is in shard 'b\.safetensors', which is not a file of"
     ):
         fleet.load_pretrained(metaopt.Executor("cpu"), p, snapshot)
+    # the same layout under a folder the hub client would not name: its links are links out
+    shards = {"a.safetensors": {"w": torch.ones(4, 3), "b": torch.zeros(3)}}
+    lookalike = _hf_cache(tmp_path / "x", shards, "mine")
+    with pytest.raises(
+        pretrained.PretrainedError, match=r"is in shard 'a\.safetensors', which is not a file of"
+    ):
+        fleet.load_pretrained(metaopt.Executor("cpu"), p, lookalike)
 
 
 @pytest.mark.parametrize("when", ["before the check", "after the check"])
@@ -387,3 +396,21 @@ def test_a_file_turned_to_garbage_while_loading_is_refused_by_name(tiny, monkeyp
     ):
         fleet.load_pretrained(exe, p, folder)
     assert not exe.scope
+
+
+def test_a_key_gone_from_a_file_after_the_check_is_refused_by_name(tiny, monkeypatch):
+    """The file replaced after the check by a valid one without the key: safetensors' error on the
+    read becomes a PretrainedError naming the file (it was raw, after earlier vars were filled)."""
+    p, folder = tiny
+    check = pretrained._check
+
+    def check_then_drop(*args, **kwargs):
+        problem = check(*args, **kwargs)
+        save_file({"b": torch.zeros(3)}, folder / "model.safetensors")
+        return problem
+
+    monkeypatch.setattr(pretrained, "_check", check_then_drop)
+    with pytest.raises(
+        pretrained.PretrainedError, match=r"model\.safetensors: .*\(it changed while loading\?\)"
+    ):
+        fleet.load_pretrained(metaopt.Executor("cpu"), p, folder)

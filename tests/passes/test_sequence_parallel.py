@@ -198,9 +198,10 @@ def test_the_backward_gathers_the_column_inputs_again_instead_of_holding_them(ru
 def _ops(program: str) -> dict[str, tuple[str, list[str], str]]:
     """A printed program's ops: output -> (type, inputs, role)."""
     out = {}
-    for m in re.finditer(r"^  (\S+) = (\w+)\(([^)]*)\).*# role=(\w+)", program, re.M):
+    for m in re.finditer(r"^  (.+?) = (\w+)\(([^)]*)\).*# role=(\w+)", program, re.M):
         ins = [x.strip() for x in m[3].split(",") if x.strip() and "=" not in x]
-        out[m[1]] = (m[2], ins, m[4])
+        for o in m[1].split(", "):  # an op of several outputs: each
+            out[o] = (m[2], ins, m[4])
     return out
 
 
