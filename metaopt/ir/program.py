@@ -53,8 +53,8 @@ def device_form(device: torch.device | str) -> str:
 @contextlib.contextmanager
 def meta_stands_for(form: str) -> Iterator[None]:
     """Kernels run on the meta device take `form`'s path ("cpu" or "cuda") inside the block."""
-    if form not in ("cpu", "cuda"):
-        raise ValueError(f"meta_stands_for: {form!r} is not a device form ('cpu' or 'cuda')")
+    if form not in DEVICE_FORMS:
+        raise ValueError(f"meta_stands_for: {form!r} is not one of DEVICE_FORMS {DEVICE_FORMS}")
     token = _META_FORM.set(form)
     try:
         yield
