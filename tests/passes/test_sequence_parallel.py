@@ -209,8 +209,9 @@ def test_under_amp_the_backward_casts_the_regathered_chunk_again(runs):
     """bfloat16 AMP casts a float32 gathered input of a column layer (after its reshape to the
     Gemm's rows); the weight grad reads that cast. The regather re-makes the cast too (Cast's row:
     sequence="remake"), so no backward op reads the forward's whole value, its view or its whole
-    bfloat16 copy: the backward holds the chunk, as without AMP. The losses stay within 1e-2
-    (relative) of the float32 run's: bfloat16 keeps 8 bits of mantissa."""
+    bfloat16 copy: the backward holds the chunk, as without AMP. The losses stay within 1e-3
+    (relative) of the float32 run's (measured 1.2e-5: the loss and norms' statistics are float32;
+    bfloat16's own step, 2^-8, would be 4e-3 per op)."""
     ranks = runs["hf-gpt2:amp"]
     for r in ranks:
         ops = _ops(r["program"])
@@ -230,7 +231,7 @@ def test_under_amp_the_backward_casts_the_regathered_chunk_again(runs):
         remade = [o for o, (t, _, role) in ops.items() if t == "Cast" and role == "recompute"]
         assert len(remade) == len(casts)
     torch.testing.assert_close(
-        torch.tensor(ranks[0]["losses"]), torch.tensor(runs["hf-gpt2"][0]["losses"]), rtol=1e-2, atol=0
+        torch.tensor(ranks[0]["losses"]), torch.tensor(runs["hf-gpt2"][0]["losses"]), rtol=1e-3, atol=0
     )
 
 
