@@ -1,6 +1,7 @@
 """Activation bytes per transformer layer with tensor parallel, with and without sequence parallel,
-with and without recompute: predicted (`estimate_memory`), measured (the executor's own count on
-gloo workers at t = 2 and in one process at t = 1), beside Korthikanti et al. 2022's formula.
+and with segment parallel (Ulysses: hybrid_configs["sep_degree"]), with and without recompute:
+predicted (`estimate_memory`), measured (the executor's own count on gloo workers at t = 2 and
+in one process at t = 1), beside Korthikanti et al. 2022's formula.
 
     python benchmarks/long_seq.py [--width 256] [--heads 8] [--seq 512] [--batch 2] [--json out.json]
 
@@ -13,8 +14,10 @@ mask). Tensor parallel splits c_attn / c_fc by columns and the projections by ro
 forward: live(after layer 1's last forward op) - live(after layer 0's last one), as the executor
 counts them (its timeline) and as `estimate_memory` predicts them (its timeline, the same points),
 on rank 0's program. Rows:
-  t          the model-parallel degree (1: one process)
-  sp         sequence parallel (tensor_parallel_configs["sequence_parallel"])
+  t          the model-parallel degree (1: one process), or the sep degree on the sep rows
+  sp         sequence parallel (tensor_parallel_configs["sequence_parallel"]), or "sep": segment
+             parallel at degree t (no tensor parallel; every sequence split over t workers, q/k/v
+             exchanged around attention), whose formula is sequence parallel's, sbh/t (66 + 9as/h)
   recompute  none, or a checkpoint per block with the "selective" policy (matmul outputs kept)
 Korthikanti's formula is for 16-bit activations with 1-byte dropout masks; here in float32 (4-byte
 activations, 1-byte masks): per layer sbh(66 + 9as/h) without parallelism, sbh(18 + 48/t + 9as/(ht))
@@ -40,6 +43,7 @@ from common import LMLoss  # (common puts the repo on sys.path)
 import metaopt  # before transformers (DESIGN: import order)
 from metaopt import fleet
 from metaopt.passes.memory_estimate import estimate_memory
+from metaopt.passes.segment_parallel import plan_segment_parallel, segment_parallel
 from metaopt.passes.sequence_parallel import plan_sequence_parallel, sequence_parallel
 from metaopt.passes.sequence_regather import plan_regather, regather
 from metaopt.passes.tensor_parallel import plan_tensor_parallel, tensor_parallel
@@ -75,12 +79,14 @@ def korthikanti(a, t: int, sp: bool, recompute: bool) -> float:
         return sbh * (66 + attn)
     if not sp:
         return sbh * (18 + 48 / t + attn / t)
-    return sbh / t * (66 if recompute else 66 + attn)
+    return sbh / t * (66 if recompute else 66 + attn)  # sequence parallel's, and segment parallel's
 
 
-def strategy(t: int, sp: bool, recompute: bool, hybrid: bool) -> fleet.DistributedStrategy:
+def strategy(t: int, sp: bool | str, recompute: bool, hybrid: bool) -> fleet.DistributedStrategy:
     s = fleet.DistributedStrategy()
-    if hybrid:  # the workers: fleet rewrites for tensor parallel itself
+    if hybrid and sp == "sep":  # the workers: fleet rewrites for segment parallel itself
+        s.hybrid_configs = {"dp_degree": 1, "sep_degree": t}
+    elif hybrid:  # the workers: fleet rewrites for tensor parallel itself
         s.hybrid_configs = {"dp_degree": 1, "mp_degree": t}
         s.tensor_parallel = True
         s.tensor_parallel_configs = {"column": COLUMN, "row": ROW, "sequence_parallel": sp}
@@ -103,11 +109,13 @@ def layer_bytes(p: metaopt.Program, timeline: list[int]) -> int:
     return timeline[ends[1]] - timeline[ends[0]]
 
 
-def predicted(a, t: int, sp: bool, recompute: bool) -> tuple[int, metaopt.Program]:
+def predicted(a, t: int, sp: bool | str, recompute: bool) -> tuple[int, metaopt.Program]:
     """Rank 0's program at degree t, rewritten in this one process (no worker), and its layer bytes."""
     module, inputs = build(a)
     p = metaopt.export(module, inputs, name="gpt2")
-    if t > 1:
+    if sp == "sep":
+        p = segment_parallel(p, plan=plan_segment_parallel(p, degree=t, group=list(range(t))))
+    elif t > 1:
         p = tensor_parallel(
             p,
             plan=plan_tensor_parallel(
@@ -120,7 +128,7 @@ def predicted(a, t: int, sp: bool, recompute: bool) -> tuple[int, metaopt.Progra
         metaopt.optimizer.SGD(learning_rate=1e-3), strategy(t, sp, recompute, False)
     )
     opt.minimize(p.loss)
-    if sp:  # what fleet's sequence_regather step does after recompute
+    if sp is True:  # what fleet's sequence_regather step does after recompute
         p = regather(p, plan=plan_regather(p))
     est = estimate_memory(p, dims={"batch": a.batch})
     return layer_bytes(p, est.timeline), p
@@ -130,8 +138,9 @@ def measured_worker(a) -> None:
     """One gloo worker at t = world size: its measured and predicted layer bytes, as JSON."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     out = {}
-    fleet.init(is_collective=True, strategy=strategy(world, False, False, True))
-    for sp in (False, True):
+    modes = ("sep",) if a.worker_mode == "sep" else (False, True)
+    fleet.init(is_collective=True, strategy=strategy(world, modes[0], False, True))
+    for sp in modes:
         for rc in (False, True):
             module, inputs = build(a)
             p = metaopt.export(module, inputs, name="gpt2")
@@ -160,21 +169,21 @@ def measured_one_process(a, recompute: bool) -> int:
     return layer_bytes(p, exe.memory_timeline())
 
 
-def run_workers(a, world: int) -> list[dict]:
+def run_workers(a, world: int, mode: str = "tp") -> list[dict]:
     out = tempfile.mkdtemp(prefix="long_seq_")
     env0 = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1"}
-    env0["MASTER_PORT"] = str(29800 + world)
+    env0["MASTER_PORT"] = str(29800 + world + (10 if mode == "sep" else 0))
     args = [f"--{k}={v}" for k, v in vars(a).items() if k in ("width", "heads", "seq", "batch")]
     procs = [
         subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), *args, "--worker", out],
+            [sys.executable, str(Path(__file__).resolve()), *args, "--worker", out, "--worker-mode", mode],
             env={**env0, "RANK": str(r), "LOCAL_RANK": str(r)},
         )
         for r in range(world)
     ]
     for p in procs:
         if p.wait(timeout=1800) != 0:
-            raise SystemExit("a tensor-parallel worker failed")
+            raise SystemExit(f"a {mode} worker failed")
     return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -185,6 +194,7 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-mode", default="tp", help=argparse.SUPPRESS)
     ap.add_argument("--json")
     a = ap.parse_args()
     if a.worker:
@@ -192,19 +202,19 @@ def main() -> int:
         return 0
     fleet.init(is_collective=True)
     workers = run_workers(a, 2)
+    sep_workers = run_workers(a, 2, "sep")
     rows = []
     for t in (1, 2, 4):
-        for sp in (False,) if t == 1 else (False, True):
+        for sp in (False,) if t == 1 else (False, True, "sep"):
             for rc in (False, True):
                 pred, _ = predicted(a, t, sp, rc)
                 meas = None
                 if t == 1:
                     meas = measured_one_process(a, rc)
                 elif t == 2:
-                    meas = workers[0][f"{sp}:{rc}"]["measured"]
-                    assert workers[0][f"{sp}:{rc}"]["predicted"] == pred, (
-                        "the worker's estimate is rank 0's here"
-                    )
+                    w = (sep_workers if sp == "sep" else workers)[0][f"{sp}:{rc}"]
+                    meas = w["measured"]
+                    assert w["predicted"] == pred, "the worker's estimate is rank 0's here"
                 rows.append(
                     {
                         "t": t,

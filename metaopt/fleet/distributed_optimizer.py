@@ -119,6 +119,7 @@ class DistributedOptimizer:
         self.data_parallel_plan = self.pipeline_plan = self.tensor_parallel_plan = None
         self.expert_parallel_plan = None
         self.sequence_parallel_plan = None
+        self.segment_parallel_plan = None
         self.partition_plan = None
         self.stage_programs: list[Program] = []
 
@@ -215,6 +216,7 @@ class DistributedOptimizer:
         self.tensor_parallel_plan = ctx.plans.get("tensor_parallel")
         self.expert_parallel_plan = ctx.plans.get("expert_parallel")
         self.sequence_parallel_plan = ctx.sp_plan  # made by the tensor_parallel step, after its rewrite
+        self.segment_parallel_plan = ctx.sep_plan
         self.partition_plan = ctx.plans.get("partition")  # recompute partition: what is sliced, why not
         self.pipeline_plan = ctx.plans.get("pipeline_split")
         self.memory_report = ctx.memory_report

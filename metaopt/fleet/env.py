@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from metaopt.layout.groups import timeout as comm_timeout  # fleet.init's group waits as every collective
-from metaopt.layout.topology import AXES, HybridCommunicateGroup, Topology
+from metaopt.layout.topology import AXES, DEGREE_KEYS, HybridCommunicateGroup, Topology
 
 logger = logging.getLogger("metaopt.fleet")
 
@@ -282,7 +282,7 @@ def _hybrid_group(topo: Topology, env: WorkerEnv) -> HybridCommunicateGroup:
 
     # the collectives of tensor parallel, of data parallel beside it, of a pipeline and of expert
     # parallel look their groups up there (by axis, by ranks): only these exist on every worker
-    axes = (*AXES, *topo.expert_axes())
+    axes = (*topo.group_axes(), *topo.expert_axes())
     return HybridCommunicateGroup(topo, env.rank, make_topology_groups(topo, env.rank, axes))
 
 
@@ -292,13 +292,16 @@ def _check_same_layout(topo: Topology | None) -> None:
     pair their groups with the wrong peers, or wait in a collective the others never join
     (a timeout naming nothing). Raises WorkersDisagreeError on every worker alike, naming the
     first rank that differs from rank 0 and both layouts."""
-    mine = None if topo is None else [*topo.dims, topo.ep_degree]  # Topology's field order
+    mine = None if topo is None else [*topo.dims, topo.ep_degree]  # AXES order, then ep
     dims = _gather(mine, "fleet.init: the exchange of hybrid_configs")
     differ = [r for r, d in enumerate(dims) if d != dims[0]]
     if differ:
 
         def text(d: list | None) -> str:
-            return "no hybrid_configs (fleet.init got none)" if d is None else Topology(*d).describe()
+            if d is None:
+                return "no hybrid_configs (fleet.init got none)"
+            degrees = dict(zip((DEGREE_KEYS[a] for a in AXES), d, strict=False))
+            return Topology(**degrees, ep_degree=d[-1]).describe()
 
         raise WorkersDisagreeError(
             f"fleet.init: the workers' hybrid_configs differ: rank 0 has {text(dims[0])}, "

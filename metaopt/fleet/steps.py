@@ -265,6 +265,70 @@ def tensor_parallel_errors(strategy: Any, topo: Topology, init: Topology | None)
     return errors
 
 
+# --- segment parallel -------------------------------------------------------------------------
+
+
+def _sep_degree(ctx: Context) -> int:
+    try:
+        return _layout(ctx).sep_degree
+    except ValueError:
+        return 1
+
+
+def _sep_on(ctx: Context) -> tuple[bool, str]:
+    sep = _sep_degree(ctx)
+    if sep == 1:
+        return False, "hybrid_configs sep_degree=1"
+    return True, f"hybrid_configs sep_degree={sep}"
+
+
+def _sep_check(ctx: Context) -> None:
+    """Refuse, by name, what does not run on the local sequence yet."""
+    if env.hybrid_topology() is None:
+        raise ValueError(
+            f"sep_degree={_sep_degree(ctx)}: segment parallel's groups are fleet.init's; give fleet.init the "
+            "strategy with hybrid_configs (fleet.init(is_collective=True, strategy=strategy))"
+        )
+    s = ctx.strategy
+    flags = {
+        "tensor_parallel": "split layers beside the local sequence",
+        "pipeline": "pipeline stages on the local sequence",
+        "sharding": "ZeRO beside the local sequence",
+        "localsgd": "local SGD averages params over the data-parallel group only",
+    }
+    why = [f"strategy.{f}=True ({reason})" for f, reason in flags.items() if getattr(s, f)]
+    if _ep_degree(ctx) > 1:
+        why.append(f"hybrid_configs ep_degree={_ep_degree(ctx)} (experts on the local sequence)")
+    clip = getattr(ctx.optimizer, "grad_clip", None)
+    if clip is not None and type(clip).__name__ == "ClipGradByGlobalNorm":
+        why.append("grad_clip=ClipGradByGlobalNorm (the grads are summed over the sep group in the backward)")
+    if why:
+        raise NotImplementedError(
+            f"hybrid_configs sep_degree={_sep_degree(ctx)} cannot be combined yet with: " + "; ".join(why)
+        )
+
+
+def _sep_plan(p: Program, ctx: Context) -> Any:
+    from metaopt.passes.segment_parallel import plan_segment_parallel
+
+    topo = _layout(ctx)
+    return plan_segment_parallel(p, degree=topo.sep_degree, group=topo.group_ranks("sep", ctx.rank))
+
+
+def _segment_parallel(p: Program, plan: Any, ctx: Context) -> Program:
+    from metaopt.passes.segment_parallel import GROUP, segment_parallel
+
+    q = segment_parallel(p, plan=plan)
+    ctx.sep_plan = plan
+    # every worker's program reads the same (they are compared at minimize): the group by its axis
+    ranks = list(plan.group)
+    for op in q.ops:
+        for attr in ("group", "slice_group"):
+            if op.attrs.get(attr) == ranks:
+                op.attrs[attr] = GROUP
+    return q
+
+
 # --- expert parallel ---------------------------------------------------------------------------
 
 
@@ -1228,6 +1292,17 @@ STEPS: tuple[Step, ...] = (
         meta="tensor_parallel",
         reads=("optimizer", "rank", "strategy", "world_size"),
         writes=("sp_plan", "tp_plan"),
+    ),
+    Step(
+        "sep_parallel",
+        _sep_on,
+        _segment_parallel,
+        plan=_sep_plan,
+        check=_sep_check,
+        doc="1/sep of every sequence per rank, q/k/v exchanged around attention",
+        meta="sep_parallel",
+        reads=("optimizer", "rank", "strategy", "world_size"),
+        writes=("sep_plan",),
     ),
     Step(
         "expert_capacity",

@@ -336,17 +336,18 @@ HYBRID_CONFIGS: dict[str, Key] = {
         list(PADDLE_ORDER),
         "list[str]",
         "the axes outermost first (Paddle's names): ranks enumerate the coordinates in this order, "
-        "the last varying fastest (adjacent ranks: a node's); 'sep' and 'cp' (not built: degree 1) "
-        "may sit anywhere; Paddle 3's 'ep' / 'moe_sharding' are refused (expert groups are laid over "
-        "consecutive data-side ranks)",
+        "the last varying fastest (adjacent ranks: a node's); 'sep' (left out: right before 'mp') and "
+        "'cp' (not built: degree 1) may sit anywhere; Paddle 3's 'ep' / 'moe_sharding' are refused "
+        "(expert groups are laid over consecutive data-side ranks)",
         check=((_order_ok, "must list each of dp, pp, sharding, mp once (sep, cp: at most once)"),),
     ),
     "sep_degree": Key(
         1,
         "int",
-        "segment-parallel workers (Paddle's sep_degree: each holds 1/sep_degree of every sample's "
-        "tokens, heads exchanged by all-to-all around attention): not built, refused above 1 "
-        "(UNIMPLEMENTED)",
+        "segment-parallel workers (Paddle's sep_degree; DeepSpeed-Ulysses): each holds 1/sep_degree of "
+        "every sequence from the embeddings to the loss, q/k/v exchanged by all-to-all around attention "
+        "(whole sequences over 1/sep_degree of the heads), the loss and every param's grad summed over "
+        "the group; every sep rank is fed the same batch (passes/segment_parallel.py)",
         check=_COUNT,
     ),
     "cp_degree": Key(
@@ -857,8 +858,9 @@ UNIMPLEMENTED: dict[str, str] = {
     "split_data": "the fed batch is each worker's own (auto-parallel, semi_auto, is refused)",
     **{
         f"hybrid_configs.{key}": (
-            f"{what} is not built; for long sequences tensor_parallel_configs['sequence_parallel'] "
-            "splits the norm / dropout regions along the sequence beside mp_degree"
+            f"{what} is not built; for long sequences hybrid_configs['sep_degree'] splits every sequence "
+            "(Ulysses), and tensor_parallel_configs['sequence_parallel'] the norm / dropout regions "
+            "beside mp_degree"
         )
         for key, what in NOT_BUILT_AXES.items()
     },

@@ -56,17 +56,19 @@ def from_hybrid_configs(
     """The topology `hybrid_configs` give `world_size` workers; dp_degree=-1 is inferred (the
     workers left over by the other degrees, as Fleet does). A product other than the world size
     is a ValueError naming the degrees and the world size; an axis metaopt does not lay out
-    (sep_degree, cp_degree) above 1 a NotImplementedError naming it."""
+    (cp_degree) above 1 a NotImplementedError naming it."""
     for key, what in NOT_BUILT_AXES.items():
         if hybrid_configs.get(key, 1) != 1:
             raise NotImplementedError(
                 f"{where}['{key}']={hybrid_configs[key]}: {what} is not built in metaopt; leave it at 1 "
-                "(for long sequences: tensor_parallel_configs['sequence_parallel'] beside mp_degree)"
+                "(for long sequences: hybrid_configs['sep_degree'], or "
+                "tensor_parallel_configs['sequence_parallel'] beside mp_degree)"
             )
     mp, pp, sh = (hybrid_configs[k] for k in ("mp_degree", "pp_degree", "sharding_degree"))
     dp, ep = hybrid_configs["dp_degree"], hybrid_configs.get("ep_degree", 1)
-    others = mp * pp * sh
-    shard = f" x sharding_degree={sh}" if sh != 1 else ""
+    sep = hybrid_configs.get("sep_degree", 1)
+    others = mp * pp * sh * sep
+    shard = (f" x sharding_degree={sh}" if sh != 1 else "") + (f" x sep_degree={sep}" if sep != 1 else "")
     if dp == -1:
         if world_size % others:
             raise ValueError(
@@ -99,7 +101,10 @@ def from_hybrid_configs(
             "or set it equal"
         )
     order = axes_order(hybrid_configs.get("order", PADDLE_ORDER), f"{where}['order']")
-    return Topology(dp_degree=dp, pp_degree=pp, sharding_degree=sh, mp_degree=mp, ep_degree=ep, order=order)
+    return Topology(
+        dp_degree=dp, pp_degree=pp, sharding_degree=sh, mp_degree=mp, ep_degree=ep, order=order,
+        sep_degree=sep,
+    )  # fmt: skip
 
 
 def job_topology(strategy: Any, world_size: int, init: Topology | None = None) -> Topology:

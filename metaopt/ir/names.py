@@ -188,6 +188,31 @@ sp_gathered = _tagged(
 )
 
 
+# --- segment parallel (passes/segment_parallel.py) -------------------------------------------
+
+
+sep_heads = _tagged(
+    "SEP_HEADS",
+    "`name` exchanged by SepAllToAll: whole sequences over this sep rank's 1/degree of the heads.",
+)
+sep_summed = _tagged(
+    "SEP_SUM",
+    "The loss `name` as a sum over this sep rank's tokens (its cross-entropy's reduction, made sum).",
+)
+sep_partial = _tagged(
+    "SEP_PARTIAL",
+    "This sep rank's share of the loss `name`: its tokens' sum over the whole batch's count.",
+)
+sep_ignore_index = _tagged(
+    "SEP_IGNORE_INDEX",
+    "The ignore_index the whole labels `name` are compared with, to count the tokens the loss averages.",
+)
+sep_ignored = _tagged("SEP_IGNORED", "Whether each of the whole labels `name` is ignore_index.")
+sep_counted = _tagged("SEP_COUNTED", "Whether each of the whole labels `name` counts in the loss's mean.")
+sep_flags = _tagged("SEP_FLAGS", "The whole labels `name` that count in the loss's mean, as 1.0 and 0.0.")
+sep_count = _tagged("SEP_COUNT", "How many of the whole labels `name` the loss's mean divides by.")
+
+
 # --- expert parallel (passes/expert_parallel.py) ---------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""Hybrid parallel's rank layout: each worker's (data, pipe, sharding, model) coordinate.
+"""Hybrid parallel's rank layout: each worker's (data, pipe, sharding, sep, model) coordinate.
 
 Pure functions of the degrees: nothing here needs torch.distributed, so the layout can be
 computed, printed and tested in one process. ``fleet.init`` builds the process groups from it
@@ -8,12 +8,13 @@ runtime, which all import it; it imports none of them (the strategy's degrees ar
 ``fleet/topology.py``).
 
 The layout is Paddle's ``CommunicateTopology`` with ``hybrid_group_names`` ["data", "pipe",
-"sharding", "model"] (Fleet's order, outermost first; Megatron orders tensor, pipeline and data
-parallel ranks the same way): ranks enumerate the coordinates in row-major order, so the model
-axis is innermost and model-parallel peers get adjacent ranks, which a launcher places on one
-node, where their per-layer collectives are cheapest; the data axis is outermost::
+"sharding", "sep", "model"] (Fleet's order, outermost first; Megatron orders tensor, pipeline and
+data parallel ranks the same way): ranks enumerate the coordinates in row-major order, so the
+model axis is innermost and model-parallel peers get adjacent ranks, which a launcher places on
+one node, where their per-layer collectives are cheapest; the data axis is outermost::
 
-    rank = ((data * pp_degree + pipe) * sharding_degree + sharding) * mp_degree + model
+    rank = (((data * pp_degree + pipe) * sharding_degree + sharding) * sep_degree + sep) * mp_degree
+           + model
 
 dp_degree=2, pp_degree=2, mp_degree=2 on 8 workers::
 
@@ -38,7 +39,7 @@ from typing import Any, NamedTuple
 
 from metaopt.ir import did_you_mean
 
-AXES: tuple[str, ...] = ("data", "pipe", "sharding", "model")  # outermost first
+AXES: tuple[str, ...] = ("data", "pipe", "sharding", "sep", "model")  # outermost first
 # Expert parallel's groups overlap the data-side axes rather than adding one (Paddle's
 # ``ep_degree``): among the ranks sharing a pipe and model coordinate, in rank order, each run of
 # `ep_degree` consecutive ranks is an "expert" group (they hold different experts of every MoE
@@ -46,29 +47,33 @@ AXES: tuple[str, ...] = ("data", "pipe", "sharding", "model")  # outermost first
 # moe_sharding: they hold the same experts). dp=4, ep=2: expert groups [0, 1] [2, 3], replica
 # groups [0, 2] [1, 3].
 EXPERT_AXES: tuple[str, ...] = ("expert", "expert_replica")
-# Paddle's hybrid_configs["order"] names -> our axes ("sep", "cp": segment and context parallel,
-# not built: their degree is 1, so wherever they sit they change no rank)
+# Paddle's hybrid_configs["order"] names -> our axes ("cp": context parallel, not built: its degree
+# is 1, so wherever it sits it changes no rank)
 ORDER_NAMES: dict[str, str | None] = {
     "dp": "data",
     "pp": "pipe",
     "sharding": "sharding",
-    "sep": None,
+    "sep": "sep",
     "cp": None,
     "mp": "model",
 }
+# Order names a user's order may leave out (Paddle 2.x's had no "sep"): placed as Paddle's default
+# order places them, right before "mp"
+OPTIONAL_ORDER_NAMES = ("sep",)
+OPTIONAL_AXES = ("sep",)  # the same, as `Topology.order` names it
 # Paddle 3's expert axes: metaopt lays the expert groups over runs of consecutive data-side ranks
 # (EXPERT_AXES), not by their place in the order
 EXPERT_ORDER_NAMES = ("ep", "moe_sharding")
 PADDLE_ORDER: tuple[str, ...] = ("dp", "pp", "sharding", "sep", "mp")  # Paddle's default, outermost first
 # Paddle's hybrid degrees of axes metaopt does not lay out (yet): refused above 1 by name
 NOT_BUILT_AXES: dict[str, str] = {
-    "sep_degree": "segment parallel (1/sep of the tokens each, all-to-all around attention)",
     "cp_degree": "context parallel (ring attention over 1/cp of the tokens each)",
 }
 DEGREE_KEYS: dict[str, str] = {  # axis -> its strategy.hybrid_configs key
     "data": "dp_degree",
     "pipe": "pp_degree",
     "sharding": "sharding_degree",
+    "sep": "sep_degree",
     "model": "mp_degree",
 }
 
@@ -79,6 +84,7 @@ class Coordinate(NamedTuple):
     data: int
     pipe: int
     sharding: int
+    sep: int
     model: int
 
 
@@ -103,8 +109,16 @@ class Topology:
     # the axes outermost first (Paddle's hybrid_configs["order"], read by `axes_order`): the rank
     # enumerates the coordinates in this order, the last axis varying fastest
     order: tuple[str, ...] = AXES
+    # segment parallel (Paddle's sep_degree): each rank of a sep group holds 1/sep_degree of every
+    # sequence (passes/segment_parallel.py); after `order` so the fields above keep their places
+    sep_degree: int = 1
 
     def __post_init__(self) -> None:
+        for name in OPTIONAL_AXES:  # an order written before the axis existed: Paddle's default place
+            if name not in self.order and "model" in self.order:
+                order = list(self.order)
+                order.insert(order.index("model"), name)
+                object.__setattr__(self, "order", tuple(order))
         if sorted(self.order) != sorted(AXES):
             raise ValueError(f"Topology: order must hold each of {list(AXES)} once, got {list(self.order)}")
         # Axes of degree 1 change no rank wherever they sit: an order placing the others as the
@@ -125,6 +139,12 @@ class Topology:
                 "parallel splits the experts over data-side ranks, which hold different batches)"
             )
 
+    def group_axes(self) -> tuple[str, ...]:
+        """The axes whose process groups fleet.init makes, in `AXES` order: every one but "sep" at
+        degree 1 (only a segment-parallel program names the sep group; not making a group of one
+        per rank spares every other job the new_group calls)."""
+        return tuple(a for a in AXES if a != "sep" or self.sep_degree > 1)
+
     def expert_axes(self) -> tuple[str, ...]:
         """The expert groups' axes when experts are split (ep_degree > 1), else none."""
         return EXPERT_AXES if self.ep_degree > 1 else ()
@@ -132,15 +152,13 @@ class Topology:
     def _expert_groups(self, axis: str) -> list[list[int]]:
         groups: list[list[int]] = []
         ep = self.ep_degree
-        for pipe in range(self.pp_degree):
-            for model in range(self.mp_degree):
-                ranks = [
-                    r
-                    for r in range(self.world_size())
-                    if self.get_coord(r).pipe == pipe and self.get_coord(r).model == model
-                ]
-                runs = [ranks[i : i + ep] for i in range(0, len(ranks), ep)]
-                groups += runs if axis == "expert" else [list(g) for g in zip(*runs, strict=True)]
+        places: dict[tuple[int, int, int], list[int]] = {}  # (pipe, sep, model) -> its data-side ranks
+        for r in range(self.world_size()):
+            c = self.get_coord(r)
+            places.setdefault((c.pipe, c.sep, c.model), []).append(r)
+        for _, ranks in sorted(places.items()):
+            runs = [ranks[i : i + ep] for i in range(0, len(ranks), ep)]
+            groups += runs if axis == "expert" else [list(g) for g in zip(*runs, strict=True)]
         return groups
 
     # --- sizes ---------------------------------------------------------------------------
@@ -159,7 +177,7 @@ class Topology:
     get_dim_size = get_dim  # Paddle has both names
 
     def world_size(self) -> int:
-        return self.dp_degree * self.pp_degree * self.sharding_degree * self.mp_degree
+        return self.dp_degree * self.pp_degree * self.sharding_degree * self.sep_degree * self.mp_degree
 
     # --- ranks and coordinates ---------------------------------------------------------------
     def get_coord(self, rank: int) -> Coordinate:
@@ -177,10 +195,14 @@ class Topology:
             raise ValueError(
                 f"Topology.get_rank: unknown axis {unknown[0]!r}{did_you_mean(unknown[0], AXES)}"
             )
+        # an axis of degree 1 has one coordinate, 0: a coordinate may leave it out (the sep axis of
+        # a job without segment parallel, as every caller written before it had)
+        coord = {**{a: 0 for a in AXES if self.get_dim(a) == 1}, **coord}
         missing = [a for a in AXES if a not in coord]
         if missing:
             raise ValueError(
-                f"Topology.get_rank: the coordinate needs every axis of {list(AXES)}; missing {missing}"
+                f"Topology.get_rank: the coordinate needs every axis of degree > 1 of {list(AXES)}; "
+                f"missing {missing}"
             )
         rank = 0
         for axis in self.order:
@@ -235,11 +257,14 @@ class Topology:
         parts = [f"dp_degree={self.dp_degree}", f"mp_degree={self.mp_degree}", f"pp_degree={self.pp_degree}"]
         if self.sharding_degree != 1:
             parts.append(f"sharding_degree={self.sharding_degree}")
+        if self.sep_degree != 1:
+            parts.append(f"sep_degree={self.sep_degree}")
         if self.ep_degree != 1:
             parts.append(f"ep_degree={self.ep_degree}")
         if self.order != AXES:
             names = {a: n for n, a in ORDER_NAMES.items() if a is not None}
-            parts.append(f"order={[names[a] for a in self.order]}")
+            shown = [a for a in self.order if a not in OPTIONAL_AXES or self.get_dim(a) > 1]
+            parts.append(f"order={[names[a] for a in shown]}")
         return ", ".join(parts)
 
     def table(self) -> str:
@@ -256,9 +281,10 @@ class Topology:
 
 def axes_order(names: Any, where: str = "hybrid_configs['order']") -> tuple[str, ...]:
     """Our axes, outermost first, from Paddle's order names (``["dp", "pp", "sharding", "sep",
-    "mp"]``): each of dp, pp, sharding and mp once; "sep" and "cp" (degree 1: segment and context
-    parallel are not built) at most once, anywhere. A ValueError names what is wrong; Paddle 3's
-    "ep" and "moe_sharding" are a NotImplementedError (`EXPERT_ORDER_NAMES`)."""
+    "mp"]``): each of dp, pp, sharding and mp once; "sep" at most once (left out: right before
+    "mp", as Paddle's default order places it) and "cp" (degree 1: context parallel is not built)
+    at most once, anywhere. A ValueError names what is wrong; Paddle 3's "ep" and "moe_sharding"
+    are a NotImplementedError (`EXPERT_ORDER_NAMES`)."""
     if isinstance(names, str) or not all(isinstance(n, str) for n in names):
         raise ValueError(f"{where} must be a list of axis names, got {names!r}")
     names = list(names)
@@ -276,12 +302,17 @@ def axes_order(names: Any, where: str = "hybrid_configs['order']") -> tuple[str,
                 f"{list(ORDER_NAMES)}"
             )
     twice = sorted({n for n in names if names.count(n) > 1})
-    missing = [n for n, a in ORDER_NAMES.items() if a is not None and n not in names]
+    missing = [
+        n for n, a in ORDER_NAMES.items() if a is not None and n not in [*names, *OPTIONAL_ORDER_NAMES]
+    ]
     if twice or missing:
         what = f"{twice} more than once" if twice else f"no {missing}"
         raise ValueError(
             f"{where}={names} names {what}: list each of dp, pp, sharding, mp once, outermost first"
         )
+    for n in OPTIONAL_ORDER_NAMES:
+        if n not in names:
+            names.insert(names.index("mp"), n)
     return tuple(ORDER_NAMES[n] for n in names if ORDER_NAMES[n] is not None)
 
 
@@ -382,6 +413,16 @@ class HybridCommunicateGroup:
     def get_rank_from_stage(self, stage_id: int, **kwargs: int) -> int:
         """The rank running pipeline stage `stage_id` with this rank's other coordinates."""
         return self._topo.get_rank_from_stage(self.global_rank, pipe=stage_id, **kwargs)
+
+    # segment parallel (Paddle's names)
+    def get_sep_parallel_rank(self) -> int:
+        return self._coord.sep
+
+    def get_sep_parallel_world_size(self) -> int:
+        return self._topo.sep_degree
+
+    def get_sep_parallel_group(self) -> Any:
+        return self._group("sep")
 
     # sharding
     def get_sharding_parallel_rank(self) -> int:

@@ -78,6 +78,10 @@ class OpDef:
     # (Cast: cheap enough that the backward re-makes it from a re-gathered value too, as AMP casts a
     # column layer's gathered input). None: none.
     sequence: str | None = None
+    # Segment parallel (passes/segment_parallel.py; set in ops/sharding.py): how a value split along
+    # its tokens passes through the op where the `shard` rule does not say (a Linear's rows, an
+    # embedding lookup, attention exchanged around); None: the `shard` rule is asked.
+    tokens: Any = None
     # (output index, input index) pairs: the kernel writes that output into that
     # input's storage and returns it (optimizer updates, like torch.optim's in-place
     # steps: a fresh copy of a large param costs page faults every step). The plan

@@ -118,11 +118,12 @@ def _global_rank() -> int:
 
 
 def mp_rank(group: Sequence[int] | str) -> int:
-    """This worker's place in MP group `group` (ranks, or "model_parallel": fleet.init's layout)."""
+    """This worker's place in MP group `group` (ranks, or "model_parallel": fleet.init's layout; a
+    sliced draw's group may be another named one, "sep_parallel": `comm.NAMED_GROUPS`)."""
     if isinstance(group, str):
-        from metaopt.ops.kernels.comm import hybrid_ranks
+        from metaopt.ops.kernels.comm import named_group_ranks
 
-        ranks = hybrid_ranks("model", f'{STREAM_ATTR}="{MODEL_PARALLEL}"')
+        ranks = named_group_ranks(group, f'{STREAM_ATTR}="{MODEL_PARALLEL}"')
     else:
         ranks = list(group)
     if len(ranks) == 1:

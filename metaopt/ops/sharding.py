@@ -76,6 +76,12 @@ class ShardRule:
     # (Split of a fused QKV: one block per piece), given (op, full input shape, constant lookup as
     # in ShardArgs); None: no say.
     blocks_hint: Callable[[Any, tuple, Callable[[str], Any]], tuple[int, ...] | None] | None = None
+    # Segment parallel: the op runs on whole sequences over a split of the heads, its split inputs
+    # exchanged (all-to-all) before it and its output back after it (attention; token rows only).
+    exchange: bool = False
+    # Segment parallel: the op is a loss over tokens whose labels are input `labels`: summed or
+    # averaged over the local tokens, the pass sums it over the group (token rows only; None: not one)
+    labels: int | None = None
 
 
 def _axis(axis: int, rank: int) -> int:
@@ -306,11 +312,14 @@ def _expand(a: ShardArgs) -> ShardResult:
 
 def _rotary(a: ShardArgs) -> ShardResult:
     """Rotary / RotaryGrad (x or its grad, cos, sin): elementwise over every dim but the last,
-    whose halves the rotation mixes; cos and sin replicated (broadcast over heads)."""
-    s = _only_input_0(a)
-    if s is not None and s.axis == len(a.shapes[0]) - 1:
+    whose halves the rotation mixes; cos and sin replicated (broadcast over heads), or split as x
+    along the tokens."""
+    s = a.shards[0]
+    if s is None:
+        raise ShardRefused("x is not split (cos and sin split alone)")
+    if s.axis == len(a.shapes[0]) - 1:
         raise ShardRefused("it is split on the rotated (last) axis, whose halves it mixes")
-    return _elementwise(a)
+    return _elementwise(a)  # cos and sin: replicated, or split alike (segment parallel's chunks)
 
 
 def _norm(a: ShardArgs) -> ShardResult:
@@ -361,6 +370,150 @@ _SEQUENCE = {
 for _type, _kind in _SEQUENCE.items():
     registry.extend(_type, sequence=_kind)
 del _type, _rule, _kind
+
+
+# --- segment parallel's token-wise rows (passes/segment_parallel.py) --------------------------
+# A value split along its tokens (the sequence, or rows merging [batch, seq]) passes through ops
+# that treat each token on its own. `token_rule` asks these rows first, then the rows above: they
+# are asked about token splits only. Tensor parallel splits features, where a Linear is a column
+# or row layer the user names; sequence parallel's regions end at the column layers (gathering
+# their inputs costs less than the logits an LM head's region would hold).
+
+
+def _rows(shape: tuple, s: Shard) -> bool:
+    """Whether `s` splits the rows merging [batch, seq] (its axis holds several sequences)."""
+    return shape[s.axis] != sum(s.blocks)
+
+
+def _tokens_linear(a: ShardArgs) -> ShardResult:
+    """Linear / Gemm / MatMul of a split x by a replicated weight: each token's row is multiplied
+    on its own, so a split of any axis of x but the contracted last one passes."""
+    s = a.shards[0]
+    if s is None or any(x is not None for x in a.shards[1:]):
+        raise ShardRefused("only its input x may be split (its weight and bias are replicated)")
+    rank = len(a.shapes[0])
+    if s.axis == rank - 1:
+        raise ShardRefused("x is split on the contracted (feature) axis")
+    if a.op.type == "Gemm" and a.op.attrs.get("transA"):
+        raise ShardRefused("it transposes x (transA)")
+    if a.op.type == "MatMul" and len(a.shapes[1] or ()) != 2:
+        raise ShardRefused("its second input is not a 2-D weight")
+    out = len(a.out_shapes[0] or ())
+    return ShardResult([Shard(s.axis + out - rank, s.blocks)])
+
+
+def _tokens_gather(a: ShardArgs) -> ShardResult:
+    """An embedding lookup (Gather on axis 0 of a replicated table): each index looks up its own row."""
+    if a.shards[0] is not None:
+        raise ShardRefused("its table is split")
+    s = a.shards[1]
+    if s is None:
+        raise ShardRefused("its indices are not split")
+    if _axis(a.op.attrs.get("axis", 0), len(a.shapes[0])) != 0:
+        raise ShardRefused("it gathers along an axis other than the table's rows")
+    return ShardResult([Shard(s.axis, s.blocks)])
+
+
+def _tokens_reshape(a: ShardArgs) -> ShardResult:
+    """[batch, seq, ...] -> [batch * seq, ...] with the sequence split (each rank's rows: the chunk
+    of every sequence, `_rows`), and back; any other reshape as tensor parallel's rule says."""
+    s = _only_input_0(a)
+    src, dst = tuple(a.shapes[0]), tuple(a.out_shapes[0] or ())
+    target = a.constant(a.op.inputs[1]) if len(a.op.inputs) > 1 else None
+    (n,) = s.blocks if len(s.blocks) == 1 else (None,)
+    merge = s.axis == 1 and len(dst) == len(src) - 1 and dst[1:] == src[2:]
+    if n is not None and not _rows(src, s) and merge:
+        out = Shard(0, s.blocks)  # merged: batch rows of `n` tokens each, every one split alike
+        return _tokens_target(a, target, out, 0)
+    unmerge = len(dst) == len(src) + 1 and dst[2:] == src[1:] and dst[1] == n
+    if n is not None and _rows(src, s) and s.axis == 0 and unmerge:
+        return _tokens_target(a, target, Shard(1, s.blocks), 1)
+    if _rows(src, s):
+        raise ShardRefused(f"it reshapes rows merging [batch, seq] otherwise ({list(src)} -> {list(dst)})")
+    k = len(dst) - (len(src) - s.axis)
+    if n is not None and k >= 0 and src[s.axis :] == dst[k:] and src[: s.axis] != dst[:k]:
+        # the dims before the split axis regroup, it and the rest kept: each of them holds the chunk
+        return _tokens_target(a, target, Shard(k, s.blocks), k)
+    return _reshape(a)
+
+
+def _tokens_target(a: ShardArgs, target: list | None, out: Shard, at: int) -> ShardResult:
+    """The reshape's output split as `out` (on output axis `at`); its target's count there, where
+    given, becomes the rank's: the same number of sequences, each its chunk."""
+    if target is None:
+        raise ShardRefused("its target shape is computed at run time (not a constant)")
+    target = [int(v) for v in target]
+    local = list(target)
+    at = at - (len(a.out_shapes[0] or ()) - len(target))
+    if at >= 0 and local[at] > 0:  # -1 (inferred) and 0 (copied from the input) stay right
+        n = sum(out.blocks)
+        if local[at] % n:
+            raise ShardRefused(f"its target's count {local[at]} on the split axis is not whole sequences")
+        local[at] = local[at] // n * out.local(a.mp)
+    note = f"shape {target} -> {local}"
+    return ShardResult([out], constants={1: local} if local != target else {}, note=note)
+
+
+def _tokens_attention(a: ShardArgs) -> ShardResult:
+    """Attention on the local sequence (Ulysses): the pass exchanges q, k and v to whole sequences
+    over 1/degree of the heads before it and the output back after it (`ShardRule.exchange`); here,
+    whether that can be done: q, k, v split alike on the sequence (rank - 2), heads divisible by
+    the degree, a mask replicated and broadcast over heads."""
+    q, k, v = a.shards[:3]
+    rank = len(a.shapes[0])
+    if q is None or q != k or q != v or q.axis != rank - 2:
+        raise ShardRefused(f"q, k and v are not split alike on the sequence ({q}, {k}, {v})")
+    heads = [sh[rank - 3] for sh in a.shapes[:3]]
+    if any(not isinstance(h, int) or h % a.mp for h in heads):
+        raise ShardRefused(f"its heads {heads} are not divisible by {a.mp}")
+    if len(a.shards) > 3 and a.shards[3] is not None:
+        raise ShardRefused("its mask is split")
+    mask = a.shapes[3] if len(a.shapes) > 3 else None
+    at = (rank - 3) - (rank - len(mask)) if mask is not None else -1
+    if mask is not None and at >= 0 and mask[at] != 1:
+        raise ShardRefused(f"its mask of shape {list(mask)} differs per head")
+    outs = [q if k == 0 else None for k in range(len(a.op.outputs))]
+    return ShardResult(outs, draws=float(a.op.attrs.get("dropout_p", 0.0)) > 0)
+
+
+def _tokens_loss(a: ShardArgs) -> ShardResult:
+    """A cross-entropy over split tokens (logits and labels split alike on the rows): per token
+    (reduction none) the output is split as the labels; summed or averaged, the pass sums it over
+    the group (passes/segment_parallel.py's loss point)."""
+    x, y = a.shards[:2]
+    if x is None or y is None or x.axis != 0 or y.axis != 0 or x.blocks != y.blocks:
+        raise ShardRefused(f"its logits and labels are not split alike on the rows ({x}, {y})")
+    if len(a.op.inputs) > 2 and a.op.inputs[2] and a.op.attrs.get("reduction", "mean") == "mean":
+        raise ShardRefused("its mean is weighted by class weights (not a count of the tokens)")
+    per_token = a.op.attrs.get("reduction", "mean") == "none"
+    return ShardResult([y if per_token and k == 0 else None for k in range(len(a.op.outputs))])
+
+
+def _tokens_linear_loss(a: ShardArgs) -> ShardResult:
+    """The fused LM head + cross-entropy (x, weight, labels[, bias]): x split on a token axis (the
+    tokens x.flatten(0, -2) makes rows of) and the labels' rows split alike; the weight replicated.
+    Summed or averaged: the pass sums it over the group (as `_tokens_loss`)."""
+    x, w, y = a.shards[:3]
+    rank = len(a.shapes[0])
+    if x is None or y is None or x.axis >= rank - 1 or y.axis != 0 or x.blocks != y.blocks:
+        raise ShardRefused(f"its hidden states and labels are not split alike on the tokens ({x}, {y})")
+    if w is not None or (len(a.shards) > 3 and a.shards[3] is not None):
+        raise ShardRefused("its weight or bias is split")
+    return ShardResult([None] * len(a.op.outputs))
+
+
+_TOKEN_RULES: dict[str, ShardRule] = {
+    **{t: ShardRule(_tokens_linear) for t in ("Linear", "Gemm", "MatMul")},
+    "Gather": ShardRule(_tokens_gather),
+    "Reshape": ShardRule(_tokens_reshape),
+    "ScaledDotProductAttention": ShardRule(_tokens_attention, exchange=True),
+    "SoftmaxCrossEntropyLoss": ShardRule(_tokens_loss, labels=1),
+    "LinearCrossEntropy": ShardRule(_tokens_linear_loss, labels=2),
+}
+for _type, _rule in _TOKEN_RULES.items():
+    registry.extend(_type, tokens=_rule)
+
+del _type, _rule
 
 
 def sequence_kind(op: Any) -> str | None:
@@ -418,3 +571,12 @@ def keeps_features(op: Any, in_shape: tuple | None, out_shape: tuple | None) -> 
         and in_shape[-1] == out_shape[-1]
         and isinstance(in_shape[-1], int)
     )
+
+
+def token_rule(op_type: str) -> ShardRule | None:
+    """How a value split along its tokens passes through `op_type` (segment parallel): its row's
+    `tokens` rule, else its `shard` rule; None: a token split cannot pass through it."""
+    row = registry.get(op_type)
+    if row is None:
+        return None
+    return row.tokens if row.tokens is not None else row.shard

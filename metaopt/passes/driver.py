@@ -74,6 +74,7 @@ class Context(Run):
     checkpoints: list[str] = field(default_factory=list)  # recompute's, after resolution
     tp_plan: Any = None  # tensor parallel's plan: split params, sharded values, the mp degree
     sp_plan: Any = None  # sequence parallel's plan (beside tensor parallel): the sequence-split values
+    sep_plan: Any = None  # segment parallel's plan: the values on the local sequence, the exchanges
     ep_plan: Any = None  # expert parallel's plan: the expert params cut to this worker's experts
     dp_plan: Any = None  # data parallel's plan: its buckets of grads (what fp16_allreduce narrows)
     partition_slices: dict[str, str] = field(default_factory=dict)  # checkpoint -> its 1/mp slice var

@@ -33,7 +33,7 @@ import torch
 from metaopt.ir import PipelineInfo, Program, did_you_mean, names, roles
 from metaopt.ir.program import WEIGHT_PHASE, Phase
 from metaopt.layout import groups as comm_groups
-from metaopt.layout.topology import AXES, Topology
+from metaopt.layout.topology import Topology
 from metaopt.ops import registry
 from metaopt.runtime import schedules
 
@@ -341,7 +341,7 @@ def _layout(info: PipelineInfo) -> tuple[Topology | None, int | None]:
                 f"a pipeline of {info.num_stages} stages x dp_degree={info.dp_degree} needs "
                 f"{topo.world_size()} workers, the job has {dist.get_world_size()}"
             )
-        comm_groups.make_topology_groups(topo, rank, AXES)
+        comm_groups.make_topology_groups(topo, rank, topo.group_axes())
         _MADE_HERE[:] = [topo]
     return topo, rank
 

@@ -127,6 +127,7 @@ def test_parameter_server_mode_is_refused():
 STEP_ORDER = [
     "fuse_linear_ce",
     "tensor_parallel",
+    "sep_parallel",
     "expert_capacity",
     "expert_parallel",
     "amp_casts",

@@ -60,10 +60,11 @@ GROUPS_D1_M4_P2 = {
     ],
 )
 def test_ranks_coordinates_and_groups_follow_paddles_order(topo, table, groups):
-    assert topo.world_size() == 8 and topo.get_hybrid_group_names() == ["data", "pipe", "sharding", "model"]
+    assert topo.world_size() == 8
+    assert topo.get_hybrid_group_names() == ["data", "pipe", "sharding", "sep", "model"]
     for rank, (d, p, m) in table.items():
         c = topo.get_coord(rank)
-        assert (c.data, c.pipe, c.sharding, c.model) == (d, p, 0, m), rank
+        assert (c.data, c.pipe, c.sharding, c.sep, c.model) == (d, p, 0, 0, m), rank
         assert topo.get_rank(data=d, pipe=p, sharding=0, model=m) == rank
     for axis, expected in groups.items():
         assert topo.get_comm_list(axis) == expected, axis
@@ -86,7 +87,7 @@ def _paddle_reference(dims: dict[str, int]) -> dict[int, tuple[int, ...]]:
 )
 def test_every_layout_equals_paddles_product_enumeration(dp, pp, sh, mp):
     topo = Topology(dp_degree=dp, pp_degree=pp, sharding_degree=sh, mp_degree=mp)
-    ref = _paddle_reference({"data": dp, "pipe": pp, "sharding": sh, "model": mp})
+    ref = _paddle_reference({"data": dp, "pipe": pp, "sharding": sh, "sep": 1, "model": mp})
     assert {r: tuple(topo.get_coord(r)) for r in range(topo.world_size())} == ref
     for axis in AXES:  # Paddle's get_comm_list: for each coordinate of the other axes, in order
         others = [a for a in AXES if a != axis]
@@ -126,9 +127,9 @@ def test_with_mp_the_pipeline_talks_within_its_data_and_model_coordinate(dp, mp,
         state = PipelineState(info, topo, rank)
         peers = [state.rank_of(s) for s in range(stages)]
         assert peers == topo.group_ranks("pipe", rank) and peers[c.pipe] == rank
-        assert all(topo.get_coord(q)[::3] == (c.data, c.model) for q in peers)  # (data, model) kept
+        assert all(topo.get_coord(q)[::4] == (c.data, c.model) for q in peers)  # (data, model) kept
         assert state.dp_ranks() == topo.group_ranks("data", rank)
-        assert all(topo.get_coord(q)[1:] == c[1:] for q in state.dp_ranks())  # (pipe, sharding, model)
+        assert all(topo.get_coord(q)[1:] == c[1:] for q in state.dp_ranks())  # (pipe, sharding, sep, model)
 
 
 def test_a_stage_program_in_another_layout_is_refused_naming_both():
@@ -238,13 +239,51 @@ def test_expert_degrees_that_do_not_fit_are_refused():
         Topology(dp_degree=2, ep_degree=4)
 
 
+# --- segment parallel's axis (Paddle's sep_degree) --------------------------------------------------
+
+
+def test_the_sep_axis_sits_between_sharding_and_model_as_in_paddles_order():
+    """Paddle's hybrid_group_names ["data", "pipe", "sharding", "sep", "model"]: rank 5 of dp 2 x
+    sep 2 x mp 2 is (data 1, sep 0, model 1); a sep group holds the ranks of one replica and one
+    model place; Paddle's default order (with "sep") is the layout; an order without it places it
+    right before "mp"."""
+    t = from_hybrid_configs(_hybrid(dp_degree=2, sep_degree=2, mp_degree=2), 8)
+    assert t == Topology(dp_degree=2, sep_degree=2, mp_degree=2) and t.world_size() == 8
+    c = t.get_coord(5)
+    assert (c.data, c.pipe, c.sharding, c.sep, c.model) == (1, 0, 0, 0, 1)
+    for r in range(8):
+        c = t.get_coord(r)
+        assert r == ((c.data * 1 + c.pipe) * 1 + c.sharding) * 2 * 2 + c.sep * 2 + c.model
+    assert t.get_comm_list("sep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert t.get_comm_list("model") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert t.get_comm_list("data") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert "sep_degree=2" in t.describe() and "sep " in t.table()
+    hcg = HybridCommunicateGroup(t, 6)
+    assert (hcg.get_sep_parallel_rank(), hcg.get_sep_parallel_world_size()) == (1, 2)
+    assert hcg.group_ranks("sep") == [4, 6]
+    old = from_hybrid_configs(
+        _hybrid(dp_degree=2, sep_degree=2, mp_degree=2, order=["dp", "pp", "sharding", "mp"]), 8
+    )
+    assert old == t
+    inner = from_hybrid_configs(
+        _hybrid(dp_degree=2, sep_degree=2, order=["sep", "pp", "sharding", "mp", "dp"]), 4
+    )
+    assert inner.get_comm_list("sep") == [[0, 2], [1, 3]]
+    # only a segment-parallel program names the sep group: none is made at degree 1
+    assert "sep" in t.group_axes() and "sep" not in Topology(dp_degree=2).group_axes()
+    with pytest.raises(
+        ValueError, match=r"dp_degree=1 x mp_degree=1 x pp_degree=1 x sep_degree=2 = 2 workers"
+    ):
+        from_hybrid_configs(_hybrid(dp_degree=1, sep_degree=2), 4)
+
+
 # --- Paddle's hybrid_configs["order"] ----------------------------------------------------------------
 
 
 def test_order_places_the_axes_outermost_first():
     # model outermost, data innermost: model-parallel peers 2 ranks apart, replicas adjacent
     t = from_hybrid_configs(_hybrid(dp_degree=2, mp_degree=2, order=["mp", "pp", "sharding", "dp"]), 4)
-    assert t.order == ("model", "pipe", "sharding", "data")
+    assert t.order == ("sep", "model", "pipe", "sharding", "data")  # sep (degree 1): Paddle's place
     assert t.get_comm_list("model") == [[0, 2], [1, 3]] and t.get_comm_list("data") == [[0, 1], [2, 3]]
     assert [t.get_coord(r).model for r in range(4)] == [0, 0, 1, 1]
     assert "order=['mp', 'pp', 'sharding', 'dp']" in t.describe()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from workers import start_workers
 
-from metaopt.layout.topology import AXES, Topology
+from metaopt.layout.topology import Topology
 
 HERE = Path(__file__).parent
 WORLD = 4
@@ -42,6 +42,8 @@ def results(tmp_path_factory) -> list[dict]:
 
 # dp=2 x pp=2 by Paddle's order (model innermost, then pipe, data outermost): rank -> (data, pipe)
 DP2_PP2 = {0: (0, 0), 1: (0, 1), 2: (1, 0), 3: (1, 1)}
+# the axes whose groups fleet.init makes in these layouts (no sep group at sep_degree 1)
+MADE = ("data", "pipe", "sharding", "model")
 # dp=2 x mp=2: rank -> (data, model); model peers adjacent
 DP2_MP2 = {0: (0, 0), 1: (0, 1), 2: (1, 0), 3: (1, 1)}
 
@@ -56,7 +58,7 @@ def test_dp2_x_pp2_accessors_and_groups(results):
         assert r["groups"]["pipe"] == [2 * data, 2 * data + 1]  # this replica's stages
         assert r["groups"]["model"] == [rank] == r["groups"]["sharding"]
         assert r["src"] == [pipe, rank]
-        for axis in AXES:  # the all_reduce over each group sums exactly its members' ranks
+        for axis in MADE:  # the all_reduce over each group sums exactly its members' ranks
             members = r["groups"][axis]
             assert r["sums"][axis] == [sum(members), len(members)], (rank, axis)
 
@@ -68,7 +70,7 @@ def test_dp2_x_mp2_accessors_groups_and_the_tensor_parallel_refusal(results):
         assert r["dp"] == [data, 2] and r["mp"] == [model, 2] and r["pp"] == [0, 1]
         assert r["groups"]["model"] == [2 * data, 2 * data + 1]  # adjacent ranks
         assert r["groups"]["data"] == [model, 2 + model]
-        for axis in AXES:
+        for axis in MADE:
             members = r["groups"][axis]
             assert r["sums"][axis] == [sum(members), len(members)], (rank, axis)
         # fleet.init's strategy sets mp_degree but not tensor_parallel: nothing names layers to split
@@ -83,7 +85,7 @@ def test_an_order_with_the_model_axis_outermost_makes_its_groups_two_ranks_apart
         assert r["dp"] == [data, 2] and r["mp"] == [model, 2]
         assert r["groups"]["model"] == [data, 2 + data] and r["groups"]["data"] == [2 * model, 2 * model + 1]
         assert r["groups"] == {a: topo.group_ranks(a, rank) for a in ("data", "model", "pipe", "sharding")}
-        for axis in AXES:  # the process groups fleet.init made are these
+        for axis in MADE:  # the process groups fleet.init made are these
             members = r["groups"][axis]
             assert r["sums"][axis] == [sum(members), len(members)], (rank, axis)
 

@@ -26,6 +26,7 @@ from metaopt.ops.kernels import (  # noqa: F401
     rng,
     rnn,
     rotary,
+    segment_parallel,
     sequence_parallel,
     tensor,
     tensor_parallel,

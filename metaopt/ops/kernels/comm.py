@@ -63,6 +63,22 @@ def comm_wait(*xs: torch.Tensor, _rt, _key: str) -> None:
     _rt.comm.finish(xs, f"CommWait of {_key}")
 
 
+# The groups a rewritten program names by their hybrid axis, so that every worker's reads the same
+# (fleet names them after its rewrite; the kernels look this worker's up in fleet.init's layout)
+NAMED_GROUPS = {"model_parallel": "model", "sep_parallel": "sep"}
+
+
+def named_group_ranks(group: list[int] | str, op: str) -> list[int]:
+    """The global ranks of `group`, ascending: a list of ranks, or a `NAMED_GROUPS` name (this
+    worker's group on that axis of fleet.init's layout)."""
+    if not isinstance(group, str):
+        return sorted(group)
+    axis = NAMED_GROUPS.get(group)
+    if axis is None:
+        raise ValueError(f"{op}: group must be a list of ranks or one of {list(NAMED_GROUPS)}, got {group!r}")
+    return hybrid_ranks(axis, op)
+
+
 def hybrid_ranks(axis: str, op: str) -> list[int]:
     """This worker's group on hybrid `axis` as fleet.init laid the workers out (its groups are
     the only ones every worker made); refused, naming `op`, when fleet.init made none."""

@@ -71,14 +71,11 @@ def join_slices(pieces: Sequence[torch.Tensor], shape: Sequence[int]) -> torch.T
 
 
 def group_ranks(group: list[int] | str, op: str) -> list[int]:
-    """The global ranks of `group`, ascending ("model_parallel": this worker's, from fleet.init)."""
-    if not isinstance(group, str):
-        return sorted(group)
-    if group != "model_parallel":
-        raise ValueError(f"{op}: group must be a list of ranks or 'model_parallel', got {group!r}")
-    from metaopt.ops.kernels.comm import hybrid_ranks
+    """The global ranks of `group`, ascending ("model_parallel", "sep_parallel": this worker's group
+    of fleet.init's layout, `comm.NAMED_GROUPS`)."""
+    from metaopt.ops.kernels.comm import named_group_ranks
 
-    return hybrid_ranks("model", op)
+    return named_group_ranks(group, op)
 
 
 def _index(ranks: list[int], parts: int, rank: int, op: str) -> int:

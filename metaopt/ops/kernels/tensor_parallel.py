@@ -64,11 +64,10 @@ def tp_reduce(x: torch.Tensor, group: list[int] | str, _rt, _key: str) -> torch.
 
 
 def _ranks(group: list[int] | str) -> list[int]:
-    """The global ranks of `group` ("model_parallel": this worker's, from fleet.init's layout)."""
+    """The global ranks of `group` (a name: this worker's group of fleet.init's layout, as
+    `comm.NAMED_GROUPS` says)."""
     if not isinstance(group, str):
         return list(group)
-    if group != "model_parallel":
-        raise ValueError(f"TPReduce: group must be a list of ranks or 'model_parallel', got {group!r}")
-    from metaopt.ops.kernels.comm import hybrid_ranks
+    from metaopt.ops.kernels.comm import named_group_ranks
 
-    return hybrid_ranks("model", "TPReduce")
+    return named_group_ranks(group, "TPReduce")

@@ -1,0 +1,84 @@
+"""One worker of segment parallel through fleet (started by tests/passes/test_segment_parallel.py
+with RANK/WORLD_SIZE/MASTER_*): ``python sep_worker.py OUT DP SEP CASE ...``, CASE =
+``<model>[:rc|:nodrop]`` (rc: recompute, a checkpoint per block; nodrop: every dropout off, else
+0.1).
+
+fleet.init lays the DP x SEP workers out (``hybrid_configs`` dp_degree, sep_degree); every sep rank
+of a replica is fed the replica's whole share of the step's batch (each keeps its chunk of every
+sequence). 3 SGD steps from `metaopt.seed(SEED)`; writes the losses, the params (whole on every
+rank), the plan, the program and the memory (measured and predicted) to ``OUT/<case>.rank<r>.pt``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import sp_worker
+import torch
+import tp_worker
+from training_cases import CHECKPOINTS
+
+import metaopt
+from metaopt import fleet
+from metaopt.ir import roles
+from metaopt.passes.memory_estimate import estimate_memory
+
+
+def strategy(dp: int, sep: int, name: str = "hf-gpt2", recompute: bool = False) -> fleet.DistributedStrategy:
+    s = fleet.DistributedStrategy()
+    s.hybrid_configs = {"dp_degree": dp, "sep_degree": sep}
+    s.fuse_all_reduce_ops = False
+    if recompute:
+        s.recompute = True
+        s.recompute_configs = {"checkpoints": CHECKPOINTS[name]}
+    return s
+
+
+def train(case: str, dp: int, sep: int) -> dict:
+    name, _, mode = case.partition(":")
+    module, inputs, kwargs = sp_worker.build(name, 0.0 if mode == "nodrop" else sp_worker.DROPOUT)
+    program = metaopt.export(module, inputs, **kwargs)
+    opt = fleet.distributed_optimizer(
+        metaopt.optimizer.SGD(learning_rate=tp_worker.LR), strategy(dp, sep, name, mode == "rc")
+    )
+    opt.minimize(program.loss)
+    hcg = fleet.get_hybrid_communicate_group()
+    exe = metaopt.Executor("cpu", record_timeline=True)
+    feeds = [
+        sp_worker.replica_batch(name, step, hcg.get_data_parallel_rank(), dp)
+        for step in range(tp_worker.STEPS)
+    ]
+    metaopt.seed(sp_worker.SEED)
+    losses = []
+    for feed in feeds:
+        (loss,) = exe.run(program, feed=feed, fetch_list=[program.loss])
+        losses.append(float(loss))
+    est = estimate_memory(program, dims={"batch": feeds[-1]["labels"].shape[0]}, workspace=False)
+    return {
+        "losses": losses,
+        "measured": (exe.memory_stats()["last_run_peak_bytes"], exe.memory_timeline()),
+        "predicted": (
+            est.peak_bytes,
+            [b for b, op in zip(est.timeline, program.ops) if not roles.is_startup(op.role)],
+        ),
+        "forward_ops": sum(roles.is_forward(op.role) for op in program.ops if not roles.is_startup(op.role)),
+        "params": {v.name: exe.scope[v.name].clone() for v in program.params()},
+        "plan": str(opt.segment_parallel_plan),
+        "program": str(program),
+        "peak": exe.memory_stats()["peak_bytes"],
+        "sep_rank": hcg.get_sep_parallel_rank(),
+        "dp_rank": hcg.get_data_parallel_rank(),
+    }
+
+
+def main() -> None:
+    out, dp, sep, cases = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
+    fleet.init(is_collective=True, strategy=strategy(dp, sep))
+    for case in cases:
+        got = train(case, dp, sep)
+        torch.save(got, f"{out}/{case.replace(':', '.')}.rank{fleet.worker_index()}.pt")
+    fleet.barrier_worker()
+
+
+if __name__ == "__main__":
+    main()
