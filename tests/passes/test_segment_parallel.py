@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import export_cache
 import pytest
 import torch
 
@@ -40,7 +41,7 @@ CASES = ["hf-gpt2", "hf-llama", "hf-gpt2:rc"]
 
 def _forward(name: str) -> metaopt.Program:
     module, inputs, kwargs = sp_worker.build(name)
-    return metaopt.export(module, inputs, **kwargs)
+    return export_cache.export(module, inputs, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +119,7 @@ def _one_process(
     name: str, dropout: float = sp_worker.DROPOUT
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     module, inputs, kwargs = sp_worker.build(name, dropout)
-    p = metaopt.export(module, inputs, **kwargs)
+    p = export_cache.export(module, inputs, **kwargs)
     metaopt.optimizer.SGD(learning_rate=tp_worker.LR).minimize(p.loss)
     exe = metaopt.Executor("cpu")
     feeds = [batch(name, s) for s in range(tp_worker.STEPS)]

@@ -16,6 +16,7 @@ import re
 import sys
 from pathlib import Path
 
+import export_cache
 import pytest
 import torch
 
@@ -39,7 +40,7 @@ from workers import start_workers, wait_workers  # noqa: E402
 
 def _tp(name: str, mp: int = 2, rank: int = 0) -> metaopt.Program:
     module, inputs, kwargs = sp_worker.build(name)
-    p = metaopt.export(module, inputs, **kwargs)
+    p = export_cache.export(module, inputs, **kwargs)
     plan = plan_tensor_parallel(
         p, mp_degree=mp, mp_rank=rank, column=tp_worker.COLUMN[name], row=tp_worker.ROW[name],
         group=list(range(mp)), one_process_dropout=True,
@@ -88,7 +89,7 @@ def test_regions_hold_half_the_sequence_and_their_params_sum_grads_over_the_grou
 
 def test_refusals_name_the_cause(gpt2_tp):
     module, inputs, kwargs = sp_worker.build("hf-gpt2")
-    plain = metaopt.export(module, inputs, **kwargs)
+    plain = export_cache.export(module, inputs, **kwargs)
     with pytest.raises(SequenceParallelError, match="apply tensor_parallel first"):
         plan_sequence_parallel(plain, degree=2, group=[0, 1])
     named = gpt2_tp.clone()  # the group by its axis, as fleet writes it: any degree is taken at its word
@@ -141,7 +142,7 @@ def _one_process(
     name: str, dropout: float = sp_worker.DROPOUT
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     module, inputs, kwargs = sp_worker.build(name, dropout)
-    p = metaopt.export(module, inputs, **kwargs)
+    p = export_cache.export(module, inputs, **kwargs)
     metaopt.optimizer.SGD(learning_rate=tp_worker.LR).minimize(p.loss)
     exe = metaopt.Executor("cpu")
     feeds = [batch(name, s) for s in range(tp_worker.STEPS)]

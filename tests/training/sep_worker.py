@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 
+import export_cache
 import sp_worker
 import torch
 import tp_worker
@@ -37,7 +38,7 @@ def strategy(dp: int, sep: int, name: str = "hf-gpt2", recompute: bool = False) 
 def train(case: str, dp: int, sep: int) -> dict:
     name, _, mode = case.partition(":")
     module, inputs, kwargs = sp_worker.build(name, 0.0 if mode == "nodrop" else sp_worker.DROPOUT)
-    program = metaopt.export(module, inputs, **kwargs)
+    program = export_cache.export(module, inputs, **kwargs)
     opt = fleet.distributed_optimizer(
         metaopt.optimizer.SGD(learning_rate=tp_worker.LR), strategy(dp, sep, name, mode == "rc")
     )

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import sys
 
+import export_cache
 import torch
 import tp_worker
 from training_cases import CHECKPOINTS, _module, batch
@@ -77,7 +78,7 @@ def with_layout(s: fleet.DistributedStrategy, layout: str) -> fleet.DistributedS
 def train_layout(case: str, layout: str) -> dict:
     name, _, mode = case.partition(":")
     module, inputs, kwargs = build(name, 0.0 if mode == "nodrop" else DROPOUT)
-    program = metaopt.export(module, inputs, **kwargs)
+    program = export_cache.export(module, inputs, **kwargs)
     s = with_layout(strategy(name, 1, 2, mode == "rc"), layout)
     fleet.distributed_optimizer(metaopt.optimizer.SGD(learning_rate=tp_worker.LR), s).minimize(program.loss)
     hcg = fleet.get_hybrid_communicate_group()
@@ -103,7 +104,7 @@ def replica_batch(name: str, step: int, dp_rank: int, dp: int) -> dict[str, torc
 def train(case: str, dp: int, mp: int) -> dict:
     name, _, mode = case.partition(":")
     module, inputs, kwargs = build(name, 0.0 if mode == "nodrop" else DROPOUT)
-    program = metaopt.export(module, inputs, **kwargs)
+    program = export_cache.export(module, inputs, **kwargs)
     opt = fleet.distributed_optimizer(
         metaopt.optimizer.SGD(learning_rate=tp_worker.LR), strategy(name, dp, mp, mode == "rc", mode == "amp")
     )
