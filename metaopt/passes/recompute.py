@@ -270,6 +270,9 @@ def plan_recompute(
     kept = set(ckpts) | set(p.inputs) | {v.name for v in p.vars.values() if v.kind != "activation"}
     keep_types = set(keep_op_types)
     params = {v.name for v in p.vars.values() if v.kind == "param"}
+    for op in fwd:  # a param read through a view (segment parallel's TPCopy) is still a weight
+        if table[op.type].view and op.inputs and op.inputs[0] in params:
+            params.update(o for o in op.outputs if o)
 
     def keep(op: Op) -> bool:
         # Selective (Megatron-style): keep what multiplies by a weight; recompute the
