@@ -211,6 +211,9 @@ sep_ignored = _tagged("SEP_IGNORED", "Whether each of the whole labels `name` is
 sep_counted = _tagged("SEP_COUNTED", "Whether each of the whole labels `name` counts in the loss's mean.")
 sep_flags = _tagged("SEP_FLAGS", "The whole labels `name` that count in the loss's mean, as 1.0 and 0.0.")
 sep_count = _tagged("SEP_COUNT", "How many of the whole labels `name` the loss's mean divides by.")
+sep_feeds_checked = _fixed(
+    "feeds@SEP_AGREE", "Set once every rank of the sep group was found fed the same batch (FeedsAgree)."
+)
 
 
 # --- expert parallel (passes/expert_parallel.py) ---------------------------------------------

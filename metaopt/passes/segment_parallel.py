@@ -33,6 +33,8 @@ and every param's grad summed over the group, so the ranks update alike.
   this rank's chunk kept (``slice_axis``), as sequence parallel's.
 * **Gather.** An op that cannot take the split reads the value all-gathered (``SPGather``; its
   backward keeps this rank's chunk).
+* **Feeds.** The first op (``FeedsAgree``) checks on the first run that every rank of the group
+  was fed the same batch, naming the feed that differs.
 
 What the plan refuses, naming the op's printed line or the value: a sequence length not divisible
 by the degree (or none found), attention whose heads do not divide by it or whose mask differs per
@@ -502,7 +504,7 @@ def segment_parallel(p: Program, *, plan: SegmentPlan) -> Program:
     before, after, start = _placed_ops(p, plan, new)
     exchanges = {e.op: e for e in plan.exchanges}
     attrs = plan.attrs()
-    ops: list[Op] = list(start)
+    ops: list[Op] = [_feeds_agree(q, plan), *start]
     for i, op in enumerate(q.ops):
         ops += before.get(i, [])
         if i in plan.region:
@@ -525,6 +527,15 @@ def segment_parallel(p: Program, *, plan: SegmentPlan) -> Program:
     drop_unread_constants(p, q)
     q.sort_vars()
     return q
+
+
+def _feeds_agree(q: Program, plan: SegmentPlan) -> Op:
+    """The first op: every rank of the group checks, on the first run, that it was fed the same
+    batch as the others (a rank fed its own would train on no batch at all, silently)."""
+    out = names.fresh(names.sep_feeds_checked(), q.vars)
+    q.add_var(Var(out, "bool", ()))
+    feeds = list(q.inputs)
+    return Op("FeedsAgree", feeds, [out], {"names": feeds, **plan.attrs()}, role=roles.FORWARD)
 
 
 def _new_vars(p: Program, q: Program, plan: SegmentPlan) -> dict[str, dict[str, str]]:

@@ -36,7 +36,8 @@ import tp_worker  # noqa: E402
 from training_cases import batch  # noqa: E402
 from workers import start_workers, wait_workers  # noqa: E402
 
-CASES = ["hf-gpt2", "hf-llama", "hf-gpt2:rc"]
+CASES = ["hf-gpt2", "hf-llama", "hf-gpt2:rc", "hf-llama:misfed"]
+TRAINED = CASES[:3]
 
 
 def _forward(name: str) -> metaopt.Program:
@@ -140,7 +141,7 @@ def test_sep2_trains_as_one_process(runs, name):
 
 
 def test_each_workers_memory_is_as_predicted(runs):
-    for case in CASES:
+    for case in TRAINED:
         for r in runs[case]:
             (peak, timeline), (peak_est, timeline_est) = r["measured"], r["predicted"]
             assert peak == peak_est, case
@@ -174,3 +175,14 @@ def test_dp2_sep2_trains_as_one_process(tmp_path):
     replicas = {r["dp_rank"]: r["losses"] for r in ranks}
     mean = [sum(ls[s] for ls in replicas.values()) / 2 for s in range(tp_worker.STEPS)]
     torch.testing.assert_close(torch.tensor(mean), torch.tensor(losses), rtol=1e-5, atol=0)
+
+
+def test_sep_ranks_fed_different_batches_are_refused_on_the_first_run(runs):
+    """A sep rank fed its own batch would train on no batch at all: every rank raises alike,
+    naming the feed."""
+    for r in runs["hf-llama:misfed"]:
+        assert r["refused"] is not None
+        assert (
+            "FeedsAgree: feed 'input_ids' differs between ranks 0 and 1 of sep group [0, 1]" in r["refused"]
+        )
+        assert "must be fed the same batch" in r["refused"]

@@ -1,7 +1,7 @@
 """One worker of segment parallel through fleet (started by tests/passes/test_segment_parallel.py
 with RANK/WORLD_SIZE/MASTER_*): ``python sep_worker.py OUT DP SEP CASE ...``, CASE =
-``<model>[:rc|:nodrop]`` (rc: recompute, a checkpoint per block; nodrop: every dropout off, else
-0.1).
+``<model>[:rc|:nodrop|:misfed]`` (rc: recompute, a checkpoint per block; nodrop: every dropout off,
+else 0.1; misfed: each sep rank fed another batch, which the first run must refuse).
 
 fleet.init lays the DP x SEP workers out (``hybrid_configs`` dp_degree, sep_degree); every sep rank
 of a replica is fed the replica's whole share of the step's batch (each keeps its chunk of every
@@ -72,11 +72,28 @@ def train(case: str, dp: int, sep: int) -> dict:
     }
 
 
+def misfed(case: str, dp: int, sep: int) -> dict:
+    """Each sep rank fed its own batch (the step's + its sep rank): the first run must refuse."""
+    name = case.partition(":")[0]
+    module, inputs, kwargs = sp_worker.build(name, 0.0)
+    program = export_cache.export(module, inputs, **kwargs)
+    fleet.distributed_optimizer(
+        metaopt.optimizer.SGD(learning_rate=tp_worker.LR), strategy(dp, sep)
+    ).minimize(program.loss)
+    hcg = fleet.get_hybrid_communicate_group()
+    feed = sp_worker.replica_batch(name, hcg.get_sep_parallel_rank(), hcg.get_data_parallel_rank(), dp)
+    try:
+        metaopt.Executor("cpu").run(program, feed=feed, fetch_list=[program.loss])
+    except ValueError as e:
+        return {"refused": str(e)}
+    return {"refused": None}
+
+
 def main() -> None:
     out, dp, sep, cases = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
     fleet.init(is_collective=True, strategy=strategy(dp, sep))
     for case in cases:
-        got = train(case, dp, sep)
+        got = misfed(case, dp, sep) if case.endswith(":misfed") else train(case, dp, sep)
         torch.save(got, f"{out}/{case.replace(':', '.')}.rank{fleet.worker_index()}.pt")
     fleet.barrier_worker()
 

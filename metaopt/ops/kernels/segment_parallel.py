@@ -8,9 +8,14 @@ its 1/degree of the heads; after it, the output goes back the other way. Its bac
 exchange back (the same pieces moved in reverse). `group` is a list of global ranks or
 ``"sep_parallel"`` (this worker's sep group of fleet.init's layout); a group of one is the
 identity.
+
+``FeedsAgree(*feeds)``: on the first run, every rank of the group checks that it was fed what the
+others were (one batch per sep group), and all raise alike, naming the feed, if not.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 
@@ -47,3 +52,42 @@ def sep_all_to_all(
     pieces = torch.stack(torch.chunk(x, n, scatter_axis))  # piece j: for the j-th rank
     got = _rt.comm.all_to_all(pieces, [1] * n, [1] * n, f"{_key} over sep group {ranks}", ranks)
     return torch.cat(got.unbind(0), gather_axis)
+
+
+def _digest(t: torch.Tensor) -> int:
+    """A 63-bit digest of `t`'s shape, dtype and bytes (equal feeds give equal digests)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+    h.update(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
+@register_collective(
+    "FeedsAgree",
+    recomputable=False,  # a check, not a value: made once, in the forward
+    notes="segment parallel: the feeds' digests compared over `group` on the first run (one batch per group)",
+)
+def feeds_agree(
+    *feeds: torch.Tensor, names: list[str], group: list[int] | str, _rt, _key: str
+) -> torch.Tensor:
+    """Every rank of a sep group must be fed the same batch (each keeps its own chunk of every
+    sequence): fed different ones, the run would compute a loss of no batch at all, silently. On
+    this executor's first run the ranks trade a digest of each feed and all raise alike, naming the
+    first feed and rank that differ; later runs only pass (a host read per run would break the
+    step's capture)."""
+    ranks = group_ranks(group, "FeedsAgree")
+    if len(ranks) == 1 or _rt.counters.get(f"FeedsAgree:{_key}"):
+        return torch.ones((), dtype=torch.bool)
+    _rt.counters[f"FeedsAgree:{_key}"] = 1
+    mine = torch.tensor([_digest(t) for t in feeds], dtype=torch.int64)
+    got = _rt.comm.all_gather(mine, f"{_key}: the feeds' digests over sep group {ranks}", ranks)
+    for k, name in enumerate(names):
+        other = next((r for r, d in zip(ranks, got, strict=True) if int(d[k]) != int(got[0][k])), None)
+        if other is not None:
+            raise ValueError(
+                f"FeedsAgree: feed {name!r} differs between ranks {ranks[0]} and {other} of sep group "
+                f"{ranks}: every rank of a sep group must be fed the same batch (each keeps its own chunk "
+                "of every sequence); feed by data-parallel rank (hcg.get_data_parallel_rank()), not by "
+                "global rank"
+            )
+    return torch.ones((), dtype=torch.bool)
