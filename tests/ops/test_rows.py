@@ -193,6 +193,7 @@ def test_train_repairs_and_collectives():
         "SPGather",  # sequence parallel's (ops/kernels/sequence_parallel.py; SPScatter is local)
         "SPReduceScatter",
         "SepAllToAll",  # segment parallel's exchange around attention (ops/kernels/segment_parallel.py)
+        "FeedsAgree",  # and its first-run check that the sep group was fed one batch
     }
     assert all(table[t].needs_runtime for t in collectives)  # they run through the communicator
     assert "ranks" in inspect.signature(table["AllReduce"].kernel).parameters
