@@ -36,8 +36,8 @@ import tp_worker  # noqa: E402
 from training_cases import batch  # noqa: E402
 from workers import start_workers, wait_workers  # noqa: E402
 
-CASES = ["hf-gpt2", "hf-llama", "hf-gpt2:rc", "hf-llama:misfed"]
-TRAINED = CASES[:3]
+CASES = ["hf-gpt2", "hf-llama", "hf-gpt2:rc", "hf-gpt2:amp", "hf-llama:misfed"]
+TRAINED = CASES[:4]
 
 
 def _forward(name: str) -> metaopt.Program:
@@ -161,6 +161,17 @@ def test_recompute_beside_segment_parallel_is_bitwise(runs):
             return max(r["measured"][1][: r["forward_ops"]])
 
         assert forward_peak(rc) < forward_peak(plain)
+
+
+def test_beside_bf16_amp_the_losses_stay_within_bf16s_reach_of_float32(runs):
+    """bfloat16 AMP on the local sequence (the exchanges move bfloat16 q, k, v): each worker's
+    losses within 1e-3 (relative) of the float32 sep run's, as sequence parallel's AMP test (the
+    loss and the norms' statistics are float32; bfloat16's own step, 2^-8, would be 4e-3 per op)."""
+    for amp, fp32 in zip(runs["hf-gpt2:amp"], runs["hf-gpt2"]):
+        assert "SepAllToAll" in amp["program"] and "bfloat16" in amp["program"]
+        torch.testing.assert_close(
+            torch.tensor(amp["losses"]), torch.tensor(fp32["losses"]), rtol=1e-3, atol=0
+        )
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
 """One worker of segment parallel through fleet (started by tests/passes/test_segment_parallel.py
 with RANK/WORLD_SIZE/MASTER_*): ``python sep_worker.py OUT DP SEP CASE ...``, CASE =
-``<model>[:rc|:nodrop|:misfed]`` (rc: recompute, a checkpoint per block; nodrop: every dropout off,
-else 0.1; misfed: each sep rank fed another batch, which the first run must refuse).
+``<model>[:rc|:nodrop|:amp|:misfed]`` (rc: recompute, a checkpoint per block; nodrop: every dropout
+off, else 0.1; amp: bfloat16 AMP; misfed: each sep rank fed another batch, which the first run must
+refuse).
 
 fleet.init lays the DP x SEP workers out (``hybrid_configs`` dp_degree, sep_degree); every sep rank
 of a replica is fed the replica's whole share of the step's batch (each keeps its chunk of every
@@ -25,10 +26,15 @@ from metaopt.ir import roles
 from metaopt.passes.memory_estimate import estimate_memory
 
 
-def strategy(dp: int, sep: int, name: str = "hf-gpt2", recompute: bool = False) -> fleet.DistributedStrategy:
+def strategy(
+    dp: int, sep: int, name: str = "hf-gpt2", recompute: bool = False, amp: bool = False
+) -> fleet.DistributedStrategy:
     s = fleet.DistributedStrategy()
     s.hybrid_configs = {"dp_degree": dp, "sep_degree": sep}
     s.fuse_all_reduce_ops = False
+    if amp:
+        s.amp = True
+        s.amp_configs = {"dtype": "bfloat16"}
     if recompute:
         s.recompute = True
         s.recompute_configs = {"checkpoints": CHECKPOINTS[name]}
@@ -40,7 +46,8 @@ def train(case: str, dp: int, sep: int) -> dict:
     module, inputs, kwargs = sp_worker.build(name, 0.0 if mode == "nodrop" else sp_worker.DROPOUT)
     program = export_cache.export(module, inputs, **kwargs)
     opt = fleet.distributed_optimizer(
-        metaopt.optimizer.SGD(learning_rate=tp_worker.LR), strategy(dp, sep, name, mode == "rc")
+        metaopt.optimizer.SGD(learning_rate=tp_worker.LR),
+        strategy(dp, sep, name, mode == "rc", mode == "amp"),
     )
     opt.minimize(program.loss)
     hcg = fleet.get_hybrid_communicate_group()
