@@ -268,44 +268,56 @@ def tensor_parallel_errors(strategy: Any, topo: Topology, init: Topology | None)
 # --- segment parallel -------------------------------------------------------------------------
 
 
-def _sep_degree(ctx: Context) -> int:
+def _hybrid_degree(ctx: Context, key: str) -> int:
+    """The job's hybrid `key` degree (1 where the layout itself is refused: ``hybrid_errors`` says why)."""
     try:
-        return _layout(ctx).sep_degree
+        return getattr(_layout(ctx), key)
     except ValueError:
         return 1
 
 
-def _sep_on(ctx: Context) -> tuple[bool, str]:
-    sep = _sep_degree(ctx)
-    if sep == 1:
-        return False, "hybrid_configs sep_degree=1"
-    return True, f"hybrid_configs sep_degree={sep}"
+def _axis_on(ctx: Context, key: str) -> tuple[bool, str]:
+    degree = _hybrid_degree(ctx, key)
+    return degree > 1, f"hybrid_configs {key}={degree}"
+
+
+def _refuse_beside(
+    ctx: Context, key: str, what: str, flags: dict[str, str], clip: str, more: list[str]
+) -> None:
+    """A hybrid axis's check: its groups must be fleet.init's, and what does not run beside it yet
+    (strategy `flags`, global-norm clipping for the reason `clip`, `more`) is refused by name."""
+    degree = _hybrid_degree(ctx, key)
+    if env.hybrid_topology() is None:
+        raise ValueError(
+            f"{key}={degree}: {what}'s groups are fleet.init's; give fleet.init the strategy with "
+            "hybrid_configs (fleet.init(is_collective=True, strategy=strategy))"
+        )
+    why = [f"strategy.{f}=True ({reason})" for f, reason in flags.items() if getattr(ctx.strategy, f)]
+    why += more
+    grad_clip = getattr(ctx.optimizer, "grad_clip", None)
+    if grad_clip is not None and type(grad_clip).__name__ == "ClipGradByGlobalNorm":
+        why.append(f"grad_clip=ClipGradByGlobalNorm ({clip})")
+    if why:
+        raise NotImplementedError(
+            f"hybrid_configs {key}={degree} cannot be combined yet with: " + "; ".join(why)
+        )
+
+
+_sep_on = partial(_axis_on, key="sep_degree")
 
 
 def _sep_check(ctx: Context) -> None:
     """Refuse, by name, what does not run on the local sequence yet."""
-    if env.hybrid_topology() is None:
-        raise ValueError(
-            f"sep_degree={_sep_degree(ctx)}: segment parallel's groups are fleet.init's; give fleet.init the "
-            "strategy with hybrid_configs (fleet.init(is_collective=True, strategy=strategy))"
-        )
-    s = ctx.strategy
     flags = {
         "tensor_parallel": "split layers beside the local sequence",
         "pipeline": "pipeline stages on the local sequence",
         "sharding": "ZeRO beside the local sequence",
         "localsgd": "local SGD averages params over the data-parallel group only",
     }
-    why = [f"strategy.{f}=True ({reason})" for f, reason in flags.items() if getattr(s, f)]
-    if _ep_degree(ctx) > 1:
-        why.append(f"hybrid_configs ep_degree={_ep_degree(ctx)} (experts on the local sequence)")
-    clip = getattr(ctx.optimizer, "grad_clip", None)
-    if clip is not None and type(clip).__name__ == "ClipGradByGlobalNorm":
-        why.append("grad_clip=ClipGradByGlobalNorm (the grads are summed over the sep group in the backward)")
-    if why:
-        raise NotImplementedError(
-            f"hybrid_configs sep_degree={_sep_degree(ctx)} cannot be combined yet with: " + "; ".join(why)
-        )
+    ep = _hybrid_degree(ctx, "ep_degree")
+    more = [f"hybrid_configs ep_degree={ep} (experts on the local sequence)"] if ep > 1 else []
+    clip = "the grads are summed over the sep group in the backward"
+    _refuse_beside(ctx, "sep_degree", "segment parallel", flags, clip, more)
 
 
 def _sep_plan(p: Program, ctx: Context) -> Any:
@@ -357,41 +369,22 @@ def _expert_capacity(p: Program, plan: Any, ctx: Context) -> Program:
 
 
 def _ep_degree(ctx: Context) -> int:
-    try:
-        return _layout(ctx).ep_degree
-    except ValueError:
-        return 1
+    return _hybrid_degree(ctx, "ep_degree")
 
 
-def _ep_on(ctx: Context) -> tuple[bool, str]:
-    ep = _ep_degree(ctx)
-    if ep == 1:
-        return False, "hybrid_configs ep_degree=1"
-    return True, f"hybrid_configs ep_degree={ep}"
+_ep_on = partial(_axis_on, key="ep_degree")
 
 
 def _ep_check(ctx: Context) -> None:
     """Refuse, by name, what does not run with experts split yet."""
-    if env.hybrid_topology() is None:
-        raise ValueError(
-            f"ep_degree={_ep_degree(ctx)}: expert parallel's groups are fleet.init's; give fleet.init the "
-            "strategy with hybrid_configs (fleet.init(is_collective=True, strategy=strategy))"
-        )
-    s = ctx.strategy
     flags = {
         "pipeline": "MoE layers in pipeline stages",
         "localsgd": "local SGD averages params: the experts are split",
         "fp16_allreduce": "the expert grads' own reduction in float16",
         "tensor_parallel": "experts beside split dense layers",
     }
-    why = [f"strategy.{f}=True ({reason})" for f, reason in flags.items() if getattr(s, f)]
-    clip = getattr(ctx.optimizer, "grad_clip", None)
-    if clip is not None and type(clip).__name__ == "ClipGradByGlobalNorm":
-        why.append("grad_clip=ClipGradByGlobalNorm (the norm of split expert grads: a sum over the group)")
-    if why:
-        raise NotImplementedError(
-            f"hybrid_configs ep_degree={_ep_degree(ctx)} cannot be combined yet with: " + "; ".join(why)
-        )
+    clip = "the norm of split expert grads: a sum over the group"
+    _refuse_beside(ctx, "ep_degree", "expert parallel", flags, clip, [])
 
 
 def _ep_plan(p: Program, ctx: Context) -> Any:

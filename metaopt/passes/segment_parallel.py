@@ -45,7 +45,6 @@ attention there, a split value leaving the program.
 from __future__ import annotations
 
 import re
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -53,6 +52,7 @@ from metaopt.ir import Op, Program, Var, names, roles, torch_dtype
 from metaopt.ir.printer import fmt_op
 from metaopt.ops import registry, sharding
 from metaopt.ops.sharding import Shard, ShardResult
+from metaopt.passes.sequence_parallel import GroupSplitPlan
 from metaopt.passes.tensor_parallel import drop_unread_constants, rewrite_constants, shard_args
 
 GROUP = "sep_parallel"  # how a rewritten program names its sep group (every rank's reads the same)
@@ -83,10 +83,7 @@ class LossPoint:
 
 
 @dataclass
-class SegmentPlan:
-    degree: int
-    group: tuple[int, ...] | str
-    axis: int
+class SegmentPlan(GroupSplitPlan):
     length: int = 0
     split: dict[str, Shard] = field(default_factory=dict)  # values on the local sequence (whole layout)
     region: dict[int, ShardResult] = field(default_factory=dict)  # op -> its rule's result
@@ -100,8 +97,7 @@ class SegmentPlan:
     _types: dict[int, str] = field(default_factory=dict, repr=False)
 
     def __str__(self) -> str:
-        kinds = Counter(self._types.get(i, "?") for i in self.region)
-        ops = ", ".join(f"{t} x{n}" for t, n in sorted(kinds.items()))
+        ops = self._kinds_text(self.region, self._types)
         head = (
             f"segment_parallel: degree={self.degree} group={self._group_text()} axis={self.axis} "
             f"seq={self.length} (local {self.length // self.degree}): {len(self.scatters)} scatters, "
@@ -110,9 +106,6 @@ class SegmentPlan:
             f"sequence ({ops})"
         )
         return "\n".join([head, *(f"  {e}" for e in self.events)])
-
-    def _group_text(self) -> str:
-        return self.group if isinstance(self.group, str) else str(list(self.group))
 
     def attrs(self) -> dict:
         return {"group": self.group if isinstance(self.group, str) else list(self.group)}

@@ -75,10 +75,25 @@ class ReducePoint:
 
 
 @dataclass
-class SequencePlan:
+class GroupSplitPlan:
+    """What the plans of sequence and segment parallel share: the degree, the group (its global
+    ranks, ascending, or its name), the split axis, and how they print the group and the op types
+    of the ops on the local sequence."""
+
     degree: int
     group: tuple[int, ...] | str
     axis: int
+
+    def _group_text(self) -> str:
+        return self.group if isinstance(self.group, str) else str(list(self.group))
+
+    def _kinds_text(self, region: dict[int, ShardResult], types: dict[int, str]) -> str:
+        kinds = Counter(types.get(i, "?") for i in region)
+        return ", ".join(f"{t} x{n}" for t, n in sorted(kinds.items()))
+
+
+@dataclass
+class SequencePlan(GroupSplitPlan):
     length: int = 0  # the sequence length (whole)
     reduces: list[ReducePoint] = field(default_factory=list)
     split: dict[str, Shard] = field(default_factory=dict)  # sequence-split values (whole layout)
@@ -93,8 +108,7 @@ class SequencePlan:
     _types: dict[int, str] = field(default_factory=dict, repr=False)  # op index -> type, for printing
 
     def __str__(self) -> str:
-        kinds = Counter(self._types.get(i, "?") for i in self.region)
-        ops = ", ".join(f"{t} x{n}" for t, n in sorted(kinds.items()))
+        ops = self._kinds_text(self.region, self._types)
         head = (
             f"sequence_parallel: degree={self.degree} group={self._group_text()} axis={self.axis} "
             f"seq={self.length} (local {self.length // self.degree}): {len(self.reduces)} reduce-scatters, "
@@ -102,9 +116,6 @@ class SequencePlan:
             f"local sequence ({ops})"
         )
         return "\n".join([head, *(f"  {e}" for e in self.events)])
-
-    def _group_text(self) -> str:
-        return self.group if isinstance(self.group, str) else str(list(self.group))
 
     def whole(self) -> Shard:
         """How a value spanning the sequence is split (values of the regions' rank and up:

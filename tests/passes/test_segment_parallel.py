@@ -33,8 +33,6 @@ TRAINING = HERE.parent / "training"
 sys.path.insert(0, str(TRAINING))
 import sp_worker  # noqa: E402
 import tp_worker  # noqa: E402
-from training_cases import batch  # noqa: E402
-from workers import start_workers, wait_workers  # noqa: E402
 
 CASES = ["hf-gpt2", "hf-llama", "hf-gpt2:rc", "hf-gpt2:amp", "hf-llama:misfed"]
 TRAINED = CASES[:4]
@@ -98,17 +96,7 @@ def test_refusals_name_the_cause(gpt2):
 
 
 def _launch(out: Path, dp: int, sep: int, cases: list[str]) -> dict[str, list[dict]]:
-    world = dp * sep
-    procs = start_workers(
-        world,
-        [str(TRAINING / "sep_worker.py"), str(out), str(dp), str(sep), *cases],
-        {"METAOPT_COMM_TIMEOUT": "60"},
-    )
-    wait_workers(procs, "segment parallel", 600)
-    return {
-        c: [torch.load(out / f"{c.replace(':', '.')}.rank{r}.pt", weights_only=False) for r in range(world)]
-        for c in cases
-    }
+    return sp_worker.launch("sep_worker.py", out, dp * sep, [str(dp), str(sep)], cases)
 
 
 @pytest.fixture(scope="module")
@@ -116,17 +104,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     return _launch(tmp_path_factory.mktemp("sep"), 1, 2, CASES)
 
 
-def _one_process(
-    name: str, dropout: float = sp_worker.DROPOUT
-) -> tuple[list[float], dict[str, torch.Tensor]]:
-    module, inputs, kwargs = sp_worker.build(name, dropout)
-    p = export_cache.export(module, inputs, **kwargs)
-    metaopt.optimizer.SGD(learning_rate=tp_worker.LR).minimize(p.loss)
-    exe = metaopt.Executor("cpu")
-    feeds = [batch(name, s) for s in range(tp_worker.STEPS)]
-    metaopt.seed(sp_worker.SEED)
-    losses = [float(exe.run(p, feed=f, fetch_list=[p.loss])[0]) for f in feeds]
-    return losses, {v.name: exe.scope[v.name].clone() for v in p.params()}
+_one_process = sp_worker.one_process
 
 
 @pytest.mark.parametrize("name", ["hf-gpt2", "hf-llama"])

@@ -34,8 +34,6 @@ TRAINING = HERE.parent / "training"
 sys.path.insert(0, str(TRAINING))
 import sp_worker  # noqa: E402
 import tp_worker  # noqa: E402
-from training_cases import batch  # noqa: E402
-from workers import start_workers, wait_workers  # noqa: E402
 
 
 def _tp(name: str, mp: int = 2, rank: int = 0) -> metaopt.Program:
@@ -121,16 +119,7 @@ CASES = ["hf-gpt2", "hf-gpt2:rc", "hf-llama", "hf-gpt2:amp"]
 
 def _launch(out: Path, dp: int, mp: int, cases: list[str], layout: str = "") -> dict[str, list[dict]]:
     world = dp * mp * (2 if layout else 1)
-    procs = start_workers(
-        world,
-        [str(TRAINING / "sp_worker.py"), str(out), str(dp), str(mp), *cases],
-        {"METAOPT_COMM_TIMEOUT": "60", "SP_LAYOUT": layout},
-    )
-    wait_workers(procs, "sequence parallel", 600)
-    return {
-        c: [torch.load(out / f"{c.replace(':', '.')}.rank{r}.pt", weights_only=False) for r in range(world)]
-        for c in cases
-    }
+    return sp_worker.launch("sp_worker.py", out, world, [str(dp), str(mp)], cases, {"SP_LAYOUT": layout})
 
 
 @pytest.fixture(scope="module")
@@ -138,17 +127,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     return _launch(tmp_path_factory.mktemp("sp"), 1, 2, CASES)
 
 
-def _one_process(
-    name: str, dropout: float = sp_worker.DROPOUT
-) -> tuple[list[float], dict[str, torch.Tensor]]:
-    module, inputs, kwargs = sp_worker.build(name, dropout)
-    p = export_cache.export(module, inputs, **kwargs)
-    metaopt.optimizer.SGD(learning_rate=tp_worker.LR).minimize(p.loss)
-    exe = metaopt.Executor("cpu")
-    feeds = [batch(name, s) for s in range(tp_worker.STEPS)]
-    metaopt.seed(sp_worker.SEED)
-    losses = [float(exe.run(p, feed=f, fetch_list=[p.loss])[0]) for f in feeds]
-    return losses, {v.name: exe.scope[v.name].clone() for v in p.params()}
+_one_process = sp_worker.one_process
 
 
 def _whole(ranks: list[dict], mp: int) -> dict[str, torch.Tensor]:

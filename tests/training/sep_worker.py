@@ -22,8 +22,6 @@ from training_cases import CHECKPOINTS
 
 import metaopt
 from metaopt import fleet
-from metaopt.ir import roles
-from metaopt.passes.memory_estimate import estimate_memory
 
 
 def strategy(
@@ -51,29 +49,14 @@ def train(case: str, dp: int, sep: int) -> dict:
     )
     opt.minimize(program.loss)
     hcg = fleet.get_hybrid_communicate_group()
-    exe = metaopt.Executor("cpu", record_timeline=True)
     feeds = [
         sp_worker.replica_batch(name, step, hcg.get_data_parallel_rank(), dp)
         for step in range(tp_worker.STEPS)
     ]
-    metaopt.seed(sp_worker.SEED)
-    losses = []
-    for feed in feeds:
-        (loss,) = exe.run(program, feed=feed, fetch_list=[program.loss])
-        losses.append(float(loss))
-    est = estimate_memory(program, dims={"batch": feeds[-1]["labels"].shape[0]}, workspace=False)
+    _, got = sp_worker.run_steps(program, feeds)
     return {
-        "losses": losses,
-        "measured": (exe.memory_stats()["last_run_peak_bytes"], exe.memory_timeline()),
-        "predicted": (
-            est.peak_bytes,
-            [b for b, op in zip(est.timeline, program.ops) if not roles.is_startup(op.role)],
-        ),
-        "forward_ops": sum(roles.is_forward(op.role) for op in program.ops if not roles.is_startup(op.role)),
-        "params": {v.name: exe.scope[v.name].clone() for v in program.params()},
+        **got,
         "plan": str(opt.segment_parallel_plan),
-        "program": str(program),
-        "peak": exe.memory_stats()["peak_bytes"],
         "sep_rank": hcg.get_sep_parallel_rank(),
         "dp_rank": hcg.get_data_parallel_rank(),
     }

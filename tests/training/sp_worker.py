@@ -101,17 +101,11 @@ def replica_batch(name: str, step: int, dp_rank: int, dp: int) -> dict[str, torc
     return {k: v[dp_rank * n : (dp_rank + 1) * n] for k, v in full.items()}
 
 
-def train(case: str, dp: int, mp: int) -> dict:
-    name, _, mode = case.partition(":")
-    module, inputs, kwargs = build(name, 0.0 if mode == "nodrop" else DROPOUT)
-    program = export_cache.export(module, inputs, **kwargs)
-    opt = fleet.distributed_optimizer(
-        metaopt.optimizer.SGD(learning_rate=tp_worker.LR), strategy(name, dp, mp, mode == "rc", mode == "amp")
-    )
-    opt.minimize(program.loss)
-    hcg = fleet.get_hybrid_communicate_group()
+def run_steps(program, feeds: list[dict[str, torch.Tensor]]) -> tuple[metaopt.Executor, dict]:  # noqa: ANN001
+    """3 steps from `metaopt.seed(SEED)` on a recording executor: (the executor, the losses, the
+    last step's measured and predicted memory, the params and the program), what the long-sequence
+    tests read of every worker (the sep worker's too)."""
     exe = metaopt.Executor("cpu", record_timeline=True)
-    feeds = [replica_batch(name, step, hcg.get_data_parallel_rank(), dp) for step in range(tp_worker.STEPS)]
     metaopt.seed(SEED)
     losses = []
     for feed in feeds:
@@ -119,7 +113,7 @@ def train(case: str, dp: int, mp: int) -> dict:
         losses.append(float(loss))
     # workspace=False: the executor counts vars, not a kernel's temporaries (memory_estimate doc)
     est = estimate_memory(program, dims={"batch": feeds[-1]["labels"].shape[0]}, workspace=False)
-    return {
+    return exe, {
         "losses": losses,
         "measured": (exe.memory_stats()["last_run_peak_bytes"], exe.memory_timeline()),
         # the last step's timeline has no startup op (they run on the first step only)
@@ -129,10 +123,58 @@ def train(case: str, dp: int, mp: int) -> dict:
         ),
         "forward_ops": sum(roles.is_forward(op.role) for op in program.ops if not roles.is_startup(op.role)),
         "params": {v.name: exe.scope[v.name].clone() for v in program.params()},
-        "splits": {sp.name: (sp.axis, sp.blocks) for sp in opt.tensor_parallel_plan.params},
-        "sp_plan": str(opt.sequence_parallel_plan),
         "program": str(program),
         "peak": exe.memory_stats()["peak_bytes"],
+    }
+
+
+def one_process(name: str, dropout: float = DROPOUT) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The reference: one process training the same module on the whole batches (losses, params)."""
+    module, inputs, kwargs = build(name, dropout)
+    p = export_cache.export(module, inputs, **kwargs)
+    metaopt.optimizer.SGD(learning_rate=tp_worker.LR).minimize(p.loss)
+    exe = metaopt.Executor("cpu")
+    feeds = [batch(name, s) for s in range(tp_worker.STEPS)]
+    metaopt.seed(SEED)
+    losses = [float(exe.run(p, feed=f, fetch_list=[p.loss])[0]) for f in feeds]
+    return losses, {v.name: exe.scope[v.name].clone() for v in p.params()}
+
+
+def launch(script: str, out, world: int, args: list[str], cases: list[str], env: dict | None = None) -> dict:  # noqa: ANN001
+    """`world` workers of `script` (in tests/training) on `cases`; each case's results, by rank."""
+    from pathlib import Path
+
+    from workers import start_workers, wait_workers
+
+    here = Path(__file__).resolve().parent
+    procs = start_workers(
+        world, [str(here / script), str(out), *args, *cases], {"METAOPT_COMM_TIMEOUT": "60", **(env or {})}
+    )
+    wait_workers(procs, script, 600)
+    return {
+        c: [
+            torch.load(Path(out) / f"{c.replace(':', '.')}.rank{r}.pt", weights_only=False)
+            for r in range(world)
+        ]
+        for c in cases
+    }
+
+
+def train(case: str, dp: int, mp: int) -> dict:
+    name, _, mode = case.partition(":")
+    module, inputs, kwargs = build(name, 0.0 if mode == "nodrop" else DROPOUT)
+    program = export_cache.export(module, inputs, **kwargs)
+    opt = fleet.distributed_optimizer(
+        metaopt.optimizer.SGD(learning_rate=tp_worker.LR), strategy(name, dp, mp, mode == "rc", mode == "amp")
+    )
+    opt.minimize(program.loss)
+    hcg = fleet.get_hybrid_communicate_group()
+    feeds = [replica_batch(name, step, hcg.get_data_parallel_rank(), dp) for step in range(tp_worker.STEPS)]
+    _, got = run_steps(program, feeds)
+    return {
+        **got,
+        "splits": {sp.name: (sp.axis, sp.blocks) for sp in opt.tensor_parallel_plan.params},
+        "sp_plan": str(opt.sequence_parallel_plan),
         "mp_rank": hcg.get_model_parallel_rank(),
         "dp_rank": hcg.get_data_parallel_rank(),
     }
