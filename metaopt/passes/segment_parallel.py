@@ -52,7 +52,7 @@ from metaopt.ir import Op, Program, Var, names, roles, torch_dtype
 from metaopt.ir.printer import fmt_op
 from metaopt.ops import registry, sharding
 from metaopt.ops.sharding import Shard, ShardResult
-from metaopt.passes.sequence_parallel import GroupSplitPlan
+from metaopt.passes.sequence_parallel import GroupSplitPlan, checked_group
 from metaopt.passes.tensor_parallel import drop_unread_constants, rewrite_constants, shard_args
 
 GROUP = "sep_parallel"  # how a rewritten program names its sep group (every rank's reads the same)
@@ -120,18 +120,7 @@ def plan_segment_parallel(
     """Where forward `p` runs on the local sequence, and what is scattered, exchanged, gathered
     and summed (module doc). `group`: the sep group's global ranks, ascending, or ``"sep_parallel"``
     (fleet.init's layout)."""
-    late = next((op for op in p.ops if not roles.is_forward(op.role)), None)
-    if late is not None:
-        raise SegmentParallelError(
-            f"segment_parallel rewrites the forward of program {p.name!r}, but it already has a "
-            f"{late.role} op (`{fmt_op(late)}`): apply it before append_backward / minimize"
-        )
-    group = group if isinstance(group, str) else tuple(group)
-    if not isinstance(group, str) and (len(group) != degree or list(group) != sorted(set(group))):
-        raise SegmentParallelError(
-            f"segment_parallel: group {list(group)} must list the {degree} global ranks of the sep "
-            f"group, ascending (degree={degree})"
-        )
+    group = checked_group(p, "segment_parallel", "sep", degree, group, SegmentParallelError)
     plan = SegmentPlan(degree, group, axis, _types={i: op.type for i, op in enumerate(p.ops)})
     plan.length = _length(p, plan)
     producers = p.producers()

@@ -135,18 +135,7 @@ def plan_sequence_parallel(
     """Where the sequence is split, scattered and gathered in tensor-parallel forward `p`
     (module doc). `degree`: the model-parallel degree; `group`: the model-parallel group as
     its TPReduce ops name it."""
-    late = next((op for op in p.ops if not roles.is_forward(op.role)), None)
-    if late is not None:
-        raise SequenceParallelError(
-            f"sequence_parallel rewrites the forward of program {p.name!r}, but it already has a "
-            f"{late.role} op (`{fmt_op(late)}`): apply it before append_backward / minimize"
-        )
-    group = group if isinstance(group, str) else tuple(group)
-    if not isinstance(group, str) and (len(group) != degree or list(group) != sorted(set(group))):
-        raise SequenceParallelError(
-            f"sequence_parallel: group {list(group)} must list the {degree} global ranks of the "
-            f"model-parallel group, ascending (degree={degree})"
-        )
+    group = checked_group(p, "sequence_parallel", "model-parallel", degree, group, SequenceParallelError)
     plan = SequencePlan(degree, group, axis, _types={i: op.type for i, op in enumerate(p.ops)})
     producers, consumers = p.producers(), p.consumers()
     plan.reduces = _reduce_points(p, plan, consumers)
@@ -178,6 +167,26 @@ def plan_sequence_parallel(
     _check_outputs(p, plan)
     _describe(p, plan)
     return plan
+
+
+def checked_group(
+    p: Program, who: str, axis: str, degree: int, group: Sequence[int] | str, error: type[Exception]
+) -> tuple[int, ...] | str:
+    """`group` as a plan holds it, once `p` is found a forward program (the split passes run before
+    the backward) and `group` the `degree` ranks of its `axis` group, ascending; else `error`."""
+    late = next((op for op in p.ops if not roles.is_forward(op.role)), None)
+    if late is not None:
+        raise error(
+            f"{who} rewrites the forward of program {p.name!r}, but it already has a {late.role} op "
+            f"(`{fmt_op(late)}`): apply it before append_backward / minimize"
+        )
+    group = group if isinstance(group, str) else tuple(group)
+    if not isinstance(group, str) and (len(group) != degree or list(group) != sorted(set(group))):
+        raise error(
+            f"{who}: group {list(group)} must list the {degree} global ranks of the {axis} group, "
+            f"ascending (degree={degree})"
+        )
+    return group
 
 
 def _reduce_points(p: Program, plan: SequencePlan, consumers: dict) -> list[ReducePoint]:

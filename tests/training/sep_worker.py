@@ -18,7 +18,6 @@ import export_cache
 import sp_worker
 import torch
 import tp_worker
-from training_cases import CHECKPOINTS
 
 import metaopt
 from metaopt import fleet
@@ -29,14 +28,7 @@ def strategy(
 ) -> fleet.DistributedStrategy:
     s = fleet.DistributedStrategy()
     s.hybrid_configs = {"dp_degree": dp, "sep_degree": sep}
-    s.fuse_all_reduce_ops = False
-    if amp:
-        s.amp = True
-        s.amp_configs = {"dtype": "bfloat16"}
-    if recompute:
-        s.recompute = True
-        s.recompute_configs = {"checkpoints": CHECKPOINTS[name]}
-    return s
+    return sp_worker.with_amp_and_recompute(s, name, amp, recompute)
 
 
 def train(case: str, dp: int, sep: int) -> dict:

@@ -52,6 +52,13 @@ def strategy(name: str, dp: int, mp: int, recompute: bool, amp: bool = False) ->
         # attention dropout over a rank's heads draws one process's mask: the run equals one process
         "one_process_dropout": True,
     }
+    return with_amp_and_recompute(s, name, amp, recompute)
+
+
+def with_amp_and_recompute(
+    s: fleet.DistributedStrategy, name: str, amp: bool, recompute: bool
+) -> fleet.DistributedStrategy:
+    """`s` unfused (an all-reduce per grad), with bfloat16 AMP and a checkpoint per block if asked."""
     s.fuse_all_reduce_ops = False
     if amp:
         s.amp = True
