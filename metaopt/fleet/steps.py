@@ -612,15 +612,24 @@ def _dp_on(ctx: Context) -> tuple[bool, str]:
     on, why = _init_on(ctx)
     if on and ctx.strategy.localsgd:
         return False, "strategy.localsgd=True averages the params instead of the grads"
-    mp = _mp_degree(ctx) if on and ctx.strategy.tensor_parallel else 1
-    if mp == 1:
-        # without a pipeline or tensor parallel the data axis is every worker (pp_degree > 1
-        # needs strategy.pipeline, mp_degree > 1 strategy.tensor_parallel)
+    width, axes = _replica_width(ctx) if on else (1, "")
+    if width == 1:
+        # without a pipeline, tensor or segment parallel the data axis is every worker (pp_degree
+        # > 1 needs strategy.pipeline, mp_degree > 1 strategy.tensor_parallel)
         return on, why
-    dp = ctx.world_size // mp
+    dp = ctx.world_size // width
     if dp == 1:
-        return False, f"mp_degree={mp} spans every worker: no data-parallel replicas"
-    return True, f"dp_degree={dp} x mp_degree={mp}: over each data-parallel group"
+        return False, f"{axes} spans every worker: no data-parallel replicas"
+    return True, f"dp_degree={dp} x {axes}: over each data-parallel group"
+
+
+def _replica_width(ctx: Context) -> tuple[int, str]:
+    """How many workers one data-parallel replica spans beside the data axis (tensor parallel's
+    mp_degree, segment parallel's sep_degree: their grads are theirs to sum), and their names."""
+    mp = _mp_degree(ctx) if ctx.strategy.tensor_parallel else 1
+    sep = _hybrid_degree(ctx, "sep_degree")
+    axes = [f"{k}={d}" for k, d in (("mp_degree", mp), ("sep_degree", sep)) if d > 1]
+    return mp * sep, " x ".join(axes)
 
 
 def _dp_check(ctx: Context) -> None:
@@ -631,17 +640,18 @@ def _dp_how(p: Program, ctx: Context) -> dict:
     from metaopt.passes.optimize import update_grads
 
     s = ctx.strategy
-    mp = _mp_degree(ctx) if s.tensor_parallel else 1
+    width, _ = _replica_width(ctx)
     scatter = _zero_scatter(ctx)
     return {
         "grads": update_grads(p),
-        "world_size": ctx.world_size // mp,
+        "world_size": ctx.world_size // width,
         "bucket_bytes": int(s.fuse_grad_size_in_MB) * 2**20 if s.fuse_all_reduce_ops else 0,
         # grads final only at the window's end; ZeRO stage 1 reduces them after the backward
         "at_update": p.gradient_merge is not None
         or (scatter is not None and s.sharding_configs["stage"] == 1),
-        # beside tensor parallel the replicas holding the same slices are one dp group, not all
-        "group": "data_parallel" if mp > 1 else None,
+        # beside tensor (segment) parallel the replicas holding the same slices (chunks) are one
+        # dp group, not all
+        "group": "data_parallel" if width > 1 else None,
         "scatter_parts": scatter,
         # this worker's experts' grads hold every token of its expert group already: summed over
         # the workers holding the same experts, divided by the data-parallel world

@@ -92,7 +92,7 @@ class SegmentPlan(GroupSplitPlan):
     copies: dict[str, int] = field(default_factory=dict)  # replicated input of split ops -> first reader
     draws: list[int] = field(default_factory=list)  # random ops drawing one process's mask, sliced
     exchanges: list[Exchange] = field(default_factory=list)
-    loss: LossPoint | None = None
+    losses: list[LossPoint] = field(default_factory=list)
     events: list[str] = field(default_factory=list)
     _types: dict[int, str] = field(default_factory=dict, repr=False)
 
@@ -149,7 +149,7 @@ def plan_segment_parallel(
             )
     plan.gathers = {x: min(rs) for x, rs in sorted(state.readers.items(), key=lambda kv: min(kv[1]))}
     _plan_exchanges(p, plan)
-    _plan_loss(p, plan)
+    _plan_losses(p, plan)
     _plan_copies(p, plan)
     _plan_draws(p, plan)
     _check_outputs(p, plan)
@@ -329,26 +329,30 @@ def _plan_exchanges(p: Program, plan: SegmentPlan) -> None:
             plan.exchanges.append(Exchange(i, rank - 3, rank - 2))
 
 
-def _plan_loss(p: Program, plan: SegmentPlan) -> None:
-    """The loss on the local tokens (module doc); any other way the loss reads them is refused."""
-    producers = p.producers()
-    i = producers.get(p.loss_name) if p.loss_name else None
-    if i is None or i not in plan.region:
-        if p.loss_name and p.loss_name in plan.split:
-            raise NotImplementedError(f"segment_parallel: the loss {p.loss_name!r} is split; not built")
-        return
-    op = p.ops[i]
-    reduction = op.attrs.get("reduction", "mean")
-    rule = sharding.token_rule(op.type)
-    if rule is None or rule.labels is None or reduction not in ("mean", "sum"):
+def _plan_losses(p: Program, plan: SegmentPlan) -> None:
+    """Every loss over the local tokens (an op whose token row names its `labels`, reduced by mean
+    or sum) is summed over the group where it is made (module doc), so whatever reads it (the
+    program's loss itself, a scale, an auxiliary loss added to it) reads one process's value."""
+    if p.loss_name and p.loss_name in plan.split:
         raise NotImplementedError(
-            f"segment_parallel: the loss is made on the local sequence by `{fmt_op(op)}`; only a loss "
-            "over tokens (its token row's `labels`: the cross-entropies) with reduction mean or sum is "
-            "summed over the group so far"
+            f"segment_parallel: the loss {p.loss_name!r} holds the local sequence's values; reduce "
+            "it to a scalar (a mean or sum over tokens) in the model"
         )
-    labels = _whole_source(p, plan, op.inputs[rule.labels], producers)
-    ignore = op.attrs.get("ignore_index")
-    plan.loss = LossPoint(i, labels, None if ignore is None else int(ignore))
+    producers = p.producers()
+    for i in sorted(plan.region):
+        op = p.ops[i]
+        rule = sharding.token_rule(op.type)
+        reduction = op.attrs.get("reduction", "mean")
+        if rule is None or rule.labels is None or reduction == "none":  # per token: split as its labels
+            continue
+        if reduction not in ("mean", "sum"):
+            raise NotImplementedError(
+                f"segment_parallel: `{fmt_op(op)}` reduces the local tokens by {reduction!r}; only mean "
+                "and sum are summed over the group"
+            )
+        labels = _whole_source(p, plan, op.inputs[rule.labels], producers)
+        ignore = op.attrs.get("ignore_index")
+        plan.losses.append(LossPoint(i, labels, None if ignore is None else int(ignore)))
 
 
 def _whole_source(p: Program, plan: SegmentPlan, x: str, producers: dict) -> str:
@@ -460,10 +464,10 @@ def _describe(p: Program, plan: SegmentPlan) -> None:
         ev.append(
             f"gather   {x} -> {names.sp_gathered(x)}  (read whole by `{fmt_op(p.ops[plan.gathers[x]])}`)"
         )
-    if plan.loss is not None:
-        op = p.ops[plan.loss.op]
+    for point in plan.losses:
+        op = p.ops[point.op]
         ev.append(f"loss     {op.outputs[0]}: the local tokens' sum / the whole batch's count of "
-                  f"{plan.loss.labels} (every rank's), summed over the group (TPReduce)")  # fmt: skip
+                  f"{point.labels} (every rank's), summed over the group (TPReduce)")  # fmt: skip
     for x in plan.copies:
         ev.append(f"TPCopy   {x}  (read on the local sequence: its grad summed over the group)")
     for i in plan.draws:
@@ -485,6 +489,7 @@ def segment_parallel(p: Program, *, plan: SegmentPlan) -> Program:
     new = _new_vars(p, q, plan)
     before, after, start = _placed_ops(p, plan, new)
     exchanges = {e.op: e for e in plan.exchanges}
+    losses = {point.op: point for point in plan.losses}
     attrs = plan.attrs()
     ops: list[Op] = [_feeds_agree(q, plan), *start]
     for i, op in enumerate(q.ops):
@@ -500,8 +505,8 @@ def segment_parallel(p: Program, *, plan: SegmentPlan) -> Program:
             op.attrs.update({"rng": "shared", "slice_axis": axis, "slice_group": attrs["group"]})
         if i in exchanges:
             ops += _exchanged(q, op, exchanges[i], plan)
-        elif plan.loss is not None and i == plan.loss.op:
-            ops += _summed_loss(q, op, plan, new)
+        elif i in losses:
+            ops += _summed_loss(q, op, plan, losses[i])
         else:
             ops.append(op)
         ops += after.get(i, [])
@@ -607,24 +612,34 @@ def _exchange_shape(shape, e: Exchange, degree: int) -> tuple:  # noqa: ANN001
     return tuple(out)
 
 
-def _summed_loss(q: Program, op: Op, plan: SegmentPlan, new: dict) -> list[Op]:
+def _summed_loss(q: Program, op: Op, plan: SegmentPlan, point: LossPoint) -> list[Op]:
     """The loss op summing over the local tokens, divided by the whole batch's count, summed over
-    the group (module doc). Mean: the count of labels other than ignore_index."""
+    the group (module doc). Mean: the count of labels other than ignore_index, divided in float32
+    at least (a 16-bit count is inexact past 256 or 2048 tokens)."""
     loss = op.outputs[0]
     kw = {"role": op.role, "scope": op.scope, "origin": loss}
     dtype = q.vars[loss].dtype
-    reduction = op.attrs.get("reduction", "mean")
+    shape = q.vars[loss].shape
     local = names.fresh(names.sep_partial(loss), q.vars)
-    q.add_var(Var(local, dtype, q.vars[loss].shape))
+    q.add_var(Var(local, dtype, shape))
     out: list[Op] = []
-    if reduction == "mean":
+    if op.attrs.get("reduction", "mean") == "mean":
+        wide = dtype if dtype in ("float32", "float64") else "float32"
         summed = names.fresh(names.sep_summed(loss), q.vars)
-        q.add_var(Var(summed, dtype, q.vars[loss].shape))
+        q.add_var(Var(summed, dtype, shape))
         op.attrs["reduction"] = "sum"
         op.outputs = [summed, *op.outputs[1:]]
         out.append(op)
-        count = _count_ops(q, plan, dtype, kw, out)
-        out.append(Op("Div", [summed, count], [local], {}, **kw))
+        count = _count_ops(q, point, wide, kw, out)
+        if wide == dtype:
+            out.append(Op("Div", [summed, count], [local], {}, **kw))
+        else:  # the sum widened, divided, narrowed back
+            widened, divided = (names.fresh(names.sep_summed(loss), q.vars) for _ in range(2))
+            q.add_var(Var(widened, wide, shape))
+            out.append(Op("Cast", [summed], [widened], {"to": _onnx_dtype(wide)}, **kw))
+            q.add_var(Var(divided, wide, shape))
+            out.append(Op("Div", [widened, count], [divided], {}, **kw))
+            out.append(Op("Cast", [divided], [local], {"to": _onnx_dtype(dtype)}, **kw))
     else:
         op.outputs = [local, *op.outputs[1:]]
         out.append(op)
@@ -632,14 +647,14 @@ def _summed_loss(q: Program, op: Op, plan: SegmentPlan, new: dict) -> list[Op]:
     return out
 
 
-def _count_ops(q: Program, plan: SegmentPlan, dtype: str, kw: dict, out: list[Op]) -> str:
+def _count_ops(q: Program, point: LossPoint, dtype: str, kw: dict, out: list[Op]) -> str:
     """Ops counting the whole labels other than ignore_index (each rank holds them whole)."""
-    labels = plan.loss.labels
+    labels = point.labels
     kept = labels
-    if plan.loss.ignore_index is not None:
+    if point.ignore_index is not None:
         ignore = names.fresh(names.sep_ignore_index(labels), q.vars)
         q.add_var(Var(ignore, q.vars[labels].dtype, (), kind="constant"),
-                  _scalar(plan.loss.ignore_index, q.vars[labels].dtype))  # fmt: skip
+                  _scalar(point.ignore_index, q.vars[labels].dtype))  # fmt: skip
         same = names.fresh(names.sep_ignored(labels), q.vars)
         q.add_var(Var(same, "bool", q.vars[labels].shape))
         out.append(Op("Equal", [labels, ignore], [same], {}, **kw))

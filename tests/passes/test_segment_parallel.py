@@ -116,6 +116,8 @@ def test_sep2_trains_as_one_process(runs, name):
         for n, t in params.items():
             torch.testing.assert_close(r["params"][n], t, rtol=1e-5, atol=4e-5, msg=n)
     assert "SepAllToAll" in runs[name][0]["program"]
+    # the grads are summed over the sep group in the backward; at dp 1 nothing else reduces them
+    assert " = AllReduce(" not in runs[name][0]["program"]
 
 
 def test_each_workers_memory_is_as_predicted(runs):
@@ -161,6 +163,8 @@ def test_dp2_sep2_trains_as_one_process(tmp_path):
     for r in ranks:
         for n, t in params.items():
             torch.testing.assert_close(r["params"][n], t, rtol=1e-5, atol=4e-5, msg=n)
+    # data parallel averages over the data axis only (the sep group summed its part already)
+    assert all("AllReduce(" in r["program"] and "group=data_parallel" in r["program"] for r in ranks)
     replicas = {r["dp_rank"]: r["losses"] for r in ranks}
     mean = [sum(ls[s] for ls in replicas.values()) / 2 for s in range(tp_worker.STEPS)]
     torch.testing.assert_close(torch.tensor(mean), torch.tensor(losses), rtol=1e-5, atol=0)
@@ -175,3 +179,33 @@ def test_sep_ranks_fed_different_batches_are_refused_on_the_first_run(runs):
             "FeedsAgree: feed 'input_ids' differs between ranks 0 and 1 of sep group [0, 1]" in r["refused"]
         )
         assert "must be fed the same batch" in r["refused"]
+
+
+class _ScaledLoss(torch.nn.Module):
+    """An LM loss read by another op (scaled by 0.5): the cross-entropy is not the program's loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(16, 8)
+        self.head = torch.nn.Linear(8, 16)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.emb(ids))
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 16), labels.reshape(-1)) * 0.5
+
+
+def test_a_loss_read_by_another_op_is_summed_over_the_group_where_it_is_made():
+    """The cross-entropy over the local tokens is summed where it is made, so the scale (or an
+    auxiliary loss added) reads one process's value: else each rank would scale its own mean and
+    the params' grads, summed over the group, would be twice one process's."""
+    ids = torch.randint(0, 16, (2, 6), generator=torch.Generator().manual_seed(1))
+    p = metaopt.export(_ScaledLoss(), (ids, ids), name="scaled")
+    plan = plan_segment_parallel(p, degree=2, group=[0, 1])
+    q = segment_parallel(p, plan=plan)
+    verify(q)
+    assert len(plan.losses) == 1
+    (reduce_op,) = [op for op in q.ops if op.type == "TPReduce"]
+    producers, consumers = q.producers(), q.consumers()
+    assert q.ops[producers[q.loss_name]].type == "Mul"  # the scale, after the sum over the group
+    assert [q.ops[i].type for i in consumers[reduce_op.outputs[0]]] == ["Mul"]

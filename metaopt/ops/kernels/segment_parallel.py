@@ -78,7 +78,6 @@ def feeds_agree(
     ranks = group_ranks(group, "FeedsAgree")
     if len(ranks) == 1 or _rt.counters.get(f"FeedsAgree:{_key}"):
         return torch.ones((), dtype=torch.bool)
-    _rt.counters[f"FeedsAgree:{_key}"] = 1
     mine = torch.tensor([_digest(t) for t in feeds], dtype=torch.int64)
     got = _rt.comm.all_gather(mine, f"{_key}: the feeds' digests over sep group {ranks}", ranks)
     for k, name in enumerate(names):
@@ -90,4 +89,5 @@ def feeds_agree(
                 "of every sequence); feed by data-parallel rank (hcg.get_data_parallel_rank()), not by "
                 "global rank"
             )
+    _rt.counters[f"FeedsAgree:{_key}"] = 1  # checked and agreed: later runs only pass
     return torch.ones((), dtype=torch.bool)

@@ -63,8 +63,8 @@ def _members(group: list[int] | str, rt, op: str) -> tuple[list[int], int] | Non
     rank = rt.comm.rank
     if rank not in ranks:
         raise ValueError(
-            f"{op}: this worker (rank {rank}) is not in its model-parallel group {ranks}: the program "
-            "was rewritten for another layout"
+            f"{op}: this worker (rank {rank}) is not in its group {ranks} (model-parallel or sep): the "
+            "program was rewritten for another layout"
         )
     return ranks, ranks.index(rank)
 
