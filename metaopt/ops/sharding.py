@@ -486,7 +486,8 @@ def _tokens_loss(a: ShardArgs) -> ShardResult:
     if len(a.op.inputs) > 2 and a.op.inputs[2] and a.op.attrs.get("reduction", "mean") == "mean":
         raise ShardRefused("its mean is weighted by class weights (not a count of the tokens)")
     per_token = a.op.attrs.get("reduction", "mean") == "none"
-    return ShardResult([y if per_token and k == 0 else None for k in range(len(a.op.outputs))])
+    # output 1, the log-probabilities, holds a row per token: split as the logits
+    return ShardResult([(y if per_token else None) if k == 0 else x for k in range(len(a.op.outputs))])
 
 
 def _tokens_linear_loss(a: ShardArgs) -> ShardResult:

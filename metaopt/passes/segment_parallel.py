@@ -48,7 +48,9 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from metaopt.ir import Op, Program, Var, names, roles, torch_dtype
+import torch
+
+from metaopt.ir import TORCH_TO_ONNX, Op, Program, Var, names, roles, torch_dtype
 from metaopt.ir.printer import fmt_op
 from metaopt.ops import registry, sharding
 from metaopt.ops.sharding import Shard, ShardResult
@@ -636,10 +638,10 @@ def _summed_loss(q: Program, op: Op, plan: SegmentPlan, point: LossPoint) -> lis
         else:  # the sum widened, divided, narrowed back
             widened, divided = (names.fresh(names.sep_summed(loss), q.vars) for _ in range(2))
             q.add_var(Var(widened, wide, shape))
-            out.append(Op("Cast", [summed], [widened], {"to": _onnx_dtype(wide)}, **kw))
+            out.append(Op("Cast", [summed], [widened], {"to": TORCH_TO_ONNX[torch_dtype(wide)]}, **kw))
             q.add_var(Var(divided, wide, shape))
             out.append(Op("Div", [widened, count], [divided], {}, **kw))
-            out.append(Op("Cast", [divided], [local], {"to": _onnx_dtype(dtype)}, **kw))
+            out.append(Op("Cast", [divided], [local], {"to": TORCH_TO_ONNX[torch_dtype(dtype)]}, **kw))
     else:
         op.outputs = [local, *op.outputs[1:]]
         out.append(op)
@@ -654,7 +656,7 @@ def _count_ops(q: Program, point: LossPoint, dtype: str, kw: dict, out: list[Op]
     if point.ignore_index is not None:
         ignore = names.fresh(names.sep_ignore_index(labels), q.vars)
         q.add_var(Var(ignore, q.vars[labels].dtype, (), kind="constant"),
-                  _scalar(point.ignore_index, q.vars[labels].dtype))  # fmt: skip
+                  torch.tensor(point.ignore_index, dtype=torch_dtype(q.vars[labels].dtype)))  # fmt: skip
         same = names.fresh(names.sep_ignored(labels), q.vars)
         q.add_var(Var(same, "bool", q.vars[labels].shape))
         out.append(Op("Equal", [labels, ignore], [same], {}, **kw))
@@ -663,20 +665,8 @@ def _count_ops(q: Program, point: LossPoint, dtype: str, kw: dict, out: list[Op]
         out.append(Op("Not", [same], [kept], {}, **kw))
     flags = names.fresh(names.sep_flags(labels), q.vars)
     q.add_var(Var(flags, dtype, q.vars[labels].shape))
-    out.append(Op("Cast", [kept], [flags], {"to": _onnx_dtype(dtype)}, **kw))
+    out.append(Op("Cast", [kept], [flags], {"to": TORCH_TO_ONNX[torch_dtype(dtype)]}, **kw))
     count = names.fresh(names.sep_count(labels), q.vars)
     q.add_var(Var(count, dtype, ()))
     out.append(Op("ReduceSum", [flags], [count], {"keepdims": 0}, **kw))
     return count
-
-
-def _scalar(value: int, dtype: str):  # noqa: ANN202
-    import torch
-
-    return torch.tensor(value, dtype=torch_dtype(dtype))
-
-
-def _onnx_dtype(dtype: str) -> int:
-    from metaopt.ir import TORCH_TO_ONNX
-
-    return TORCH_TO_ONNX[torch_dtype(dtype)]
