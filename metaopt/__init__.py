@@ -10,6 +10,7 @@ from metaopt.frontend.onnx_save import save
 from metaopt.frontend.torch_export import export
 from metaopt.ir import Op, Program, Var, verify
 from metaopt.ops import rng_streams
+from metaopt.passes import for_test as _for_test  # noqa: F401 - Program.clone(for_test=True)
 from metaopt.report import memory_picture
 from metaopt.report.schedule_picture import schedule_picture
 from metaopt.runtime import CPUPlace, CUDAPlace, Executor

@@ -1,7 +1,8 @@
 """examples/train_static.py's --resume continues (issue 32): 4 steps, save, then a fresh
 process resuming to 8, ends with the params and optimizer state of 8 steps straight, bitwise
 (CPU: the checkpoint holds the params, the optimizer state and step, and the RNG state; the
-data follows the step). It used to start over at step 0 on the old data."""
+data follows the step). It used to start over at step 0 on the old data. The straight run
+evaluates with --eval-every (issue 49), which must not change a bit of training."""
 
 from __future__ import annotations
 
@@ -36,7 +37,11 @@ def _saved(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def test_resume_continues_where_the_checkpoint_left_off(tmp_path):
-    straight = _train("--steps", "8", "--save", str(tmp_path / "straight"))
+    # the straight run evaluates a held-out batch at steps 4 and 8 (issue 49), the others never:
+    # evaluating changes nothing of training (no RNG drawn, no state), so the bits still agree
+    straight = _train("--steps", "8", "--save", str(tmp_path / "straight"), "--eval-every", "4")
+    evals = re.findall(r"step (\d): train loss ([0-9.]+), eval loss ([0-9.]+)", straight)
+    assert [e[0] for e in evals] == ["4", "8"] and evals[0][2] != evals[1][2], evals
     _train("--steps", "4", "--save", str(tmp_path / "half"))
     resumed = _train("--steps", "8", "--resume", str(tmp_path / "half"), "--save", str(tmp_path / "resumed"))
     assert "resumed from" in resumed and "at step 4" in resumed

@@ -17,7 +17,7 @@ import itertools
 import math
 import operator
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -494,6 +494,9 @@ class PipelineInfo:
     # Fleet's pipeline_configs["micro_batch_size"]: the fed batch must be this x micro_batches
     # (None: any batch micro_batches divides)
     micro_batch_size: int | None = None
+    # An evaluation program's (Program.clone(for_test=True)): the schedule's forwards only, in its
+    # order (no backward waits on them, so no order of the forwards alone can deadlock)
+    forward_only: bool = False
 
     @property
     def splits_backward(self) -> bool:
@@ -518,6 +521,8 @@ class PipelineInfo:
             text += f" loss={self.loss}"
         if self.groups:
             text += " groups=" + ";".join(",".join(str(r) for r in g) for g in self.groups)
+        if self.forward_only:
+            text += " forward_only=1"
         return text
 
     @classmethod
@@ -528,6 +533,7 @@ class PipelineInfo:
         ints["dp_degree"] = int(kv.get("dp_degree", 1))
         ints["loss"] = kv.get("loss")
         ints["micro_batch_size"] = int(kv["micro_batch_size"]) if "micro_batch_size" in kv else None
+        ints["forward_only"] = kv.get("forward_only") == "1"
         return cls(schedule=kv["schedule"], groups=groups, **ints)
 
 
@@ -595,6 +601,15 @@ class GradientMergeInfo:
     def parse(cls, text: str) -> GradientMergeInfo:
         kv = dict(item.split("=", 1) for item in text.split())
         return cls(k_steps=int(kv["k_steps"]), avg=bool(int(kv["avg"])), step=kv["step"])
+
+
+# Program.clone(for_test=True)'s rewrite, passes/for_test.py: a pass (it reads the op rows, which
+# ir/ never imports), registered here when metaopt is imported (`register_for_test`).
+_FOR_TEST: list[Callable[[Program], Program]] = []
+
+
+def register_for_test(rewrite: Callable[[Program], Program]) -> None:
+    _FOR_TEST[:] = [rewrite]
 
 
 class Program:
@@ -735,9 +750,22 @@ class Program:
         buckets[5] = [rest[i] for i in sorted(range(len(rest)), key=keys.__getitem__)]
         self.vars = {v.name: v for bucket in buckets for v in bucket}
 
-    @without_gc  # a bulk build: see metaopt.ir.gc_pause
-    def clone(self) -> Program:
+    def clone(self, for_test: bool = False) -> Program:
         """A copy whose vars, ops and maps can be changed without touching this program.
+
+        ``for_test=True`` (Paddle's ``main.clone(for_test=True)``): the evaluation program instead,
+        before or after minimize: the forward only, dropout off, batch norm on its running stats,
+        nothing updated; it shares the training scope by var name (passes/for_test.py).
+        """
+        if for_test:
+            if not _FOR_TEST:
+                raise RuntimeError("clone(for_test=True) needs `import metaopt` (its pass registers there)")
+            return _FOR_TEST[0](self)
+        return self._copy()
+
+    @without_gc  # a bulk build: see metaopt.ir.gc_pause
+    def _copy(self) -> Program:
+        """`clone`'s copy.
 
         Initial value tensors (`values`) and tensor-valued op attributes are shared: both are
         read-only (the executor binds them to kernels as they are, so writing one would
@@ -771,7 +799,7 @@ class Program:
     def replace_with(self, other: Program) -> None:
         """Take `other`'s contents in place (Fleet's minimize rewrites the user's program)."""
         uid, version = self.uid, self.version
-        self.__dict__.update(other.clone().__dict__)
+        self.__dict__.update(other._copy().__dict__)
         for v in self.vars.values():
             v.program = self
         self.uid, self.version = uid, version + 1

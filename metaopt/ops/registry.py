@@ -204,6 +204,10 @@ class OpDef:
     # exporter loses training semantics; frontend/repair.py): "training_mode_input" (Dropout:
     # its training_mode input set true) or "batch_norm_training" (-> BatchNormTraining).
     train_repair: str | None = None
+    # The op's inference form (Program.clone(for_test=True), passes/for_test.py): op -> the op that
+    # replaces it in an eval program (Dropout: Identity; batch norm on its running stats), or None
+    # to drop it. None here: the op runs in an eval program as it is.
+    for_test: Callable[[Any], Any] | None = field(default=None, compare=False)
     # The output's size in bytes from (attrs, input values) before the kernel runs, for kernels
     # whose allocations torch's meta device cannot see (numpy tables): constant folding sizes an
     # untrusted file's ops with it (passes/fold_constants.py). None: sized on the meta device.

@@ -368,7 +368,9 @@ def _check_scope_entry(p: Program, name: str, t: torch.Tensor) -> None:
     if t.dtype != torch_dtype(var.dtype) or (static and tuple(t.shape) != want_shape):
         raise ValueError(
             f"scope holds {name!r} as {t.dtype} {list(t.shape)}, but program {p.name!r} declares "
-            f"{var.dtype} {list(var.shape or [])}: two programs disagree about this persistable"
+            f"{var.dtype} {list(var.shape or [])}: two programs disagree about this persistable (an "
+            "evaluation program cloned before a minimize that splits params, ZeRO-3 or tensor or pipeline "
+            "parallel, does not know their layout: take main.clone(for_test=True) after minimize)"
         )
 
 

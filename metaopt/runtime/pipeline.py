@@ -139,6 +139,8 @@ class PipelineRunner:
                 micro_batches=info.micro_batches,
                 chunks=info.chunks,
             )
+            if info.forward_only:  # an evaluation program: its forwards, in the schedule's order
+                self._actions = [a for a in self._actions if a.kind == "F"]
         return self._actions
 
     # --- one step --------------------------------------------------------------------
@@ -165,12 +167,13 @@ class PipelineRunner:
         rt.pipeline = self.state
         held: dict[int, dict[str, torch.Tensor]] = {i: {} for i in range(m)}
         losses: list[torch.Tensor] = []
+        outputs = self._forward_outputs(fetches)
         profile = StepProfile(before_s=time.perf_counter() - t_step)
         last = _last_action_of(self.actions)
         try:
             for n, action in enumerate(self.actions):
                 t0, c0 = time.perf_counter(), _comm_seconds(comm)
-                self._run_action(action, micro, held, losses)
+                self._run_action(action, micro, held, losses, outputs)
                 if last[action.micro_batch] == n:  # what phases of two chunks read (pipeline_phases)
                     self._release(held[action.micro_batch])
                 waited, t1 = _comm_seconds(comm) - c0, time.perf_counter()
@@ -187,7 +190,26 @@ class PipelineRunner:
                 for t in values.values():
                     self.exe._tracker.release(t)
         self.profile = _finish_profile(profile, t_step, comm)
-        return [self._fetch(f, losses) for f in fetches]
+        return [torch.cat(outputs[f]) if f in outputs else self._fetch(f, losses) for f in fetches]
+
+    def _forward_outputs(self, fetches: list[str]) -> dict[str, list[torch.Tensor]]:
+        """An evaluation program's fetched forward vars (logits), each micro-batch's, put together
+        along the batch after the step; a var this stage does not make is `_fetch`'s error."""
+        if not self.info.forward_only:
+            return {}
+        made = {x for part in self.parts.values() for x in part.produced}
+        out = {}
+        for f in fetches:
+            var = self.program.vars.get(f)
+            if f == self.info.loss or f not in made or var is None or var.persistable:
+                continue
+            if not var.shape or not isinstance(var.shape[0], str):
+                raise NotImplementedError(
+                    f"fetch {f!r} from pipeline stage {self.info.stage}: its shape {list(var.shape or ())} "
+                    "does not start with the batch, so its micro-batches' values cannot be put together"
+                )
+            out[f] = []
+        return out
 
     def _run_action(
         self,
@@ -195,9 +217,11 @@ class PipelineRunner:
         micro: list[dict[str, Any]],
         held: dict[int, dict[str, torch.Tensor]],
         losses: list[torch.Tensor],
+        outputs: dict[str, list[torch.Tensor]],
     ) -> None:
         """One F, B or W of a micro-batch: its part's program, fed the micro-batch's slice and
-        what earlier parts made for it; what later parts read is held (and counted)."""
+        what earlier parts made for it; what later parts read is held (and counted); fetched
+        forward vars of an evaluation program (`outputs`) are kept per micro-batch."""
         tracker, loss = self.exe._tracker, self.program.loss_name
         k = self.info.placement.vstage(self.info.stage, action.chunk)
         part = self.parts[(k, PHASE_OF[action.kind])]
@@ -209,12 +233,15 @@ class PipelineRunner:
             feed_i[names.micro_batch()] = torch.tensor(i, dtype=torch.int64)
         carried = {x: held[i].pop(x) if x in part.last_use else held[i][x] for x in part.carried_in}
         want = list(part.carried_out) + ([loss] if loss in part.produced else [])
+        want += [x for x in outputs if x in part.produced and x not in want]
         out = self.exe._run_part(part.program, feed_i, want, carried)
         for x in part.last_use:
             tracker.release(carried[x])
         for x, t in zip(want, out, strict=True):
             if x == loss:
                 losses.append(t.detach())
+            if x in outputs:
+                outputs[x].append(t.detach())
             if x in part.carried_out:
                 held[i][x] = t
                 tracker.acquire(t, x in part.host_out)  # offloaded copies: host bytes
@@ -240,7 +267,8 @@ class PipelineRunner:
             return self.exe.scope[name].clone()
         raise NotImplementedError(
             f"fetch {name!r} from a pipeline stage program: only the loss and persistables "
-            "(params, optimizer state) can be fetched from a pipelined step"
+            "(params, optimizer state) can be fetched from a pipelined training step; forward vars "
+            "from its evaluation program (main.clone(for_test=True))"
         )
 
     def _start(self, comm) -> None:

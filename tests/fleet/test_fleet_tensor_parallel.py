@@ -73,9 +73,18 @@ def _check_params(mp_ranks: list[dict]) -> None:
             torch.testing.assert_close(got[0], want, **TOL)
 
 
+def _check_eval(ranks: list[dict], ref: dict) -> None:
+    """Issue 49: each worker's `clone(for_test=True)` of its tensor-parallel program, on the whole
+    held-out batch: one process's evaluation (TOL), the same bits on both runs."""
+    for r in ranks:
+        assert r["eval"][0] == r["eval"][1]
+        assert r["eval"][0] == pytest.approx(ref["eval"][0], rel=1e-5, abs=4e-5)
+
+
 def test_mp2_through_fleet_equals_one_process(tmp_path):
     ranks = _run_workers(tmp_path, dp=1, mp=2)
     ref = _single_process()
+    _check_eval(ranks, ref)
     for r in ranks:
         assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=4e-5)
         assert "tensor_parallel  run   strategy.tensor_parallel=True (mp_degree=2)" in r["plan"]
@@ -87,6 +96,7 @@ def test_dp2_x_mp2_through_fleet_equals_one_process_on_the_full_batch(tmp_path):
     ranks = _run_workers(tmp_path, dp=2, mp=2)  # ranks 0, 1: replica 0's MP group; 2, 3: replica 1's
     ref = _single_process()
     assert [(r["dp_rank"], r["mp_rank"]) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    _check_eval(ranks, ref)
     # each replica's loss is its half batch's; their mean is the full batch's
     for step, want in enumerate(ref["losses"]):
         assert (ranks[0]["losses"][step] + ranks[2]["losses"][step]) / 2 == pytest.approx(

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 import tp_worker
-from training_cases import INIT_SEED, _module, pretrained_path
+from training_cases import HELD_OUT, INIT_SEED, _module, evaluate, pretrained_path
 from workers import gathered_params
 
 import metaopt
@@ -82,8 +82,11 @@ def train(s: fleet.DistributedStrategy, opt: str, ckpt: str, out: str) -> dict:
         losses.append(float(loss))
     if opt.endswith("-save"):
         fleet.save_persistables(exe, ckpt, program)
+    # issue 49: the eval program of the layout, the whole held-out batch on every replica
+    evals = evaluate(exe, program, tp_worker.batch(NAME, HELD_OUT), program.loss_name)
     return {
         "losses": losses,
+        "eval": evals,
         "params": gathered_params(exe, program),
         "held": {n: exe.scope[n].clone() for n in _state(program)},
         "layouts": {v.name: (str(v.split), str(v.zero)) for v in program.vars.values() if v.persistable},

@@ -43,6 +43,24 @@ TIED_QUERY = [
     "bert.encoder.layer.1.attention.self.query.weight",
 ]
 CHECKPOINTS = {"mlp": ["fc1", "fc2"], "bert": ["bert.encoder.layer.*"], "gpt": ["transformer.h.*"]}
+# the model's output the last stage's evaluation fetches beside the loss (issue 49)
+LOGITS = {"mlp": "fc3", "bert": "cls.predictions", "gpt": "lm_head"}
+HELD_OUT = 100  # full_batch's seed of the evaluation batch
+
+
+def evaluate(exe: metaopt.Executor, main: metaopt.Program, name: str, last: bool) -> dict:
+    """Issue 49: the stage program's `clone(for_test=True)` (a forward-only schedule), fed the
+    whole held-out batch: its loss twice and, on the stage holding it, the model's logits (every
+    micro-batch's, put together), None elsewhere."""
+    test = main.clone(for_test=True)
+    feed = dict(zip(programs.get(name).INPUT_NAMES, full_batch(name, HELD_OUT), strict=True))
+    fetch = ["loss", LOGITS[name]] if last else ["loss"]
+    first, *logits = exe.run(test, feed=feed, fetch_list=fetch)
+    (second,) = exe.run(test, feed=feed, fetch_list=["loss"])
+    return {
+        "losses": [None if x is None else float(x) for x in (first, second)],
+        "logits": torch.as_tensor(logits[0]) if logits else None,
+    }
 
 
 def step_batch(name: str, step: int, mode: str) -> tuple[torch.Tensor, ...]:
@@ -114,7 +132,8 @@ def train_case(case: str, rank: int, world: int) -> dict:
         prof = last_step_profile(exe, main)
         traffic.append((prof.messages, prof.headers, len(prof.actions)))
     params = {v.name: exe.scope[v.name].clone() for v in main.params()}
-    return {"losses": losses, "params": params, "program": str(main), "traffic": traffic}
+    evals = evaluate(exe, main, name, last=main.loss_name is not None)
+    return {"losses": losses, "eval": evals, "params": params, "program": str(main), "traffic": traffic}
 
 
 def main() -> None:

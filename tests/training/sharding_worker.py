@@ -36,12 +36,14 @@ import ckpt_tamper
 import torch
 from training_cases import (
     BATCH,
+    HELD_OUT,
     INIT_SEED,
     PRETRAINED_PREFIX,
     STEPS,
     _module,
     batch,
     build_strategy,
+    evaluate,
     export,
     pretrained_path,
     runs,
@@ -127,6 +129,8 @@ def train_case(case: str, rank: int, world: int, out: str) -> dict:
             refused = ckpt_tamper.refusals(exe, main, Path(os.environ["SHARDING_CKPT"] + "_tampered"))
             refused["untouched"] = all(torch.equal(exe.scope[n], t) for n, t in before.items())
     stats = exe.memory_stats()
+    # issue 49: the eval program of this layout, on the whole held-out batch on every worker
+    evals = evaluate(exe, main, batch(name, HELD_OUT), loss_name)
     rows = next(iter(part.values())).shape[0]
     predicted = estimate_memory(main, dims={"batch": rows})
     if main.pipeline is not None:  # a pipeline step: its schedule's actions (report/pipeline_memory.py)
@@ -134,6 +138,7 @@ def train_case(case: str, rank: int, world: int, out: str) -> dict:
     state = {v.name: v for v in main.vars.values() if v.kind == "opt_state" and v.zero is not None}
     return {
         "losses": losses,
+        "eval": evals,
         "params": gathered_params(exe, main),
         "param_bytes": sum(
             exe.scope[v.name].numel() * exe.scope[v.name].element_size() for v in main.params()

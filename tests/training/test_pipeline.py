@@ -40,7 +40,14 @@ def reference(name: str, tied: bool = False, mode: str = "plain") -> dict:
         feed = dict(zip(mod.INPUT_NAMES, pp_worker.step_batch(name, step, mode), strict=True))
         (loss,) = exe.run(main, feed=feed, fetch_list=[main.loss])
         losses.append(float(loss))
-    return {"losses": losses, "params": {v.name: exe.scope[v.name].clone() for v in main.params()}}
+    held = dict(zip(mod.INPUT_NAMES, pp_worker.full_batch(name, pp_worker.HELD_OUT), strict=True))
+    test = main.clone(for_test=True)
+    evals = exe.run(test, feed=held, fetch_list=["loss", pp_worker.LOGITS[name]], return_numpy=False)
+    return {
+        "losses": losses,
+        "eval": [float(evals[0]), evals[1]],
+        "params": {v.name: exe.scope[v.name].clone() for v in main.params()},
+    }
 
 
 def run_workers(tmp: Path, world: int, cases: list[str]) -> None:
@@ -80,6 +87,15 @@ def check_case(tmp: Path, world: int, case: str, dp: int = 1) -> None:
     torch.testing.assert_close(torch.tensor(mean), torch.tensor(ref["losses"]), rtol=1e-5, atol=4e-5)
     not_last = [r for i, r in enumerate(ranks) if i % p != holder]
     assert all(loss is None for r in not_last for loss in r["losses"])  # the loss lives on the last stage
+    # issue 49: clone(for_test=True) of every stage program, run on its forward-only schedule on the
+    # whole held-out batch: one process's evaluation (the same bar), the same bits twice
+    for r in not_last:
+        assert r["eval"]["losses"] == [None, None] and r["eval"]["logits"] is None
+    for d in range(dp):
+        got = ranks[d * p + holder]["eval"]
+        assert got["losses"][0] == got["losses"][1]
+        torch.testing.assert_close(got["losses"][0], ref["eval"][0], rtol=1e-5, atol=4e-5)
+        torch.testing.assert_close(got["logits"], ref["eval"][1], rtol=1e-5, atol=4e-5)
     seen = set()
     for r in ranks:
         for k, v in r["params"].items():

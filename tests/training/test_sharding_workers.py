@@ -146,7 +146,17 @@ def _ranks(runs: dict, key: int | str, case: str) -> list[dict]:
 def _one_process(case: str) -> dict:
     """The same model, optimizer and extras trained in this process alone on the whole batch."""
     import sharding_worker
-    from training_cases import INIT_SEED, STEPS, _module, batch, build_strategy, export, runs
+    from training_cases import (
+        HELD_OUT,
+        INIT_SEED,
+        STEPS,
+        _module,
+        batch,
+        build_strategy,
+        evaluate,
+        export,
+        runs,
+    )
 
     import metaopt
     from metaopt import fleet
@@ -174,7 +184,12 @@ def _one_process(case: str) -> dict:
                 float(exe.run(main, feed=f, fetch_list=[main.loss])[0]) for f in runs(batch(name, s), extra)
             ]
             losses.append(sum(step) / len(step))
-        return {"losses": losses, "params": {v.name: exe.scope[v.name].clone() for v in main.params()}}
+        evals = evaluate(exe, main, batch(name, HELD_OUT), main.loss.name)
+        return {
+            "losses": losses,
+            "eval": evals,
+            "params": {v.name: exe.scope[v.name].clone() for v in main.params()},
+        }
     finally:
         env.reset()
 
@@ -305,6 +320,18 @@ def _check_losses(case: str, ranks: list[dict], ref: dict) -> None:
     losses = torch.tensor([r["losses"] for r in ranks])
     got = losses.mean(0) if case.startswith("mlp") else losses
     torch.testing.assert_close(got, torch.tensor(ref["losses"]).expand_as(got), **TOL)
+    _check_eval(case, ranks, ref)
+
+
+def _check_eval(case: str, ranks: list[dict], ref: dict) -> None:
+    """Issue 49: every worker's `clone(for_test=True)` of its rewritten program, run on the whole
+    held-out batch after training, gives one process's evaluation (TOL: the trained values differ
+    by the layout's float sums), the same bits on both runs (nothing it runs changes state)."""
+    assert ref["eval"][0] == ref["eval"][1], case
+    for r, got in enumerate(ranks):
+        a, b = got["eval"]
+        assert a == b, (case, r)
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(ref["eval"][0]), **TOL, msg=f"{case} w{r}")
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -546,6 +573,7 @@ def test_sharding_beside_a_pipeline_equals_one_process_and_halves_the_state(runs
     ranks = _ranks(runs, "pp", case)
     _check_losses(case, ranks[2:], ref)
     assert all(r["losses"] == [None] * len(ref["losses"]) for r in ranks[:2])  # stage 0: no loss
+    assert all(r["eval"] == [None, None] for r in ranks[:2])  # nor in its forward-only schedule
     if ":adam:" not in case:
         for got in ranks:
             assert got["params"]

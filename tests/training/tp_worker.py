@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from training_cases import batch, export  # noqa: F401 - this module's API, shared
+from training_cases import HELD_OUT, batch, evaluate, export  # noqa: F401 - this module's API, shared
 
 import metaopt
 from metaopt import fleet
@@ -63,7 +63,12 @@ def train(program: metaopt.Program, name: str, opt: str = "sgd") -> dict:
     for step in range(STEPS):
         (loss,) = exe.run(program, feed=batch(name, step), fetch_list=[program.loss])
         losses.append(float(loss))
-    return {"losses": losses, "params": {v.name: exe.scope[v.name].clone() for v in program.params()}}
+    evals = evaluate(exe, program, batch(name, HELD_OUT), program.loss_name)  # issue 49
+    return {
+        "losses": losses,
+        "eval": evals,
+        "params": {v.name: exe.scope[v.name].clone() for v in program.params()},
+    }
 
 
 def main() -> None:

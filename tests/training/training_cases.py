@@ -80,6 +80,23 @@ def _module(name: str, dropout: float = 0.0, *, meta: bool = False) -> tuple[tor
     return module, mod.example_inputs("tiny", 4, seed=1), {"name": name}
 
 
+HELD_OUT = 100  # `batch(name, HELD_OUT)`: the evaluation batch, never trained on
+
+
+def evaluate(
+    exe: metaopt.Executor, main: metaopt.Program, feed: dict, loss: str | None
+) -> list[float | None]:
+    """Issue 49: `main.clone(for_test=True)` of the trained (rewritten) program, run twice on
+    `exe` (its scope: the trained values) on the held-out `feed`: its two losses, None on a
+    worker holding no loss (a pipeline's first stage)."""
+    test = main.clone(for_test=True)
+    out = []
+    for _ in range(2):
+        (value,) = exe.run(test, feed=feed, fetch_list=[loss])
+        out.append(None if value is None else float(value))
+    return out
+
+
 INIT_SEED = 5  # the "init" cases' fleet.init_from_module seed
 PRETRAINED_PREFIX = {"hf-gpt2": "m.", "hf-llama": "m.", "hf-bert": "m."}  # the loss wrapper's module
 

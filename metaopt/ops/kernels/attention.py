@@ -8,6 +8,7 @@ between Q and K, softcap, a fully masked row giving zeros instead of NaN, the op
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -351,9 +352,15 @@ def _sdpa_grad_rule(g, op, dy):
     return [o or None for o in outs]
 
 
+def _sdpa_for_test(op):  # noqa: ANN001, ANN202
+    """Evaluation: no dropout, and none of the outputs saved for a backward."""
+    return dataclasses.replace(op, outputs=op.outputs[:1], attrs={**op.attrs, "dropout_p": 0.0})
+
+
 @register(
     _SDPA,
     domain="metaopt",
+    for_test=_sdpa_for_test,
     needs_outputs=True,
     random=True,  # dropout inside: recompute replays its generator state (RngState/RngReplay)
     expensive=True,

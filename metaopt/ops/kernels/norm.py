@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -18,7 +19,15 @@ def _pad_outputs(outs: tuple, nout: int):
     return outs[:nout] + (None,) * (nout - len(outs))
 
 
-@register("BatchNormalization", needs_outputs=True, train_repair="batch_norm_training")
+def _onnx_bn_for_test(op):  # noqa: ANN001, ANN202
+    """Evaluation: ONNX's inference mode (running stats, no new ones)."""
+    attrs = {k: v for k, v in op.attrs.items() if k != "training_mode"}
+    return dataclasses.replace(op, outputs=op.outputs[:1], attrs=attrs)
+
+
+@register(
+    "BatchNormalization", needs_outputs=True, train_repair="batch_norm_training", for_test=_onnx_bn_for_test
+)
 def batch_normalization(
     X: torch.Tensor,
     scale: torch.Tensor,
@@ -45,8 +54,16 @@ def batch_normalization(
     return _pad_outputs((y, running_mean, running_var), _nout)
 
 
+def _bn_training_for_test(op):  # noqa: ANN001, ANN202
+    """Evaluation: ONNX BatchNormalization on the running stats, as `metaopt.export(model.eval())`
+    gives it (ONNX's momentum weighs the old value, torch's the new statistic)."""
+    attrs = {"momentum": 1.0 - op.attrs.get("momentum", 0.1), "epsilon": op.attrs.get("epsilon", 1e-5)}
+    return dataclasses.replace(op, type="BatchNormalization", outputs=op.outputs[:1], attrs=attrs)
+
+
 @register(
     "BatchNormTraining",
+    for_test=_bn_training_for_test,
     domain="metaopt",
     needs_outputs=True,
     amp_float32_inputs=(1, 2, 3, 4),  # scale, bias, running mean and var

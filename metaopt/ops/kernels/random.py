@@ -10,6 +10,8 @@ and swaps that stream into the default generator around the kernel (metaopt/ops/
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from metaopt.ir.dtypes import torch_dtype_from_onnx
@@ -27,6 +29,11 @@ def _ratio(ratio) -> float:
     return ratio if isinstance(ratio, float) else float(ratio)
 
 
+def _dropout_for_test(op):  # noqa: ANN001, ANN202
+    """Evaluation: the identity, and no mask (nothing reads one without a backward)."""
+    return dataclasses.replace(op, type="Identity", inputs=op.inputs[:1], outputs=op.outputs[:1], attrs={})
+
+
 @register(
     "Dropout",
     needs_outputs=True,
@@ -34,6 +41,7 @@ def _ratio(ratio) -> float:
     host_inputs=(1, 2),
     aliases=SAME,
     train_repair="training_mode_input",
+    for_test=_dropout_for_test,
 )
 @drawn
 def dropout(
