@@ -69,6 +69,8 @@ def export(
         with sdpa_kernel([SDPBackend.MATH]), grouped_experts(module):
             with timed(_LOG, "export: torch.export capture"):
                 ep = capture(module, args, kwargs, dynamic_shapes)
+            if module.training:  # in-place and feature dropouts as Dropout (frontend/translations.py)
+                ep = _dropout_forms(ep)
             with timed(_LOG, "export: torch.onnx decomposition"):
                 onnx_program = _run_exporter(ep, args, kwargs, dynamic_shapes)
     except ExportError:
@@ -267,6 +269,12 @@ def _add_unused_params(program: Program, module: torch.nn.Module, values: dict[s
                 values[n],  # by reference, as every other value (the executor copies into its scope)
             )
     program.sort_vars()  # among the params, as a saved program loads back
+
+
+def _dropout_forms(ep):  # noqa: ANN001, ANN202
+    from metaopt.frontend.translations import dropout_forms  # onnxscript: see _translation_table
+
+    return dropout_forms(ep)
 
 
 def _translation_table() -> dict:

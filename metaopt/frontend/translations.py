@@ -17,6 +17,16 @@
   Both become our ``metaopt::GroupedMatMul``, which holds every expert whatever the example
   input routes.
 
+* ``aten.dropout_`` (``nn.Dropout(inplace=True)``) and ``aten.feature_dropout(_)``
+  (``nn.Dropout1d/2d/3d``, ``F.dropout2d``) are not translations but decompositions run on the
+  captured graph first (`dropout_forms`): the exporter would decompose them into a Bernoulli draw
+  and arithmetic, which a program cannot tell from a model's own randomness, so its evaluation
+  form (``Program.clone(for_test=True)``) would keep drawing. Both become ``aten.dropout``, which
+  exports as ONNX ``Dropout``: the in-place one as itself, out of place; the feature one as the
+  input times a dropout of ones of shape [N, C, 1, ...] (torch's own form: one draw per channel,
+  scaled by 1/(1-p)), so an eval program's Identity leaves the input as it is. ``alpha_dropout``
+  keeps the stock route (its eval form is not an identity of the mask: see docs/evaluation.md).
+
 The exporter needs an ONNX schema for any op a translation emits; ours are registered in the
 ``metaopt`` domain once per process.
 """
@@ -127,6 +137,80 @@ def _transformers_ops() -> dict:
     ns = getattr(torch.ops, "transformers", None)
     op = getattr(ns, "grouped_mm_fallback", None) if ns is not None else None
     return {op.default: _grouped_mm_fallback} if op is not None else {}
+
+
+def dropout_forms(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """`ep` (in place) with in-place and feature dropouts written as ``aten.dropout`` (module doc),
+    before the exporter's decomposition would turn them into Bernoulli draws."""
+    aten = torch.ops.aten
+    graph = ep.graph_module.graph
+    changed = False
+    for node in list(graph.nodes):
+        if node.target in (aten.feature_dropout.default, aten.feature_dropout_.default):
+            _feature_dropout(graph, node)
+            changed = True
+        elif node.target is aten.dropout_.default and node.args[0].op != "placeholder":
+            _out_of_place(graph, node, aten.dropout.default)
+            changed = True
+    if changed:
+        graph.lint()
+        ep.graph_module.recompile()
+    return ep
+
+
+def _out_of_place(graph, node, target) -> None:  # noqa: ANN001
+    """`node` (an in-place op on a value the graph made) as its functional `target`: every later
+    reader of the mutated value reads `node`'s result instead, as it saw the mutation in eager."""
+    x = node.args[0]
+    node.target = target
+    later = False
+    for n in graph.nodes:
+        if n is node:
+            later = True
+        elif later and x in n.all_input_nodes:
+            n.replace_input_with(x, node)
+
+
+def _feature_dropout(graph, node) -> None:  # noqa: ANN001
+    """x * dropout(ones of x's [N, C, 1, ...]): torch's feature dropout (one draw per channel,
+    scaled by 1/(1-p)) through aten.dropout, the symbolic batch kept (slices, no sizes read)."""
+    aten = torch.ops.aten
+    x, p, train = node.args[0], node.args[1], node.args[2]
+    fake = x.meta["val"]
+    with graph.inserting_before(node):
+        part = x
+        for dim in range(2, fake.dim()):
+            part = _node(graph, node, aten.slice.Tensor, (part, dim, 0, 1))
+        ones = _node(graph, node, aten.ones_like.default, (part,))
+        noise = _node(graph, node, aten.dropout.default, (ones, p, train))
+        out = _node(graph, node, aten.mul.Tensor, (x, noise))
+    node.replace_all_uses_with(out)
+    if node.target is torch.ops.aten.feature_dropout_.default:  # in place: later readers of x
+        _redirect_later(graph, out, x)
+    graph.erase_node(node)
+
+
+def _redirect_later(graph, new, x) -> None:  # noqa: ANN001
+    later = False
+    for n in graph.nodes:
+        if n is new:
+            later = True
+        elif later and x in n.all_input_nodes:
+            n.replace_input_with(x, new)
+
+
+def _node(graph, like, target, args: tuple):  # noqa: ANN001, ANN202
+    """A node of `target` with its fake value (computed in the graph's fake mode) and `like`'s
+    module metadata (its scope and source line)."""
+    n = graph.call_function(target, args)
+    vals = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
+    fake = next(v for v in vals if isinstance(v, torch.Tensor))
+    with fake.fake_mode:
+        n.meta["val"] = target(*vals)
+    for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "torch_fn"):
+        if key in like.meta:
+            n.meta[key] = like.meta[key]
+    return n
 
 
 def translation_table() -> dict:

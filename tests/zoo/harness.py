@@ -237,9 +237,13 @@ def branch_matched_float64(
     if [op.scope for op in r32] != [op.scope for op in r64]:
         raise ZooFailure("the float32 and float64 programs' ReLUs differ: cannot match branches")
     feed32 = _feed(module, inputs)
-    xs = metaopt.Executor("cpu").run(
-        program32, feed=feed32, fetch_list=[op.inputs[0] for op in r32], return_numpy=False
-    ) if r32 else []
+    xs = (
+        metaopt.Executor("cpu").run(
+            program32, feed=feed32, fetch_list=[op.inputs[0] for op in r32], return_numpy=False
+        )
+        if r32
+        else []
+    )
     q = program64.clone()
     for k, (op, x32) in enumerate(zip(_relus(q), xs, strict=True)):
         mask = f"relu_mask_{k}"  # a test-only constant
@@ -518,6 +522,38 @@ def check_recompute(entry, *, with_offload: bool = True, device: str = "cpu") ->
             raise ZooFailure(f"{entry.name}: recompute + offload is not bit-identical to no recompute")
         out["offload_act_peak"] = act(got[2])
     return out
+
+
+# ---- evaluation: Program.clone(for_test=True) against torch's model.eval() (issue 49) ----------------
+
+EVAL_TOL = {"rtol": 1e-5, "atol": 1e-6}  # float32 forwards of the same values, other kernels
+
+
+def check_eval(entry) -> float:
+    """The module exported in train mode with dropout on, its `clone(for_test=True)` run twice on a
+    batch: its loss equals torch's `model.eval()` loss on the same values (EVAL_TOL; both sides run
+    float32 forwards, no backward amplifies a difference), the two runs are the same bits and no
+    buffer changes (running stats). Returns the relative difference."""
+    module, program = export(entry, DROPOUT)
+    test = program.clone(for_test=True)
+    inputs = entry.inputs(check_batch(entry), 30)
+    exe = metaopt.Executor("cpu")
+    first, second = (
+        exe.run(test, feed=_feed(module, inputs), fetch_list=[test.loss], return_numpy=False)[0]
+        for _ in range(2)
+    )
+    if not torch.equal(first, second):
+        raise ZooFailure(f"{entry.name}: two runs of the eval program differ")
+    changed = [n for n in exe.scope if n in test.values and not torch.equal(exe.scope[n], test.values[n])]
+    if changed:
+        raise ZooFailure(f"{entry.name}: the eval program changed {changed[:3]}")
+    ref = copy.deepcopy(module).eval()
+    with torch.no_grad():
+        want = ref(*inputs)
+    got = first.reshape(()).to(want.dtype)
+    if not torch.allclose(got, want, **EVAL_TOL):
+        raise ZooFailure(f"{entry.name}: eval loss {float(got)} != torch's model.eval() {float(want)}")
+    return float((got - want).abs() / want.abs().clamp_min(1e-30))
 
 
 # ---- the fused LM head + cross-entropy (passes/fuse_linear_cross_entropy.py) ---------------------------

@@ -5,7 +5,8 @@ torch, float32 grads on 1 and 2 threads at batch 3 and at batch 1 ("torch" where
 torch itself cannot train it at batch 1: BatchNorm over one value), SGD against torch.optim,
 the same SGD with the updates inside the backward (optimizer_in_backward), gradient merge
 against one torch step on the merged batches, recompute and offload bit-identity, a second
-batch size, the fused LM-head cross-entropy); a failing check prints its reason and the table
+batch size, the fused LM-head cross-entropy, the eval program against torch's model.eval());
+a failing check prints its reason and the table
 says which check failed. Then each entry at its other input shapes (`Entry.shapes`: images of
 64 and 72, 16 and 7 tokens; a row `NAME@SHAPE`) runs the shape-dependent checks (`SHAPED`).
 `--no-shapes` skips them. Exit code 1 when any row fails.
@@ -27,7 +28,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[2]))  # the repo (for `p
 
 from zoo import harness, models  # noqa: E402
 
-CHECKS = ("export", "f64", "grads", "batch1", "sgd", "early", "merge", "recompute", "fused_ce")
+CHECKS = ("export", "f64", "grads", "batch1", "sgd", "early", "merge", "recompute", "fused_ce", "eval")
 SHAPED = ("export", "f64", "grads", "batch1", "sgd")  # what an entry at another input shape runs
 
 
@@ -64,6 +65,8 @@ def run_entry(entry) -> dict:
                 row.update(harness.check_recompute(entry))
             elif check == "fused_ce":  # the LM head + cross-entropy fused (0 fused: nothing to fuse)
                 row.update(harness.check_fused_cross_entropy(entry))
+            elif check == "eval":  # clone(for_test=True) against torch's model.eval()
+                row["eval_rel"] = harness.check_eval(entry)
             row[check] = "ok"
         except Exception as e:  # the table reports every failure, the process goes on
             row[check] = "FAIL"

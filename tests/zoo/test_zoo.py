@@ -71,6 +71,13 @@ def test_gradient_merge_equals_one_torch_step_on_the_merged_batches(name):
 
 
 @pytest.mark.parametrize("name", FAST)
+def test_the_eval_program_equals_torch_in_eval_mode(name):
+    """Program.clone(for_test=True) of the train-mode export, dropout on (issue 49): torch's
+    model.eval() loss (harness.EVAL_TOL), the same bits twice, no buffer changed."""
+    harness.check_eval(models.get(name))
+
+
+@pytest.mark.parametrize("name", FAST)
 def test_recompute_and_offload_are_bit_identical(name):
     harness.check_recompute(models.get(name))
 
