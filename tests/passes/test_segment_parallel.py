@@ -109,9 +109,12 @@ _one_process = sp_worker.one_process
 
 @pytest.mark.parametrize("name", ["hf-gpt2", "hf-llama"])
 def test_sep2_trains_as_one_process(runs, name):
-    losses, params = _one_process(name)
+    losses, params, evals = _one_process(name)
     for r in runs[name]:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(losses), rtol=1e-5, atol=0)
+        # issue 49: the sep program's clone(for_test=True) on the held-out batch, twice the same bits
+        assert r["eval"][0] == r["eval"][1]
+        torch.testing.assert_close(torch.tensor(r["eval"][0]), torch.tensor(evals[0]), rtol=1e-5, atol=0)
         assert r["params"].keys() == params.keys()
         for n, t in params.items():
             torch.testing.assert_close(r["params"][n], t, rtol=1e-5, atol=4e-5, msg=n)
@@ -159,7 +162,7 @@ def test_dp2_sep2_trains_as_one_process(tmp_path):
     """LLaMA without dropout: data-parallel replicas draw their own masks for their half of the
     batch, which one process does not."""
     ranks = _launch(tmp_path, 2, 2, ["hf-llama:nodrop"])["hf-llama:nodrop"]
-    losses, params = _one_process("hf-llama", 0.0)
+    losses, params, evals = _one_process("hf-llama", 0.0)
     for r in ranks:
         for n, t in params.items():
             torch.testing.assert_close(r["params"][n], t, rtol=1e-5, atol=4e-5, msg=n)

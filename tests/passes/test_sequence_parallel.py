@@ -144,10 +144,13 @@ def _whole(ranks: list[dict], mp: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("name", ["hf-gpt2", "hf-llama"])
 def test_mp2_with_sequence_parallel_trains_as_one_process(runs, name):
-    losses, params = _one_process(name)
+    losses, params, evals = _one_process(name)
     ranks = runs[name]
     assert ranks[0]["losses"] == ranks[1]["losses"]  # the loss is computed whole on every MP rank
     torch.testing.assert_close(torch.tensor(ranks[0]["losses"]), torch.tensor(losses), rtol=1e-5, atol=0)
+    for r in ranks:  # issue 49: the eval program of sequence parallel, twice the same bits
+        assert r["eval"][0] == r["eval"][1]
+        torch.testing.assert_close(torch.tensor(r["eval"][0]), torch.tensor(evals[0]), rtol=1e-5, atol=0)
     got = _whole(ranks, 2)
     assert got.keys() == params.keys()
     for n, t in params.items():
@@ -228,7 +231,7 @@ def test_dp2_mp2_with_sequence_parallel_trains_as_one_process(tmp_path):
     """LLaMA without dropout: data-parallel replicas draw their own masks for their half of the
     batch, which one process does not."""
     ranks = _launch(tmp_path, 2, 2, ["hf-llama:nodrop"])["hf-llama:nodrop"]
-    losses, params = _one_process("hf-llama", 0.0)
+    losses, params, evals = _one_process("hf-llama", 0.0)
     replicas = {}
     for r in ranks:
         replicas.setdefault(r["dp_rank"], []).append(r)
@@ -249,7 +252,7 @@ def test_sequence_parallel_beside_zero_and_the_pipeline_trains_as_one_process(tm
     without dropout, the losses of 3 SGD steps equal one process's on the whole batch (rtol 1e-5:
     the replicas' and micro-batches' sums round otherwise; measured within 5e-7)."""
     ranks = _launch(tmp_path, 1, 2, ["hf-gpt2:nodrop"], layout)["hf-gpt2:nodrop"]
-    want, _ = _one_process("hf-gpt2", 0.0)
+    want, _, _ = _one_process("hf-gpt2", 0.0)
     got = [r["losses"] for r in ranks if r["losses"][0] is not None]
     if layout == "pp":  # the last stage's two MP ranks fetch the loss
         assert len(got) == 2 and got[0] == got[1]

@@ -45,7 +45,7 @@ def train(case: str, dp: int, sep: int) -> dict:
         sp_worker.replica_batch(name, step, hcg.get_data_parallel_rank(), dp)
         for step in range(tp_worker.STEPS)
     ]
-    _, got = sp_worker.run_steps(program, feeds)
+    _, got = sp_worker.run_steps(program, feeds, sp_worker.batch(name, sp_worker.HELD_OUT))
     return {
         **got,
         "plan": str(opt.segment_parallel_plan),

@@ -23,7 +23,7 @@ import sys
 import export_cache
 import torch
 import tp_worker
-from training_cases import CHECKPOINTS, _module, batch
+from training_cases import CHECKPOINTS, HELD_OUT, _module, batch, evaluate
 
 import metaopt
 from metaopt import fleet
@@ -108,10 +108,13 @@ def replica_batch(name: str, step: int, dp_rank: int, dp: int) -> dict[str, torc
     return {k: v[dp_rank * n : (dp_rank + 1) * n] for k, v in full.items()}
 
 
-def run_steps(program, feeds: list[dict[str, torch.Tensor]]) -> tuple[metaopt.Executor, dict]:  # noqa: ANN001
+def run_steps(
+    program, feeds: list[dict[str, torch.Tensor]], held: dict | None = None
+) -> tuple[metaopt.Executor, dict]:  # noqa: ANN001
     """3 steps from `metaopt.seed(SEED)` on a recording executor: (the executor, the losses, the
     last step's measured and predicted memory, the params and the program), what the long-sequence
-    tests read of every worker (the sep worker's too)."""
+    tests read of every worker (the sep worker's too); with `held`, the eval program's losses on it
+    after training (issue 49: `training_cases.evaluate`)."""
     exe = metaopt.Executor("cpu", record_timeline=True)
     metaopt.seed(SEED)
     losses = []
@@ -132,11 +135,13 @@ def run_steps(program, feeds: list[dict[str, torch.Tensor]]) -> tuple[metaopt.Ex
         "params": {v.name: exe.scope[v.name].clone() for v in program.params()},
         "program": str(program),
         "peak": exe.memory_stats()["peak_bytes"],
+        "eval": evaluate(exe, program, held, program.loss_name) if held is not None else None,
     }
 
 
-def one_process(name: str, dropout: float = DROPOUT) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The reference: one process training the same module on the whole batches (losses, params)."""
+def one_process(name: str, dropout: float = DROPOUT) -> tuple[list[float], dict[str, torch.Tensor], list]:
+    """The reference: one process training the same module on the whole batches (losses, params,
+    and its eval program's two losses on the held-out batch)."""
     module, inputs, kwargs = build(name, dropout)
     p = export_cache.export(module, inputs, **kwargs)
     metaopt.optimizer.SGD(learning_rate=tp_worker.LR).minimize(p.loss)
@@ -144,7 +149,8 @@ def one_process(name: str, dropout: float = DROPOUT) -> tuple[list[float], dict[
     feeds = [batch(name, s) for s in range(tp_worker.STEPS)]
     metaopt.seed(SEED)
     losses = [float(exe.run(p, feed=f, fetch_list=[p.loss])[0]) for f in feeds]
-    return losses, {v.name: exe.scope[v.name].clone() for v in p.params()}
+    evals = evaluate(exe, p, batch(name, HELD_OUT), p.loss_name)
+    return losses, {v.name: exe.scope[v.name].clone() for v in p.params()}, evals
 
 
 def launch(script: str, out, world: int, args: list[str], cases: list[str], env: dict | None = None) -> dict:  # noqa: ANN001
@@ -177,7 +183,7 @@ def train(case: str, dp: int, mp: int) -> dict:
     opt.minimize(program.loss)
     hcg = fleet.get_hybrid_communicate_group()
     feeds = [replica_batch(name, step, hcg.get_data_parallel_rank(), dp) for step in range(tp_worker.STEPS)]
-    _, got = run_steps(program, feeds)
+    _, got = run_steps(program, feeds, batch(name, HELD_OUT))
     return {
         **got,
         "splits": {sp.name: (sp.axis, sp.blocks) for sp in opt.tensor_parallel_plan.params},
