@@ -143,7 +143,7 @@ def test_two_ep_workers_grads_equal_float64_torch(two_workers, name):
 
 
 @functools.cache
-def _torch_sgd(name: str, dp: int) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+def _torch_sgd(name: str, dp: int) -> tuple[list[list[float]], dict[str, torch.Tensor], float]:
     """One process of float64 torch: each step the grads of every worker's batch averaged (data
     parallel's step), then torch.optim.SGD. Each worker's losses, and the params after."""
     entry = models.get(name)
@@ -164,18 +164,22 @@ def _torch_sgd(name: str, dp: int) -> tuple[list[list[float]], dict[str, torch.T
         for k, v in params.items():
             v.grad = total[k] / dp
         opt.step()
-    return losses, {k: v.detach().clone() for k, v in params.items()}
+    with torch.no_grad():  # issue 49: the trained module in eval mode on the held-out batch
+        evaluated = module.eval()(*ep_worker.fleet_batch(entry, ep_worker.HELD_OUT, 0, 1)).item()
+    return losses, {k: v.detach().clone() for k, v in params.items()}, evaluated
 
 
 def _check_fleet(out: Path, name: str, dp: int, ep: int, kind: str = "dp") -> None:
     got = [torch.load(out / f"{name}.{kind}.rank{r}.pt", weights_only=True) for r in range(dp)]
-    losses, want = _torch_sgd(name, dp)
+    losses, want, evaluated = _torch_sgd(name, dp)
     # float64 on both sides; the routers compute in float32 themselves (`.float()`), so the
     # float32-island bar of the zoo
     tol = {"rtol": harness.FLOAT32_ISLAND_REL, "atol": 1e-7}
     for r, g in enumerate(got):
         assert "expert_parallel" in g["applied"] and "data_parallel" in g["applied"]
         assert g["losses"] == pytest.approx(losses[r], rel=harness.FLOAT32_ISLAND_REL)
+        # clone(for_test=True) of the expert-parallel program: torch's model.eval(), twice the same bits
+        assert g["eval"][0] == g["eval"][1] == pytest.approx(evaluated, rel=harness.FLOAT32_ISLAND_REL)
         assert g["experts"], "no expert param was split"
         assert "split over the 'expert' group (expert parallel)" in g["save_refused"]
         index = r % ep  # place in its expert group: runs of ep consecutive ranks
@@ -219,7 +223,7 @@ def test_amp_beside_expert_parallel_skips_alike_and_trains(two_workers):
     torch at float16's precision: the white ops' inputs round to 11 bits (rel 5e-4 each); this
     two-layer model's losses over 3 steps stay inside 2e-3 of torch's (measured: ~1e-5)."""
     got = [torch.load(two_workers / f"hf-mixtral.dp-amp.rank{r}.pt", weights_only=True) for r in range(2)]
-    losses, _ = _torch_sgd("hf-mixtral", 2)
+    losses, _, _ = _torch_sgd("hf-mixtral", 2)
     assert all(g["found_inf_reduced"] for g in got)
     assert got[0]["loss_scales"] == got[1]["loss_scales"] and len(got[0]["loss_scales"]) == ep_worker.STEPS
     for r, g in enumerate(got):

@@ -5,10 +5,12 @@ One process here: the eval program is the forward `metaopt.export(model.eval())`
 its loss after 3 Adam steps equals torch's ``model.eval()`` loss with the trained weights (rtol
 1e-6: float32 torch and our kernels on the same values; no float64 oracle is needed, both sides run
 the same forward), it changes no state (two runs: the same bits, every running stat bitwise as
-it was), any forward var can be fetched, and its memory is as predicted. The layouts (ZeRO-3 on 2
-workers, tensor parallel 2, a 1F1B pipeline of 2 stages beside ZeRO) evaluate in their own
-launches: tests/training/test_sharding_workers.py and tests/fleet/test_fleet_tensor_parallel.py
-(`evaluate` in tests/training/training_cases.py).
+it was), any forward var can be fetched, and its memory is as predicted. The layouts evaluate in their own launches, against one process: ZeRO
+1-3 on 2 and 4 workers and a 1F1B pipeline of 2 stages beside ZeRO (test_sharding_workers.py),
+tensor parallel 2 and dp 2 x mp 2 (test_fleet_tensor_parallel.py), every pipeline schedule
+(test_pipeline.py, the logits too), sequence and segment parallel (test_sequence_parallel.py,
+test_segment_parallel.py) and expert parallel (test_expert_parallel.py, against torch's
+model.eval()); the zoo holds every model's eval program against torch's (zoo/harness.py check_eval).
 """
 
 from __future__ import annotations
@@ -74,9 +76,10 @@ def test_before_minimize_it_is_the_export_of_the_module_in_eval_mode(golden):
         assert not test.updates and program.updates if name == "resnet" else not test.updates
         _, evaluated, _ = _model(name, train=False)
         _assert_same_program(test, evaluated)
-        if name == "mlp":
+        if name == "mlp":  # both: the clone, and the eval-mode export it equals
             golden("for_test/mlp.plan", str(plan_for_test(program)) + "\n")
             golden("for_test/mlp", str(test))
+            golden("for_test/mlp_eval_export", str(evaluated))
 
 
 def _assert_same_program(a: metaopt.Program, b: metaopt.Program) -> None:

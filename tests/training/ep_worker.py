@@ -41,6 +41,7 @@ from metaopt.passes.memory_estimate import estimate_memory
 BATCH = 3
 STEPS = 3
 LR = 0.05
+HELD_OUT = 99  # fleet_batch's step of the evaluation batch
 
 
 def fleet_batch(entry, step: int, rank: int, world: int) -> tuple:
@@ -98,9 +99,17 @@ def train_fleet(out: str, name: str, mode: str) -> None:
     except NotImplementedError as e:
         refused = str(e)
     predicted = estimate_memory(program, dims={"batch": BATCH})
+    held = fleet_batch(entry, HELD_OUT, 0, 1)  # every worker the same held-out batch
+    if kind == "dp-amp":
+        held = tuple(x.float() if x.is_floating_point() else x for x in held)
+    test = program.clone(for_test=True)  # issue 49: the eval program of this layout, run twice
+    evals = [
+        float(exe.run(test, feed=harness._feed(module, held), fetch_list=[test.loss])[0]) for _ in range(2)
+    ]
     torch.save(
         {
             "losses": losses,
+            "eval": evals,
             "loss_scales": scales,
             # AMP: every worker's overflow check summed, so all skip the same steps
             "found_inf_reduced": any(
