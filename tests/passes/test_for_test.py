@@ -3,14 +3,15 @@
 
 One process here: the eval program is the forward `metaopt.export(model.eval())` gives (golden),
 its loss after 3 Adam steps equals torch's ``model.eval()`` loss with the trained weights (rtol
-1e-6: float32 torch and our kernels on the same values; no float64 oracle is needed, both sides run
-the same forward), it changes no state (two runs: the same bits, every running stat bitwise as
-it was), any forward var can be fetched, and its memory is as predicted. The layouts evaluate in their own launches, against one process: ZeRO
-1-3 on 2 and 4 workers and a 1F1B pipeline of 2 stages beside ZeRO (test_sharding_workers.py),
-tensor parallel 2 and dp 2 x mp 2 (test_fleet_tensor_parallel.py), every pipeline schedule
-(test_pipeline.py, the logits too), sequence and segment parallel (test_sequence_parallel.py,
-test_segment_parallel.py) and expert parallel (test_expert_parallel.py, against torch's
-model.eval()); the zoo holds every model's eval program against torch's (zoo/harness.py check_eval).
+1e-6: float32 torch and our kernels on the same values; no float64 oracle is needed, both sides
+run the same forward), it changes no state (two runs: the same bits, every running stat bitwise
+as it was), any forward var can be fetched, and its memory is as predicted. The layouts evaluate
+in their own launches, against one process: ZeRO 1-3 on 2 and 4 workers and a 1F1B pipeline of 2
+stages beside ZeRO (test_sharding_workers.py), tensor parallel 2 and dp 2 x mp 2
+(test_fleet_tensor_parallel.py), every pipeline schedule (test_pipeline.py, the logits too),
+sequence and segment parallel (test_sequence_parallel.py, test_segment_parallel.py) and expert
+parallel (test_expert_parallel.py, against torch's model.eval()); the zoo holds every model's
+eval program against torch's (zoo/harness.py check_eval).
 """
 
 from __future__ import annotations
