@@ -25,10 +25,13 @@ def free_port() -> int:
 
 
 def start_workers(
-    world: int, args: Sequence[str], extra_env: Mapping[str, str] | None = None
+    world: int, args: Sequence[str], extra_env: Mapping[str, str] | None = None, *, cold: bool = False
 ) -> list[subprocess.Popen]:
     """`world` processes ``python ARGS...`` with torch's rank variables (one thread each),
-    the repository and tests/ on their path; stdout and stderr together, as text."""
+    the repository and tests/ on their path; stdout and stderr together, as text. Each is forked
+    from a server that imported torch, metaopt and transformers once (tests/forked.py), unless
+    `cold` (a test of the interpreter's own exit) or METAOPT_TEST_COLD_WORKERS=1 asks for cold
+    interpreters."""
     port = free_port()
     procs = []
     for rank in range(world):
@@ -43,11 +46,20 @@ def start_workers(
             "OMP_NUM_THREADS": "1",
             **(extra_env or {}),
         }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        if cold or os.environ.get("METAOPT_TEST_COLD_WORKERS") == "1":
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, *args],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
             )
-        )
+        else:
+            from forked import Forked
+
+            procs.append(Forked(args, env))
     return procs
 
 

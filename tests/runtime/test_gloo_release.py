@@ -21,13 +21,13 @@ WORKER = str(Path(__file__).parent / "gloo_release_worker.py")
 
 
 def test_every_collective_returns_with_its_tensors_let_go():
-    logs = wait_workers(start_workers(2, [WORKER]), "gloo release", timeout=120)
+    logs = wait_workers(start_workers(2, [WORKER], cold=True), "gloo release", timeout=120)
     for r, log in enumerate(logs):
         assert f"rank {r} checked 150 collectives" in log, log[-2000:]
 
 
 def test_a_worker_raising_right_after_a_collective_exits_1_not_sigabrt():
-    procs = start_workers(2, [WORKER, "raise"])
+    procs = start_workers(2, [WORKER, "raise"], cold=True)  # the interpreter's exit is the subject
     outs = [p.communicate(timeout=120)[0] for p in procs]
     for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 1, out[-3000:]
