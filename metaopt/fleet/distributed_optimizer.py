@@ -119,7 +119,7 @@ class DistributedOptimizer:
         self.data_parallel_plan = self.pipeline_plan = self.tensor_parallel_plan = None
         self.expert_parallel_plan = None
         self.sequence_parallel_plan = None
-        self.segment_parallel_plan = None
+        self.segment_parallel_plan = self.context_parallel_plan = None
         self.partition_plan = None
         self.stage_programs: list[Program] = []
 
@@ -216,7 +216,9 @@ class DistributedOptimizer:
         self.tensor_parallel_plan = ctx.plans.get("tensor_parallel")
         self.expert_parallel_plan = ctx.plans.get("expert_parallel")
         self.sequence_parallel_plan = ctx.sp_plan  # made by the tensor_parallel step, after its rewrite
-        self.segment_parallel_plan = ctx.sep_plan
+        ring = ctx.sep_plan is not None and ctx.sep_plan.ring  # the sequence axis runs context parallel
+        self.segment_parallel_plan = None if ring else ctx.sep_plan
+        self.context_parallel_plan = ctx.sep_plan if ring else None
         self.partition_plan = ctx.plans.get("partition")  # recompute partition: what is sliced, why not
         self.pipeline_plan = ctx.plans.get("pipeline_split")
         self.memory_report = ctx.memory_report

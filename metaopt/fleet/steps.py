@@ -303,10 +303,15 @@ def _refuse_beside(
         )
 
 
-_sep_on = partial(_axis_on, key="sep_degree")
+def _sep_on(ctx: Context) -> tuple[bool, str]:
+    degree = _hybrid_degree(ctx, "exchange_degree")
+    return degree > 1, f"hybrid_configs sep_degree={degree}"
 
 
-def _sep_check(ctx: Context) -> None:
+_cp_on = partial(_axis_on, key="cp_degree")
+
+
+def _sep_check(ctx: Context, key: str = "sep_degree", what: str = "segment parallel") -> None:
     """Refuse, by name, what does not run on the local sequence yet."""
     flags = {
         "tensor_parallel": "split layers beside the local sequence",
@@ -317,7 +322,7 @@ def _sep_check(ctx: Context) -> None:
     ep = _hybrid_degree(ctx, "ep_degree")
     more = [f"hybrid_configs ep_degree={ep} (experts on the local sequence)"] if ep > 1 else []
     clip = "the grads are summed over the sep group in the backward"
-    _refuse_beside(ctx, "sep_degree", "segment parallel", flags, clip, more)
+    _refuse_beside(ctx, key, what, flags, clip, more)
 
 
 def _sep_plan(p: Program, ctx: Context) -> Any:
@@ -325,6 +330,13 @@ def _sep_plan(p: Program, ctx: Context) -> Any:
 
     topo = _layout(ctx)
     return plan_segment_parallel(p, degree=topo.sep_degree, group=topo.group_ranks("sep", ctx.rank))
+
+
+def _cp_plan(p: Program, ctx: Context) -> Any:
+    from metaopt.passes.context_parallel import plan_context_parallel
+
+    topo = _layout(ctx)
+    return plan_context_parallel(p, degree=topo.sep_degree, group=topo.group_ranks("sep", ctx.rank))
 
 
 def _segment_parallel(p: Program, plan: Any, ctx: Context) -> Program:
@@ -627,9 +639,9 @@ def _replica_width(ctx: Context) -> tuple[int, str]:
     """How many workers one data-parallel replica spans beside the data axis (tensor parallel's
     mp_degree, segment parallel's sep_degree: their grads are theirs to sum), and their names."""
     mp = _mp_degree(ctx) if ctx.strategy.tensor_parallel else 1
-    sep = _hybrid_degree(ctx, "sep_degree")
-    axes = [f"{k}={d}" for k, d in (("mp_degree", mp), ("sep_degree", sep)) if d > 1]
-    return mp * sep, " x ".join(axes)
+    sep, cp = _hybrid_degree(ctx, "exchange_degree"), _hybrid_degree(ctx, "cp_degree")
+    axes = [f"{k}={d}" for k, d in (("mp_degree", mp), ("sep_degree", sep), ("cp_degree", cp)) if d > 1]
+    return mp * sep * cp, " x ".join(axes)
 
 
 def _dp_check(ctx: Context) -> None:
@@ -1304,6 +1316,17 @@ STEPS: tuple[Step, ...] = (
         check=_sep_check,
         doc="1/sep of every sequence per rank, q/k/v exchanged around attention",
         meta="sep_parallel",
+        reads=("optimizer", "rank", "strategy", "world_size"),
+        writes=("sep_plan",),
+    ),
+    Step(
+        "cp_parallel",
+        _cp_on,
+        _segment_parallel,
+        plan=_cp_plan,
+        check=partial(_sep_check, key="cp_degree", what="context parallel"),
+        doc="1/cp of every sequence per rank (zig-zag), attention as a ring of k/v blocks",
+        meta="context_parallel",
         reads=("optimizer", "rank", "strategy", "world_size"),
         writes=("sep_plan",),
     ),

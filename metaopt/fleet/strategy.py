@@ -337,8 +337,8 @@ HYBRID_CONFIGS: dict[str, Key] = {
         "list[str]",
         "the axes outermost first (Paddle's names): ranks enumerate the coordinates in this order, "
         "the last varying fastest (adjacent ranks: a node's); 'sep' (left out: right before 'mp') and "
-        "'cp' (not built: degree 1) may sit anywhere; Paddle 3's 'ep' / 'moe_sharding' are refused "
-        "(expert groups are laid over consecutive data-side ranks)",
+        "'cp' may sit anywhere (cp_degree lays its groups where 'sep' sits); Paddle 3's 'ep' / "
+        "'moe_sharding' are refused (expert groups are laid over consecutive data-side ranks)",
         check=((_order_ok, "must list each of dp, pp, sharding, mp once (sep, cp: at most once)"),),
     ),
     "sep_degree": Key(
@@ -353,8 +353,11 @@ HYBRID_CONFIGS: dict[str, Key] = {
     "cp_degree": Key(
         1,
         "int",
-        "context-parallel workers (ring attention over 1/cp_degree of the tokens each): not built, "
-        "refused above 1 (UNIMPLEMENTED)",
+        "context-parallel workers (ring attention): each holds 1/cp_degree of every sequence, two "
+        "zig-zag runs of it (causal balance), from the embeddings to the loss; k/v blocks go round the "
+        "group in attention (any head count), the loss and every param's grad summed over the group; "
+        "every cp rank is fed the same batch; its groups lie on the sequence axis, where 'sep' sits in "
+        "the order, so sep_degree stays 1 beside it (passes/context_parallel.py)",
         check=_COUNT,
     ),
     "moe_sharding_degree": Key(

@@ -56,7 +56,8 @@ def from_hybrid_configs(
     """The topology `hybrid_configs` give `world_size` workers; dp_degree=-1 is inferred (the
     workers left over by the other degrees, as Fleet does). A product other than the world size
     is a ValueError naming the degrees and the world size; an axis metaopt does not lay out
-    (cp_degree) above 1 a NotImplementedError naming it."""
+    (`NOT_BUILT_AXES`: none at present) above 1 a NotImplementedError naming it. cp_degree lays its
+    groups on the sequence axis (`Topology.ring`), so sep_degree and cp_degree are not both above 1."""
     for key, what in NOT_BUILT_AXES.items():
         if hybrid_configs.get(key, 1) != 1:
             raise NotImplementedError(
@@ -66,9 +67,15 @@ def from_hybrid_configs(
             )
     mp, pp, sh = (hybrid_configs[k] for k in ("mp_degree", "pp_degree", "sharding_degree"))
     dp, ep = hybrid_configs["dp_degree"], hybrid_configs.get("ep_degree", 1)
-    sep = hybrid_configs.get("sep_degree", 1)
-    others = mp * pp * sh * sep
-    shard = (f" x sharding_degree={sh}" if sh != 1 else "") + (f" x sep_degree={sep}" if sep != 1 else "")
+    sep, cp = hybrid_configs.get("sep_degree", 1), hybrid_configs.get("cp_degree", 1)
+    if sep > 1 and cp > 1:
+        raise NotImplementedError(
+            f"{where}: sep_degree={sep} and cp_degree={cp}: both split every sequence (the exchange and "
+            "the ring share the layout's sequence axis); set one of them"
+        )
+    seq_key, seq = ("cp_degree", cp) if cp > 1 else ("sep_degree", sep)
+    others = mp * pp * sh * seq
+    shard = (f" x sharding_degree={sh}" if sh != 1 else "") + (f" x {seq_key}={seq}" if seq != 1 else "")
     if dp == -1:
         if world_size % others:
             raise ValueError(
@@ -103,7 +110,7 @@ def from_hybrid_configs(
     order = axes_order(hybrid_configs.get("order", PADDLE_ORDER), f"{where}['order']")
     return Topology(
         dp_degree=dp, pp_degree=pp, sharding_degree=sh, mp_degree=mp, ep_degree=ep, order=order,
-        sep_degree=sep,
+        sep_degree=seq, ring=cp > 1,
     )  # fmt: skip
 
 

@@ -47,8 +47,8 @@ AXES: tuple[str, ...] = ("data", "pipe", "sharding", "sep", "model")  # outermos
 # moe_sharding: they hold the same experts). dp=4, ep=2: expert groups [0, 1] [2, 3], replica
 # groups [0, 2] [1, 3].
 EXPERT_AXES: tuple[str, ...] = ("expert", "expert_replica")
-# Paddle's hybrid_configs["order"] names -> our axes ("cp": context parallel, not built: its degree
-# is 1, so wherever it sits it changes no rank)
+# Paddle's hybrid_configs["order"] names -> our axes ("cp": context parallel lays its groups on the
+# sequence axis, where "sep" sits: its own place changes no rank)
 ORDER_NAMES: dict[str, str | None] = {
     "dp": "data",
     "pp": "pipe",
@@ -66,9 +66,7 @@ OPTIONAL_AXES = ("sep",)  # the same, as `Topology.order` names it
 EXPERT_ORDER_NAMES = ("ep", "moe_sharding")
 PADDLE_ORDER: tuple[str, ...] = ("dp", "pp", "sharding", "sep", "mp")  # Paddle's default, outermost first
 # Paddle's hybrid degrees of axes metaopt does not lay out (yet): refused above 1 by name
-NOT_BUILT_AXES: dict[str, str] = {
-    "cp_degree": "context parallel (ring attention over 1/cp of the tokens each)",
-}
+NOT_BUILT_AXES: dict[str, str] = {}
 DEGREE_KEYS: dict[str, str] = {  # axis -> its strategy.hybrid_configs key
     "data": "dp_degree",
     "pipe": "pp_degree",
@@ -112,6 +110,18 @@ class Topology:
     # segment parallel (Paddle's sep_degree): each rank of a sep group holds 1/sep_degree of every
     # sequence (passes/segment_parallel.py); after `order` so the fields above keep their places
     sep_degree: int = 1
+    # context parallel (cp_degree) lays its groups on the same sequence axis: `sep_degree` is then
+    # the cp degree, and the axis runs ring attention (passes/context_parallel.py), not the exchange
+    ring: bool = False
+
+    @property
+    def cp_degree(self) -> int:
+        return self.sep_degree if self.ring else 1
+
+    @property
+    def exchange_degree(self) -> int:
+        """Segment parallel's degree (the sequence axis's, unless it runs context parallel)."""
+        return 1 if self.ring else self.sep_degree
 
     def __post_init__(self) -> None:
         for name in OPTIONAL_AXES:  # an order written before the axis existed: Paddle's default place
@@ -258,7 +268,7 @@ class Topology:
         if self.sharding_degree != 1:
             parts.append(f"sharding_degree={self.sharding_degree}")
         if self.sep_degree != 1:
-            parts.append(f"sep_degree={self.sep_degree}")
+            parts.append(f"{'cp' if self.ring else 'sep'}_degree={self.sep_degree}")
         if self.ep_degree != 1:
             parts.append(f"ep_degree={self.ep_degree}")
         if self.order != AXES:

@@ -413,7 +413,9 @@ def _reemit(
         ins = [copies.get(x, x) for x in op.inputs]
         if i in rng_state:
             attrs = {"op": op.type, "n_out": len(op.outputs), **{f"f_{k}": v for k, v in op.attrs.items()}}
-            new = Op("RngReplay", [rng_state[i], *ins], outs, attrs)
+            # a random op that communicates (RingAttention) replays with the executor's runtime
+            replay = "RngReplayCollective" if registry.get(op.type).needs_runtime else "RngReplay"
+            new = Op(replay, [rng_state[i], *ins], outs, attrs)
         else:
             new = Op(op.type, ins, outs, dict(op.attrs))
         new.role, new.scope, new.origin = "recompute", op.scope, op.outputs[0]

@@ -87,6 +87,10 @@ class LossPoint:
 @dataclass
 class SegmentPlan(GroupSplitPlan):
     length: int = 0
+    # context parallel (passes/context_parallel.py): attention as a ring over the local queries
+    # instead of the exchange, and the positions each rank holds (sequence_parallel.LAYOUTS)
+    ring: bool = False
+    layout: str = "contiguous"
     split: dict[str, Shard] = field(default_factory=dict)  # values on the local sequence (whole layout)
     region: dict[int, ShardResult] = field(default_factory=dict)  # op -> its rule's result
     scatters: dict[str, Shard] = field(default_factory=dict)  # replicated value -> where its sequence is
@@ -100,10 +104,13 @@ class SegmentPlan(GroupSplitPlan):
 
     def __str__(self) -> str:
         ops = self._kinds_text(self.region, self._types)
+        name = "context_parallel" if self.ring else "segment_parallel"
+        attention = "ring attentions" if self.ring else "attention exchanges"
+        layout = f" layout={self.layout}" if self.layout != "contiguous" else ""
         head = (
-            f"segment_parallel: degree={self.degree} group={self._group_text()} axis={self.axis} "
+            f"{name}: degree={self.degree} group={self._group_text()} axis={self.axis}{layout} "
             f"seq={self.length} (local {self.length // self.degree}): {len(self.scatters)} scatters, "
-            f"{len(self.exchanges)} attention exchanges, {len(self.gathers)} gathers, "
+            f"{len(self.exchanges)} {attention}, {len(self.gathers)} gathers, "
             f"{len(self.copies)} params summed over the group, {len(self.region)} ops on the local "
             f"sequence ({ops})"
         )
@@ -112,18 +119,31 @@ class SegmentPlan(GroupSplitPlan):
     def attrs(self) -> dict:
         return {"group": self.group if isinstance(self.group, str) else list(self.group)}
 
+    def layout_attrs(self) -> dict:
+        """The `layout` attr of the ops placing positions (omitted when contiguous)."""
+        return {} if self.layout == "contiguous" else {"layout": self.layout}
+
 
 # --- plan ------------------------------------------------------------------------------------
 
 
 def plan_segment_parallel(
-    p: Program, *, degree: int, group: Sequence[int] | str, axis: int = 1
+    p: Program,
+    *,
+    degree: int,
+    group: Sequence[int] | str,
+    axis: int = 1,
+    ring: bool = False,
+    layout: str = "contiguous",
 ) -> SegmentPlan:
     """Where forward `p` runs on the local sequence, and what is scattered, exchanged, gathered
     and summed (module doc). `group`: the sep group's global ranks, ascending, or ``"sep_parallel"``
-    (fleet.init's layout)."""
-    group = checked_group(p, "segment_parallel", "sep", degree, group, SegmentParallelError)
-    plan = SegmentPlan(degree, group, axis, _types={i: op.type for i, op in enumerate(p.ops)})
+    (fleet.init's layout). `ring` and `layout`: context parallel's (passes/context_parallel.py)."""
+    what = "context_parallel" if ring else "segment_parallel"
+    group = checked_group(p, what, "cp" if ring else "sep", degree, group, SegmentParallelError)
+    plan = SegmentPlan(
+        degree, group, axis, ring=ring, layout=layout, _types={i: op.type for i, op in enumerate(p.ops)}
+    )
     plan.length = _length(p, plan)
     producers = p.producers()
     sources = {x: Shard(axis, (plan.length,)) for x in p.inputs if _spans(p, x, plan, axis)}
@@ -168,24 +188,30 @@ def _length(p: Program, plan: SegmentPlan) -> int:
         if shape is not None and len(shape) > plan.axis:
             found[x] = shape[plan.axis]
     lengths = {d for d in found.values() if isinstance(d, int) and d > 1}
+    who, key = _who(plan)
     if not found or not lengths:
         raise SegmentParallelError(
-            f"segment_parallel: no feed of {p.name!r} has a static sequence length on axis {plan.axis} "
+            f"{who}: no feed of {p.name!r} has a static sequence length on axis {plan.axis} "
             f"(feeds: { ({x: list(p.vars[x].shape or ()) for x in p.inputs}) }); export with a fixed "
             "sequence length"
         )
     if len(lengths) != 1:
         raise SegmentParallelError(
-            f"segment_parallel: the feeds have sequence lengths {found} on axis {plan.axis}; one length is "
-            "split"
+            f"{who}: the feeds have sequence lengths {found} on axis {plan.axis}; one length is split"
         )
     (n,) = lengths
-    if n % plan.degree:
+    runs = plan.degree * (2 if plan.layout == "zigzag" else 1)
+    if n % runs:
+        what = f"2 x {key} = {runs} (the zigzag layout's runs)" if runs != plan.degree else f"{key} {runs}"
         raise SegmentParallelError(
-            f"segment_parallel: sequence length {n} is not divisible by sep_degree {plan.degree}; pad "
-            "the sequence to a multiple of it"
+            f"{who}: sequence length {n} is not divisible by {what}; pad the sequence to a multiple of it"
         )
     return n
+
+
+def _who(plan: SegmentPlan) -> tuple[str, str]:
+    """The pass's name and its degree's config key, for messages."""
+    return ("context_parallel", "cp_degree") if plan.ring else ("segment_parallel", "sep_degree")
 
 
 def _shape(p: Program, name: str) -> tuple | None:
@@ -276,8 +302,9 @@ def _rule(
     rule = sharding.token_rule(op.type)
     if rule is None or registry.get(op.type).collective:
         return None
+    propagate = _ring_rule if plan.ring and rule.exchange else rule.propagate
     try:
-        res = rule.propagate(shard_args(p, op, split, plan.degree))
+        res = propagate(shard_args(p, op, split, plan.degree))
     except (sharding.ShardRefused, sharding.ShardNotImplemented) as e:
         if why is not None:
             why.append(str(e))
@@ -285,6 +312,21 @@ def _rule(
     if any(s is not None and any(b % plan.degree for b in s.blocks) for s in res.outputs):
         return None
     return res
+
+
+def _ring_rule(a: sharding.ShardArgs) -> ShardResult:
+    """Attention on the local queries as a ring (context parallel): q, k and v split alike on the
+    sequence (rank - 2); the mask whole (its rows are scattered where it spans the queries), so
+    the output holds the local queries, split as q. Its dropout is drawn inside the ring op."""
+    q, k, v = a.shards[:3]
+    rank = len(a.shapes[0])
+    if q is None or q != k or q != v or q.axis != rank - 2:
+        raise sharding.ShardRefused(f"q, k and v are not split alike on the sequence ({q}, {k}, {v})")
+    if len(a.shards) > 3 and a.shards[3] is not None:
+        raise sharding.ShardRefused("its mask is split")
+    if rank != 4:
+        raise sharding.ShardRefused(f"its q is {rank}-D; the ring takes (batch, heads, seq, size)")
+    return ShardResult([q if k == 0 else None for k in range(len(a.op.outputs))])
 
 
 def _hoist(p: Program, plan: SegmentPlan, x: str, s: Shard, producers: dict) -> dict[str, Shard]:
@@ -318,7 +360,8 @@ def _check_exchanges(p: Program, state: _State) -> None:
         if rule is not None and rule.exchange:
             raise SegmentParallelError(
                 f"segment_parallel: `{fmt_op(p.ops[i])}` reads the local sequence but cannot be exchanged "
-                f"to whole sequences over a split of its heads: {why}"
+                f"to whole sequences over a split of its heads (or run as a ring, for context parallel): "
+                f"{why}"
             )
 
 
@@ -399,7 +442,7 @@ def _made_from_params(p: Program) -> set[str]:
 def _plan_draws(p: Program, plan: SegmentPlan) -> None:
     exchanged = {e.op for e in plan.exchanges}
     for i, res in sorted(plan.region.items()):
-        if not res.draws:
+        if not res.draws or (plan.ring and i in exchanged):  # a ring draws its own mask's rows
             continue
         op = p.ops[i]
         rows = i not in exchanged and not _plain(p, op.outputs[0], plan.split[op.outputs[0]])
@@ -460,6 +503,13 @@ def _describe(p: Program, plan: SegmentPlan) -> None:
                   "backward: all-gather)")  # fmt: skip
     for e in plan.exchanges:
         op = p.ops[e.op]
+        if plan.ring:
+            mask = op.inputs[3] if len(op.inputs) > 3 and op.inputs[3] else ""
+            rows = f"; mask {mask}: its rows of the local queries" if _mask_rows(p, mask, plan) else ""
+            hops = f"{plan.degree - 1} hop" + ("s" if plan.degree > 2 else "")
+            ev.append(f"ring     {op.outputs[0]}: the local queries over the whole sequence, k and v round "
+                      f"the ring ({hops}; RingAttention){rows}")  # fmt: skip
+            continue
         ev.append(f"exchange {op.outputs[0]}: q, k, v all-to-all to whole sequences over 1/{plan.degree} of "
                   "the heads, the output back (SepAllToAll)")  # fmt: skip
     for x in plan.gathers:
@@ -493,6 +543,7 @@ def segment_parallel(p: Program, *, plan: SegmentPlan) -> Program:
     exchanges = {e.op: e for e in plan.exchanges}
     losses = {point.op: point for point in plan.losses}
     attrs = plan.attrs()
+    mask_rows: dict[str, str] = {}  # a ring's mask -> its rows of the local queries (scattered once)
     ops: list[Op] = [_feeds_agree(q, plan), *start]
     for i, op in enumerate(q.ops):
         ops += before.get(i, [])
@@ -505,7 +556,11 @@ def segment_parallel(p: Program, *, plan: SegmentPlan) -> Program:
             e = exchanges.get(i)
             axis = e.heads_axis if e is not None else plan.split[op.outputs[0]].axis
             op.attrs.update({"rng": "shared", "slice_axis": axis, "slice_group": attrs["group"]})
-        if i in exchanges:
+            if e is None and plan.layout != "contiguous":
+                op.attrs["slice_layout"] = plan.layout
+        if i in exchanges and plan.ring:
+            ops += _ringed(q, op, plan, mask_rows)
+        elif i in exchanges:
             ops += _exchanged(q, op, exchanges[i], plan)
         elif i in losses:
             ops += _summed_loss(q, op, plan, losses[i])
@@ -558,7 +613,8 @@ def _placed_ops(p: Program, plan: SegmentPlan, new: dict) -> tuple[dict, dict, l
     group = plan.attrs()["group"]
     for x, s in plan.scatters.items():
         i = producers.get(x)
-        op = Op("SPScatter", [x], [new["scatter"][x]], {"axis": s.axis, "group": group}, **_kw(p, i, x))
+        attrs = {"axis": s.axis, "group": group, **plan.layout_attrs()}
+        op = Op("SPScatter", [x], [new["scatter"][x]], attrs, **_kw(p, i, x))
         (after.setdefault(i, []) if i is not None else start).append(op)
     for x, i in plan.copies.items():
         op = Op("TPCopy", [x], [new["copy"][x]], {"group": group}, **_kw(p, i, x))
@@ -570,8 +626,8 @@ def _placed_ops(p: Program, plan: SegmentPlan, new: dict) -> tuple[dict, dict, l
                 f"segment_parallel: `{fmt_op(p.ops[i])}` reads {x!r} whole, which holds the rows of merged "
                 "[batch, seq] dims on the local sequence; gathering those is not built"
             )
-        op = Op("SPGather", [x], [new["gather"][x]], {"axis": s.axis, "group": group, "backward": "scatter"},
-                **_kw(p, i, x))  # fmt: skip
+        attrs = {"axis": s.axis, "group": group, "backward": "scatter", **plan.layout_attrs()}
+        op = Op("SPGather", [x], [new["gather"][x]], attrs, **_kw(p, i, x))
         before.setdefault(i, []).append(op)
     return before, after, start
 
@@ -600,6 +656,41 @@ def _exchanged(q: Program, op: Op, e: Exchange, plan: SegmentPlan) -> list[Op]:
     out.append(Op("SepAllToAll", [y_heads], [y],
                   {"scatter_axis": e.seq_axis, "gather_axis": e.heads_axis, "group": group},
                   origin=y, **kw))  # fmt: skip
+    return out
+
+
+def _mask_rows(p: Program, mask: str, plan: SegmentPlan) -> bool:
+    """Whether attention's `mask` spans the queries (dim -2 the whole sequence): its rows are scattered."""
+    shape = _shape(p, mask) if mask else None
+    return shape is not None and len(shape) >= 2 and shape[-2] == plan.length
+
+
+def _ringed(q: Program, op: Op, plan: SegmentPlan, mask_rows: dict[str, str]) -> list[Op]:
+    """Attention on the local queries as `RingAttention` (ops/kernels/context_parallel.py), its
+    mask's rows of the local queries scattered first (once per mask)."""
+    kw = {"role": op.role, "scope": op.scope}
+    out: list[Op] = []
+    inputs = list(op.inputs[:4])
+    mask = inputs[3] if len(inputs) > 3 else ""
+    if mask and _mask_rows(q, mask, plan):
+        if mask not in mask_rows:
+            mask_rows[mask] = names.fresh(names.sp_scattered(mask), q.vars)
+            shape = list(q.vars[mask].shape)
+            shape[-2] = plan.length // plan.degree
+            q.add_var(Var(mask_rows[mask], q.vars[mask].dtype, tuple(shape)))
+            attrs = {"axis": len(shape) - 2, **plan.attrs(), **plan.layout_attrs()}
+            out.append(Op("SPScatter", [mask], [mask_rows[mask]], attrs, origin=mask, **kw))
+        inputs[3] = mask_rows[mask]
+    dropout_p = float(op.attrs.get("dropout_p", 0.0))
+    attrs = {
+        "scale": op.attrs.get("scale", 1.0),
+        "dropout_p": dropout_p,
+        **plan.attrs(),
+        "layout": plan.layout,
+        "length": plan.length,
+        **({"rng": "shared"} if dropout_p > 0.0 else {}),
+    }
+    out.append(Op("RingAttention", inputs, op.outputs[:1], attrs, **kw))
     return out
 
 

@@ -128,6 +128,7 @@ STEP_ORDER = [
     "fuse_linear_ce",
     "tensor_parallel",
     "sep_parallel",
+    "cp_parallel",
     "expert_capacity",
     "expert_parallel",
     "amp_casts",

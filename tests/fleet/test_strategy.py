@@ -139,7 +139,7 @@ FLEET_DEFAULTS = {
         "sharding_degree": 1,
         "ep_degree": 1,
         "order": ["dp", "pp", "sharding", "sep", "mp"],  # Paddle's default, outermost first
-        "sep_degree": 1,  # Paddle's segment parallel; cp_degree: context parallel (neither built)
+        "sep_degree": 1,  # Paddle's segment parallel; cp_degree: context parallel (ring attention)
         "cp_degree": 1,
         "moe_sharding_degree": -1,
     },
@@ -775,26 +775,25 @@ def test_hybrid_configs_have_fleets_keys_defaults_and_did_you_mean():
         s.hybrid_configs["dp_degree"] = 4
 
 
-@pytest.mark.parametrize("key", ["cp_degree"])
-def test_paddles_context_parallel_degree_is_refused_by_name_above_one(key):
-    """Paddle's key, not a typo: at 1 (Paddle's default) it is accepted and changes nothing;
-    above 1 minimize and fleet.init refuse it naming the key and what metaopt has instead
-    (sep_degree is built: tests/passes/test_segment_parallel.py)."""
-    from metaopt.fleet.topology import from_hybrid_configs, hybrid_is_set
+def test_paddles_context_parallel_degree_lays_its_groups_on_the_sequence_axis():
+    """cp_degree (context parallel, tests/passes/test_context_parallel.py) takes the layout's
+    sequence axis, where sep sits: the cp group is hcg's sep group; sep_degree beside it above 1
+    is refused by name (both would split every sequence)."""
+    from metaopt.fleet.topology import from_hybrid_configs
 
     s = fleet.DistributedStrategy()
-    s.hybrid_configs = {key: 1, "mp_degree": 2}
-    assert not s.unimplemented() and from_hybrid_configs(s.hybrid_configs, 2).describe()
-    s.hybrid_configs = {key: 2}
-    assert hybrid_is_set(s.hybrid_configs)
-    (refused,) = s.unimplemented()
-    assert isinstance(refused, NotImplementedError)
-    assert f"strategy.hybrid_configs['{key}']=2: not implemented in metaopt" in str(refused)
-    assert "tensor_parallel_configs['sequence_parallel']" in str(refused)
-    with pytest.raises(
-        NotImplementedError, match=rf"fleet.init: strategy.hybrid_configs\['{key}'\]=2: .* not built"
-    ):
-        from_hybrid_configs(s.hybrid_configs, 4, "fleet.init: strategy.hybrid_configs")
+    s.hybrid_configs = {"cp_degree": 2, "dp_degree": 2}
+    assert not s.unimplemented()
+    topo = from_hybrid_configs(s.hybrid_configs, 4)
+    assert (topo.cp_degree, topo.exchange_degree, topo.sep_degree, topo.ring) == (2, 1, 2, True)
+    assert "cp_degree=2" in topo.describe() and "sep_degree" not in topo.describe()
+    assert topo.group_ranks("sep", 0) == [0, 1] and topo.group_ranks("data", 0) == [0, 2]
+    plain = from_hybrid_configs({**s.hybrid_configs, "cp_degree": 1, "sep_degree": 2}, 4)
+    assert (plain.cp_degree, plain.exchange_degree, plain.ring) == (1, 2, False)
+    with pytest.raises(NotImplementedError, match=r"sep_degree=2 and cp_degree=2: both split every sequence"):
+        from_hybrid_configs({**s.hybrid_configs, "sep_degree": 2, "dp_degree": 1}, 4)
+    with pytest.raises(ValueError, match=r"dp_degree=3 x mp_degree=1 x pp_degree=1 x cp_degree=2 = 6 work"):
+        from_hybrid_configs({**s.hybrid_configs, "dp_degree": 3}, 4)
 
 
 def test_hybrid_configs_print_once_set_and_none_prints_as_refused():

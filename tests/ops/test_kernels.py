@@ -53,6 +53,7 @@ def test_table_rows_flags() -> None:
             "Bernoulli",
             "Multinomial",
             "ScaledDotProductAttention",  # dropout on the probabilities inside the fused op
+            "RingAttention",  # context parallel's attention: the same dropout, its rows
         }
     )
     for op in (

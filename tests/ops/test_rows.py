@@ -194,6 +194,9 @@ def test_train_repairs_and_collectives():
         "SPReduceScatter",
         "SepAllToAll",  # segment parallel's exchange around attention (ops/kernels/segment_parallel.py)
         "FeedsAgree",  # and its first-run check that the sep group was fed one batch
+        "RingAttention",  # context parallel's ring (ops/kernels/context_parallel.py) and its grad
+        "RingAttentionGrad",
+        "RngReplayCollective",  # recompute's replay of a random op that communicates (the ring)
     }
     assert all(table[t].needs_runtime for t in collectives)  # they run through the communicator
     assert "ranks" in inspect.signature(table["AllReduce"].kernel).parameters

@@ -1,5 +1,6 @@
-"""One worker of segment parallel through fleet (started by tests/passes/test_segment_parallel.py
-with RANK/WORLD_SIZE/MASTER_*): ``python sep_worker.py OUT DP SEP CASE ...``, CASE =
+"""One worker of segment or context parallel through fleet (started by
+tests/passes/test_segment_parallel.py and test_context_parallel.py with RANK/WORLD_SIZE/MASTER_*):
+``python sep_worker.py OUT DP SEP CASE ...``, SEP = ``2`` (sep_degree) or ``cp2`` (cp_degree), CASE =
 ``<model>[:rc|:nodrop|:amp|:misfed]`` (rc: recompute, a checkpoint per block; nodrop: every dropout
 off, else 0.1; amp: bfloat16 AMP; misfed: each sep rank fed another batch, which the first run must
 refuse).
@@ -24,14 +25,15 @@ from metaopt import fleet
 
 
 def strategy(
-    dp: int, sep: int, name: str = "hf-gpt2", recompute: bool = False, amp: bool = False
+    dp: int, sep: str, name: str = "hf-gpt2", recompute: bool = False, amp: bool = False
 ) -> fleet.DistributedStrategy:
     s = fleet.DistributedStrategy()
-    s.hybrid_configs = {"dp_degree": dp, "sep_degree": sep}
+    key = "cp_degree" if sep.startswith("cp") else "sep_degree"
+    s.hybrid_configs = {"dp_degree": dp, key: int(sep.removeprefix("cp"))}
     return sp_worker.with_amp_and_recompute(s, name, amp, recompute)
 
 
-def train(case: str, dp: int, sep: int) -> dict:
+def train(case: str, dp: int, sep: str) -> dict:
     name, _, mode = case.partition(":")
     module, inputs, kwargs = sp_worker.build(name, 0.0 if mode == "nodrop" else sp_worker.DROPOUT)
     program = export_cache.export(module, inputs, **kwargs)
@@ -48,13 +50,13 @@ def train(case: str, dp: int, sep: int) -> dict:
     _, got = sp_worker.run_steps(program, feeds, sp_worker.batch(name, sp_worker.HELD_OUT))
     return {
         **got,
-        "plan": str(opt.segment_parallel_plan),
+        "plan": str(opt.context_parallel_plan if sep.startswith("cp") else opt.segment_parallel_plan),
         "sep_rank": hcg.get_sep_parallel_rank(),
         "dp_rank": hcg.get_data_parallel_rank(),
     }
 
 
-def misfed(case: str, dp: int, sep: int) -> dict:
+def misfed(case: str, dp: int, sep: str) -> dict:
     """Each sep rank fed its own batch (the step's + its sep rank): the first run must refuse."""
     name = case.partition(":")[0]
     module, inputs, kwargs = sp_worker.build(name, 0.0)
@@ -72,7 +74,7 @@ def misfed(case: str, dp: int, sep: int) -> dict:
 
 
 def main() -> None:
-    out, dp, sep, cases = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
+    out, dp, sep, cases = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
     fleet.init(is_collective=True, strategy=strategy(dp, sep))
     for case in cases:
         got = misfed(case, dp, sep) if case.endswith(":misfed") else train(case, dp, sep)

@@ -8,6 +8,7 @@ from metaopt.ops.kernels import (  # noqa: F401
     amp,
     attention,
     comm,
+    context_parallel,
     elementwise,
     expert_parallel,
     grad,

@@ -257,6 +257,17 @@ def _scores_fresh(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, s
 _HALF_RANGE = 1 << 31
 
 
+def keep_mask(shape: list[int], p: float, device: torch.device) -> torch.Tensor | None:
+    """The keep mask (bool, `shape`) of attention dropout `p`, drawn as 32 uniform bits per entry
+    from the default generator (`_dropout`); None when p is below 2^-33 (nothing is dropped)."""
+    n = math.prod(shape)
+    bits = torch.empty((n + 1) // 2, dtype=torch.int64, device=device).random_(-(1 << 63), None)
+    threshold = round((1.0 - p) * (1 << 32)) - _HALF_RANGE  # P(int32 < t) = (t + 2^31) / 2^32
+    if threshold >= _HALF_RANGE:
+        return None
+    return bits.view(torch.int32)[:n].view(shape) < threshold
+
+
 def _dropout(x: torch.Tensor, p: float, whole: tuple[int, int, int] | None = None) -> torch.Tensor:
     """`x` with each entry zeroed with probability `p` and the others scaled by 1 / (1 - p), as
     ``native_dropout(x, p, True)[0]`` computes it (``x * keep * scale``), the mask drawn as 32
@@ -273,12 +284,9 @@ def _dropout(x: torch.Tensor, p: float, whole: tuple[int, int, int] | None = Non
     shape = list(x.shape)
     if whole is not None:
         shape[whole[0]] *= whole[1]
-    n = math.prod(shape)
-    bits = torch.empty((n + 1) // 2, dtype=torch.int64, device=x.device).random_(-(1 << 63), None)
-    threshold = round((1.0 - p) * (1 << 32)) - _HALF_RANGE  # P(int32 < t) = (t + 2^31) / 2^32
-    if threshold >= _HALF_RANGE:
+    keep = keep_mask(shape, p, x.device)
+    if keep is None:
         return x.clone()  # p below 2^-33: nothing is dropped
-    keep = bits.view(torch.int32)[:n].view(shape) < threshold
     if whole is not None:
         axis, _, index = whole
         keep = keep.narrow(axis, index * x.shape[axis], x.shape[axis])

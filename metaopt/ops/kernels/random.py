@@ -16,6 +16,7 @@ import torch
 
 from metaopt.ir.dtypes import torch_dtype_from_onnx
 from metaopt.ops.kernels.partition import group_ranks
+from metaopt.ops.kernels.sequence_parallel import place, take
 from metaopt.ops.registry import SAME, register
 from metaopt.ops.rng_streams import drawn, mp_rank
 
@@ -52,6 +53,7 @@ def dropout(
     is_test: int | None = None,
     slice_axis: int | None = None,
     slice_group: list[int] | str | None = None,
+    slice_layout: str = "contiguous",
     _nout: int = 1,
 ):
     """ONNX Dropout: identity (mask all true) unless `training_mode` is given and true.
@@ -64,12 +66,14 @@ def dropout(
     group shares, and this rank keeps its chunk: the masks of all ranks together are one
     process's mask, bit for bit. It costs a whole-size draw on every rank (transients: the whole
     value's input, output and mask); a counter-based generator could skip to the chunk (not built).
+    `slice_layout` says which positions the rank holds (context parallel's "zigzag": two runs;
+    kernels/sequence_parallel.py `runs`).
     """
     if training_mode is not None and bool(training_mode):
         p = _ratio(ratio)
         if p > 0.0:
             if slice_axis is not None:
-                out, mask = _sliced_dropout(data, p, slice_axis, slice_group)
+                out, mask = _sliced_dropout(data, p, slice_axis, slice_group, slice_layout)
             else:
                 out, mask = torch.native_dropout(data, p, True)
             return (out, mask) if _nout > 1 else out
@@ -79,21 +83,23 @@ def dropout(
 
 
 def _sliced_dropout(
-    data: torch.Tensor, p: float, axis: int, group: list[int] | str | None
+    data: torch.Tensor, p: float, axis: int, group: list[int] | str | None, layout: str = "contiguous"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """native_dropout of the whole value, `data` in this rank's chunk and zeros elsewhere; this
-    rank's chunk of its output and mask (elementwise: the chunk's bits are one process's)."""
+    """native_dropout of the whole value, `data` in this rank's positions and zeros elsewhere; this
+    rank's positions of its output and mask (elementwise: the chunk's bits are one process's)."""
     if group is None:
         raise ValueError("Dropout: slice_axis needs slice_group (the model-parallel group it is split over)")
     parts = len(group_ranks(group, "Dropout"))
     rank = mp_rank(group if isinstance(group, str) else sorted(group))  # chunks go by ascending rank
-    n = data.shape[axis]
     shape = list(data.shape)
-    shape[axis] = n * parts
+    shape[axis] *= parts
     whole = data.new_zeros(shape)
-    whole.narrow(axis, rank * n, n).copy_(data)
+    place(whole, axis, data, parts, rank, layout)
     out, mask = torch.native_dropout(whole, p, True)
-    return out.narrow(axis, rank * n, n).contiguous(), mask.narrow(axis, rank * n, n).contiguous()
+    return (
+        take(out, axis, parts, rank, layout).contiguous(),
+        take(mask, axis, parts, rank, layout).contiguous(),
+    )
 
 
 @register("RandomNormal", needs_device=True, random=True)

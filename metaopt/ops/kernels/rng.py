@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import torch
 
 from metaopt.ops import registry, rng_streams
-from metaopt.ops.registry import register
+from metaopt.ops.registry import register, register_collective
 
 
 @register("RngState", domain="metaopt", needs_device=True, host_outputs=True, recomputable=False)
@@ -71,6 +71,36 @@ def rng_replay(
     **fwd_attrs,
 ):
     """Run random op `op` on `inputs` from generator state `state`, leaving the generator as it was."""
+    return _replay(state, inputs, op, n_out, _nout, _device, {}, fwd_attrs)
+
+
+@register_collective(
+    "RngReplayCollective",
+    needs_outputs=True,
+    needs_device=True,
+    host_inputs=_replay_host_inputs,
+    aliases=_replay_aliases,
+    inner=_replayed,
+    # every rank of the group replays its own copy of the same program: the peers meet again
+    recomputable=True,
+    notes="RngReplay of a random op that communicates (context parallel's RingAttention)",
+)
+def rng_replay_collective(
+    state: torch.Tensor,
+    *inputs: torch.Tensor | None,
+    op: str,
+    n_out: int,
+    _nout: int,
+    _device: torch.device,
+    _rt,
+    _key: str,
+    **fwd_attrs,
+):
+    """RngReplay of a random op whose row needs the executor's runtime (its communicator)."""
+    return _replay(state, inputs, op, n_out, _nout, _device, {"_rt": _rt, "_key": _key}, fwd_attrs)
+
+
+def _replay(state, inputs, op: str, n_out: int, _nout: int, _device, runtime: dict, fwd_attrs: dict):  # noqa: ANN001
     row = registry.get(op)
     # Without the stream attrs: the state restored below is the stream's, recorded in the forward.
     attrs = rng_streams.without_stream({k.removeprefix("f_"): v for k, v in fwd_attrs.items()})
@@ -79,6 +109,8 @@ def rng_replay(
     device = _device  # the executor's: a random op may have no tensor input to tell
     if row.needs_device:
         attrs["_device"] = device
+    if row.needs_runtime:
+        attrs.update(runtime)
     if device.type == "cuda":
         with torch.random.fork_rng(devices=[device.index], device_type="cuda"):
             torch.cuda.set_rng_state(state, device)

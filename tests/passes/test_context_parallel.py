@@ -1,0 +1,126 @@
+"""Context parallel (issue 46's cp; metaopt/passes/context_parallel.py): ``hybrid_configs["cp_degree"]``,
+the local queries attending over the whole sequence as k/v blocks go round a ring, each rank holding
+two zig-zag runs of every sequence.
+
+One process: the rewritten program of a rank at cp 2 (golden), its local shapes and refusals. Two
+gloo workers (cp 2, one launch): Hugging Face GPT-2 and LLaMA with every dropout at 0.1 (one
+process's masks: the regions' from the shared stream, the ring's rows of attention's), 3 SGD steps
+through fleet, against one process training the same module on the same batches (rtol 1e-5, atol
+4e-5: DESIGN's bar for parallel against one process; the ring's online softmax and the sums over the
+group add the same numbers in another order), the eval program on a held-out batch (rtol 1e-5),
+recompute bitwise against the same run without it (the recomputed ring replays its mask), each
+worker's memory as predicted, and misfed ranks refused. The kernels' float64 exactness against torch
+is tests/ops/test_ring_attention.py.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import export_cache
+import pytest
+import torch
+
+import metaopt
+from metaopt.ir import verify
+from metaopt.passes.context_parallel import context_parallel, plan_context_parallel
+from metaopt.passes.segment_parallel import SegmentParallelError, plan_segment_parallel
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "training"))
+import sp_worker  # noqa: E402
+
+CASES = ["hf-gpt2", "hf-llama", "hf-gpt2:rc", "hf-llama:misfed"]
+TRAINED = CASES[:3]
+
+
+@pytest.fixture(scope="module")
+def gpt2() -> metaopt.Program:
+    module, inputs, kwargs = sp_worker.build("hf-gpt2")
+    return export_cache.export(module, inputs, **kwargs)
+
+
+def test_plan_and_rewritten_program_golden(gpt2, golden):
+    plan = plan_context_parallel(gpt2, degree=2, group=[0, 1])
+    q = context_parallel(gpt2, plan=plan)
+    verify(q)
+    golden("context_parallel/hf-gpt2.plan", str(plan) + "\n")
+    golden("context_parallel/hf-gpt2", str(q))
+
+
+def test_attention_rings_over_the_local_queries_with_its_masks_rows(gpt2):
+    plan = plan_context_parallel(gpt2, degree=2, group=[0, 1])
+    q = context_parallel(gpt2, plan=plan)
+    assert plan.length == 12 and plan.layout == "zigzag" and not plan.gathers
+    rings = [op for op in q.ops if op.type == "RingAttention"]
+    assert len(rings) == len(plan.exchanges) == 2
+    assert not any(op.type in ("SepAllToAll", "ScaledDotProductAttention") for op in q.ops)
+    producers = q.producers()
+    for op in rings:
+        assert op.attrs["layout"] == "zigzag" and op.attrs["length"] == 12 and op.attrs["rng"] == "shared"
+        for x in op.inputs[:3]:  # the local queries, keys and values: 6 of 12 positions, every head
+            assert q.vars[x].shape[1:] == (4, 6, 8)
+        mask = q.ops[producers[op.inputs[3]]]
+        assert mask.type == "SPScatter" and mask.attrs == {"axis": 2, "group": [0, 1], "layout": "zigzag"}
+        assert q.vars[op.inputs[3]].shape[-2:] == (6, 12)  # the local queries' rows, every key
+    # every op placing positions places the zig-zag runs
+    placing = [op for op in q.ops if op.type == "SPScatter" or op.attrs.get("slice_axis") is not None]
+    assert placing and all(op.attrs.get("layout", op.attrs.get("slice_layout")) == "zigzag" for op in placing)
+
+
+def test_refusals_name_the_cause(gpt2):
+    with pytest.raises(SegmentParallelError, match=r"12 is not divisible by 2 x cp_degree = 8 \(the zigzag"):
+        plan_context_parallel(gpt2, degree=4, group=[0, 1, 2, 3])
+    # any head count rings (4 heads over 3 ranks would not exchange); the sequence is what splits
+    plan = plan_context_parallel(gpt2, degree=3, group=[0, 1, 2], layout="contiguous")
+    assert len(plan.exchanges) == 2
+    with pytest.raises(SegmentParallelError, match="cannot be exchanged"):
+        plan_segment_parallel(gpt2, degree=3, group=[0, 1, 2])
+    with pytest.raises(ValueError, match="make it with plan_context_parallel"):
+        context_parallel(gpt2, plan=plan_segment_parallel(gpt2, degree=2, group=[0, 1]))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, list[dict]]:
+    return sp_worker.launch("sep_worker.py", tmp_path_factory.mktemp("cp"), 2, ["1", "cp2"], CASES)
+
+
+@pytest.mark.parametrize("name", ["hf-gpt2", "hf-llama"])
+def test_cp2_trains_as_one_process(runs, name):
+    losses, params, evals = sp_worker.one_process(name)
+    for r in runs[name]:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(losses), rtol=1e-5, atol=0)
+        assert r["eval"][0] == r["eval"][1]  # issue 49: clone(for_test=True), twice the same bits
+        torch.testing.assert_close(torch.tensor(r["eval"][0]), torch.tensor(evals[0]), rtol=1e-5, atol=0)
+        assert r["params"].keys() == params.keys()
+        for n, t in params.items():
+            torch.testing.assert_close(r["params"][n], t, rtol=1e-5, atol=4e-5, msg=n)
+        assert r["plan"].startswith("context_parallel: degree=2")
+    program = runs[name][0]["program"]
+    assert "RingAttention(" in program and "RingAttentionGrad(" in program and "SepAllToAll" not in program
+    assert " = AllReduce(" not in program  # at dp 1 the grads are summed over the cp group only
+
+
+def test_each_workers_memory_is_as_predicted(runs):
+    for case in TRAINED:
+        for r in runs[case]:
+            (peak, timeline), (peak_est, timeline_est) = r["measured"], r["predicted"]
+            assert peak == peak_est, case
+            assert timeline == timeline_est, case
+
+
+def test_recompute_beside_context_parallel_is_bitwise(runs):
+    """The recomputed ring replays its forward's dropout mask (RngReplayCollective) and meets its
+    peers again: the same bits as without recompute."""
+    for plain, rc in zip(runs["hf-gpt2"], runs["hf-gpt2:rc"], strict=True):
+        assert "RngReplayCollective(" in rc["program"]
+        assert plain["losses"] == rc["losses"]
+        for n, t in plain["params"].items():
+            assert torch.equal(t, rc["params"][n]), n
+
+
+def test_cp_ranks_fed_different_batches_are_refused_on_the_first_run(runs):
+    for r in runs["hf-llama:misfed"]:
+        assert r["refused"] is not None
+        assert "FeedsAgree: feed 'input_ids' differs between ranks 0 and 1" in r["refused"]
