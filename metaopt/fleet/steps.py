@@ -312,15 +312,20 @@ _cp_on = partial(_axis_on, key="cp_degree")
 
 
 def _sep_check(ctx: Context, key: str = "sep_degree", what: str = "segment parallel") -> None:
-    """Refuse, by name, what does not run on the local sequence yet."""
+    """Refuse, by name, what does not run on the local sequence yet (context parallel: beside
+    tensor parallel too, but not its sequence parallel, which would split the sequence again)."""
+    ring = key == "cp_degree"
     flags = {
-        "tensor_parallel": "split layers beside the local sequence",
+        **({} if ring else {"tensor_parallel": "split layers beside the local sequence"}),
         "pipeline": "pipeline stages on the local sequence",
         "sharding": "ZeRO beside the local sequence",
         "localsgd": "local SGD averages params over the data-parallel group only",
     }
     ep = _hybrid_degree(ctx, "ep_degree")
     more = [f"hybrid_configs ep_degree={ep} (experts on the local sequence)"] if ep > 1 else []
+    s = ctx.strategy
+    if ring and s.tensor_parallel and s.tensor_parallel_configs["sequence_parallel"]:
+        more.append("tensor_parallel_configs['sequence_parallel'] (it would split the local sequence again)")
     clip = "the grads are summed over the sep group in the backward"
     _refuse_beside(ctx, key, what, flags, clip, more)
 

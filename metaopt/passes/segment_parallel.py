@@ -299,9 +299,13 @@ def _aligned(p: Program, plan: SegmentPlan, op: Op, split: dict[str, Shard]) -> 
 def _rule(
     p: Program, plan: SegmentPlan, op: Op, split: dict[str, Shard], why: list[str] | None = None
 ) -> ShardResult | None:
-    rule = sharding.token_rule(op.type)
-    if rule is None or registry.get(op.type).collective:
-        return None
+    tp_collective = op.type in _MODEL_PARALLEL_ELEMENTWISE and op.attrs.get("group") != plan.attrs()["group"]
+    if plan.ring and tp_collective:
+        rule = sharding.ShardRule(sharding._same)  # tensor parallel's, over the mp ranks at one position
+    else:
+        rule = sharding.token_rule(op.type)
+        if rule is None or registry.get(op.type).collective:
+            return None
     propagate = _ring_rule if plan.ring and rule.exchange else rule.propagate
     try:
         res = propagate(shard_args(p, op, split, plan.degree))
@@ -312,6 +316,11 @@ def _rule(
     if any(s is not None and any(b % plan.degree for b in s.blocks) for s in res.outputs):
         return None
     return res
+
+
+# Tensor parallel's collectives act position by position over the model-parallel ranks, which hold
+# the same positions of the sequence beside context parallel: the local sequence passes through them
+_MODEL_PARALLEL_ELEMENTWISE = ("TPCopy", "TPReduce")
 
 
 def _ring_rule(a: sharding.ShardArgs) -> ShardResult:
@@ -682,13 +691,24 @@ def _ringed(q: Program, op: Op, plan: SegmentPlan, mask_rows: dict[str, str]) ->
             out.append(Op("SPScatter", [mask], [mask_rows[mask]], attrs, origin=mask, **kw))
         inputs[3] = mask_rows[mask]
     dropout_p = float(op.attrs.get("dropout_p", 0.0))
+    if dropout_p > 0.0 and op.attrs.get("rng", "shared") != "shared":
+        raise NotImplementedError(
+            f"context_parallel: `{fmt_op(op)}` draws its dropout from the {op.attrs['rng']!r} RNG stream "
+            "(tensor parallel's own mask per rank); beside context parallel attention draws one process's "
+            "mask: set tensor_parallel_configs['one_process_dropout'] = True"
+        )
+    # tensor parallel's heads: one process's mask is drawn over every head, this rank's kept
+    heads = {"heads_group": op.attrs["slice_group"]} if op.attrs.get("slice_axis") is not None else {}
+    if heads and op.attrs["slice_axis"] != 1:
+        raise NotImplementedError(f"context_parallel: `{fmt_op(op)}` slices its mask on axis "
+                                  f"{op.attrs['slice_axis']}, not its heads")  # fmt: skip
     attrs = {
         "scale": op.attrs.get("scale", 1.0),
         "dropout_p": dropout_p,
         **plan.attrs(),
         "layout": plan.layout,
         "length": plan.length,
-        **({"rng": "shared"} if dropout_p > 0.0 else {}),
+        **({"rng": "shared", **heads} if dropout_p > 0.0 else {}),
     }
     out.append(Op("RingAttention", inputs, op.outputs[:1], attrs, **kw))
     return out

@@ -9,8 +9,9 @@ through fleet, against one process training the same module on the same batches 
 4e-5: DESIGN's bar for parallel against one process; the ring's online softmax and the sums over the
 group add the same numbers in another order), the eval program on a held-out batch (rtol 1e-5),
 recompute bitwise against the same run without it (the recomputed ring replays its mask), each
-worker's memory as predicted, and misfed ranks refused. The kernels' float64 exactness against torch
-is tests/ops/test_ring_attention.py.
+worker's memory as predicted, and misfed ranks refused. Four workers (--slow): cp 2 x mp 2 (tensor
+parallel's heads beside the ring, attention dropout one process's mask over every head), the same
+checks. The kernels' float64 exactness against torch is tests/ops/test_ring_attention.py.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from metaopt.passes.segment_parallel import SegmentParallelError, plan_segment_p
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "training"))
 import sp_worker  # noqa: E402
+
+from metaopt.passes.tensor_parallel import unshard  # noqa: E402
 
 CASES = ["hf-gpt2", "hf-llama", "hf-gpt2:rc", "hf-llama:misfed"]
 TRAINED = CASES[:3]
@@ -124,3 +127,32 @@ def test_cp_ranks_fed_different_batches_are_refused_on_the_first_run(runs):
     for r in runs["hf-llama:misfed"]:
         assert r["refused"] is not None
         assert "FeedsAgree: feed 'input_ids' differs between ranks 0 and 1" in r["refused"]
+
+
+@pytest.mark.slow
+def test_cp2_beside_mp2_trains_as_one_process(tmp_path):
+    """Tensor parallel splits the heads (and the layers) over mp, the ring the sequence over cp:
+    the four workers' params, unsplit per cp rank, are one process's; every worker's losses and
+    eval too, and each one's memory as predicted."""
+    cases = ["hf-gpt2", "hf-llama"]
+    runs = sp_worker.launch("sep_worker.py", tmp_path, 4, ["1", "cp2xmp2"], cases)
+    for name in cases:
+        losses, params, evals = sp_worker.one_process(name)
+        ranks = runs[name]
+        for r in ranks:
+            torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(losses), rtol=1e-5, atol=0)
+            assert r["eval"][0] == r["eval"][1]
+            torch.testing.assert_close(torch.tensor(r["eval"][0]), torch.tensor(evals[0]), rtol=1e-5, atol=0)
+            assert r["measured"] == r["predicted"], name
+            assert r["splits"]  # tensor parallel split its layers
+        by = {(r["sep_rank"], r["mp_rank"]): r for r in ranks}
+        for cp_rank in (0, 1):
+            group = [by[(cp_rank, 0)], by[(cp_rank, 1)]]
+            for n, t in params.items():
+                got = group[0]["params"][n]
+                if n in group[0]["splits"]:
+                    axis, blocks = group[0]["splits"][n]
+                    got = unshard([g["params"][n] for g in group], axis, blocks)
+                torch.testing.assert_close(got, t, rtol=1e-5, atol=4e-5, msg=n)
+        program = ranks[0]["program"]
+        assert "RingAttention(" in program and "heads_group=model_parallel" in program

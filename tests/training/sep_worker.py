@@ -1,6 +1,7 @@
 """One worker of segment or context parallel through fleet (started by
 tests/passes/test_segment_parallel.py and test_context_parallel.py with RANK/WORLD_SIZE/MASTER_*):
-``python sep_worker.py OUT DP SEP CASE ...``, SEP = ``2`` (sep_degree) or ``cp2`` (cp_degree), CASE =
+``python sep_worker.py OUT DP SEP CASE ...``, SEP = ``2`` (sep_degree), ``cp2`` (cp_degree) or
+``cp2xmp2`` (cp_degree beside tensor parallel's mp_degree), CASE =
 ``<model>[:rc|:nodrop|:amp|:misfed]`` (rc: recompute, a checkpoint per block; nodrop: every dropout
 off, else 0.1; amp: bfloat16 AMP; misfed: each sep rank fed another batch, which the first run must
 refuse).
@@ -28,8 +29,16 @@ def strategy(
     dp: int, sep: str, name: str = "hf-gpt2", recompute: bool = False, amp: bool = False
 ) -> fleet.DistributedStrategy:
     s = fleet.DistributedStrategy()
-    key = "cp_degree" if sep.startswith("cp") else "sep_degree"
-    s.hybrid_configs = {"dp_degree": dp, key: int(sep.removeprefix("cp"))}
+    seq, _, mp = sep.partition("xmp")
+    key = "cp_degree" if seq.startswith("cp") else "sep_degree"
+    s.hybrid_configs = {"dp_degree": dp, key: int(seq.removeprefix("cp")), "mp_degree": int(mp or 1)}
+    if mp:  # tensor parallel beside it, attention dropout one process's mask over the heads
+        s.tensor_parallel = True
+        s.tensor_parallel_configs = {
+            "column": tp_worker.COLUMN[name],
+            "row": tp_worker.ROW[name],
+            "one_process_dropout": True,
+        }
     return sp_worker.with_amp_and_recompute(s, name, amp, recompute)
 
 
@@ -52,6 +61,10 @@ def train(case: str, dp: int, sep: str) -> dict:
         **got,
         "plan": str(opt.context_parallel_plan if sep.startswith("cp") else opt.segment_parallel_plan),
         "sep_rank": hcg.get_sep_parallel_rank(),
+        "mp_rank": hcg.get_model_parallel_rank(),
+        "splits": {sp.name: (sp.axis, sp.blocks) for sp in opt.tensor_parallel_plan.params}
+        if opt.tensor_parallel_plan is not None
+        else {},
         "dp_rank": hcg.get_data_parallel_rank(),
     }
 

@@ -36,7 +36,7 @@ from metaopt.ops.kernels.attention import _mask4, keep_mask
 from metaopt.ops.kernels.partition import group_ranks
 from metaopt.ops.kernels.sequence_parallel import runs, take
 from metaopt.ops.registry import register_collective
-from metaopt.ops.rng_streams import drawn
+from metaopt.ops.rng_streams import drawn, mp_rank
 
 _RING = "RingAttention"
 
@@ -87,13 +87,27 @@ def _blocks(mask: torch.Tensor | None, q_runs, k_runs):  # noqa: ANN001, ANN202
         q_at += qn
 
 
-def _keep_rows(shape: tuple, length: int, parts: int, me: int, layout: str, p: float, device) -> torch.Tensor:  # noqa: ANN001
-    """This rank's rows of one process's keep mask over the whole (b, h, length, length) scores."""
+def _keep_rows(
+    shape: tuple,
+    length: int,
+    parts: int,
+    me: int,
+    layout: str,
+    p: float,
+    device: torch.device,
+    heads_group: list[int] | str | None,
+) -> torch.Tensor:
+    """This rank's rows of one process's keep mask over the whole (b, H, length, length) scores;
+    with `heads_group` (tensor parallel's), its heads are this model-parallel rank's chunk of H."""
     b, h = shape[0], shape[1]
-    keep = keep_mask([b, h, length, length], p, device)
+    whole_h, first = h, 0
+    if heads_group is not None:
+        mp = group_ranks(heads_group, _RING)
+        whole_h, first = h * len(mp), h * mp_rank(heads_group if isinstance(heads_group, str) else mp)
+    keep = keep_mask([b, whole_h, length, length], p, device)
     if keep is None:
         return torch.ones((b, h, shape[2], length), dtype=torch.bool, device=device)
-    return take(keep, 2, parts, me, layout).contiguous()
+    return take(keep.narrow(1, first, h), 2, parts, me, layout).contiguous()
 
 
 def saved_forms(q_shape: tuple, length, dtype: str, dropout_p: float) -> list[tuple]:  # noqa: ANN001
@@ -152,6 +166,7 @@ def ring_attention(
     group: list[int] | str,
     layout: str = "zigzag",
     length: int | None = None,
+    heads_group: list[int] | str | None = None,
     _rt,
     _key: str,
     _nout: int = 1,
@@ -164,7 +179,9 @@ def ring_attention(
     length = sq * n
     mask = _mask4(attn_mask, q.dtype)
     wide = _wide(q.dtype)
-    keep = _keep_rows(q.shape, length, n, me, layout, dropout_p, q.device) if dropout_p > 0.0 else None
+    keep = None
+    if dropout_p > 0.0:
+        keep = _keep_rows(q.shape, length, n, me, layout, dropout_p, q.device, heads_group)
     if dropout_p >= 1.0:
         keep = torch.zeros_like(keep)
     q_runs = runs(length, n, me, layout)
