@@ -8,8 +8,8 @@ process's masks: the regions' from the shared stream, the ring's rows of attenti
 through fleet, against one process training the same module on the same batches (rtol 1e-5, atol
 4e-5: DESIGN's bar for parallel against one process; the ring's online softmax and the sums over the
 group add the same numbers in another order), the eval program on a held-out batch (rtol 1e-5),
-recompute bitwise against the same run without it (the recomputed ring replays its mask), each
-worker's memory as predicted, and misfed ranks refused. Four workers (--slow): cp 2 x mp 2 (tensor
+recompute bitwise against the same run without it (the recomputed ring replays its mask), bfloat16
+AMP within 1e-3 of float32, each worker's memory as predicted, and misfed ranks refused. Four workers (--slow): cp 2 x mp 2 (tensor
 parallel's heads beside the ring, attention dropout one process's mask over every head), the same
 checks. The kernels' float64 exactness against torch is tests/ops/test_ring_attention.py.
 """
@@ -34,8 +34,8 @@ import sp_worker  # noqa: E402
 
 from metaopt.passes.tensor_parallel import unshard  # noqa: E402
 
-CASES = ["hf-gpt2", "hf-llama", "hf-gpt2:rc", "hf-llama:misfed"]
-TRAINED = CASES[:3]
+CASES = ["hf-gpt2", "hf-llama", "hf-gpt2:rc", "hf-gpt2:amp", "hf-llama:misfed"]
+TRAINED = CASES[:4]
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +121,17 @@ def test_recompute_beside_context_parallel_is_bitwise(runs):
         assert plain["losses"] == rc["losses"]
         for n, t in plain["params"].items():
             assert torch.equal(t, rc["params"][n]), n
+
+
+def test_beside_bf16_amp_the_losses_stay_within_bf16s_reach_of_float32(runs):
+    """bfloat16 AMP on the local sequence (the ring moves bfloat16 k and v, accumulating in
+    float32): each worker's losses within 1e-3 (relative) of the float32 cp run's, as segment
+    parallel's AMP test."""
+    for amp, fp32 in zip(runs["hf-gpt2:amp"], runs["hf-gpt2"], strict=True):
+        assert "RingAttention(" in amp["program"] and "bfloat16" in amp["program"]
+        torch.testing.assert_close(
+            torch.tensor(amp["losses"]), torch.tensor(fp32["losses"]), rtol=1e-3, atol=0
+        )
 
 
 def test_cp_ranks_fed_different_batches_are_refused_on_the_first_run(runs):

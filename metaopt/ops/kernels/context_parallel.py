@@ -149,6 +149,7 @@ def _ring_for_test(op):  # noqa: ANN001, ANN202
     for_test=_ring_for_test,
     needs_outputs=True,
     random=True,  # dropout inside: recompute replays its generator state (RngState/RngReplay)
+    amp="white",  # attention's matmuls, as ScaledDotProductAttention (the ring accumulates in float32)
     recomputable=True,  # every rank of the group runs the same program: a recomputed ring meets its peers'
     fresh_outputs=True,
     grad=_ring_grad_rule,
