@@ -1,5 +1,6 @@
 """Activation bytes per transformer layer with tensor parallel, with and without sequence parallel,
-and with segment parallel (Ulysses: hybrid_configs["sep_degree"]), with and without recompute:
+with segment parallel (Ulysses: hybrid_configs["sep_degree"]) and with context parallel (ring
+attention: hybrid_configs["cp_degree"]), with and without recompute:
 predicted (`estimate_memory`), measured (the executor's own count on gloo workers at t = 2 and
 in one process at t = 1), beside Korthikanti et al. 2022's formula.
 
@@ -14,10 +15,12 @@ mask). Tensor parallel splits c_attn / c_fc by columns and the projections by ro
 forward: live(after layer 1's last forward op) - live(after layer 0's last one), as the executor
 counts them (its timeline) and as `estimate_memory` predicts them (its timeline, the same points),
 on rank 0's program. Rows:
-  t          the model-parallel degree (1: one process), or the sep degree on the sep rows
+  t          the model-parallel degree (1: one process), or the sep / cp degree on those rows
   sp         sequence parallel (tensor_parallel_configs["sequence_parallel"]), or "sep": segment
              parallel at degree t (no tensor parallel; every sequence split over t workers, q/k/v
-             exchanged around attention), whose formula is sequence parallel's, sbh/t (66 + 9as/h)
+             exchanged around attention), whose formula is sequence parallel's, sbh/t (66 + 9as/h),
+             or "cp": context parallel at degree t (every sequence split over t workers in zig-zag
+             runs, k/v round a ring in attention), the same formula
   recompute  none, or a checkpoint per block with the "selective" policy (matmul outputs kept)
 Korthikanti's formula is for 16-bit activations with 1-byte dropout masks; here in float32 (4-byte
 activations, 1-byte masks): per layer sbh(66 + 9as/h) without parallelism, sbh(18 + 48/t + 9as/(ht))
@@ -42,6 +45,7 @@ from common import LMLoss  # (common puts the repo on sys.path)
 
 import metaopt  # before transformers (DESIGN: import order)
 from metaopt import fleet
+from metaopt.passes.context_parallel import context_parallel, plan_context_parallel
 from metaopt.passes.memory_estimate import estimate_memory
 from metaopt.passes.segment_parallel import plan_segment_parallel, segment_parallel
 from metaopt.passes.sequence_parallel import plan_sequence_parallel, sequence_parallel
@@ -84,8 +88,8 @@ def korthikanti(a, t: int, sp: bool, recompute: bool) -> float:
 
 def strategy(t: int, sp: bool | str, recompute: bool, hybrid: bool) -> fleet.DistributedStrategy:
     s = fleet.DistributedStrategy()
-    if hybrid and sp == "sep":  # the workers: fleet rewrites for segment parallel itself
-        s.hybrid_configs = {"dp_degree": 1, "sep_degree": t}
+    if hybrid and sp in ("sep", "cp"):  # the workers: fleet rewrites for segment / context parallel
+        s.hybrid_configs = {"dp_degree": 1, f"{sp}_degree": t}
     elif hybrid:  # the workers: fleet rewrites for tensor parallel itself
         s.hybrid_configs = {"dp_degree": 1, "mp_degree": t}
         s.tensor_parallel = True
@@ -115,6 +119,8 @@ def predicted(a, t: int, sp: bool | str, recompute: bool) -> tuple[int, metaopt.
     p = metaopt.export(module, inputs, name="gpt2")
     if sp == "sep":
         p = segment_parallel(p, plan=plan_segment_parallel(p, degree=t, group=list(range(t))))
+    elif sp == "cp":
+        p = context_parallel(p, plan=plan_context_parallel(p, degree=t, group=list(range(t))))
     elif t > 1:
         p = tensor_parallel(
             p,
@@ -138,7 +144,7 @@ def measured_worker(a) -> None:
     """One gloo worker at t = world size: its measured and predicted layer bytes, as JSON."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     out = {}
-    modes = ("sep",) if a.worker_mode == "sep" else (False, True)
+    modes = (a.worker_mode,) if a.worker_mode in ("sep", "cp") else (False, True)
     fleet.init(is_collective=True, strategy=strategy(world, modes[0], False, True))
     for sp in modes:
         for rc in (False, True):
@@ -172,7 +178,7 @@ def measured_one_process(a, recompute: bool) -> int:
 def run_workers(a, world: int, mode: str = "tp") -> list[dict]:
     out = tempfile.mkdtemp(prefix="long_seq_")
     env0 = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1"}
-    env0["MASTER_PORT"] = str(29800 + world + (10 if mode == "sep" else 0))
+    env0["MASTER_PORT"] = str(29800 + world + {"tp": 0, "sep": 10, "cp": 20}[mode])
     args = [f"--{k}={v}" for k, v in vars(a).items() if k in ("width", "heads", "seq", "batch")]
     procs = [
         subprocess.Popen(
@@ -202,17 +208,17 @@ def main() -> int:
         return 0
     fleet.init(is_collective=True)
     workers = run_workers(a, 2)
-    sep_workers = run_workers(a, 2, "sep")
+    seq_workers = {mode: run_workers(a, 2, mode) for mode in ("sep", "cp")}
     rows = []
     for t in (1, 2, 4):
-        for sp in (False,) if t == 1 else (False, True, "sep"):
+        for sp in (False,) if t == 1 else (False, True, "sep", "cp"):
             for rc in (False, True):
                 pred, _ = predicted(a, t, sp, rc)
                 meas = None
                 if t == 1:
                     meas = measured_one_process(a, rc)
                 elif t == 2:
-                    w = (sep_workers if sp == "sep" else workers)[0][f"{sp}:{rc}"]
+                    w = (seq_workers[sp] if sp in ("sep", "cp") else workers)[0][f"{sp}:{rc}"]
                     meas = w["measured"]
                     assert w["predicted"] == pred, "the worker's estimate is rank 0's here"
                 rows.append(
