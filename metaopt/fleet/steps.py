@@ -317,8 +317,8 @@ def _sep_check(ctx: Context, key: str = "sep_degree", what: str = "segment paral
     ring = key == "cp_degree"
     flags = {
         **({} if ring else {"tensor_parallel": "split layers beside the local sequence"}),
-        "pipeline": "pipeline stages on the local sequence",
-        "sharding": "ZeRO beside the local sequence",
+        **({} if ring else {"pipeline": "pipeline stages on the local sequence"}),
+        **({} if ring else {"sharding": "ZeRO beside the local sequence"}),
         "localsgd": "local SGD averages params over the data-parallel group only",
     }
     ep = _hybrid_degree(ctx, "ep_degree")

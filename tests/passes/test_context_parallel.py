@@ -1,6 +1,6 @@
-"""Context parallel (issue 46's cp; metaopt/passes/context_parallel.py): ``hybrid_configs["cp_degree"]``,
-the local queries attending over the whole sequence as k/v blocks go round a ring, each rank holding
-two zig-zag runs of every sequence.
+"""Context parallel (issue 46's cp; metaopt/passes/context_parallel.py):
+``hybrid_configs["cp_degree"]``, the local queries attending over the whole sequence as k/v blocks
+go round a ring, each rank holding two zig-zag runs of every sequence.
 
 One process: the rewritten program of a rank at cp 2 (golden), its local shapes and refusals. Two
 gloo workers (cp 2, one launch): Hugging Face GPT-2 and LLaMA with every dropout at 0.1 (one
@@ -9,9 +9,12 @@ through fleet, against one process training the same module on the same batches 
 4e-5: DESIGN's bar for parallel against one process; the ring's online softmax and the sums over the
 group add the same numbers in another order), the eval program on a held-out batch (rtol 1e-5),
 recompute bitwise against the same run without it (the recomputed ring replays its mask), bfloat16
-AMP within 1e-3 of float32, each worker's memory as predicted, and misfed ranks refused. Four workers (--slow): cp 2 x mp 2 (tensor
-parallel's heads beside the ring, attention dropout one process's mask over every head), the same
-checks. The kernels' float64 exactness against torch is tests/ops/test_ring_attention.py.
+AMP within 1e-3 of float32, each worker's memory as predicted, and misfed ranks refused. Four
+workers (--slow): cp 2 x mp 2 (tensor parallel's heads beside the ring, attention dropout one
+process's mask over every head), the same checks; cp 2 beside ZeRO (stages 1 and 3, sharding 2) and
+beside a pipeline (pp 2, 1F1B), LLaMA without dropout (data-side replicas and micro-batches draw
+their own masks, which one process does not). The kernels' float64 exactness against torch is
+tests/ops/test_ring_attention.py.
 """
 
 from __future__ import annotations
@@ -167,3 +170,30 @@ def test_cp2_beside_mp2_trains_as_one_process(tmp_path):
                 torch.testing.assert_close(got, t, rtol=1e-5, atol=4e-5, msg=n)
         program = ranks[0]["program"]
         assert "RingAttention(" in program and "heads_group=model_parallel" in program
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["cp2xzero1", "cp2xzero3", "cp2xpp2"])
+def test_cp2_beside_zero_and_a_pipeline_trains_as_one_process(tmp_path, layout):
+    """Four workers: the ring over cp 2, and ZeRO over 2 sharding ranks (each fed half the batch:
+    their mean loss is one process's) or a pipeline of 2 stages (every worker fed the whole batch,
+    the loss on the last stage). LLaMA without dropout (module doc)."""
+    case = "hf-llama:nodrop"
+    ranks = sp_worker.launch("sep_worker.py", tmp_path, 4, ["1", layout], [case])[case]
+    losses, params, evals = sp_worker.one_process("hf-llama", 0.0)
+    if layout == "cp2xpp2":
+        last = [r for r in ranks if r["stage"] == 1]
+        assert len(last) == 2 and all(r["losses"] == last[0]["losses"] for r in last)
+        torch.testing.assert_close(torch.tensor(last[0]["losses"]), torch.tensor(losses), rtol=1e-5, atol=0)
+        return
+    halves = {}
+    for r in ranks:
+        halves.setdefault(tuple(r["losses"]), []).append(r)
+        torch.testing.assert_close(torch.tensor(r["eval"][0]), torch.tensor(evals[0]), rtol=1e-5, atol=0)
+        assert r["measured"] == r["predicted"], layout
+        if layout == "cp2xzero1":  # every param whole on every worker (stage 3 holds its shards)
+            for n, t in params.items():
+                torch.testing.assert_close(r["params"][n], t, rtol=1e-5, atol=4e-5, msg=n)
+    assert len(halves) == 2  # each sharding rank's half batch, the same on both cp ranks
+    mean = torch.tensor(list(halves)).mean(0)
+    torch.testing.assert_close(mean, torch.tensor(losses), rtol=1e-5, atol=0)

@@ -1,7 +1,9 @@
 """One worker of segment or context parallel through fleet (started by
 tests/passes/test_segment_parallel.py and test_context_parallel.py with RANK/WORLD_SIZE/MASTER_*):
-``python sep_worker.py OUT DP SEP CASE ...``, SEP = ``2`` (sep_degree), ``cp2`` (cp_degree) or
-``cp2xmp2`` (cp_degree beside tensor parallel's mp_degree), CASE =
+``python sep_worker.py OUT DP SEP CASE ...``, SEP = ``2`` (sep_degree), ``cp2`` (cp_degree), or cp
+beside another axis: ``cp2xmp2`` (tensor parallel's mp_degree), ``cp2xzero<stage>`` (ZeRO over
+sharding_degree 2, each sharding rank fed half the batch), ``cp2xpp2`` (a pipeline of 2 stages, 2
+micro-batches, every worker fed the whole batch, the loss on the last stage), CASE =
 ``<model>[:rc|:nodrop|:amp|:misfed]`` (rc: recompute, a checkpoint per block; nodrop: every dropout
 off, else 0.1; amp: bfloat16 AMP; misfed: each sep rank fed another batch, which the first run must
 refuse).
@@ -30,8 +32,18 @@ def strategy(
 ) -> fleet.DistributedStrategy:
     s = fleet.DistributedStrategy()
     seq, _, mp = sep.partition("xmp")
+    seq, _, zero = seq.partition("xzero")
+    seq, _, pp = seq.partition("xpp")
+    if pp:  # a pipeline of `pp` stages, 2 micro-batches (1F1B), every worker fed the whole batch
+        s.pipeline = True
+        s.pipeline_configs = {"accumulate_steps": 2, "micro_batch_size": None}
     key = "cp_degree" if seq.startswith("cp") else "sep_degree"
-    s.hybrid_configs = {"dp_degree": dp, key: int(seq.removeprefix("cp")), "mp_degree": int(mp or 1)}
+    degrees = {key: int(seq.removeprefix("cp")), "mp_degree": int(mp or 1), "pp_degree": int(pp or 1)}
+    s.hybrid_configs = {"dp_degree": dp, **degrees}
+    if zero:  # ZeRO at stage `zero` over 2 data-side workers (sharding_degree), each its half batch
+        s.hybrid_configs = {**s.hybrid_configs, "sharding_degree": 2}
+        s.sharding = True
+        s.sharding_configs = {"stage": int(zero)}
     if mp:  # tensor parallel beside it, attention dropout one process's mask over the heads
         s.tensor_parallel = True
         s.tensor_parallel_configs = {
@@ -40,6 +52,33 @@ def strategy(
             "one_process_dropout": True,
         }
     return sp_worker.with_amp_and_recompute(s, name, amp, recompute)
+
+
+def _replica(hcg) -> int:  # noqa: ANN001
+    """This worker's share of the step's batch: its place on the data-side axes (data, sharding)."""
+    return (
+        hcg.get_data_parallel_rank() * hcg.get_sharding_parallel_world_size()
+        + hcg.get_sharding_parallel_rank()
+    )
+
+
+def train_pipeline(case: str, sep: str) -> dict:
+    """The losses of 3 steps at a pipeline beside the sequence split (fetched on the last stage)."""
+    name = case.partition(":")[0]
+    module, inputs, kwargs = sp_worker.build(name, 0.0)
+    program = export_cache.export(module, inputs, **kwargs)
+    opt = fleet.distributed_optimizer(
+        metaopt.optimizer.SGD(learning_rate=tp_worker.LR), strategy(1, sep, name)
+    )
+    opt.minimize(program.loss)
+    hcg = fleet.get_hybrid_communicate_group()
+    last = hcg.get_stage_id() == hcg.get_pipe_parallel_world_size() - 1
+    metaopt.seed(sp_worker.SEED)
+    exe, losses = metaopt.Executor("cpu"), []
+    for step in range(tp_worker.STEPS):
+        got = exe.run(program, feed=sp_worker.batch(name, step), fetch_list=[program.loss] if last else [])
+        losses.append(float(got[0]) if last else None)
+    return {"losses": losses, "stage": hcg.get_stage_id(), "sep_rank": hcg.get_sep_parallel_rank()}
 
 
 def train(case: str, dp: int, sep: str) -> dict:
@@ -53,7 +92,7 @@ def train(case: str, dp: int, sep: str) -> dict:
     opt.minimize(program.loss)
     hcg = fleet.get_hybrid_communicate_group()
     feeds = [
-        sp_worker.replica_batch(name, step, hcg.get_data_parallel_rank(), dp)
+        sp_worker.replica_batch(name, step, _replica(hcg), dp * hcg.get_sharding_parallel_world_size())
         for step in range(tp_worker.STEPS)
     ]
     _, got = sp_worker.run_steps(program, feeds, sp_worker.batch(name, sp_worker.HELD_OUT))
@@ -90,7 +129,12 @@ def main() -> None:
     out, dp, sep, cases = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
     fleet.init(is_collective=True, strategy=strategy(dp, sep))
     for case in cases:
-        got = misfed(case, dp, sep) if case.endswith(":misfed") else train(case, dp, sep)
+        if case.endswith(":misfed"):
+            got = misfed(case, dp, sep)
+        elif "xpp" in sep:
+            got = train_pipeline(case, sep)
+        else:
+            got = train(case, dp, sep)
         torch.save(got, f"{out}/{case.replace(':', '.')}.rank{fleet.worker_index()}.pt")
     fleet.barrier_worker()
 

@@ -105,7 +105,9 @@ def train_layout(case: str, layout: str) -> dict:
 def replica_batch(name: str, step: int, dp_rank: int, dp: int) -> dict[str, torch.Tensor]:
     full = batch(name, step)
     n = next(iter(full.values())).shape[0] // dp
-    return {k: v[dp_rank * n : (dp_rank + 1) * n] for k, v in full.items()}
+    # clones: a view would hold the whole batch's storage, which the executor counts (its memory
+    # as measured is then more than estimate_memory's, which counts the feed at its own shape)
+    return {k: v[dp_rank * n : (dp_rank + 1) * n].clone() for k, v in full.items()}
 
 
 def run_steps(
