@@ -56,6 +56,7 @@ class _State:
     strategy: object = None  # the DistributedStrategy given to init, if any
     created_group: bool = False  # whether init created the torch.distributed default group
     hcg: HybridCommunicateGroup | None = None  # built by init from its strategy's hybrid_configs
+    simulated: bool = False  # `simulate`: one rank of a job, in a process that joined no group
 
 
 _STATE = _State()
@@ -169,10 +170,51 @@ def init(is_collective: bool = True, strategy=None) -> None:
     _STATE.env = env
     _STATE.strategy = strategy
     _STATE.hcg = hcg
+    _STATE.simulated = False
     _STATE.initialized = True
     logger.info("fleet.init: worker %d of %d (local rank %d)", env.rank, env.world_size, env.local_rank)
     if hcg is not None:
         logger.info("fleet.init: %r", hcg)
+
+
+def simulate(world_size: int, rank: int = 0, strategy=None) -> None:
+    """``fleet.init`` as worker `rank` of a `world_size`-worker job would see it, in this one
+    process, joining no process group: then ``minimize`` rewrites exactly that worker's program
+    (its shard of every split, its pipeline stage, its collectives by group) and
+    ``estimate_memory`` predicts that worker's memory, for a layout of any size checked on one
+    machine (a plan for 1024 workers on a laptop). Running a program that communicates is refused
+    by its first collective (no peers); checks that compare workers are skipped (there is one).
+    `strategy` as init's (its hybrid_configs lay out the `world_size` workers). `reset` (or
+    ``fleet.init``) leaves it."""
+    from metaopt.layout.groups import forget_topology
+
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"fleet.simulate: world_size must be an int >= 1, got {world_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"fleet.simulate: rank must be one of 0..{world_size - 1}, got {rank!r}")
+    if strategy is not None:
+        from metaopt.fleet.strategy import DistributedStrategy
+
+        if not isinstance(strategy, DistributedStrategy):
+            raise TypeError(
+                f"fleet.simulate: strategy must be a DistributedStrategy, got {type(strategy).__name__}"
+            )
+        strategy = strategy.copy()
+    topo = _hybrid_topology(strategy, world_size)
+    forget_topology()  # no groups: the runtime's named groups would be another job's
+    _STATE.env = WorkerEnv(
+        rank=rank, world_size=world_size, local_rank=0, endpoints=None, current_endpoint=None
+    )
+    _STATE.strategy = strategy
+    _STATE.hcg = None if topo is None else HybridCommunicateGroup(topo, rank)
+    _STATE.simulated = True
+    _STATE.initialized = True
+    logger.info("fleet.simulate: worker %d of %d, no process group", rank, world_size)
+
+
+def is_simulated() -> bool:
+    """Whether this process stands in for one worker of a larger job (`simulate`)."""
+    return _STATE.initialized and _STATE.simulated
 
 
 # --- multi-process path (kept small; exercised through metaoptrun's tests) -----------------
@@ -342,6 +384,8 @@ def require_process_group(what: str) -> None:
     rewrite, rather than at the first collective of the first run."""
     import torch.distributed as dist
 
+    if is_simulated():  # rewriting one worker's program: its collectives are never run here
+        return
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             f"{what} needs torch.distributed: call fleet.init(is_collective=True) in a job "
@@ -389,9 +433,9 @@ def user_strategy():
 
 
 def barrier_worker() -> None:
-    """Wait for every worker; a no-op with one worker."""
+    """Wait for every worker; a no-op with one worker (or one simulated: `simulate`)."""
     env = _env()
-    if env.world_size == 1:
+    if env.world_size == 1 or _STATE.simulated:
         return
     import torch.distributed as dist
 

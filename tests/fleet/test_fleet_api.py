@@ -338,3 +338,28 @@ def test_minimize_twice_says_the_program_is_already_minimized():
     with pytest.raises(AlreadyMinimized, match=r"fleet minimize: program 'tiny' is already minimized"):
         fleet.distributed_optimizer(metaopt.optimizer.SGD(learning_rate=0.1)).minimize(p.loss)
     assert str(p) == before
+
+
+def test_simulate_stands_in_for_one_worker_of_a_larger_job_without_a_group():
+    """fleet.simulate (issue 45): worker 5 of 8 laid out by hybrid_configs, in this process; the
+    steps that need a process group to run (data parallel) still rewrite, nothing waits for a peer,
+    and fleet.init leaves the simulation. (Its program equals the real worker's:
+    tests/passes/test_context_parallel.py.)"""
+    from metaopt.fleet import env
+
+    s = fleet.DistributedStrategy()
+    s.hybrid_configs = {"dp_degree": 2, "mp_degree": 2, "pp_degree": 2}
+    fleet.simulate(8, 5, s)
+    assert env.is_simulated() and (fleet.worker_index(), fleet.worker_num()) == (5, 8)
+    hcg = fleet.get_hybrid_communicate_group()
+    assert (hcg.get_data_parallel_rank(), hcg.get_stage_id(), hcg.get_model_parallel_rank()) == (1, 0, 1)
+    env.require_process_group("data parallel")  # rewriting only: no group needed
+    fleet.barrier_worker()  # no peers to wait for
+    with pytest.raises(ValueError, match=r"rank must be one of 0\.\.3, got 4"):
+        fleet.simulate(4, 4)
+    with pytest.raises(ValueError, match="world_size must be an int >= 1"):
+        fleet.simulate(0)
+    with pytest.raises(ValueError, match="dp_degree=2 x mp_degree=2 x pp_degree=2 = 8 workers"):
+        fleet.simulate(4, 0, s)
+    fleet.init(is_collective=True)
+    assert not env.is_simulated() and fleet.worker_num() == 1

@@ -197,3 +197,34 @@ def test_cp2_beside_zero_and_a_pipeline_trains_as_one_process(tmp_path, layout):
     assert len(halves) == 2  # each sharding rank's half batch, the same on both cp ranks
     mean = torch.tensor(list(halves)).mean(0)
     torch.testing.assert_close(mean, torch.tensor(losses), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_simulated_worker_rewrites_and_predicts_as_the_real_one(runs, rank):
+    """fleet.simulate (issue 45's simulation at scale): this one process, standing in for worker
+    `rank` of the cp 2 job, joins no group, yet its minimize gives the program the real worker
+    printed, line for line, and estimate_memory that worker's peak and timeline."""
+    import sep_worker
+
+    from metaopt import fleet
+    from metaopt.fleet import env
+    from metaopt.ir import roles
+    from metaopt.passes.memory_estimate import estimate_memory
+
+    module, inputs, kwargs = sp_worker.build("hf-gpt2")
+    program = export_cache.export(module, inputs, **kwargs)
+    strategy = sep_worker.strategy(1, "cp2", "hf-gpt2")
+    try:
+        fleet.simulate(2, rank, strategy)
+        assert env.is_simulated() and fleet.worker_index() == rank and fleet.worker_num() == 2
+        fleet.distributed_optimizer(
+            metaopt.optimizer.SGD(learning_rate=sp_worker.tp_worker.LR), strategy
+        ).minimize(program.loss)
+    finally:
+        env.reset()
+    real = runs["hf-gpt2"][rank]
+    assert str(program) == real["program"]
+    batch = sp_worker.batch("hf-gpt2", 0)["labels"].shape[0]
+    est = estimate_memory(program, dims={"batch": batch}, workspace=False)
+    timeline = [b for b, op in zip(est.timeline, program.ops, strict=True) if not roles.is_startup(op.role)]
+    assert (est.peak_bytes, timeline) == real["predicted"]
