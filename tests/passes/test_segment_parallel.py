@@ -124,11 +124,7 @@ def test_sep2_trains_as_one_process(runs, name):
 
 
 def test_each_workers_memory_is_as_predicted(runs):
-    for case in TRAINED:
-        for r in runs[case]:
-            (peak, timeline), (peak_est, timeline_est) = r["measured"], r["predicted"]
-            assert peak == peak_est, case
-            assert timeline == timeline_est, case
+    sp_worker.assert_memory_as_predicted(runs, TRAINED)
 
 
 def test_recompute_beside_segment_parallel_is_bitwise(runs):

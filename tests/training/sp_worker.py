@@ -141,6 +141,16 @@ def run_steps(
     }
 
 
+def assert_memory_as_predicted(runs: dict[str, list[dict]], cases: list[str]) -> None:
+    """Every worker's measured peak and timeline (the executor's count after every op of the last
+    step) equal estimate_memory's replay of its program, for each of `cases`."""
+    for case in cases:
+        for r in runs[case]:
+            (peak, timeline), (peak_est, timeline_est) = r["measured"], r["predicted"]
+            assert peak == peak_est, case
+            assert timeline == timeline_est, case
+
+
 def one_process(name: str, dropout: float = DROPOUT) -> tuple[list[float], dict[str, torch.Tensor], list]:
     """The reference: one process training the same module on the whole batches (losses, params,
     and its eval program's two losses on the held-out batch)."""
