@@ -27,12 +27,15 @@ from metaopt.fleet.env import (
     worker_num,
 )
 from metaopt.fleet.io import load_persistables, save_persistables
+from metaopt.fleet.planner import Plan, Plans, plan
 from metaopt.fleet.pretrained import init_from_module, load_pretrained, save_pretrained
 from metaopt.fleet.steps import STEPS
 from metaopt.fleet.strategy import DistributedStrategy
 
 __all__ = [
     "STEPS",
+    "Plan",
+    "Plans",
     "DistributedOptimizer",
     "DistributedStrategy",
     "TrainPlan",
@@ -45,6 +48,7 @@ __all__ = [
     "is_initialized",
     "load_persistables",
     "load_pretrained",
+    "plan",
     "local_rank",
     "save_persistables",
     "save_pretrained",

@@ -20,6 +20,7 @@ does; ``get_hybrid_communicate_group()`` returns this worker's view of them.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import hashlib
 import logging
 import os
@@ -186,8 +187,6 @@ def simulate(world_size: int, rank: int = 0, strategy=None) -> None:
     by its first collective (no peers); checks that compare workers are skipped (there is one).
     `strategy` as init's (its hybrid_configs lay out the `world_size` workers). `reset` (or
     ``fleet.init``) leaves it."""
-    from metaopt.layout.groups import forget_topology
-
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"fleet.simulate: world_size must be an int >= 1, got {world_size!r}")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -201,7 +200,6 @@ def simulate(world_size: int, rank: int = 0, strategy=None) -> None:
             )
         strategy = strategy.copy()
     topo = _hybrid_topology(strategy, world_size)
-    forget_topology()  # no groups: the runtime's named groups would be another job's
     _STATE.env = WorkerEnv(
         rank=rank, world_size=world_size, local_rank=0, endpoints=None, current_endpoint=None
     )
@@ -210,6 +208,15 @@ def simulate(world_size: int, rank: int = 0, strategy=None) -> None:
     _STATE.simulated = True
     _STATE.initialized = True
     logger.info("fleet.simulate: worker %d of %d, no process group", rank, world_size)
+
+
+def snapshot() -> _State:
+    """Fleet's state as it is (`restore` puts it back): `fleet.plan` simulates workers in turn."""
+    return dataclasses.replace(_STATE)
+
+
+def restore(state: _State) -> None:
+    _STATE.__dict__.update(vars(state))
 
 
 def is_simulated() -> bool:
@@ -316,7 +323,7 @@ def _hybrid_group(topo: Topology, env: WorkerEnv) -> HybridCommunicateGroup:
     would pair its groups with the wrong peers). A re-``init`` with the same topology keeps the
     groups already made."""
     old = _STATE.hcg
-    if old is not None and old.topology() == topo and old.global_rank == env.rank:
+    if old is not None and not _STATE.simulated and old.topology() == topo and old.global_rank == env.rank:
         return old
     if env.world_size == 1:
         return HybridCommunicateGroup(topo, env.rank)  # no process group, so no groups
@@ -484,8 +491,8 @@ def check_workers_agree(lines: Sequence[tuple[str, str]], what: str, hint: str =
 def broadcast_from_first(tensors: dict, what: str, axes: tuple[str, ...] = ()) -> dict:
     """Worker 0's `tensors` (name -> tensor) on every worker; `tensors` itself with one worker.
     `axes`: from the first worker of this worker's group on each hybrid axis in turn
-    (``layout.groups.broadcast_from_first``)."""
-    if _env().world_size == 1:
+    (``layout.groups.broadcast_from_first``). A simulated worker (`simulate`) keeps its own."""
+    if _env().world_size == 1 or _STATE.simulated:
         return dict(tensors)
     from metaopt.layout.groups import broadcast_from_first as broadcast
 

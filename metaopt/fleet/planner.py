@@ -1,0 +1,369 @@
+"""``fleet.plan``: the layouts of a job, each worker's memory predicted exactly, ranked (issue 45).
+
+    plans = fleet.plan(program, devices=8, memory_per_device="16GiB", global_batch=32)
+    print(plans)              # every layout that fits, best first, and what pruned the others
+    plans[0].strategy         # a ready DistributedStrategy
+    plans[0].peak_bytes       # the worst worker's predicted device peak
+
+Nothing runs and no worker starts. For each layout of the grid the rewrite of one worker per
+pipeline stage is made in this process (`fleet.simulate`: that worker's program, exactly), and
+its peak predicted by `estimate_memory` (`estimate_pipeline_memory` for a pipeline stage, which
+replays the schedule). A layout whose worst worker's peak exceeds `memory_per_device` is pruned,
+as is one the rewrite refuses (the refusal is the reason shown).
+
+The grid: every split of `devices` into data-side x model x pipe degrees; the data side as data
+parallel or as ZeRO (sharding) at stages 1, 2 and 3; tensor parallel with the column and row
+layers found by ``"auto"``; pipelines of 1F1B with as many and twice as many micro-batches as
+stages; recompute none or full (checkpoints ``"auto"``).
+
+The time (`Plan.step_seconds`) is a roofline over the worker's own program, every op of its step
+(forward, backward, recompute, optimizer): each op takes max(FLOPs / `device_flops`, bytes /
+`device_bytes_per_s`), its FLOPs counted for the matmul-class ops (MatMul, Gemm, Linear, Conv,
+attention and their grads, which are ops of the program too), its bytes the inputs and outputs
+it touches; each collective takes `link_latency_s` + its bytes over the ring (2 (n-1)/n of them
+for an all-reduce) / `link_bytes_per_s`; a pipeline's step is (micro-batches + stages - 1) times
+its stage's micro-batch (1F1B's bubble). The rates are declared, not measured: calibrating them
+on a device (a profile per op signature) is not built yet, nor the search over offload,
+interleaved / zero-bubble schedules, expert parallel, AMP and per-stage recompute; identical layers
+are not solved once (each layout is rewritten whole).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from metaopt.fleet import env
+from metaopt.fleet.strategy import DistributedStrategy
+from metaopt.ir import Op, Program
+from metaopt.layout.topology import AXES, Topology
+from metaopt.ops import registry
+
+MAX_DEVICES = 1 << 20  # a job of a million workers: beyond it a figure is surely a typo
+MAX_BYTES = 1 << 60  # 1 EiB per device
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40})
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+
+
+class PlanError(ValueError):
+    pass
+
+
+def parse_bytes(value: Any, what: str = "memory_per_device") -> int:
+    """Bytes from an int or a string such as "80GiB" / "512 MB"; refused by name otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise PlanError(
+            f"fleet.plan: {what} must be bytes (an int) or a string such as '80GiB', got {value!r}"
+        )
+    if isinstance(value, str):
+        m = _SIZE.match(value)
+        unit = m[2].upper() if m else None
+        if m is None or unit not in _UNITS:
+            raise PlanError(
+                f"fleet.plan: {what}={value!r} is not a size: write bytes or a number and a unit "
+                f"({', '.join(u for u in ('B', 'KiB', 'MiB', 'GiB', 'TiB', 'KB', 'MB', 'GB', 'TB'))})"
+            )
+        value = int(float(m[1]) * _UNITS[unit])
+    if not 1 <= value <= MAX_BYTES:
+        raise PlanError(f"fleet.plan: {what}={value} bytes is outside 1 .. 2^60 (1 EiB)")
+    return value
+
+
+def _count(value: Any, what: str, most: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+        raise PlanError(f"fleet.plan: {what} must be an int in 1 .. {most}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One point of the grid: the degrees, the data side's form, recompute and micro-batches."""
+
+    data: int
+    model: int
+    pipe: int
+    stage: int  # 0: data parallel over the data side; 1-3: ZeRO (sharding) at that stage
+    recompute: bool
+    micro_batches: int
+
+    def describe(self) -> str:
+        side = f"dp={self.data}" if self.stage == 0 else f"sharding={self.data} (ZeRO-{self.stage})"
+        pipe = f" pp={self.pipe} ({self.micro_batches} micro-batches, 1F1B)" if self.pipe > 1 else ""
+        return f"{side} mp={self.model}{pipe} recompute={'full' if self.recompute else 'none'}"
+
+    def strategy(self) -> DistributedStrategy:
+        s = DistributedStrategy()
+        dp, sh = (self.data, 1) if self.stage == 0 else (1, self.data)
+        s.hybrid_configs = {
+            "dp_degree": dp,
+            "mp_degree": self.model,
+            "pp_degree": self.pipe,
+            "sharding_degree": sh,
+        }
+        if self.model > 1:
+            s.tensor_parallel = True
+            s.tensor_parallel_configs = {"column": "auto", "row": "auto"}
+        if self.pipe > 1:
+            s.pipeline = True
+            s.pipeline_configs = {"accumulate_steps": self.micro_batches, "micro_batch_size": None}
+        if self.stage:
+            s.sharding = True
+            s.sharding_configs = {"stage": self.stage}
+        if self.recompute:
+            s.recompute = True
+            s.recompute_configs = {"checkpoints": "auto"}
+        return s
+
+
+@dataclass
+class Plan:
+    """A layout that fits: its strategy, the worst worker's predicted peak and step time."""
+
+    layout: Layout
+    strategy: DistributedStrategy
+    peak_bytes: int
+    step_seconds: float
+    stage_peaks: list[int] = field(default_factory=list)  # per pipeline stage's first worker
+
+    def describe(self) -> str:
+        return (
+            f"{self.layout.describe()}: peak {_gib(self.peak_bytes)} (worst worker), "
+            f"step {self.step_seconds:.4g} s (predicted)"
+        )
+
+
+class Plans(list):
+    """The plans that fit, best (fastest, then smallest) first; `pruned`: (layout, why) of the rest."""
+
+    def __init__(self, plans: Iterable[Plan], pruned: list[tuple[Layout, str]], header: str) -> None:
+        super().__init__(plans)
+        self.pruned = pruned
+        self.header = header
+
+    def __str__(self) -> str:
+        lines = [self.header, f"{len(self)} plans fit, best first:"]
+        lines += [f"  {k + 1:>3}. {p.describe()}" for k, p in enumerate(self)]
+        lines.append(f"{len(self.pruned)} pruned:")
+        lines += [f"       {lay.describe()}: {why}" for lay, why in self.pruned]
+        return "\n".join(lines)
+
+
+def _gib(n: float) -> str:
+    from metaopt.passes.memory_estimate import human_bytes
+
+    return human_bytes(n)
+
+
+def grid(devices: int, global_batch: int) -> tuple[list[Layout], list[tuple[Layout, str]]]:
+    """Every layout of `devices` (module doc), and those the batch rules out, with why."""
+    out, pruned = [], []
+    for data in _divisors(devices):
+        for model in _divisors(devices // data):
+            pipe = devices // data // model
+            micro = (1,) if pipe == 1 else (pipe, 2 * pipe)
+            stages = (0,) if data == 1 else (0, 1, 2, 3)
+            for stage in stages:
+                for m in micro:
+                    for recompute in (False, True):
+                        lay = Layout(data, model, pipe, stage, recompute, m)
+                        if global_batch % (data * m):
+                            pruned.append(
+                                (lay, f"global_batch {global_batch} does not split into {data} x {m}")
+                            )
+                        else:
+                            out.append(lay)
+    return out, pruned
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def plan(
+    program_or_module: Any,
+    example_args: tuple | None = None,
+    *,
+    devices: int,
+    memory_per_device: int | str,
+    global_batch: int,
+    optimizer: Any = None,
+    device_flops: float = 1e12,
+    device_bytes_per_s: float = 1e11,
+    link_bytes_per_s: float = 1e10,
+    link_latency_s: float = 1e-5,
+) -> Plans:
+    """The layouts of a `devices`-worker job that fit `memory_per_device` each, best first
+    (module doc). `program_or_module`: an exported forward program (its loss set), or a torch
+    module exported here with `example_args`. `optimizer`: what minimize applies (default Adam);
+    the rates: the roofline's (module doc)."""
+    devices = _count(devices, "devices", MAX_DEVICES)
+    budget = parse_bytes(memory_per_device)
+    global_batch = _count(global_batch, "global_batch", 1 << 40)
+    rates = (device_flops, device_bytes_per_s, link_bytes_per_s, link_latency_s)
+    names = ("device_flops", "device_bytes_per_s", "link_bytes_per_s", "link_latency_s")
+    for name, rate in zip(names, rates, strict=True):
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf:
+            raise PlanError(f"fleet.plan: {name} must be a positive finite number, got {rate!r}")
+    program = _program(program_or_module, example_args)
+    layouts, pruned = grid(devices, global_batch)
+    plans = []
+    for lay in layouts:
+        try:
+            peaks, seconds = _evaluate(program, lay, devices, global_batch, optimizer, rates)
+        except (ValueError, NotImplementedError, RuntimeError) as e:
+            pruned.append((lay, f"refused: {str(e).splitlines()[0][:200]}"))
+            continue
+        worst = max(peaks)
+        if worst > budget:
+            pruned.append((lay, f"peak {_gib(worst)} > {_gib(budget)}"))
+            continue
+        plans.append(Plan(lay, lay.strategy(), worst, seconds, peaks))
+    plans.sort(key=lambda p: (p.step_seconds, p.peak_bytes))
+    header = (
+        f"fleet.plan: {program.name!r} on {devices} devices x {_gib(budget)}, global batch {global_batch}; "
+        f"{len(layouts) + len([1 for _, w in pruned if w.startswith('global_batch')])} layouts"
+    )
+    return Plans(plans, pruned, header)
+
+
+def _program(program_or_module: Any, example_args: tuple | None) -> Program:
+    if isinstance(program_or_module, Program):
+        program = program_or_module
+    elif isinstance(program_or_module, torch.nn.Module):
+        if example_args is None:
+            raise PlanError("fleet.plan: a module needs example_args (the inputs to export it with)")
+        import metaopt
+
+        program = metaopt.export(program_or_module, tuple(example_args))
+    else:
+        raise PlanError(
+            "fleet.plan: expected an exported Program or a torch module, got "
+            f"{type(program_or_module).__name__}"
+        )
+    if not program.loss_name:
+        raise PlanError(f"fleet.plan: program {program.name!r} has no loss: export a module that returns one")
+    if not any(True for _ in program.params()):
+        raise PlanError(f"fleet.plan: program {program.name!r} has no params: there is nothing to lay out")
+    return program
+
+
+def _evaluate(
+    program: Program, lay: Layout, devices: int, global_batch: int, optimizer: Any, rates: tuple
+) -> tuple[list[int], float]:
+    """Each pipeline stage's first worker rewritten here (`fleet.simulate`): its peak, and the
+    slowest one's step time."""
+    from metaopt.fleet.distributed_optimizer import distributed_optimizer
+    from metaopt.fleet.topology import from_hybrid_configs
+    from metaopt.optimizer import Adam
+    from metaopt.passes.memory_estimate import estimate_memory
+    from metaopt.report.pipeline_memory import estimate_pipeline_memory
+
+    strategy = lay.strategy()
+    topo = from_hybrid_configs(strategy.hybrid_configs, devices, "fleet.plan")
+    batch = global_batch // lay.data  # each data-side replica's; a pipeline's workers get it whole
+    peaks, times = [], []
+    saved = env.snapshot()
+    try:
+        for stage in range(lay.pipe):
+            rank = _first_rank(topo, stage)
+            env.simulate(devices, rank, strategy)
+            p = program.clone()
+            opt = optimizer if optimizer is not None else Adam(learning_rate=1e-3)
+            distributed_optimizer(opt, strategy).minimize(p.loss)
+            if lay.pipe > 1:
+                peaks.append(estimate_pipeline_memory(p, batch=batch).peak_bytes)
+                micro = batch // lay.micro_batches
+                times.append(_seconds(p, {"batch": micro}, rates) * (lay.micro_batches + lay.pipe - 1))
+            else:
+                peaks.append(estimate_memory(p, dims={"batch": batch}, workspace=False).peak_bytes)
+                times.append(_seconds(p, {"batch": batch}, rates))
+    finally:
+        env.restore(saved)
+    return peaks, max(times)
+
+
+def _first_rank(topo: Topology, stage: int) -> int:
+    return topo.get_rank(**{a: (stage if a == "pipe" else 0) for a in AXES})
+
+
+_MATMUL = ("MatMul", "Gemm", "Linear", "FusedLinear")
+
+
+def _seconds(p: Program, dims: dict[str, int], rates: tuple) -> float:
+    """The roofline of one step of `p` (module doc)."""
+    flops_s, bytes_s, link_s, latency = rates
+    total = 0.0
+    for op in p.ops:
+        row = registry.get(op.type)
+        if row is not None and row.collective:
+            total += latency + _comm_bytes(p, op, dims) / link_s
+            continue
+        if row is not None and row.view:
+            continue
+        moved = sum(_nbytes(p, x, dims) for x in [*op.inputs, *op.outputs] if x)
+        total += max(_flops(p, op, dims) / flops_s, moved / bytes_s)
+    return total
+
+
+def _nbytes(p: Program, name: str, dims: dict[str, int]) -> int:
+    v = p.vars.get(name)
+    return 0 if v is None else (v.nbytes(dims) or 0)
+
+
+def _numel(p: Program, name: str, dims: dict[str, int]) -> int:
+    v = p.vars.get(name)
+    if v is None or v.shape is None:
+        return 0
+    size = torch.tensor([], dtype=torch.float32).element_size()
+    return (v.nbytes(dims) or 0) // max(1, _itemsize(v.dtype) or size)
+
+
+def _itemsize(dtype: str) -> int:
+    from metaopt.ir import torch_dtype
+
+    return torch.empty((), dtype=torch_dtype(dtype)).element_size()
+
+
+def _flops(p: Program, op: Op, dims: dict[str, int]) -> float:
+    """2 x multiply-adds of the matmul-class ops (their output's elements x the reduced size);
+    0 for the others (their time is their bytes)."""
+    if op.type in _MATMUL and op.outputs and op.inputs:
+        a = p.vars.get(op.inputs[0])
+        if a is None or not a.shape:
+            return 0.0
+        k = a.shape[-2] if op.type == "Gemm" and op.attrs.get("transA", 0) else a.shape[-1]
+        k = dims.get(k, 1) if isinstance(k, str) else k
+        return 2.0 * _numel(p, op.outputs[0], dims) * k
+    if op.type.startswith("ScaledDotProductAttention") or op.type.startswith("RingAttention"):
+        q = p.vars.get(op.inputs[0] if op.type.endswith("Attention") else op.inputs[1])
+        k = p.vars.get(op.inputs[1] if op.type.endswith("Attention") else op.inputs[2])
+        if q is None or k is None or not q.shape or not k.shape:
+            return 0.0
+        qn = _numel(p, q.name, dims)
+        sk = k.shape[-2] if isinstance(k.shape[-2], int) else dims.get(k.shape[-2], 1)
+        factor = 4.0 if op.type.endswith("Attention") else 10.0  # the backward: 2.5x the forward
+        return factor * qn * sk
+    if op.type in ("Conv", "ConvGrad") and len(op.inputs) > 1:
+        w = p.vars.get(op.inputs[1])
+        if w is None or not w.shape:
+            return 0.0
+        per_out = math.prod(d for d in w.shape[1:] if isinstance(d, int))
+        return 2.0 * _numel(p, op.outputs[0], dims) * per_out
+    return 0.0
+
+
+def _comm_bytes(p: Program, op: Op, dims: dict[str, int]) -> float:
+    """What a collective sends and receives per worker: a ring all-reduce 2 (n-1)/n of its data,
+    others (gathers, scatters, all-to-alls, sends) (n-1)/n of the larger side."""
+    sizes = [_nbytes(p, x, dims) for x in [*op.inputs, *op.outputs] if x]
+    data = max(sizes, default=0)
+    group = op.attrs.get("group") or op.attrs.get("ranks")
+    n = len(group) if isinstance(group, (list, tuple)) else 2
+    share = (n - 1) / max(n, 1)
+    return data * share * (2.0 if "AllReduce" in op.type or op.type == "TPReduce" else 1.0)

@@ -1,0 +1,56 @@
+"""One worker running a layout fleet.plan picked (started by tests/fleet/test_planner.py with
+RANK/WORLD_SIZE/MASTER_*): ``python plan_worker.py OUT GLOBAL_BATCH LAYOUT_JSON``.
+
+HF GPT-2 from the zoo without dropout, exported as the planner saw it; fleet.init and minimize
+(Adam, as the planner's default) with the layout's strategy; one step, each data-side worker fed
+its share of the global batch (a pipeline's workers the share whole); writes this worker's
+measured peak (the executor's count of live bytes) and its own prediction to ``OUT/rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import export_cache
+import sp_worker
+
+import metaopt
+from metaopt import fleet
+from metaopt.fleet.planner import Layout
+from metaopt.passes.memory_estimate import estimate_memory
+from metaopt.report.pipeline_memory import estimate_pipeline_memory
+
+
+def main() -> None:
+    out, global_batch, layout = sys.argv[1], int(sys.argv[2]), Layout(**json.loads(sys.argv[3]))
+    strategy = layout.strategy()
+    fleet.init(is_collective=True, strategy=strategy)
+    module, inputs, kwargs = sp_worker.build("hf-gpt2", 0.0)
+    program = export_cache.export(module, inputs, **kwargs)
+    fleet.distributed_optimizer(metaopt.optimizer.Adam(learning_rate=1e-3), strategy).minimize(program.loss)
+    hcg = fleet.get_hybrid_communicate_group()
+    side = (
+        hcg.get_data_parallel_rank() * hcg.get_sharding_parallel_world_size()
+        + hcg.get_sharding_parallel_rank()
+    )
+    share = global_batch // layout.data
+    full = sp_worker.batch("hf-gpt2", 0)
+    whole = {k: v.repeat(-(-global_batch // v.shape[0]), 1)[:global_batch] for k, v in full.items()}
+    feed = {k: v[side * share : (side + 1) * share].clone() for k, v in whole.items()}
+    exe = metaopt.Executor("cpu")
+    last = layout.pipe == 1 or hcg.get_stage_id() == layout.pipe - 1
+    exe.run(program, feed=feed, fetch_list=[program.loss] if last else [])
+    if layout.pipe > 1:
+        predicted = estimate_pipeline_memory(program, batch=share).peak_bytes
+    else:
+        predicted = estimate_memory(program, dims={"batch": share}, workspace=False).peak_bytes
+    rank = fleet.worker_index()
+    result = {"measured": exe.memory_stats()["last_run_peak_bytes"], "predicted": predicted, "rank": rank}
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(result, f)
+    fleet.barrier_worker()
+
+
+if __name__ == "__main__":
+    main()
