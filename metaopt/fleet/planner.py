@@ -18,7 +18,7 @@ stages; recompute none or full (checkpoints ``"auto"``).
 
 The time (`Plan.step_seconds`) is a roofline over the worker's own program, every op of its step
 (forward, backward, recompute, optimizer): each op takes max(FLOPs / `device_flops`, bytes /
-`device_bytes_per_s`), its FLOPs counted for the matmul-class ops (MatMul, Gemm, Linear, Conv,
+`device_bytes_per_s`), its FLOPs by its row's rule (ops/costs.py: MatMul, Gemm, Linear, Conv,
 attention and their grads, which are ops of the program too), its bytes the inputs and outputs
 it touches; each collective takes `link_latency_s` + its bytes over the ring (2 (n-1)/n of them
 for an all-reduce) / `link_bytes_per_s`; a pipeline's step is (micro-batches + stages - 1) times
@@ -40,9 +40,9 @@ import torch
 
 from metaopt.fleet import env
 from metaopt.fleet.strategy import DistributedStrategy
-from metaopt.ir import Op, Program
+from metaopt.ir import Program
 from metaopt.layout.topology import AXES, Topology
-from metaopt.ops import registry
+from metaopt.ops import costs, registry
 
 MAX_DEVICES = 1 << 20  # a job of a million workers: beyond it a figure is surely a typo
 MAX_BYTES = 1 << 60  # 1 EiB per device
@@ -292,78 +292,20 @@ def _first_rank(topo: Topology, stage: int) -> int:
     return topo.get_rank(**{a: (stage if a == "pipe" else 0) for a in AXES})
 
 
-_MATMUL = ("MatMul", "Gemm", "Linear", "FusedLinear")
-
-
 def _seconds(p: Program, dims: dict[str, int], rates: tuple) -> float:
-    """The roofline of one step of `p` (module doc)."""
+    """The roofline of one step of `p` (module doc): each op's FLOPs and bytes (ops/costs.py)."""
     flops_s, bytes_s, link_s, latency = rates
+
+    def nbytes(name: str) -> int:
+        v = p.vars.get(name)
+        return 0 if v is None else (v.nbytes(dims) or 0)
+
     total = 0.0
     for op in p.ops:
         row = registry.get(op.type)
         if row is not None and row.collective:
-            total += latency + _comm_bytes(p, op, dims) / link_s
-            continue
-        if row is not None and row.view:
-            continue
-        moved = sum(_nbytes(p, x, dims) for x in [*op.inputs, *op.outputs] if x)
-        total += max(_flops(p, op, dims) / flops_s, moved / bytes_s)
+            total += latency + costs.comm_bytes(p, op, dims, nbytes) / link_s
+        elif row is None or not row.view:
+            moved = sum(nbytes(x) for x in [*op.inputs, *op.outputs] if x)
+            total += max(costs.op_flops(p, op, dims) / flops_s, moved / bytes_s)
     return total
-
-
-def _nbytes(p: Program, name: str, dims: dict[str, int]) -> int:
-    v = p.vars.get(name)
-    return 0 if v is None else (v.nbytes(dims) or 0)
-
-
-def _numel(p: Program, name: str, dims: dict[str, int]) -> int:
-    v = p.vars.get(name)
-    if v is None or v.shape is None:
-        return 0
-    size = torch.tensor([], dtype=torch.float32).element_size()
-    return (v.nbytes(dims) or 0) // max(1, _itemsize(v.dtype) or size)
-
-
-def _itemsize(dtype: str) -> int:
-    from metaopt.ir import torch_dtype
-
-    return torch.empty((), dtype=torch_dtype(dtype)).element_size()
-
-
-def _flops(p: Program, op: Op, dims: dict[str, int]) -> float:
-    """2 x multiply-adds of the matmul-class ops (their output's elements x the reduced size);
-    0 for the others (their time is their bytes)."""
-    if op.type in _MATMUL and op.outputs and op.inputs:
-        a = p.vars.get(op.inputs[0])
-        if a is None or not a.shape:
-            return 0.0
-        k = a.shape[-2] if op.type == "Gemm" and op.attrs.get("transA", 0) else a.shape[-1]
-        k = dims.get(k, 1) if isinstance(k, str) else k
-        return 2.0 * _numel(p, op.outputs[0], dims) * k
-    if op.type.startswith("ScaledDotProductAttention") or op.type.startswith("RingAttention"):
-        q = p.vars.get(op.inputs[0] if op.type.endswith("Attention") else op.inputs[1])
-        k = p.vars.get(op.inputs[1] if op.type.endswith("Attention") else op.inputs[2])
-        if q is None or k is None or not q.shape or not k.shape:
-            return 0.0
-        qn = _numel(p, q.name, dims)
-        sk = k.shape[-2] if isinstance(k.shape[-2], int) else dims.get(k.shape[-2], 1)
-        factor = 4.0 if op.type.endswith("Attention") else 10.0  # the backward: 2.5x the forward
-        return factor * qn * sk
-    if op.type in ("Conv", "ConvGrad") and len(op.inputs) > 1:
-        w = p.vars.get(op.inputs[1])
-        if w is None or not w.shape:
-            return 0.0
-        per_out = math.prod(d for d in w.shape[1:] if isinstance(d, int))
-        return 2.0 * _numel(p, op.outputs[0], dims) * per_out
-    return 0.0
-
-
-def _comm_bytes(p: Program, op: Op, dims: dict[str, int]) -> float:
-    """What a collective sends and receives per worker: a ring all-reduce 2 (n-1)/n of its data,
-    others (gathers, scatters, all-to-alls, sends) (n-1)/n of the larger side."""
-    sizes = [_nbytes(p, x, dims) for x in [*op.inputs, *op.outputs] if x]
-    data = max(sizes, default=0)
-    group = op.attrs.get("group") or op.attrs.get("ranks")
-    n = len(group) if isinstance(group, (list, tuple)) else 2
-    share = (n - 1) / max(n, 1)
-    return data * share * (2.0 if "AllReduce" in op.type or op.type == "TPReduce" else 1.0)

@@ -103,6 +103,10 @@ class OpDef:
     # The op writes its inputs in place and has no outputs: startup ops only (Broadcast of the
     # initial params), which the executor runs once, before the program's first run (ir/roles.py).
     writes_inputs: bool = False
+    # Floating-point operations of one run of the op, given (program, op, dims binding symbolic
+    # dims): set for the matmul-class ops (ops/costs.py), whose time a roofline takes from them;
+    # None: the op's time is the bytes it moves.
+    flops: Callable[[Any, Any, dict], float] | None = field(default=None, compare=False)
     # An additive bias input that may be dropped when it is a constant of zeros (torch
     # exports bias-free convs with a zero bias: adding it, and its grad, is wasted work).
     zero_bias_input: int | None = None
@@ -388,3 +392,4 @@ def _ensure_loaded() -> None:
         importlib.import_module("metaopt.ops.kernels")
         importlib.import_module("metaopt.ops.grads")
         importlib.import_module("metaopt.ops.sharding")
+        importlib.import_module("metaopt.ops.costs")

@@ -1,15 +1,15 @@
 """fleet.plan (issue 45, first part: metaopt/fleet/planner.py): the grid of layouts for a job, each
-stage's first worker rewritten in this process (fleet.simulate) and its peak predicted exactly;
-the plans that fit ranked by a declared roofline; the rest pruned with the reason.
+stage's first worker rewritten in this process (fleet.simulate) and its peak predicted exactly; the
+plans that fit ranked by a declared roofline; the rest pruned with the reason.
 
 Checked here: hostile inputs refused by name before any layout is rewritten (issue 47's planner
-inputs); on HF GPT-2 (the
-zoo's, no dropout) over 4 devices under a 300 KiB cap, every plan within the cap, every pruned
-one over it or refused by the rewrite, and the best plan run for real on 4 gloo workers: every
-worker's measured peak equals its own prediction and is within the cap, and the planner's figure
-for each pipeline stage's first worker is that worker's (exact: both count the same storages).
-What is not built (the time model's calibration, the measured ranking, offload / schedules / ep /
-AMP in the grid, the CLI, speed at scale) is listed in the module's doc.
+inputs); on HF GPT-2 (the zoo's, no dropout) over 2 devices under a 450 KiB cap (which rules out no-
+recompute but for a pipeline), every plan within the cap, every pruned one over it or refused by the
+rewrite, and the best plan run for real on 2 gloo workers: every worker's measured peak equals its
+own prediction and is within the cap, and the planner's figure for each pipeline stage's first
+worker is that worker's (exact: both count the same storages). What is not built (the time model's
+calibration, the measured ranking, offload / schedules / ep / AMP in the grid, the CLI, speed at
+scale) is listed in the module's doc.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from metaopt.fleet.planner import Layout, PlanError, parse_bytes
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
 import sp_worker  # noqa: E402
 
-CAP = 300 * 1024
+CAP = 450 * 1024  # rules out every layout without recompute but the pipeline of 4 micro-batches
 GLOBAL_BATCH = 8
 
 
@@ -41,7 +41,7 @@ def gpt2():
 
 @pytest.fixture(scope="module")
 def plans(gpt2):
-    return fleet.plan(gpt2, devices=4, memory_per_device="300KiB", global_batch=GLOBAL_BATCH)
+    return fleet.plan(gpt2, devices=2, memory_per_device="450KiB", global_batch=GLOBAL_BATCH)
 
 
 class _NoParams(torch.nn.Module):
@@ -99,12 +99,12 @@ def test_every_plan_fits_and_every_pruned_layout_says_why(plans):
     # every form of the grid is tried: data parallel, ZeRO, tensor parallel, pipelines, recompute
     tried = [lay for lay in [*(p.layout for p in plans), *(lay for lay, _ in plans.pruned)]]
     assert {lay.stage for lay in tried} == {0, 1, 2, 3}
-    assert {lay.model for lay in tried} >= {1, 2, 4} and {lay.pipe for lay in tried} >= {1, 2, 4}
+    assert {lay.model for lay in tried} == {1, 2} and {lay.pipe for lay in tried} == {1, 2}
     assert {lay.recompute for lay in tried} == {False, True}
 
 
 def test_the_best_plan_runs_within_the_cap_on_real_workers(plans, tmp_path):
-    """The picked plan on 4 gloo workers: each worker's measured peak is its prediction, within
+    """The picked plan on 2 gloo workers: each worker's measured peak is its prediction, within
     the cap; the planner's simulated figure for each pipeline stage's first worker is exactly the
     real one's."""
     from workers import start_workers, wait_workers
@@ -112,16 +112,16 @@ def test_the_best_plan_runs_within_the_cap_on_real_workers(plans, tmp_path):
     best = plans[0]
     script = Path(__file__).resolve().parents[1] / "training" / "plan_worker.py"
     layout = json.dumps(dataclasses.asdict(best.layout))
-    procs = start_workers(4, [str(script), str(tmp_path), str(GLOBAL_BATCH), layout])
+    procs = start_workers(2, [str(script), str(tmp_path), str(GLOBAL_BATCH), layout])
     wait_workers(procs, "plan_worker", 300)
-    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r in got:
         assert r["measured"] == r["predicted"], r
         assert r["measured"] <= CAP, (best.describe(), r)
     from metaopt.fleet.topology import from_hybrid_configs
     from metaopt.layout.topology import AXES
 
-    topo = from_hybrid_configs(best.strategy.hybrid_configs, 4)
+    topo = from_hybrid_configs(best.strategy.hybrid_configs, 2)
     for stage, peak in enumerate(best.stage_peaks):
         first = topo.get_rank(**{a: (stage if a == "pipe" else 0) for a in AXES})
         assert got[first]["measured"] == peak, (stage, best.describe())

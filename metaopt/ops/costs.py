@@ -1,0 +1,96 @@
+"""Per-op work for time models (fleet.plan's roofline): each matmul-class row's `flops`, and what a
+collective moves. Set on the rows here, beside each other, as ops/sharding.py sets the split rules:
+an op's time is max(its FLOPs / a device's FLOP/s, the bytes it touches / its bytes/s), so only
+the ops whose FLOPs can outweigh their bytes need a rule (the others' time is their bytes).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from metaopt.ops import registry
+
+
+def _dim(d: Any, dims: dict) -> int:
+    return d if isinstance(d, int) else int(dims.get(d, 1))
+
+
+def _numel(p: Any, name: str, dims: dict) -> int:
+    v = p.vars.get(name) if name else None
+    if v is None or v.shape is None:
+        return 0
+    return math.prod(_dim(d, dims) for d in v.shape)
+
+
+def _shape(p: Any, name: str) -> tuple:
+    v = p.vars.get(name) if name else None
+    return tuple(v.shape) if v is not None and v.shape is not None else ()
+
+
+def _matmul(p: Any, op: Any, dims: dict) -> float:
+    """2 x the output's elements x the reduced size (A's last dim; Gemm's transA: its first)."""
+    a = _shape(p, op.inputs[0])
+    if not a:
+        return 0.0
+    k = a[0] if op.attrs.get("transA", 0) else a[-1]
+    return 2.0 * sum(_numel(p, o, dims) for o in op.outputs[:1]) * _dim(k, dims)
+
+
+def _attention(p: Any, op: Any, dims: dict) -> float:
+    """Q K^T and P V: 4 x q's elements x the keys (q, k, v first)."""
+    k = _shape(p, op.inputs[1])
+    return 4.0 * _numel(p, op.inputs[0], dims) * (_dim(k[-2], dims) if k else 0)
+
+
+def _attention_grad(p: Any, op: Any, dims: dict) -> float:
+    """2.5x the forward (dy first, then q, k, v): FlashAttention's backward, S recomputed."""
+    k = _shape(p, op.inputs[2])
+    return 10.0 * _numel(p, op.inputs[1], dims) * (_dim(k[-2], dims) if k else 0)
+
+
+def _conv(p: Any, op: Any, dims: dict) -> float:
+    """2 x the output's elements x the weight's elements per output channel."""
+    w = _shape(p, op.inputs[1]) if len(op.inputs) > 1 else ()
+    return 2.0 * _numel(p, op.outputs[0], dims) * math.prod(_dim(d, dims) for d in w[1:]) if w else 0.0
+
+
+def _conv_grad(p: Any, op: Any, dims: dict) -> float:
+    """The input's and the weight's grads: twice the forward (dy, x, w first)."""
+    w = _shape(p, op.inputs[2]) if len(op.inputs) > 2 else ()
+    return 4.0 * _numel(p, op.inputs[0], dims) * math.prod(_dim(d, dims) for d in w[1:]) if w else 0.0
+
+
+_FLOPS = {
+    "MatMul": _matmul,
+    "Gemm": _matmul,
+    "Linear": _matmul,
+    "ScaledDotProductAttention": _attention,
+    "ScaledDotProductAttentionGrad": _attention_grad,
+    "RingAttention": _attention,
+    "RingAttentionGrad": _attention_grad,
+    "Conv": _conv,
+    "ConvGrad": _conv_grad,
+}
+for _type, _rule in _FLOPS.items():
+    registry.extend(_type, flops=_rule)
+del _type, _rule
+
+# what a ring collective moves per worker, as a share of its largest tensor x (n - 1) / n: an
+# all-reduce sends and receives its data twice (reduce-scatter, then all-gather), the others once
+_ALL_REDUCES = frozenset({"AllReduce", "TPReduce"})
+
+
+def op_flops(p: Any, op: Any, dims: dict) -> float:
+    """The op's FLOPs by its row's rule; 0 for a row without one."""
+    row = registry.get(op.type)
+    return 0.0 if row is None or row.flops is None else float(row.flops(p, op, dims))
+
+
+def comm_bytes(p: Any, op: Any, dims: dict, nbytes: Any) -> float:
+    """Bytes a collective op sends and receives per worker over a ring of its group (`nbytes`:
+    name -> bytes under `dims`); a named group counts 2 workers (its size is the layout's)."""
+    data = max((nbytes(x) for x in [*op.inputs, *op.outputs] if x), default=0)
+    group = op.attrs.get("group") or op.attrs.get("ranks")
+    n = len(group) if isinstance(group, (list, tuple)) else 2
+    return data * (n - 1) / max(n, 1) * (2.0 if op.type in _ALL_REDUCES else 1.0)
