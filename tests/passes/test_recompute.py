@@ -318,6 +318,7 @@ def test_fetching_a_contribution_that_is_accumulated_into_returns_its_own_value(
     assert not torch.equal(part, total)
 
 
+@pytest.mark.slow  # 16 s; the budget itself is held in the suite by ..._sqrt_default_and_memory_budget
 def test_auto_budget_respects_the_selective_policy():
     from metaopt.passes.memory_estimate import estimate_memory
     from metaopt.passes.recompute import auto_checkpoints
