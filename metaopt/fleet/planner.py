@@ -6,10 +6,11 @@
     plans[0].peak_bytes       # the worst worker's predicted device peak
 
 Nothing runs and no worker starts. For each layout of the grid the rewrite of one worker per
-pipeline stage is made in this process (`fleet.simulate`: that worker's program, exactly), and
-its peak predicted by `estimate_memory` (`estimate_pipeline_memory` for a pipeline stage, which
-replays the schedule). A layout whose worst worker's peak exceeds `memory_per_device` is pruned,
-as is one the rewrite refuses (the refusal is the reason shown).
+pipeline stage is made in this process (`fleet.simulate`: that worker's program, exactly), and its
+peak predicted by `estimate_memory` (`estimate_pipeline_memory` for a pipeline stage, which replays
+the schedule): live bytes as the executor counts them, without kernels' own workspace. A layout
+whose worst worker's peak exceeds `memory_per_device` is pruned, as is one the rewrite refuses (the
+refusal is the reason shown).
 
 The grid: every split of `devices` into data-side x model x pipe degrees; the data side as data
 parallel or as ZeRO (sharding) at stages 1, 2 and 3; tensor parallel with the column and row
@@ -30,6 +31,7 @@ are not solved once (each layout is rewritten whole).
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from collections.abc import Iterable
@@ -274,7 +276,8 @@ def _evaluate(
             rank = _first_rank(topo, stage)
             env.simulate(devices, rank, strategy)
             p = program.clone()
-            opt = optimizer if optimizer is not None else Adam(learning_rate=1e-3)
+            # a fresh copy each time: minimize may bind an optimizer (and its schedule) to a program
+            opt = copy.deepcopy(optimizer) if optimizer is not None else Adam(learning_rate=1e-3)
             distributed_optimizer(opt, strategy).minimize(p.loss)
             if lay.pipe > 1:
                 peaks.append(estimate_pipeline_memory(p, batch=batch).peak_bytes)
