@@ -306,8 +306,9 @@ def _seconds(p: Program, dims: dict[str, int], rates: tuple) -> float:
     total = 0.0
     for op in p.ops:
         row = registry.get(op.type)
-        if row is not None and row.collective:
+        if row is not None and row.collective:  # its traffic, and its own compute (a ring's attention)
             total += latency + costs.comm_bytes(p, op, dims, nbytes) / link_s
+            total += costs.op_flops(p, op, dims) / flops_s
         elif row is None or not row.view:
             moved = sum(nbytes(x) for x in [*op.inputs, *op.outputs] if x)
             total += max(costs.op_flops(p, op, dims) / flops_s, moved / bytes_s)

@@ -13,7 +13,11 @@ from metaopt.ops import registry
 
 
 def _dim(d: Any, dims: dict) -> int:
-    return d if isinstance(d, int) else int(dims.get(d, 1))
+    """`d` under `dims` (a composite such as "6*batch" evaluated; an unbound one counts 1)."""
+    from metaopt.ir.program import eval_dim
+
+    got = eval_dim(d, dims)
+    return 1 if got is None else int(got)
 
 
 def _numel(p: Any, name: str, dims: dict) -> int:
@@ -37,16 +41,22 @@ def _matmul(p: Any, op: Any, dims: dict) -> float:
     return 2.0 * sum(_numel(p, o, dims) for o in op.outputs[:1]) * _dim(k, dims)
 
 
+def _keys(p: Any, op: Any, k: str, dims: dict) -> int:
+    """The keys each query attends to: k's sequence, or the whole one a ring's `length` attr names."""
+    if "length" in op.attrs:
+        return int(op.attrs["length"])
+    shape = _shape(p, k)
+    return _dim(shape[-2], dims) if shape else 0
+
+
 def _attention(p: Any, op: Any, dims: dict) -> float:
     """Q K^T and P V: 4 x q's elements x the keys (q, k, v first)."""
-    k = _shape(p, op.inputs[1])
-    return 4.0 * _numel(p, op.inputs[0], dims) * (_dim(k[-2], dims) if k else 0)
+    return 4.0 * _numel(p, op.inputs[0], dims) * _keys(p, op, op.inputs[1], dims)
 
 
 def _attention_grad(p: Any, op: Any, dims: dict) -> float:
     """2.5x the forward (dy first, then q, k, v): FlashAttention's backward, S recomputed."""
-    k = _shape(p, op.inputs[2])
-    return 10.0 * _numel(p, op.inputs[1], dims) * (_dim(k[-2], dims) if k else 0)
+    return 10.0 * _numel(p, op.inputs[1], dims) * _keys(p, op, op.inputs[2], dims)
 
 
 def _conv(p: Any, op: Any, dims: dict) -> float:

@@ -681,6 +681,12 @@ def _ringed(q: Program, op: Op, plan: SegmentPlan, mask_rows: dict[str, str]) ->
     out: list[Op] = []
     inputs = list(op.inputs[:4])
     mask = inputs[3] if len(inputs) > 3 else ""
+    rows = _shape(q, mask)[-2] if mask and _shape(q, mask) and len(_shape(q, mask)) >= 2 else None
+    if mask and rows not in (1, plan.length):  # unknown or another length: its rows cannot be placed
+        raise NotImplementedError(
+            f"context_parallel: `{fmt_op(op)}`'s mask {mask!r} has {rows!r} rows, neither one nor the "
+            f"sequence's {plan.length}: which rows are the local queries' is not known"
+        )
     if mask and _mask_rows(q, mask, plan):
         if mask not in mask_rows:
             mask_rows[mask] = names.fresh(names.sp_scattered(mask), q.vars)

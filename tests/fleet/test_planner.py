@@ -133,3 +133,21 @@ def test_layouts_describe_and_make_their_strategies():
     assert s.hybrid_configs["sharding_degree"] == 2 and s.hybrid_configs["dp_degree"] == 1
     assert s.sharding_configs["stage"] == 1 and s.tensor_parallel and s.pipeline and s.recompute
     assert lay.describe() == "sharding=2 (ZeRO-1) mp=2 pp=2 (4 micro-batches, 1F1B) recompute=full"
+
+
+def test_flops_read_composite_dims_and_a_rings_whole_sequence():
+    """The roofline's FLOPs (ops/costs.py): GPT-2's Conv1D Gemms have rows "12*batch" (evaluated,
+    not counted as 1), and a ring's queries attend over the whole sequence its `length` names."""
+    from metaopt.ir import Op, Program, Var
+    from metaopt.ops.costs import op_flops
+
+    p = Program("costs")
+    p.add_var(Var("x", "float32", ("12*batch", 32)))
+    p.add_var(Var("w", "float32", (32, 96), "param"), torch.zeros(32, 96))
+    p.add_var(Var("y", "float32", ("12*batch", 96)))
+    gemm = Op("Gemm", ["x", "w"], ["y"])
+    assert op_flops(p, gemm, {"batch": 4}) == 2.0 * 48 * 96 * 32
+    for name in ("q", "k", "v", "o"):
+        p.add_var(Var(name, "float32", (1, 2, 6, 8)))
+    ring = Op("RingAttention", ["q", "k", "v"], ["o"], {"length": 12})
+    assert op_flops(p, ring, {}) == 4.0 * (2 * 6 * 8) * 12

@@ -169,3 +169,24 @@ def test_layouts_place_every_position_once():
     assert positions(8, 2, 1, "zigzag").tolist() == [2, 3, 4, 5]
     with pytest.raises(ValueError, match="not divisible into 4 runs"):
         runs(6, 2, 0, "zigzag")
+
+
+def test_everything_dropped_gives_zeros_and_draws_nothing(monkeypatch):
+    """dropout_p = 1: zeros, as one process's attention gives, and no draw from the generator
+    (one process's draws none either, so the streams stay in step)."""
+    monkeypatch.setattr(cp, "keep_mask", lambda *a: pytest.fail("a mask was drawn at dropout_p = 1"))
+    q = torch.randn(1, 2, 8, 4, dtype=torch.float64)
+    y, lse, keep = cp.ring_attention(q, q, q, None, dropout_p=1.0, group=[0], _rt=None, _key="t", _nout=3)
+    assert torch.equal(y, torch.zeros_like(y)) and not keep.any()
+    attrs = {"dropout_p": 1.0, "group": [0], "_rt": None, "_key": "t"}
+    dq, dk, dv = cp.ring_attention_grad(torch.ones_like(q), q, q, q, y, None, lse, keep, **attrs)
+    assert torch.equal(dv, torch.zeros_like(dv))
+
+
+def test_a_mask_that_is_not_the_local_queries_rows_is_refused():
+    """A whole [s, s] mask read with local row offsets would apply other queries' rows: named."""
+    q = torch.randn(1, 2, 8, 4)
+    whole = torch.zeros(1, 1, 16, 16)  # the whole sequence's rows, on a rank holding 8 of 16
+    board = _Board(2)
+    with pytest.raises(ValueError, match=r"mask of shape \[1, 1, 16, 16\] is not the rows of the 8 local"):
+        cp.ring_attention(q, q, q, whole, group=[0, 1], _rt=board.runtime(0), _key="t")

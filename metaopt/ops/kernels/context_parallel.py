@@ -87,6 +87,17 @@ def _blocks(mask: torch.Tensor | None, q_runs, k_runs):  # noqa: ANN001, ANN202
         q_at += qn
 
 
+def _checked_mask(mask: torch.Tensor | None, sq: int, length: int) -> torch.Tensor | None:
+    """The mask must hold the local queries' rows (or one row for all) over the global keys: a
+    whole [.., s, s] mask read with local row offsets would apply other queries' rows, silently."""
+    if mask is not None and (mask.shape[-2] not in (1, sq) or mask.shape[-1] not in (1, length)):
+        raise ValueError(
+            f"{_RING}: its mask of shape {list(mask.shape)} is not the rows of the {sq} local queries "
+            f"(or one row) over the {length} keys; context parallel's pass scatters a mask's rows"
+        )
+    return mask
+
+
 def _keep_rows(
     shape: tuple,
     length: int,
@@ -178,13 +189,14 @@ def ring_attention(
     if length is not None and length != sq * n:
         raise ValueError(f"{_RING}: {sq} local queries on each of {n} ranks are not the sequence of {length}")
     length = sq * n
-    mask = _mask4(attn_mask, q.dtype)
+    mask = _checked_mask(_mask4(attn_mask, q.dtype), sq, length)
     wide = _wide(q.dtype)
     keep = None
-    if dropout_p > 0.0:
+    if dropout_p >= 1.0:  # everything dropped, nothing drawn (one process's attention draws none)
+        keep = torch.zeros((b, h, sq, length), dtype=torch.bool, device=q.device)
+    elif dropout_p > 0.0:
         keep = _keep_rows(q.shape, length, n, me, layout, dropout_p, q.device, heads_group)
-    if dropout_p >= 1.0:
-        keep = torch.zeros_like(keep)
+    drop = 1.0 / (1.0 - dropout_p) if dropout_p < 1.0 else 0.0
     q_runs = runs(length, n, me, layout)
     m = torch.full((b, h, sq, 1), -torch.inf, dtype=wide, device=q.device)
     l = torch.zeros((b, h, sq, 1), dtype=wide, device=q.device)  # noqa: E741
@@ -205,7 +217,7 @@ def ring_attention(
             e = torch.exp(s - shift)
             l[:, :, qa : qa + qn] = l[:, :, qa : qa + qn] * alpha + e.sum(-1, keepdim=True)
             if keep is not None:
-                e = e * keep[:, :, qa : qa + qn, ka : ka + kn] * (1.0 / (1.0 - dropout_p))
+                e = e * keep[:, :, qa : qa + qn, ka : ka + kn] * drop
             pv = torch.matmul(e, vw[:, :, kb : kb + kn])
             acc[:, :, qa : qa + qn] = acc[:, :, qa : qa + qn] * alpha + pv
             m[:, :, qa : qa + qn] = m_new
@@ -251,7 +263,7 @@ def ring_attention_grad(
     n = len(ranks)
     sq = q.shape[2]
     total = sq * n
-    m4 = _mask4(attn_mask, q.dtype)
+    m4 = _checked_mask(_mask4(attn_mask, q.dtype), sq, total)
     wide = _wide(q.dtype)
     qw, dyw = q.to(wide), dy.to(wide)
     delta = (dyw * y.to(wide)).sum(-1, keepdim=True)
