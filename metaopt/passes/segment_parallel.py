@@ -381,6 +381,13 @@ def _plan_exchanges(p: Program, plan: SegmentPlan) -> None:
         if rule is not None and rule.exchange:
             rank = len(_shape(p, op.inputs[0]))
             plan.exchanges.append(Exchange(i, rank - 3, rank - 2))
+            mask = op.inputs[3] if len(op.inputs) > 3 else ""
+            rows = _mask_rows(p, mask)
+            if plan.ring and mask and rows not in (1, plan.length):  # unknown, or another length
+                raise NotImplementedError(
+                    f"context_parallel: `{fmt_op(op)}`'s mask {mask!r} has {rows!r} rows, neither one nor "
+                    f"the sequence's {plan.length}: which rows are the local queries' is not known"
+                )
 
 
 def _plan_losses(p: Program, plan: SegmentPlan) -> None:
@@ -514,7 +521,8 @@ def _describe(p: Program, plan: SegmentPlan) -> None:
         op = p.ops[e.op]
         if plan.ring:
             mask = op.inputs[3] if len(op.inputs) > 3 and op.inputs[3] else ""
-            rows = f"; mask {mask}: its rows of the local queries" if _mask_rows(p, mask, plan) else ""
+            spans = _mask_rows(p, mask) == plan.length
+            rows = f"; mask {mask}: its rows of the local queries" if spans else ""
             hops = f"{plan.degree - 1} hop" + ("s" if plan.degree > 2 else "")
             ev.append(f"ring     {op.outputs[0]}: the local queries over the whole sequence, k and v round "
                       f"the ring ({hops}; RingAttention){rows}")  # fmt: skip
@@ -668,10 +676,11 @@ def _exchanged(q: Program, op: Op, e: Exchange, plan: SegmentPlan) -> list[Op]:
     return out
 
 
-def _mask_rows(p: Program, mask: str, plan: SegmentPlan) -> bool:
-    """Whether attention's `mask` spans the queries (dim -2 the whole sequence): its rows are scattered."""
+def _mask_rows(p: Program, mask: str) -> int | str | None:
+    """How many rows attention's `mask` has (dim -2; None: no mask, or not known). One spanning
+    the sequence has its rows scattered before a ring."""
     shape = _shape(p, mask) if mask else None
-    return shape is not None and len(shape) >= 2 and shape[-2] == plan.length
+    return shape[-2] if shape is not None and len(shape) >= 2 else None
 
 
 def _ringed(q: Program, op: Op, plan: SegmentPlan, mask_rows: dict[str, str]) -> list[Op]:
@@ -681,13 +690,7 @@ def _ringed(q: Program, op: Op, plan: SegmentPlan, mask_rows: dict[str, str]) ->
     out: list[Op] = []
     inputs = list(op.inputs[:4])
     mask = inputs[3] if len(inputs) > 3 else ""
-    rows = _shape(q, mask)[-2] if mask and _shape(q, mask) and len(_shape(q, mask)) >= 2 else None
-    if mask and rows not in (1, plan.length):  # unknown or another length: its rows cannot be placed
-        raise NotImplementedError(
-            f"context_parallel: `{fmt_op(op)}`'s mask {mask!r} has {rows!r} rows, neither one nor the "
-            f"sequence's {plan.length}: which rows are the local queries' is not known"
-        )
-    if mask and _mask_rows(q, mask, plan):
+    if mask and _mask_rows(q, mask) == plan.length:  # the plan refused any other row count
         if mask not in mask_rows:
             mask_rows[mask] = names.fresh(names.sp_scattered(mask), q.vars)
             shape = list(q.vars[mask].shape)

@@ -83,6 +83,13 @@ def test_refusals_name_the_cause(gpt2):
     assert len(plan.exchanges) == 2
     with pytest.raises(SegmentParallelError, match="cannot be exchanged"):
         plan_segment_parallel(gpt2, degree=3, group=[0, 1, 2])
+    unknown = gpt2.clone()  # a mask whose rows the IR does not know: which are the local queries'?
+    mask = next(op.inputs[3] for op in unknown.ops if op.type == "ScaledDotProductAttention")
+    unknown.vars[mask].shape = None
+    with pytest.raises(
+        NotImplementedError, match=r"mask .* has None rows, neither one nor the sequence's 12"
+    ):
+        plan_context_parallel(unknown, degree=2, group=[0, 1])
     with pytest.raises(ValueError, match="make it with plan_context_parallel"):
         context_parallel(gpt2, plan=plan_segment_parallel(gpt2, degree=2, group=[0, 1]))
 

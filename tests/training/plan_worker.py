@@ -30,10 +30,7 @@ def main() -> None:
     program = export_cache.export(module, inputs, **kwargs)
     fleet.distributed_optimizer(metaopt.optimizer.Adam(learning_rate=1e-3), strategy).minimize(program.loss)
     hcg = fleet.get_hybrid_communicate_group()
-    side = (
-        hcg.get_data_parallel_rank() * hcg.get_sharding_parallel_world_size()
-        + hcg.get_sharding_parallel_rank()
-    )
+    side = sp_worker.data_side_rank(hcg)
     share = global_batch // layout.data
     full = sp_worker.batch("hf-gpt2", 0)
     whole = {k: v.repeat(-(-global_batch // v.shape[0]), 1)[:global_batch] for k, v in full.items()}

@@ -54,14 +54,6 @@ def strategy(
     return sp_worker.with_amp_and_recompute(s, name, amp, recompute)
 
 
-def _replica(hcg) -> int:  # noqa: ANN001
-    """This worker's share of the step's batch: its place on the data-side axes (data, sharding)."""
-    return (
-        hcg.get_data_parallel_rank() * hcg.get_sharding_parallel_world_size()
-        + hcg.get_sharding_parallel_rank()
-    )
-
-
 def train_pipeline(case: str, sep: str) -> dict:
     """The losses of 3 steps at a pipeline beside the sequence split (fetched on the last stage)."""
     name = case.partition(":")[0]
@@ -92,7 +84,9 @@ def train(case: str, dp: int, sep: str) -> dict:
     opt.minimize(program.loss)
     hcg = fleet.get_hybrid_communicate_group()
     feeds = [
-        sp_worker.replica_batch(name, step, _replica(hcg), dp * hcg.get_sharding_parallel_world_size())
+        sp_worker.replica_batch(
+            name, step, sp_worker.data_side_rank(hcg), dp * hcg.get_sharding_parallel_world_size()
+        )
         for step in range(tp_worker.STEPS)
     ]
     _, got = sp_worker.run_steps(program, feeds, sp_worker.batch(name, sp_worker.HELD_OUT))

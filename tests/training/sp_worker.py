@@ -102,6 +102,14 @@ def train_layout(case: str, layout: str) -> dict:
     return {"losses": losses, "replica": hcg.get_sharding_parallel_rank() if layout != "pp" else 0}
 
 
+def data_side_rank(hcg) -> int:  # noqa: ANN001
+    """This worker's share of the step's batch: its place on the data-side axes (data, sharding)."""
+    return (
+        hcg.get_data_parallel_rank() * hcg.get_sharding_parallel_world_size()
+        + hcg.get_sharding_parallel_rank()
+    )
+
+
 def replica_batch(name: str, step: int, dp_rank: int, dp: int) -> dict[str, torch.Tensor]:
     full = batch(name, step)
     n = next(iter(full.values())).shape[0] // dp

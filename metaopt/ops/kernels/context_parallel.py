@@ -34,7 +34,7 @@ import torch
 
 from metaopt.ops.kernels.attention import _mask4, keep_mask
 from metaopt.ops.kernels.partition import group_ranks
-from metaopt.ops.kernels.sequence_parallel import runs, take
+from metaopt.ops.kernels.sequence_parallel import group_members, runs, take
 from metaopt.ops.registry import register_collective
 from metaopt.ops.rng_streams import drawn, mp_rank
 
@@ -46,13 +46,9 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
 
 
 def _members(group: list[int] | str, rt) -> tuple[list[int], int]:  # noqa: ANN001
-    ranks = group_ranks(group, _RING)
-    if len(ranks) == 1:
-        return ranks, 0
-    rank = rt.comm.rank
-    if rank not in ranks:
-        raise ValueError(f"{_RING}: this worker (rank {rank}) is not in its cp group {ranks}")
-    return ranks, ranks.index(rank)
+    """(the cp group's ranks, this worker's index); a group of one runs without a communicator."""
+    members = group_members(group, rt, _RING)
+    return members if members is not None else (group_ranks(group, _RING), 0)
 
 
 def _shift(tensors: list[torch.Tensor], ranks: list[int], me: int, rt, what: str) -> list[torch.Tensor]:  # noqa: ANN001

@@ -63,7 +63,7 @@ def _reduce_scatter_grad(g, op, dy):
                     backward="reduce_scatter")]  # fmt: skip
 
 
-def _members(group: list[int] | str, rt, op: str) -> tuple[list[int], int] | None:  # noqa: ANN001
+def group_members(group: list[int] | str, rt, op: str) -> tuple[list[int], int] | None:  # noqa: ANN001
     """(the group's ranks, ascending; this worker's index among them), or None for a group of
     one: the identity, which runs without torch.distributed."""
     ranks = group_ranks(group, op)
@@ -149,7 +149,7 @@ def assemble(pieces: list[torch.Tensor], axis: int, layout: str = "contiguous") 
 def sp_scatter(
     x: torch.Tensor, axis: int, group: list[int] | str, _rt, _key: str, layout: str = "contiguous"
 ) -> torch.Tensor:
-    members = _members(group, _rt, "SPScatter")
+    members = group_members(group, _rt, "SPScatter")
     if members is None:
         return x.clone()
     ranks, me = members
@@ -173,7 +173,7 @@ def sp_gather(
     backward: str = "scatter",
     layout: str = "contiguous",
 ) -> torch.Tensor:
-    members = _members(group, _rt, "SPGather")
+    members = group_members(group, _rt, "SPGather")
     if members is None:
         return x.clone()
     ranks, _ = members
@@ -189,7 +189,7 @@ def sp_gather(
     notes="sequence parallel: a partial sum reduced over the model-parallel group, this rank's chunk kept",
 )
 def sp_reduce_scatter(x: torch.Tensor, axis: int, group: list[int] | str, _rt, _key: str) -> torch.Tensor:
-    members = _members(group, _rt, "SPReduceScatter")
+    members = group_members(group, _rt, "SPReduceScatter")
     if members is None:
         return x.clone()
     ranks, _ = members
