@@ -182,6 +182,65 @@ def make_optimizer(opt: str, clip: bool) -> metaopt.optimizer.Optimizer:
     return metaopt.optimizer.Adam(learning_rate=1e-2, **kw)  # adam, and lamb (strategy.lamb)
 
 
+COLLECTIVE_PEAKS = "collectives-host-peak"
+SLICE = 4 * 2**20  # float32 elements of each worker's part: 16 MB
+
+
+def collective_peaks(rank: int, world: int) -> dict:
+    """ZeRO's two collectives on gloo, as ShardGather and ReduceScatter call them, with this
+    process's peak RSS (VmHWM, reset through /proc/self/clear_refs) measured around each: the
+    bytes each held at once beyond what it started with. {} where the kernel refuses the reset.
+    glibc is told to map every block of 64 KiB or more on its own (what MALLOC_MMAP_THRESHOLD_
+    does for a whole process): by default it keeps freed 16 MB blocks for reuse after the first,
+    and the peak would count its cache, not what the collective holds."""
+    import ctypes
+
+    from metaopt.runtime.comm import Communicator
+
+    ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD
+
+    comm = Communicator(torch.device("cpu"))
+    mine = torch.full((SLICE,), float(rank + 1))
+    base = torch.arange(world * SLICE).remainder_(1000).float()  # small integers: sums exact in any order
+    grad = base * (rank + 1)  # each worker's own
+
+    def measured(fn):
+        fleet.barrier_worker()
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            return None, None
+        before = _rss("VmRSS")
+        got = fn()
+        return got, _rss("VmHWM") - before
+
+    whole = torch.empty(world * SLICE)  # made before: the destination is the caller's
+    whole.zero_()
+    _, gather_peak = measured(
+        lambda: comm.all_gather_pieces(
+            [mine], [[whole[j * SLICE : (j + 1) * SLICE]] for j in range(world)], "x"
+        )
+    )
+    if gather_peak is None:
+        return {}
+    rows = lambda j: grad[j * SLICE : (j + 1) * SLICE].clone()  # noqa: E731 - the kernel's row maker
+    reduced, scatter_peak = measured(lambda: comm.reduce_scatter_rows(rows, "avg", "g"))
+    return {
+        "gather_peak": gather_peak,
+        "scatter_peak": scatter_peak,
+        "gathered_ok": all(bool((whole[j * SLICE : (j + 1) * SLICE] == j + 1).all()) for j in range(world)),
+        "reduced": reduced,
+        "want_reduced": base[rank * SLICE : (rank + 1) * SLICE] * (sum(range(1, world + 1)) / world),
+    }
+
+
+def _rss(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
 def main() -> None:
     out, cases = sys.argv[1], sys.argv[2:]
     init = None
@@ -192,7 +251,10 @@ def main() -> None:
     fleet.init(is_collective=True, strategy=init)
     rank, world = fleet.worker_index(), fleet.worker_num()
     for case in cases:
-        torch.save(train_case(case, rank, world, out), f"{out}/{case}.rank{rank}.pt")
+        got = (
+            collective_peaks(rank, world) if case == COLLECTIVE_PEAKS else train_case(case, rank, world, out)
+        )
+        torch.save(got, f"{out}/{case}.rank{rank}.pt")
     fleet.barrier_worker()
 
 

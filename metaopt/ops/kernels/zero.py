@@ -79,23 +79,32 @@ def reduce_scatter(
     held until then."""
     ranks, _ = sharding_ranks(group, parts, _rt, "ReduceScatter")
     lengths = [slice_length(x.numel(), parts) for x in xs]
-    rows = torch.zeros(parts, sum(lengths), dtype=xs[0].dtype, device=xs[0].device)
-    at = 0
-    for x, n in zip(xs, lengths, strict=True):
-        # row r of the column block is chunk r of x (the padding stays zero)
-        block = torch.zeros(parts * n, dtype=x.dtype, device=x.device)
-        block[: x.numel()] = x.reshape(-1)
-        rows[:, at : at + n] = block.view(parts, n)
-        at += n
+    what = f"{len(xs)} grad(s) ({_key}, ...)"
+    if parts > 1 and not overlap:  # row by row: the whole buffer never exists (`reduce_scatter_rows`)
+        mine = _rt.comm.reduce_scatter_rows(lambda j: chunk_row(xs, lengths, parts, j), reduce, what, ranks)
+        return tuple(mine.split(lengths))
+    rows = torch.stack([chunk_row(xs, lengths, parts, j) for j in range(parts)])
     if parts == 1:
         if not overlap:
             return tuple(rows[0].split(lengths))
         outs = tuple(rows[0].clone().split(lengths))
         _rt.comm.done_without_comm(outs)
         return (*outs, rows)
-    what = f"{len(xs)} grad(s) ({_key}, ...)"
-    mine = _rt.comm.reduce_scatter(rows.reshape(-1), reduce, what, ranks, overlap=bool(overlap))
-    return (*mine.split(lengths), rows) if overlap else tuple(mine.split(lengths))
+    mine = _rt.comm.reduce_scatter(rows.reshape(-1), reduce, what, ranks, overlap=True)
+    return (*mine.split(lengths), rows)
+
+
+def chunk_row(xs: tuple[torch.Tensor, ...], lengths: list[int], parts: int, j: int) -> torch.Tensor:
+    """Chunk `j` of `parts` of each of `xs` flattened (`take_slice`'s layout: `lengths[i]`
+    elements each, the end zero-padded), one after another, as new storage."""
+    row = torch.empty(sum(lengths), dtype=xs[0].dtype, device=xs[0].device)
+    at = 0
+    for x, n in zip(xs, lengths, strict=True):
+        piece = x.reshape(-1)[j * n : (j + 1) * n]
+        row[at : at + piece.numel()] = piece
+        row[at + piece.numel() : at + n] = 0
+        at += n
+    return row
 
 
 @register_collective(
@@ -116,14 +125,34 @@ def shard_gather(
         raise ValueError(f"ShardGather: {len(slices)} inputs but {len(shapes)} shapes (ndims={ndims})")
     if parts == 1:
         return tuple(join_slices([s], shape) for s, shape in zip(slices, shapes, strict=True))
-    flat = torch.cat([s.reshape(-1) for s in slices]) if len(slices) > 1 else slices[0].reshape(-1)
-    rows = _rt.comm.all_gather(flat, f"{len(slices)} param slice(s) ({_key}, ...)", ranks)
-    out, at = [], 0
-    for s, shape in zip(slices, shapes, strict=True):
-        n = s.numel()
-        out.append(join_slices([row[at : at + n] for row in rows], shape))
-        at += n
-    return tuple(out)
+    # each tensor whole in its own storage, every worker's chunk received in place (the
+    # padding of the last chunks dropped as it lands): no second copy of the gathered values
+    numels = [_numel(shape, parts * s.numel()) for s, shape in zip(slices, shapes, strict=True)]
+    wholes = [torch.empty(n, dtype=s.dtype, device=s.device) for s, n in zip(slices, numels, strict=True)]
+    dests = [
+        [w[j * s.numel() : (j + 1) * s.numel()] for w, s in zip(wholes, slices, strict=True)]
+        for j in range(parts)
+    ]
+    _rt.comm.all_gather_pieces(
+        [s.reshape(-1) for s in slices], dests, f"{len(slices)} param slice(s) ({_key}, ...)", ranks
+    )
+    return tuple(w.view(_dims(shape, n)) for w, shape, n in zip(wholes, shapes, numels, strict=True))
+
+
+def _numel(shape: list[int], total: int) -> int:
+    """The elements of a value of `shape` whose padded chunks hold `total` (`join_slices`'s
+    rule for a -1 dim known only at run time)."""
+    known = 1
+    for d in shape:
+        known *= d if d != -1 else 1
+    return (total // known) * known if -1 in shape else known
+
+
+def _dims(shape: list[int], numel: int) -> list[int]:
+    known = 1
+    for d in shape:
+        known *= d if d != -1 else 1
+    return [numel // known if d == -1 else d for d in shape]
 
 
 def flatten_shapes(shapes: list[list[int]]) -> dict[str, list[int]]:
