@@ -30,6 +30,7 @@ from metaopt.frontend.onnx_import import ImportOptions
 from metaopt.frontend.shape_probe import probe_shapes
 from metaopt.ir import Program, Var, dtype_name
 from metaopt.progress import timed
+from metaopt.runtime.memory import return_freed_host_memory
 
 BATCH = "batch"
 _LOG = logging.getLogger("metaopt.export")  # each phase's seconds at INFO (metaopt.progress)
@@ -103,6 +104,8 @@ def export(
     program.derived = frozenset(n for n in _non_persistent(module) if n in program.vars)
     if dynamic_batch:
         probe_shapes(program, BATCH)
+    del ep, onnx_program
+    return_freed_host_memory()  # the traces are garbage now: each worker keeps only the program
     return program
 
 
