@@ -13,10 +13,13 @@ with only its share of a Hugging Face folder, against torch eager on the whole m
    (persistable bytes) beside `estimate_memory`'s host account.
    - zero3: sharding_degree 4, stage 3;
    - tp2-sh2: mp_degree 2 x sharding_degree 2, stage 3 (Megatron column/row split of q/k/v/gate/up
-     and o/down);
+     and o/down, the embedding and the head split by vocab rows);
    - pp2-sh2: pp_degree 2 x sharding_degree 2, stage 1 (a 1F1B pipeline of 2 micro-batches; a
-     pipeline refuses stages 2 and 3);
-   - "-uib": with strategy.optimizer_in_backward (each grad slice freed at its update).
+     pipeline refuses stages 2 and 3): each stage's params whole are half the model already, and
+     its 4 workers were killed by this 24 GiB machine's OOM killer (2026-12-06), so it is not
+     among the defaults;
+   - "-uib": with strategy.optimizer_in_backward (each grad slice freed at its update);
+   - "-rc" (after "-uib"): with recompute per decoder layer.
 
 The table: per layout, the largest relative loss difference from eager and the largest worker
 peak RSS as a fraction of the model's bytes (the bar: below 0.5).
@@ -39,12 +42,14 @@ ROOT = HERE.parent
 STEPS = 2
 BATCH, SEQ = 2, 32
 LR = 0.05
-LAYOUTS = ("zero3", "zero3-uib", "tp2-sh2-uib", "pp2-sh2")
+LAYOUTS = ("zero3-uib-rc", "tp2-sh2-uib-rc")  # the README's table; pp2-sh2 by --layouts (see its doc)
+GLIBC = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")  # reported: they change the RSS
 COLUMN = [f"m.model.layers.*.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj")] + [
     "m.model.layers.*.mlp.gate_proj",
     "m.model.layers.*.mlp.up_proj",
 ]
 ROW = ["m.model.layers.*.self_attn.o_proj", "m.model.layers.*.mlp.down_proj"]
+VOCAB = ["m.model.embed_tokens", "m.lm_head"]  # Megatron's vocab-parallel embedding and head + loss
 
 
 def config(layers: int):
@@ -124,6 +129,10 @@ def strategy(layout: str):
     from metaopt import fleet
 
     s = fleet.DistributedStrategy()
+    if layout.endswith("-rc"):  # recompute per layer: each keeps its input, not its activations
+        s.recompute = True
+        s.recompute_configs = {"checkpoints": ["m.model.layers.*"]}
+    layout = layout.removesuffix("-rc")
     s.optimizer_in_backward = layout.endswith("-uib")  # each grad slice freed at its update
     layout = layout.removesuffix("-uib")
     if layout == "zero3":
@@ -132,7 +141,7 @@ def strategy(layout: str):
     elif layout == "tp2-sh2":
         s.hybrid_configs = {"mp_degree": 2, "sharding_degree": 2}
         s.tensor_parallel = True
-        s.tensor_parallel_configs = {"column": COLUMN, "row": ROW}
+        s.tensor_parallel_configs = {"column": COLUMN, "row": ROW, "vocab": VOCAB}
         s.sharding_configs = {"stage": 3}
     else:
         s.hybrid_configs = {"pp_degree": 2, "sharding_degree": 2}
@@ -262,7 +271,8 @@ def main() -> None:
             "ranks": ranks,
         }
     size = f"{ref['params'] / 1e9:.3f}B params ({model_bytes / 1e9:.2f} GB float32)"
-    print(f"\nLLaMA-shaped, {size}, 4 gloo workers")
+    glibc = {k: os.environ[k] for k in GLIBC if k in os.environ}
+    print(f"\nLLaMA-shaped, {size}, 4 gloo workers; glibc: {glibc or 'defaults'}")
     print(f"eager reference: losses {ref['losses']}, peak RSS {ref['peak_rss'] / 1e9:.2f} GB")
     print(
         f"{'layout':10} {'max rel loss diff':>18} {'worker peak RSS':>16} {'/ model bytes':>14} {'< 0.5':>6}"
@@ -278,7 +288,10 @@ def main() -> None:
 
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(
-        json.dumps({"machine": machine(torch.device("cpu")), "reference": ref, "layouts": rows}, indent=2)
+        json.dumps(
+            {"machine": machine(torch.device("cpu")), "glibc": glibc, "reference": ref, "layouts": rows},
+            indent=2,
+        )
     )
 
 

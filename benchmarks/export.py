@@ -39,6 +39,11 @@ def child(side: str, width: int, layers: int) -> dict:
     import metaopt  # before transformers: it makes a mismatched torchvision importable
 
     transformers = __import__("transformers")
+    # what the build and both exporters would import on first use: modules, not copies of values,
+    # and the same on both sides (they were counted in the peak before: 2026-12-06's table)
+    __import__("transformers.models.gpt2.modeling_gpt2")
+    __import__("torch.onnx._internal.exporter._core")
+    __import__("onnxscript")
 
     torch.set_num_threads(2)
     cfg = transformers.GPT2Config(n_embd=width, n_layer=layers, n_head=width // 64, n_positions=128)
