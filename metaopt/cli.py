@@ -2,6 +2,8 @@
 `python -m metaopt memory SOURCE --batch N --out DIR`: the memory picture of one step
 (`metaopt.report`): live bytes over the ops, measured and predicted, and what is alive at
 the peak; a PNG and an HTML page (hover for each op) under DIR.
+`python -m metaopt plan SOURCE --devices N --memory 80GiB --global-batch B`: `fleet.plan`'s
+ranked layouts of a job that fit (docs/planning.md), and what pruned the others.
 
 SOURCE is an ONNX file, or ``module:function`` / ``module:function(args)`` (literal
 arguments only) returning a Program or a ``(torch.nn.Module, inputs)`` pair.
@@ -85,9 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     show.add_argument("--summary-only", action="store_true", help="print only the summary")
     _add_memory_parser(sub)
     _add_schedule_parser(sub)
+    _add_plan_parser(sub)
     args = ap.parse_args(argv)
     try:
-        return {"memory": _memory, "schedule": _schedule}.get(args.cmd, _show)(args)
+        return {"memory": _memory, "schedule": _schedule, "plan": _plan}.get(args.cmd, _show)(args)
     except Exception as e:  # noqa: BLE001 - the CLI's one line; --debug shows the rest
         if args.debug:
             raise
@@ -190,3 +193,47 @@ def _memory(args: argparse.Namespace) -> int:
         return 1
     sys.stdout.write("".join(f"# wrote {f}\n" for f in files))
     return 0
+
+
+_OPTIMIZERS = ("adam", "adamw", "sgd", "momentum")
+
+
+def _add_plan_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
+    pl = sub.add_parser(
+        "plan",
+        help="the layouts of a job that fit each device's memory, fastest first (fleet.plan)",
+    )
+    pl.add_argument("source", help="model.onnx (a forward program with its loss), or module:function[(args)]")
+    pl.add_argument("--devices", type=int, required=True, help="workers of the job")
+    pl.add_argument("--memory", required=True, help="each device's memory: bytes, or 80GiB, 16GB, 512MiB")
+    pl.add_argument("--global-batch", type=int, required=True, help="samples per step over the whole job")
+    pl.add_argument(
+        "--optimizer", default="adam", choices=_OPTIMIZERS, help="what minimize applies (default adam)"
+    )
+    pl.add_argument("--top", type=int, default=None, help="print only the best N plans (default: all)")
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import metaopt
+    from metaopt import fleet
+
+    program = resolve_source(args.source, training=True)
+    optimizer = {
+        "adam": metaopt.optimizer.Adam,
+        "adamw": metaopt.optimizer.AdamW,
+        "sgd": metaopt.optimizer.SGD,
+        "momentum": metaopt.optimizer.Momentum,
+    }[args.optimizer](learning_rate=1e-3)
+    plans = fleet.plan(
+        program,
+        devices=args.devices,
+        memory_per_device=args.memory,
+        global_batch=args.global_batch,
+        optimizer=optimizer,
+    )
+    if args.top is not None:
+        plans = fleet.Plans(plans[: args.top], plans.pruned, plans.header)
+    sys.stdout.write(f"{plans}\n")
+    if plans:
+        sys.stdout.write(f"# best: {plans[0].describe()}\n")
+    return 0 if plans else 1

@@ -17,16 +17,17 @@ parallel or as ZeRO (sharding) at stages 1, 2 and 3; tensor parallel with the co
 layers found by ``"auto"``; pipelines of 1F1B with as many and twice as many micro-batches as
 stages; recompute none or full (checkpoints ``"auto"``).
 
-The time (`Plan.step_seconds`) is a roofline over the worker's own program, every op of its step
-(forward, backward, recompute, optimizer): each op takes max(FLOPs / `device_flops`, bytes /
-`device_bytes_per_s`), its FLOPs by its row's rule (ops/costs.py: MatMul, Gemm, Linear, Conv,
-attention and their grads, which are ops of the program too), its bytes the inputs and outputs
-it touches; each collective takes `link_latency_s` + its bytes over the ring (2 (n-1)/n of them
-for an all-reduce) / `link_bytes_per_s`; a pipeline's step is (micro-batches + stages - 1) times
-its stage's micro-batch (1F1B's bubble). The rates are declared, not measured: calibrating them
-on a device (a profile per op signature) is not built yet, nor the search over offload,
-interleaved / zero-bubble schedules, expert parallel, AMP and per-stage recompute; identical layers
-are not solved once (each layout is rewritten whole).
+The time (`Plan.step_seconds`) is the time model of fleet/calibrate.py over the worker's own
+program, every op of its step (forward, backward, recompute, optimizer): each op costs a fixed
+`op_seconds` (dispatch) + its FLOPs / `device_flops` + the bytes it touches / `device_bytes_per_s`,
+its FLOPs by its row's rule (ops/costs.py: MatMul, Gemm, Linear, Conv, attention and their grads,
+which are ops of the program too); each collective takes `link_latency_s` + its bytes over the
+ring (2 (n-1)/n of them for an all-reduce) / `link_bytes_per_s`; a pipeline's step is
+(micro-batches + stages - 1) times its stage's micro-batch (1F1B's bubble). The rates are
+`fleet.calibrate.calibrate`'s, measured on the device (``rates=``), or declared (a roofline's
+guesses). Not built yet: the search over offload, interleaved / zero-bubble schedules, expert
+parallel, AMP and per-stage recompute; overlap of communication with compute in the time model;
+identical layers solved once (each layout is rewritten whole).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from typing import Any
 import torch
 
 from metaopt.fleet import env
+from metaopt.fleet.calibrate import Rates, op_cost
 from metaopt.fleet.strategy import DistributedStrategy
 from metaopt.ir import Program
 from metaopt.layout.topology import AXES, Topology
@@ -199,25 +201,35 @@ def plan(
     device_bytes_per_s: float = 1e11,
     link_bytes_per_s: float = 1e10,
     link_latency_s: float = 1e-5,
+    rates: Rates | None = None,
+    compute_units: int | None = None,
 ) -> Plans:
     """The layouts of a `devices`-worker job that fit `memory_per_device` each, best first
     (module doc). `program_or_module`: an exported forward program (its loss set), or a torch
-    module exported here with `example_args`. `optimizer`: what minimize applies (default Adam);
-    the rates: the roofline's (module doc)."""
+    module exported here with `example_args`. `optimizer`: what minimize applies (default Adam).
+    The time model's figures: `rates` (`fleet.calibrate`: measured on the device), else the four
+    declared ones (a roofline without a per-op cost). `compute_units`: how many compute units the
+    workers share where they outnumber them (a CPU's cores; default: one per device, as GPUs)."""
     devices = _count(devices, "devices", MAX_DEVICES)
     budget = parse_bytes(memory_per_device)
     global_batch = _count(global_batch, "global_batch", 1 << 40)
-    rates = (device_flops, device_bytes_per_s, link_bytes_per_s, link_latency_s)
-    names = ("device_flops", "device_bytes_per_s", "link_bytes_per_s", "link_latency_s")
-    for name, rate in zip(names, rates, strict=True):
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf:
-            raise PlanError(f"fleet.plan: {name} must be a positive finite number, got {rate!r}")
+    if rates is None:
+        declared = (device_flops, device_bytes_per_s, link_bytes_per_s, link_latency_s)
+        names = ("device_flops", "device_bytes_per_s", "link_bytes_per_s", "link_latency_s")
+        for name, rate in zip(names, declared, strict=True):
+            if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf:
+                raise PlanError(f"fleet.plan: {name} must be a positive finite number, got {rate!r}")
+        rates = Rates(device_flops, device_bytes_per_s, 0.0, link_bytes_per_s, link_latency_s)
+    if compute_units is not None:
+        compute_units = _count(compute_units, "compute_units", MAX_DEVICES)
+    if not isinstance(rates, Rates):
+        raise PlanError(f"fleet.plan: rates must be a fleet.calibrate.Rates, got {type(rates).__name__}")
     program = _program(program_or_module, example_args)
     layouts, pruned = grid(devices, global_batch)
     plans = []
     for lay in layouts:
         try:
-            peaks, seconds = _evaluate(program, lay, devices, global_batch, optimizer, rates)
+            peaks, seconds = _evaluate(program, lay, devices, global_batch, optimizer, rates, compute_units)
         except (ValueError, NotImplementedError, RuntimeError) as e:
             pruned.append((lay, f"refused: {str(e).splitlines()[0][:200]}"))
             continue
@@ -256,7 +268,13 @@ def _program(program_or_module: Any, example_args: tuple | None) -> Program:
 
 
 def _evaluate(
-    program: Program, lay: Layout, devices: int, global_batch: int, optimizer: Any, rates: tuple
+    program: Program,
+    lay: Layout,
+    devices: int,
+    global_batch: int,
+    optimizer: Any,
+    rates: Rates,
+    compute_units: int | None,
 ) -> tuple[list[int], float]:
     """Each pipeline stage's first worker rewritten here (`fleet.simulate`): its peak, and the
     slowest one's step time."""
@@ -269,7 +287,7 @@ def _evaluate(
     strategy = lay.strategy()
     topo = from_hybrid_configs(strategy.hybrid_configs, devices, "fleet.plan")
     batch = global_batch // lay.data  # each data-side replica's; a pipeline's workers get it whole
-    peaks, times = [], []
+    peaks, times, work = [], [], 0.0
     saved = env.snapshot()
     try:
         for stage in range(lay.pipe):
@@ -281,35 +299,41 @@ def _evaluate(
             distributed_optimizer(opt, strategy).minimize(p.loss)
             if lay.pipe > 1:
                 peaks.append(estimate_pipeline_memory(p, batch=batch).peak_bytes)
-                micro = batch // lay.micro_batches
-                times.append(_seconds(p, {"batch": micro}, rates) * (lay.micro_batches + lay.pipe - 1))
+                compute, comm = _seconds(p, {"batch": batch // lay.micro_batches}, rates)
+                times.append((compute + comm) * (lay.micro_batches + lay.pipe - 1))
+                work += compute * lay.micro_batches * (devices // lay.pipe)  # this stage's workers'
             else:
                 peaks.append(estimate_memory(p, dims={"batch": batch}, workspace=False).peak_bytes)
-                times.append(_seconds(p, {"batch": batch}, rates))
+                compute, comm = _seconds(p, {"batch": batch}, rates)
+                times.append(compute + comm)
+                work += compute * devices
     finally:
         env.restore(saved)
-    return peaks, max(times)
+    # workers that share compute units (a CPU's cores) take turns: the step is at least all the
+    # workers' compute over the units, whatever the pipeline's bubbles leave idle
+    return peaks, max(max(times), work / (compute_units or devices))
 
 
 def _first_rank(topo: Topology, stage: int) -> int:
     return topo.get_rank(**{a: (stage if a == "pipe" else 0) for a in AXES})
 
 
-def _seconds(p: Program, dims: dict[str, int], rates: tuple) -> float:
-    """The roofline of one step of `p` (module doc): each op's FLOPs and bytes (ops/costs.py)."""
-    flops_s, bytes_s, link_s, latency = rates
+def _seconds(p: Program, dims: dict[str, int], rates: Rates) -> tuple[float, float]:
+    """(compute, communication) seconds of one step of `p` by the time model (module doc): each
+    op's per-op cost, FLOPs and bytes (fleet/calibrate.py's `op_cost`); each collective's
+    latency and ring bytes (its own compute, a ring's attention, is compute)."""
 
     def nbytes(name: str) -> int:
         v = p.vars.get(name)
         return 0 if v is None else (v.nbytes(dims) or 0)
 
-    total = 0.0
+    compute = comm = 0.0
     for op in p.ops:
         row = registry.get(op.type)
-        if row is not None and row.collective:  # its traffic, and its own compute (a ring's attention)
-            total += latency + costs.comm_bytes(p, op, dims, nbytes) / link_s
-            total += costs.op_flops(p, op, dims) / flops_s
-        elif row is None or not row.view:
-            moved = sum(nbytes(x) for x in [*op.inputs, *op.outputs] if x)
-            total += max(costs.op_flops(p, op, dims) / flops_s, moved / bytes_s)
-    return total
+        flops, moved = op_cost(p, op, dims)
+        if row is not None and row.collective:
+            comm += rates.link_latency_s + costs.comm_bytes(p, op, dims, nbytes) / rates.link_bytes_per_s
+            compute += flops / rates.device_flops
+        else:  # a view too: it costs the executor its dispatch (op_cost gives it nothing else)
+            compute += rates.op_seconds + flops / rates.device_flops + moved / rates.device_bytes_per_s
+    return compute, comm

@@ -71,8 +71,47 @@ def _conv_grad(p: Any, op: Any, dims: dict) -> float:
     return 4.0 * _numel(p, op.inputs[0], dims) * math.prod(_dim(d, dims) for d in w[1:]) if w else 0.0
 
 
+def _wanted(op: Any, n: int) -> list[int]:
+    """Which of the first `n` grads a grad op's `mask` asks for (all without one)."""
+    mask = list(op.attrs.get("mask") or [1] * n)
+    return (mask + [0] * n)[:n]
+
+
+def _matmul_grad(p: Any, op: Any, dims: dict) -> float:
+    """The wanted operand grads (`mask`), each as many FLOPs as the forward: 2 x dy's elements x
+    the reduced size (a's last dim; LinearGrad: x's). dy, then a / x first."""
+    a = _shape(p, op.inputs[1]) if len(op.inputs) > 1 else ()
+    if not a:
+        return 0.0
+    return 2.0 * _numel(p, op.inputs[0], dims) * _dim(a[-1], dims) * sum(_wanted(op, 2))
+
+
+def _linear_loss(p: Any, op: Any, dims: dict) -> float:
+    """The fused head + loss: its logits (2 x tokens x hidden x vocab), and with the grads made in
+    the same pass (more outputs) their two matmuls too. x, then the [vocab, hidden] weight first."""
+    w = _shape(p, op.inputs[1]) if len(op.inputs) > 1 else ()
+    if not w:
+        return 0.0
+    vocab = _dim(w[0] if op.attrs.get("transB", 1) else w[-1], dims)
+    logits = 2.0 * _numel(p, op.inputs[0], dims) * vocab
+    return logits * (1 + (len([o for o in op.outputs if o]) > 1) * 2)
+
+
+def _linear_loss_grad(p: Any, op: Any, dims: dict) -> float:
+    """The logits recomputed, then dx and dW: three matmuls of the forward's size (dloss, x, w)."""
+    w = _shape(p, op.inputs[2]) if len(op.inputs) > 2 else ()
+    if not w:
+        return 0.0
+    vocab = _dim(w[0] if op.attrs.get("transB", 1) else w[-1], dims)
+    return 6.0 * _numel(p, op.inputs[1], dims) * vocab
+
+
 _FLOPS = {
     "MatMul": _matmul,
+    "MatMulGrad": _matmul_grad,
+    "LinearGrad": _matmul_grad,
+    "LinearCrossEntropy": _linear_loss,
+    "LinearCrossEntropyGrad": _linear_loss_grad,
     "Gemm": _matmul,
     "Linear": _matmul,
     "ScaledDotProductAttention": _attention,
@@ -99,8 +138,8 @@ def op_flops(p: Any, op: Any, dims: dict) -> float:
 
 def comm_bytes(p: Any, op: Any, dims: dict, nbytes: Any) -> float:
     """Bytes a collective op sends and receives per worker over a ring of its group (`nbytes`:
-    name -> bytes under `dims`); a named group counts 2 workers (its size is the layout's)."""
+    name -> bytes under `dims`); a named group counts its op's ``parts`` (ZeRO's), else 2 workers."""
     data = max((nbytes(x) for x in [*op.inputs, *op.outputs] if x), default=0)
     group = op.attrs.get("group") or op.attrs.get("ranks")
-    n = len(group) if isinstance(group, (list, tuple)) else 2
+    n = len(group) if isinstance(group, (list, tuple)) else int(op.attrs.get("parts") or 2)
     return data * (n - 1) / max(n, 1) * (2.0 if op.type in _ALL_REDUCES else 1.0)

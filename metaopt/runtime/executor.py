@@ -17,7 +17,7 @@ import torch
 from metaopt.ir import Program, Var, did_you_mean, roles, torch_dtype
 from metaopt.ops.kernels.amp import watch_loss_scale
 from metaopt.runtime.context import Runtime
-from metaopt.runtime.memory import MemoryTracker, TimelineTracker
+from metaopt.runtime.memory import MemoryTracker, TimelineTracker, TimingTracker
 from metaopt.runtime.place import Place, resolve
 from metaopt.runtime.plan import Plan, SharedConstants, build_plan
 
@@ -42,22 +42,30 @@ class Executor:
         *,
         track_memory: bool = True,
         record_timeline: bool = False,
+        record_op_times: bool = False,
         cuda_graph: bool = False,
     ) -> None:
         """`record_timeline`: also keep the live bytes after each op of the last run
         (`memory_timeline`); off, the executor pays nothing for it (runtime/memory.py).
+        `record_op_times`: that and each op's seconds (`op_seconds`), ops run one at a time.
         `cuda_graph=True` (whole-step CUDA graphs) is not implemented yet: refused by name."""
         if cuda_graph:
             raise NotImplementedError(
                 "Executor(cuda_graph=True): whole-step CUDA-graph capture is not implemented yet; steps "
                 "are capture-safe (Executor('meta') proves it) and run op by op"
             )
+        record_timeline = record_timeline or record_op_times
         if record_timeline and not track_memory:
-            raise ValueError("Executor(record_timeline=True) needs track_memory=True (it records that count)")
+            raise ValueError(
+                "Executor(record_timeline=True) needs track_memory=True (it records that count; "
+                "record_op_times=True records it too)"
+            )
         self.device = resolve(place)
         self.scope = Scope()
         self.track_memory = track_memory
-        self._tracker = TimelineTracker() if record_timeline else MemoryTracker()
+        self._tracker = (
+            TimingTracker() if record_op_times else TimelineTracker() if record_timeline else MemoryTracker()
+        )
         self._constants = SharedConstants()  # one device copy of a constant for all its plans
         # a timeline has one entry per op: updates then run op by op, not as multi-tensor calls
         self._multi = not record_timeline
@@ -340,6 +348,15 @@ class Executor:
         """Live bytes (as `memory_stats` counts them) after each op run in the last step, in
         run order; needs ``Executor(record_timeline=True)``."""
         return self._tracker.timeline()
+
+    def op_seconds(self) -> list[float]:
+        """Each op's seconds in the last step, in run order (`memory_timeline`'s); needs
+        ``Executor(record_op_times=True)``."""
+        if not isinstance(self._tracker, TimingTracker):
+            raise ValueError(
+                "this executor does not time its ops: create it with Executor(..., record_op_times=True)"
+            )
+        return self._tracker.op_seconds()
 
     def reset_memory_stats(self) -> None:
         self._tracker.peak = self._tracker.live

@@ -12,6 +12,8 @@ subclass swapped in at construction, so an executor that does not record runs th
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 
@@ -98,6 +100,30 @@ class TimelineTracker(MemoryTracker):
     def timeline(self) -> list[int]:
         """Live bytes after each op run in the last step, in the order they ran."""
         return list(self.marks)
+
+
+class TimingTracker(TimelineTracker):
+    """A `TimelineTracker` that also records when each `mark` came: each op's seconds, from the
+    previous op's mark (the step's start for the first), for the planner's calibration
+    (fleet/calibrate.py). On CUDA the clock is the host's: a kernel's time shows only where the
+    host waits for it."""
+
+    __slots__ = ("times",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.times: list[float] = []
+
+    def mark(self) -> None:
+        self.times.append(time.perf_counter())
+        super().mark()
+
+    def start_run(self) -> None:
+        super().start_run()
+        self.times = [time.perf_counter()]
+
+    def op_seconds(self) -> list[float]:
+        return [b - a for a, b in zip(self.times, self.times[1:])]
 
 
 def return_freed_host_memory() -> None:

@@ -118,6 +118,9 @@ def test_the_best_plan_runs_within_the_cap_on_real_workers(plans, tmp_path):
     for r in got:
         assert r["measured"] == r["predicted"], r
         assert r["measured"] <= CAP, (best.describe(), r)
+        # measure_links over the 2 workers: a latency and a bandwidth a CPU's loopback can have
+        latency, bandwidth = r["link"]
+        assert 0 < latency < 1.0 and 1e6 < bandwidth < 1e12, r["link"]
     from metaopt.fleet.topology import from_hybrid_configs
     from metaopt.layout.topology import AXES
 
@@ -151,3 +154,36 @@ def test_flops_read_composite_dims_and_a_rings_whole_sequence():
         p.add_var(Var(name, "float32", (1, 2, 6, 8)))
     ring = Op("RingAttention", ["q", "k", "v"], ["o"], {"length": 12})
     assert op_flops(p, ring, {}) == 4.0 * (2 * 6 * 8) * 12
+
+
+class _TwoLayers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(16, 32)
+        self.fc2 = torch.nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.fc2(torch.relu(self.fc1(x))), y)
+
+
+def two_layers() -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """The CLI's SOURCE below (``test_planner:two_layers``)."""
+    torch.manual_seed(0)
+    return _TwoLayers(), (torch.randn(4, 16), torch.randint(0, 4, (4,)))
+
+
+def test_the_command_line_prints_the_ranked_plans_and_says_when_none_fits(capsys, monkeypatch):
+    """``python -m metaopt plan SOURCE --devices --memory --global-batch``: fleet.plan's table and
+    the best plan, exit 0; under a cap nothing fits, the pruned reasons and exit 1."""
+    from metaopt.cli import main
+
+    monkeypatch.chdir(Path(__file__).parent)
+    args = ["plan", "test_planner:two_layers", "--devices", "2", "--global-batch", "4", "--optimizer", "sgd"]
+    assert main([*args, "--memory", "1GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "on 2 devices x 1.0 GiB, global batch 4" in out and "plans fit, best first:" in out
+    best = out.split("# best: ")[1].strip()
+    assert best and best in out.split("plans fit, best first:")[1]
+    assert main([*args, "--memory", "1KiB"]) == 1
+    out = capsys.readouterr().out
+    assert "0 plans fit" in out and "> 1.0 KiB" in out

@@ -4,7 +4,8 @@ RANK/WORLD_SIZE/MASTER_*): ``python plan_worker.py OUT GLOBAL_BATCH LAYOUT_JSON`
 HF GPT-2 from the zoo without dropout, exported as the planner saw it; fleet.init and minimize
 (Adam, as the planner's default) with the layout's strategy; one step, each data-side worker fed
 its share of the global batch (a pipeline's workers the share whole); writes this worker's
-measured peak (the executor's count of live bytes) and its own prediction to ``OUT/rank<r>.json``.
+measured peak (the executor's count of live bytes) and its own prediction to ``OUT/rank<r>.json``,
+with the links' latency and bandwidth as `fleet.calibrate.measure_links` finds them.
 """
 
 from __future__ import annotations
@@ -43,7 +44,15 @@ def main() -> None:
     else:
         predicted = estimate_memory(program, dims={"batch": share}, workspace=False).peak_bytes
     rank = fleet.worker_index()
-    result = {"measured": exe.memory_stats()["last_run_peak_bytes"], "predicted": predicted, "rank": rank}
+    from metaopt.fleet.calibrate import measure_links
+
+    latency, bandwidth = measure_links(sizes=(1 << 10, 1 << 20), reps=2)  # the planner's link rates
+    result = {
+        "measured": exe.memory_stats()["last_run_peak_bytes"],
+        "predicted": predicted,
+        "rank": rank,
+        "link": [latency, bandwidth],
+    }
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(result, f)
     fleet.barrier_worker()
