@@ -98,9 +98,10 @@ def calibrate_worker(args) -> None:
     samples = []
     fleet.barrier_worker()
     if fleet.worker_index() == 0:
+        exe = metaopt.Executor("cpu", record_op_times=True)
         for batch in (args.global_batch // 4, args.global_batch // 2, args.global_batch):
             feed = {"input_ids": ids[:batch].clone(), "labels": ids[:batch].clone()}
-            for op, s in cal.time_ops(program, feed, runs=3):
+            for op, s in cal.time_ops(exe, program, feed, runs=3):
                 samples.append((*cal.op_cost(program, op, {"batch": batch}), s))
     fleet.barrier_worker()
     links = cal.measure_links()

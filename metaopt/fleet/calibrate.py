@@ -77,15 +77,11 @@ def _nbytes(p: Program, name: str, dims: Mapping[str, int]) -> int:
     return 0 if v is None else (v.nbytes(dict(dims)) or 0)
 
 
-def time_ops(
-    p: Program, feed: Mapping[str, Any], *, device: str = "cpu", runs: int = 3
-) -> list[tuple[Any, float]]:
+def time_ops(exe: Any, p: Program, feed: Mapping[str, Any], *, runs: int = 3) -> list[tuple[Any, float]]:
     """(op, the fastest of `runs` timed runs' seconds) for every op of `p`'s step (its startup ops,
-    which run once, left out). `p` must run in this process: no collectives without peers."""
-    from metaopt.runtime.executor import Executor
-
+    which run once, left out), run by `exe`, a ``metaopt.Executor(device, record_op_times=True)``
+    on the device to calibrate. `p` must run in this process: no collectives without peers."""
     body = [op for op in p.ops if not roles.is_startup(op.role)]
-    exe = Executor(device, record_op_times=True)
     best: list[float] | None = None
     exe.run(p, feed=dict(feed), return_numpy=False)  # warm: the plan is built, the allocator primed
     for _ in range(runs):
@@ -153,21 +149,22 @@ def _nonnegative_fit(samples, with_constant: bool) -> tuple[float, float, float]
 
 
 def calibrate(
+    exe: Any,
     p: Program,
     feed: Mapping[str, Any],
     dims: Mapping[str, int],
     *,
-    device: str = "cpu",
     runs: int = 3,
     links: tuple[float, float] | None = None,
 ) -> Rates:
-    """`Rates` measured on `device` from `p` (module doc; `dims`: what `feed` binds), with the
-    link figures `links` = (latency s, bytes/s) from `measure_links`, else the declared ones."""
-    timed = time_ops(p, feed, device=device, runs=runs)
+    """`Rates` measured by `exe` (``metaopt.Executor(device, record_op_times=True)``) from `p`
+    (module doc; `dims`: what `feed` binds), with the link figures `links` = (latency s, bytes/s)
+    from `measure_links`, else the declared ones."""
+    timed = time_ops(exe, p, feed, runs=runs)
     samples = [(*op_cost(p, op, dims), s) for op, s in timed]
     c, flops, bps = fit_compute(samples)
     link = links or (Rates.link_latency_s, Rates.link_bytes_per_s)
-    what = f"{len(samples)} ops of {p.name!r} on {device}, fastest of {runs} runs"
+    what = f"{len(samples)} ops of {p.name!r} on {exe.device}, fastest of {runs} runs"
     if links is not None:
         what += "; links measured"
     return Rates(

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from metaopt.fleet import sharded_io
+from metaopt.host_memory import return_freed_host_memory
 from metaopt.ir import Program, Var, did_you_mean, names, torch_dtype
-from metaopt.runtime.memory import return_freed_host_memory
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -267,7 +267,7 @@ def load_pretrained(
     # each var's whole tensor or slice read went through host memory the allocator keeps: given
     # back, a ZeRO-3 worker of a 1.26B LLaMA peaked 0.28 GB lower in training
     # with glibc's defaults (2.95 -> 2.67 GB, benchmarks/bigger_model.py)
-    return_freed_host_memory()
+    return_freed_host_memory(sum(v.nbytes() or 0 for v in want))
     return sorted(loaded)
 
 

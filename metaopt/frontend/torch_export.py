@@ -28,9 +28,9 @@ from metaopt.frontend.experts import grouped_experts
 from metaopt.frontend.importer import import_model
 from metaopt.frontend.onnx_import import ImportOptions
 from metaopt.frontend.shape_probe import probe_shapes
+from metaopt.host_memory import return_freed_host_memory
 from metaopt.ir import Program, Var, dtype_name
 from metaopt.progress import timed
-from metaopt.runtime.memory import return_freed_host_memory
 
 BATCH = "batch"
 _LOG = logging.getLogger("metaopt.export")  # each phase's seconds at INFO (metaopt.progress)
@@ -105,7 +105,8 @@ def export(
     if dynamic_batch:
         probe_shapes(program, BATCH)
     del ep, onnx_program
-    return_freed_host_memory()  # the traces are garbage now: each worker keeps only the program
+    # the traces are garbage now: each worker keeps only the program (their size grows with depth)
+    return_freed_host_memory(sum(v.nbytes() or 0 for v in program.params(trainable_only=False)))
     return program
 
 

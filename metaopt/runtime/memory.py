@@ -124,20 +124,3 @@ class TimingTracker(TimelineTracker):
 
     def op_seconds(self) -> list[float]:
         return [b - a for a, b in zip(self.times, self.times[1:])]
-
-
-def return_freed_host_memory() -> None:
-    """Collect garbage and give the process's freed heap back to the OS (glibc's `malloc_trim`;
-    elsewhere only the collection). glibc keeps small freed blocks in its arenas for reuse, so a
-    phase that made and dropped many objects leaves the process's RSS that much higher for the
-    rest of its life: after the export of a 22-layer 1.26B LLaMA (its traces: about a million
-    Python objects), 63 MB of every worker's host memory until the end of training."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc (musl, macOS): nothing to trim
-        return
-    libc.malloc_trim(0)

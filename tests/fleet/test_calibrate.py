@@ -73,7 +73,7 @@ def test_the_executor_times_each_op_of_the_step(forward):
     in program order; an executor that does not record refuses `op_seconds` by its flag."""
     p = forward.clone()
     metaopt.optimizer.Adam(learning_rate=1e-3).minimize(p.loss)
-    timed = cal.time_ops(p, _feed(8), runs=2)
+    timed = cal.time_ops(metaopt.Executor("cpu", record_op_times=True), p, _feed(8), runs=2)
     body = [op for op in p.ops if not roles.is_startup(op.role)]
     assert [op for op, _ in timed] == body
     assert all(s > 0 for _, s in timed)
