@@ -25,6 +25,8 @@ program reads the same (minimize compares them).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from metaopt.ops.kernels.partition import join_slices, slice_length, take_slice
@@ -142,16 +144,12 @@ def shard_gather(
 def _numel(shape: list[int], total: int) -> int:
     """The elements of a value of `shape` whose padded chunks hold `total` (`join_slices`'s
     rule for a -1 dim known only at run time)."""
-    known = 1
-    for d in shape:
-        known *= d if d != -1 else 1
+    known = math.prod(d for d in shape if d != -1)
     return (total // known) * known if -1 in shape else known
 
 
 def _dims(shape: list[int], numel: int) -> list[int]:
-    known = 1
-    for d in shape:
-        known *= d if d != -1 else 1
+    known = math.prod(d for d in shape if d != -1)
     return [numel // known if d == -1 else d for d in shape]
 
 
