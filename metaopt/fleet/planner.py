@@ -25,7 +25,9 @@ which are ops of the program too); each collective takes `link_latency_s` + its 
 ring (2 (n-1)/n of them for an all-reduce) / `link_bytes_per_s`; a pipeline's step is
 (micro-batches + stages - 1) times its stage's micro-batch (1F1B's bubble). The rates are
 `fleet.calibrate.calibrate`'s, measured on the device (``rates=``), or declared (a roofline's
-guesses). Not built yet: the search over offload, interleaved / zero-bubble schedules, expert
+guesses). For a layout without a pipeline, `Plan.layers` holds what one repeated block keeps for
+the backward beside Korthikanti et al. 2022's count for its shape (the table prints the best
+plan's). Not built yet: the search over offload, interleaved / zero-bubble schedules, expert
 parallel, AMP and per-stage recompute; overlap of communication with compute in the time model;
 identical layers solved once (each layout is rewritten whole).
 """
@@ -134,11 +136,39 @@ class Plan:
     peak_bytes: int
     step_seconds: float
     stage_peaks: list[int] = field(default_factory=list)  # per pipeline stage's first worker
+    layers: LayerActivations | None = None  # a layout without a pipeline, on repeated blocks
 
     def describe(self) -> str:
         return (
             f"{self.layout.describe()}: peak {_gib(self.peak_bytes)} (worst worker), "
             f"step {self.step_seconds:.4g} s (predicted)"
+        )
+
+
+@dataclass(frozen=True)
+class LayerActivations:
+    """What one repeated block (a transformer layer) keeps for the backward on a worker, beside
+    Korthikanti et al. 2022's count for its shape: ``sbh(34 + 5as/h)`` bytes without recompute,
+    ``2sbh`` with full recompute (16-bit activations, 1-byte dropout masks; s the sequence, b the
+    micro-batch, h the hidden size, a the heads)."""
+
+    bytes_per_layer: float  # ours: the live bytes the blocks add to the forward, per block
+    s: int
+    b: int
+    h: int
+    a: int
+    recompute: bool
+
+    def korthikanti(self) -> float:
+        sbh = self.s * self.b * self.h
+        return 2.0 * sbh if self.recompute else sbh * (34 + 5 * self.a * self.s / self.h)
+
+    def describe(self) -> str:
+        formula = "2sbh (full recompute)" if self.recompute else "sbh(34 + 5as/h)"
+        return (
+            f"activations per layer (s={self.s}, b={self.b}, h={self.h}, a={self.a}): "
+            f"{_gib(self.bytes_per_layer)} predicted; Korthikanti et al. 2022: "
+            f"{_gib(self.korthikanti())} = {formula}, for 16-bit activations"
         )
 
 
@@ -153,6 +183,8 @@ class Plans(list):
     def __str__(self) -> str:
         lines = [self.header, f"{len(self)} plans fit, best first:"]
         lines += [f"  {k + 1:>3}. {p.describe()}" for k, p in enumerate(self)]
+        if self and self[0].layers is not None:
+            lines.append(f"the best plan's {self[0].layers.describe()}")
         lines.append(f"{len(self.pruned)} pruned:")
         lines += [f"       {lay.describe()}: {why}" for lay, why in self.pruned]
         return "\n".join(lines)
@@ -229,7 +261,9 @@ def plan(
     plans = []
     for lay in layouts:
         try:
-            peaks, seconds = _evaluate(program, lay, devices, global_batch, optimizer, rates, compute_units)
+            peaks, seconds, layers = _evaluate(
+                program, lay, devices, global_batch, optimizer, rates, compute_units
+            )
         except (ValueError, NotImplementedError, RuntimeError) as e:
             pruned.append((lay, f"refused: {str(e).splitlines()[0][:200]}"))
             continue
@@ -237,7 +271,7 @@ def plan(
         if worst > budget:
             pruned.append((lay, f"peak {_gib(worst)} > {_gib(budget)}"))
             continue
-        plans.append(Plan(lay, lay.strategy(), worst, seconds, peaks))
+        plans.append(Plan(lay, lay.strategy(), worst, seconds, peaks, layers))
     plans.sort(key=lambda p: (p.step_seconds, p.peak_bytes))
     header = (
         f"fleet.plan: {program.name!r} on {devices} devices x {_gib(budget)}, global batch {global_batch}; "
@@ -275,9 +309,9 @@ def _evaluate(
     optimizer: Any,
     rates: Rates,
     compute_units: int | None,
-) -> tuple[list[int], float]:
-    """Each pipeline stage's first worker rewritten here (`fleet.simulate`): its peak, and the
-    slowest one's step time."""
+) -> tuple[list[int], float, LayerActivations | None]:
+    """Each pipeline stage's first worker rewritten here (`fleet.simulate`): its peak, the
+    slowest one's step time, and (without a pipeline) its activations per repeated block."""
     from metaopt.fleet.distributed_optimizer import distributed_optimizer
     from metaopt.fleet.topology import from_hybrid_configs
     from metaopt.optimizer import Adam
@@ -287,7 +321,7 @@ def _evaluate(
     strategy = lay.strategy()
     topo = from_hybrid_configs(strategy.hybrid_configs, devices, "fleet.plan")
     batch = global_batch // lay.data  # each data-side replica's; a pipeline's workers get it whole
-    peaks, times, work = [], [], 0.0
+    peaks, times, work, layers = [], [], 0.0, None
     saved = env.snapshot()
     try:
         for stage in range(lay.pipe):
@@ -303,7 +337,10 @@ def _evaluate(
                 times.append((compute + comm) * (lay.micro_batches + lay.pipe - 1))
                 work += compute * lay.micro_batches * (devices // lay.pipe)  # this stage's workers'
             else:
-                peaks.append(estimate_memory(p, dims={"batch": batch}, workspace=False).peak_bytes)
+                at = _backward_start(p)
+                est = estimate_memory(p, dims={"batch": batch}, workspace=False, at=max(at, 0))
+                peaks.append(est.peak_bytes)
+                layers = _layer_activations(p, est.where if at >= 0 else None, batch, lay.recompute)
                 compute, comm = _seconds(p, {"batch": batch}, rates)
                 times.append(compute + comm)
                 work += compute * devices
@@ -311,7 +348,39 @@ def _evaluate(
         env.restore(saved)
     # workers that share compute units (a CPU's cores) take turns: the step is at least all the
     # workers' compute over the units, whatever the pipeline's bubbles leave idle
-    return peaks, max(max(times), work / (compute_units or devices))
+    return peaks, max(max(times), work / (compute_units or devices)), layers
+
+
+def _backward_start(p: Program) -> int:
+    """The last op before the backward (-1: none): what is alive there is what the forward keeps."""
+    first = next((i for i, op in enumerate(p.ops) if op.role in ("backward", "loss")), len(p.ops))
+    return first - 1
+
+
+def _layer_activations(p: Program, where: Any, batch: int, recompute: bool) -> LayerActivations | None:
+    """The activations alive where the backward starts (`where`), made by the ops of the model's
+    repeated blocks, per block; and the block's shape: its output [b, s, h], the heads of its
+    first attention. None where the program has no repeated blocks of that form."""
+    from metaopt.ir.program import eval_dim
+    from metaopt.passes.recompute import block_outputs
+
+    outs = block_outputs(p)
+    owner = {o[0]: m for m, o in p.modules.items() if len(o) == 1}
+    scopes = [owner[o] for o in outs if o in owner]
+    out = p.vars.get(outs[0]) if len(scopes) >= 2 else None
+    attention = next((op for op in p.ops if op.type == "ScaledDotProductAttention"), None)
+    if out is None or out.shape is None or len(out.shape) != 3 or attention is None or where is None:
+        return None
+    b, s, h = (eval_dim(d, {"batch": batch}) for d in out.shape)
+    q = p.vars.get(attention.inputs[0])
+    if q is None or q.shape is None or len(q.shape) != 4 or None in (b, s, h):
+        return None
+    kept = 0
+    for v in where.vars:
+        scope = p.ops[v.op].scope or "" if v.op >= 0 and v.kind == "activation" else None
+        if scope is not None and any(scope == m or scope.startswith(m + ".") for m in scopes):
+            kept += v.nbytes
+    return LayerActivations(kept / len(scopes), int(s), int(b), int(h), int(q.shape[1]), recompute)
 
 
 def _first_rank(topo: Topology, stage: int) -> int:

@@ -187,3 +187,17 @@ def test_the_command_line_prints_the_ranked_plans_and_says_when_none_fits(capsys
     assert main([*args, "--memory", "1KiB"]) == 1
     out = capsys.readouterr().out
     assert "0 plans fit" in out and "> 1.0 KiB" in out
+
+
+def test_the_best_plans_activations_per_layer_stand_beside_korthikantis_formula(gpt2):
+    """One device: the layer's shape read from the program (the zoo's GPT-2: sequence 12, width 32,
+    4 heads; batch 8), its activations per layer where the backward starts (recompute keeps less),
+    Korthikanti et al.'s count for that shape, and the line in the printed table."""
+    plans = fleet.plan(gpt2, devices=1, memory_per_device="1GiB", global_batch=8)
+    by = {p.layout.recompute: p.layers for p in plans}
+    none, full = by[False], by[True]
+    assert (none.s, none.b, none.h, none.a) == (12, 8, 32, 4)
+    assert none.bytes_per_layer > full.bytes_per_layer > 0
+    sbh = 12 * 8 * 32
+    assert none.korthikanti() == sbh * (34 + 5 * 4 * 12 / 32) and full.korthikanti() == 2 * sbh
+    assert "the best plan's activations per layer (s=12, b=8, h=32, a=4)" in str(plans)
