@@ -368,19 +368,18 @@ def _layer_activations(p: Program, where: Any, batch: int, recompute: bool) -> L
     owner = {o[0]: m for m, o in p.modules.items() if len(o) == 1}
     scopes = [owner[o] for o in outs if o in owner]
     out = p.vars.get(outs[0]) if len(scopes) >= 2 else None
-    attention = next((op for op in p.ops if op.type == "ScaledDotProductAttention"), None)
-    if out is None or out.shape is None or len(out.shape) != 3 or attention is None or where is None:
+    heads = next((a for op in p.ops if (a := costs.attention_heads(p, op)) is not None), None)
+    if out is None or out.shape is None or len(out.shape) != 3 or heads is None or where is None:
         return None
     b, s, h = (eval_dim(d, {"batch": batch}) for d in out.shape)
-    q = p.vars.get(attention.inputs[0])
-    if q is None or q.shape is None or len(q.shape) != 4 or None in (b, s, h):
+    if None in (b, s, h):
         return None
     kept = 0
     for v in where.vars:
         scope = p.ops[v.op].scope or "" if v.op >= 0 and v.kind == "activation" else None
         if scope is not None and any(scope == m or scope.startswith(m + ".") for m in scopes):
             kept += v.nbytes
-    return LayerActivations(kept / len(scopes), int(s), int(b), int(h), int(q.shape[1]), recompute)
+    return LayerActivations(kept / len(scopes), int(s), int(b), int(h), heads, recompute)
 
 
 def _first_rank(topo: Topology, stage: int) -> int:

@@ -106,6 +106,15 @@ def _linear_loss_grad(p: Any, op: Any, dims: dict) -> float:
     return 6.0 * _numel(p, op.inputs[1], dims) * vocab
 
 
+_ATTENTIONS = frozenset({"ScaledDotProductAttention", "RingAttention"})  # q [b, heads, s, d] first
+
+
+def attention_heads(p: Any, op: Any) -> int | None:
+    """The heads of an attention op (its q's dim 1); None for any other op or an unknown shape."""
+    q = _shape(p, op.inputs[0]) if op.type in _ATTENTIONS and op.inputs else ()
+    return int(q[1]) if len(q) == 4 and isinstance(q[1], int) else None
+
+
 _FLOPS = {
     "MatMul": _matmul,
     "MatMulGrad": _matmul_grad,
