@@ -46,7 +46,7 @@ import torch
 from metaopt.fleet import env
 from metaopt.fleet.calibrate import Rates, op_cost
 from metaopt.fleet.strategy import DistributedStrategy
-from metaopt.ir import Program
+from metaopt.ir import Program, roles
 from metaopt.layout.topology import AXES, Topology
 from metaopt.ops import costs, registry
 
@@ -152,7 +152,7 @@ class LayerActivations:
     ``2sbh`` with full recompute (16-bit activations, 1-byte dropout masks; s the sequence, b the
     micro-batch, h the hidden size, a the heads)."""
 
-    bytes_per_layer: float  # ours: the live bytes the blocks add to the forward, per block
+    bytes_per_layer: float  # ours: the blocks' activations alive where the backward starts, per block
     s: int
     b: int
     h: int
@@ -353,7 +353,9 @@ def _evaluate(
 
 def _backward_start(p: Program) -> int:
     """The last op before the backward (-1: none): what is alive there is what the forward keeps."""
-    first = next((i for i, op in enumerate(p.ops) if op.role in ("backward", "loss")), len(p.ops))
+    first = next(
+        (i for i, op in enumerate(p.ops) if op.role == "loss" or roles.after_forward(op.role)), len(p.ops)
+    )
     return first - 1
 
 

@@ -1,7 +1,8 @@
-"""Per-op work for time models (fleet.plan's roofline): each matmul-class row's `flops`, and what a
-collective moves. Set on the rows here, beside each other, as ops/sharding.py sets the split rules:
-an op's time is max(its FLOPs / a device's FLOP/s, the bytes it touches / its bytes/s), so only
-the ops whose FLOPs can outweigh their bytes need a rule (the others' time is their bytes).
+"""Per-op work for time models (fleet.plan's, fleet/calibrate.py): each matmul-class row's `flops`,
+what a collective moves, an attention op's heads. Set on the rows here, beside each other, as
+ops/sharding.py sets the split rules: an op's time is a per-op cost + its FLOPs / a device's FLOP/s
++ the bytes it touches / its bytes/s, so only the ops whose FLOPs matter beside their bytes need a
+rule (the others' time is their dispatch and their bytes).
 """
 
 from __future__ import annotations
