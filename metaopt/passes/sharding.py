@@ -312,7 +312,12 @@ def _sharded_param(p: Program, i: int, op: Op, row: Any, grad_sliced: bool, degr
     states = [new_of[o] for o in op.outputs[1:]]
     for s in states:
         value = p.values.get(s)
-        if value is not None and bool(value.count_nonzero()):
+        # a meta placeholder (a program exported on meta) starts at its fill, made at first use
+        if p.is_meta(s):
+            started = p.fills.get(s, 0) != 0
+        else:
+            started = value is not None and bool(value.count_nonzero())
+        if started:
             raise ShardingError(
                 f"sharding: optimizer state {s!r} is not at its initial zeros: shard a program before "
                 "it trains (load a checkpoint into the sharded program instead)"

@@ -74,6 +74,25 @@ def test_a_meta_llama_exports_minimizes_and_is_estimated_with_no_value_made():
     assert not main.values["m.model.rotary_emb.inv_freq"].is_meta
 
 
+def test_zero_shards_a_meta_program_its_state_placeholders_held_as_each_workers_slice():
+    """ZeRO on a program exported on meta: the optimizer state is a placeholder (its fill says it
+    starts at zeros), so sharding takes it, and the worker's predicted persistables are its 1/4."""
+    ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    main = metaopt.export(_llama(**TINY), (ids, ids))
+    numel = sum(math.prod(v.shape) for v in main.params())
+    strategy = fleet.DistributedStrategy()
+    strategy.sharding = True
+    strategy.sharding_configs = {"stage": 3}
+    strategy.hybrid_configs = {"sharding_degree": 4}
+    env.simulate(4, 1, strategy)
+    fleet.distributed_optimizer(metaopt.optimizer.AdamW(learning_rate=1e-4), strategy).minimize(main.loss)
+    states = [v for v in main.vars.values() if v.kind == "opt_state" and v.zero is not None]
+    assert states and all(main.is_meta(v.name) and main.fills[v.name] == 0.0 for v in states)
+    # params, AdamW's two moments: 12 bytes per param over 4 workers, padded slices and scalars aside
+    held = estimate_memory(main, dims={"batch": 1}).persistable_bytes
+    assert 3 * numel <= held <= 3 * numel * 1.05
+
+
 @pytest.mark.slow
 def test_llama_3_70b_s_shape_on_meta_in_one_process_within_300_s_and_8_gb():
     """Issue 43's bound: the whole model never exists; the export, the rewrite (AdamW, recompute
