@@ -5,7 +5,7 @@ each predicted (peak and step time, the time model calibrated on this machine fi
                                  [--steps 3] [--json results/planner.json]
 
 1. Calibration, 4 workers: worker 0 alone times every op of the model's one-process training
-   step (`fleet.calibrate.time_ops`) at three batch sizes while the others wait; then all four
+   step (`metaopt.planner.calibrate.time_ops`) at three batch sizes while the others wait; then all four
    all-reduce buffers of growing sizes (`measure_links`); worker 0 fits the `Rates`.
 2. Prediction: `fleet.plan` over the whole grid with those rates and `compute_units` = the
    machine's cores (its 4 workers take turns on 2), no memory cap: every layout.
@@ -89,7 +89,7 @@ def calibrate_worker(args) -> None:
 
     import metaopt
     from metaopt import fleet
-    from metaopt.fleet import calibrate as cal
+    from metaopt.planner import calibrate as cal
 
     torch.set_num_threads(1)
     fleet.init(is_collective=True)
@@ -125,8 +125,8 @@ def run_worker(args) -> None:
 
     import metaopt
     from metaopt import fleet
-    from metaopt.fleet.planner import Layout
     from metaopt.passes.memory_estimate import estimate_memory
+    from metaopt.planner.search import Layout
     from metaopt.report.pipeline_memory import estimate_pipeline_memory
 
     torch.set_num_threads(1)
@@ -216,8 +216,8 @@ def main() -> None:
     import torch
 
     from metaopt import fleet
-    from metaopt.fleet.calibrate import Rates
-    from metaopt.fleet.planner import Layout
+    from metaopt.planner.calibrate import Rates
+    from metaopt.planner.search import Layout
 
     work = tempfile.mkdtemp(prefix="planner_")
     t0 = time.perf_counter()

@@ -27,10 +27,10 @@ from metaopt.fleet.env import (
     worker_num,
 )
 from metaopt.fleet.io import load_persistables, save_persistables
-from metaopt.fleet.planner import Plan, Plans, plan
 from metaopt.fleet.pretrained import init_from_module, load_pretrained, save_pretrained
 from metaopt.fleet.steps import STEPS
 from metaopt.fleet.strategy import DistributedStrategy
+from metaopt.planner.search import Plan, Plans, plan
 
 __all__ = [
     "STEPS",

@@ -1,4 +1,4 @@
-"""Per-op work for time models (fleet.plan's, fleet/calibrate.py): each matmul-class row's `flops`,
+"""Per-op work for time models (fleet.plan's, planner/calibrate.py): each matmul-class row's `flops`,
 what a collective moves, an attention op's heads. Set on the rows here, beside each other, as
 ops/sharding.py sets the split rules: an op's time is a per-op cost + its FLOPs / a device's FLOP/s
 + the bytes it touches / its bytes/s, so only the ops whose FLOPs matter beside their bytes need a

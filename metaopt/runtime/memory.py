@@ -105,7 +105,7 @@ class TimelineTracker(MemoryTracker):
 class TimingTracker(TimelineTracker):
     """A `TimelineTracker` that also records when each `mark` came: each op's seconds, from the
     previous op's mark (the step's start for the first), for the planner's calibration
-    (fleet/calibrate.py). On CUDA the clock is the host's: a kernel's time shows only where the
+    (planner/calibrate.py). On CUDA the clock is the host's: a kernel's time shows only where the
     host waits for it."""
 
     __slots__ = ("times",)

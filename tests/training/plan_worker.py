@@ -1,11 +1,11 @@
-"""One worker running a layout fleet.plan picked (started by tests/fleet/test_planner.py with
+"""One worker running a layout fleet.plan picked (started by tests/planner/test_search.py with
 RANK/WORLD_SIZE/MASTER_*): ``python plan_worker.py OUT GLOBAL_BATCH LAYOUT_JSON``.
 
 HF GPT-2 from the zoo without dropout, exported as the planner saw it; fleet.init and minimize
 (Adam, as the planner's default) with the layout's strategy; one step, each data-side worker fed
 its share of the global batch (a pipeline's workers the share whole); writes this worker's
 measured peak (the executor's count of live bytes) and its own prediction to ``OUT/rank<r>.json``,
-with the links' latency and bandwidth as `fleet.calibrate.measure_links` finds them.
+with the links' latency and bandwidth as `metaopt.planner.calibrate.measure_links` finds them.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import sp_worker
 
 import metaopt
 from metaopt import fleet
-from metaopt.fleet.planner import Layout
 from metaopt.passes.memory_estimate import estimate_memory
+from metaopt.planner.search import Layout
 from metaopt.report.pipeline_memory import estimate_pipeline_memory
 
 
@@ -44,7 +44,7 @@ def main() -> None:
     else:
         predicted = estimate_memory(program, dims={"batch": share}, workspace=False).peak_bytes
     rank = fleet.worker_index()
-    from metaopt.fleet.calibrate import measure_links
+    from metaopt.planner.calibrate import measure_links
 
     latency, bandwidth = measure_links(sizes=(1 << 10, 1 << 20), reps=2)  # the planner's link rates
     result = {

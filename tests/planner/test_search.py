@@ -1,4 +1,4 @@
-"""fleet.plan (issue 45, first part: metaopt/fleet/planner.py): the grid of layouts for a job, each
+"""fleet.plan (issue 45, first part: metaopt/planner/search.py): the grid of layouts for a job, each
 stage's first worker rewritten in this process (fleet.simulate) and its peak predicted exactly; the
 plans that fit ranked by a declared roofline; the rest pruned with the reason.
 
@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from metaopt import fleet
-from metaopt.fleet.planner import Layout, PlanError, parse_bytes
+from metaopt.planner.search import Layout, PlanError, parse_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
 import sp_worker  # noqa: E402
@@ -64,7 +64,7 @@ class _NoParams(torch.nn.Module):
     ],
 )
 def test_hostile_inputs_are_refused_by_name_before_any_rewrite(gpt2, kwargs, match, monkeypatch):
-    from metaopt.fleet import planner
+    from metaopt.planner import search as planner
 
     def rewrite(*args, **kw):  # noqa: ANN002, ANN003, ANN202
         raise AssertionError("a layout was rewritten before the inputs were checked")
@@ -167,7 +167,7 @@ class _TwoLayers(torch.nn.Module):
 
 
 def two_layers() -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]]:
-    """The CLI's SOURCE below (``test_planner:two_layers``)."""
+    """The CLI's SOURCE below (``test_search:two_layers``)."""
     torch.manual_seed(0)
     return _TwoLayers(), (torch.randn(4, 16), torch.randint(0, 4, (4,)))
 
@@ -178,7 +178,7 @@ def test_the_command_line_prints_the_ranked_plans_and_says_when_none_fits(capsys
     from metaopt.cli import main
 
     monkeypatch.chdir(Path(__file__).parent)
-    args = ["plan", "test_planner:two_layers", "--devices", "2", "--global-batch", "4", "--optimizer", "sgd"]
+    args = ["plan", "test_search:two_layers", "--devices", "2", "--global-batch", "4", "--optimizer", "sgd"]
     assert main([*args, "--memory", "1GiB"]) == 0
     out = capsys.readouterr().out
     assert "on 2 devices x 1.0 GiB, global batch 4" in out and "plans fit, best first:" in out

@@ -17,14 +17,14 @@ parallel or as ZeRO (sharding) at stages 1, 2 and 3; tensor parallel with the co
 layers found by ``"auto"``; pipelines of 1F1B with as many and twice as many micro-batches as
 stages; recompute none or full (checkpoints ``"auto"``).
 
-The time (`Plan.step_seconds`) is the time model of fleet/calibrate.py over the worker's own
+The time (`Plan.step_seconds`) is the time model of planner/calibrate.py over the worker's own
 program, every op of its step (forward, backward, recompute, optimizer): each op costs a fixed
 `op_seconds` (dispatch) + its FLOPs / `device_flops` + the bytes it touches / `device_bytes_per_s`,
 its FLOPs by its row's rule (ops/costs.py: MatMul, Gemm, Linear, Conv, attention and their grads,
 which are ops of the program too); each collective takes `link_latency_s` + its bytes over the
 ring (2 (n-1)/n of them for an all-reduce) / `link_bytes_per_s`; a pipeline's step is
 (micro-batches + stages - 1) times its stage's micro-batch (1F1B's bubble). The rates are
-`fleet.calibrate.calibrate`'s, measured on the device (``rates=``), or declared (a roofline's
+`metaopt.planner.calibrate.calibrate`'s, measured on the device (``rates=``), or declared (a roofline's
 guesses). For a layout without a pipeline, `Plan.layers` holds what one repeated block keeps for
 the backward beside Korthikanti et al. 2022's count for its shape (the table prints the best
 plan's). Not built yet: the search over offload, interleaved / zero-bubble schedules, expert
@@ -44,11 +44,11 @@ from typing import Any
 import torch
 
 from metaopt.fleet import env
-from metaopt.fleet.calibrate import Rates, op_cost
 from metaopt.fleet.strategy import DistributedStrategy
 from metaopt.ir import Program, roles
 from metaopt.layout.topology import AXES, Topology
 from metaopt.ops import costs, registry
+from metaopt.planner.calibrate import Rates, op_cost
 
 MAX_DEVICES = 1 << 20  # a job of a million workers: beyond it a figure is surely a typo
 MAX_BYTES = 1 << 60  # 1 EiB per device
@@ -239,7 +239,7 @@ def plan(
     """The layouts of a `devices`-worker job that fit `memory_per_device` each, best first
     (module doc). `program_or_module`: an exported forward program (its loss set), or a torch
     module exported here with `example_args`. `optimizer`: what minimize applies (default Adam).
-    The time model's figures: `rates` (`fleet.calibrate`: measured on the device), else the four
+    The time model's figures: `rates` (`metaopt.planner.calibrate`: measured on the device), else the four
     declared ones (a roofline without a per-op cost). `compute_units`: how many compute units the
     workers share where they outnumber them (a CPU's cores; default: one per device, as GPUs)."""
     devices = _count(devices, "devices", MAX_DEVICES)
@@ -255,7 +255,9 @@ def plan(
     if compute_units is not None:
         compute_units = _count(compute_units, "compute_units", MAX_DEVICES)
     if not isinstance(rates, Rates):
-        raise PlanError(f"fleet.plan: rates must be a fleet.calibrate.Rates, got {type(rates).__name__}")
+        raise PlanError(
+            f"fleet.plan: rates must be a metaopt.planner.calibrate.Rates, got {type(rates).__name__}"
+        )
     program = _program(program_or_module, example_args)
     layouts, pruned = grid(devices, global_batch)
     plans = []
@@ -390,7 +392,7 @@ def _first_rank(topo: Topology, stage: int) -> int:
 
 def _seconds(p: Program, dims: dict[str, int], rates: Rates) -> tuple[float, float]:
     """(compute, communication) seconds of one step of `p` by the time model (module doc): each
-    op's per-op cost, FLOPs and bytes (fleet/calibrate.py's `op_cost`); each collective's
+    op's per-op cost, FLOPs and bytes (planner/calibrate.py's `op_cost`); each collective's
     latency and ring bytes (its own compute, a ring's attention, is compute)."""
 
     def nbytes(name: str) -> int:

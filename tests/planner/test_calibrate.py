@@ -1,7 +1,7 @@
-"""The planner's time model and its calibration (metaopt/fleet/calibrate.py, issue 45): the fit
+"""The planner's time model and its calibration (metaopt/planner/calibrate.py, issue 45): the fit
 recovers the rates that made the times, the executor times each op of a step, the rates round-trip
 through a file, and fleet.plan prices a step as the module says (its per-op cost, FLOPs and bytes,
-summed over the worker's ops). The links' measurement runs on 2 gloo workers in test_planner.py."""
+summed over the worker's ops). The links' measurement runs on 2 gloo workers in test_search.py."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import torch
 
 import metaopt
 from metaopt import fleet
-from metaopt.fleet import calibrate as cal
 from metaopt.ir import roles
+from metaopt.planner import calibrate as cal
+from metaopt.planner.search import PlanError
 
 
 class _Mlp(torch.nn.Module):
@@ -108,5 +109,5 @@ def test_the_plan_prices_a_step_as_the_model_says(forward):
         want += 3e-5 + flops / 1e9 + moved / 2e9
     assert any(registry.get(op.type) is not None and registry.get(op.type).view for op in p.ops)
     assert none.step_seconds == pytest.approx(want, rel=1e-12)
-    with pytest.raises(fleet.planner.PlanError, match="rates must be a fleet.calibrate.Rates, got dict"):
+    with pytest.raises(PlanError, match="rates must be a metaopt.planner.calibrate.Rates, got dict"):
         fleet.plan(forward, devices=1, memory_per_device="1GiB", global_batch=8, rates={"op_seconds": 1})
