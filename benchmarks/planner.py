@@ -22,6 +22,7 @@ each predicted (peak and step time, the time model calibrated on this machine fi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -31,24 +32,31 @@ import time
 from common import RESULTS, LMLoss, launch_workers, machine, worker_flags
 
 # (data, model, pipe, stage, recompute, micro_batches): dp / ZeRO 1-3 / tp / pp / their mixes,
-# with and without recompute, pipelines at two micro-batch counts
+# without recompute, with it (full: each block's output kept) and selective, pipelines at two
+# micro-batch counts; each run as the planner made it (its checkpoints' pattern, its stages' cuts)
 LAYOUTS = [
-    (4, 1, 1, 0, False, 1),
-    (4, 1, 1, 0, True, 1),
-    (4, 1, 1, 1, False, 1),
-    (4, 1, 1, 2, False, 1),
-    (4, 1, 1, 3, False, 1),
-    (4, 1, 1, 3, True, 1),
-    (2, 2, 1, 0, False, 1),
-    (2, 2, 1, 0, True, 1),
-    (1, 4, 1, 0, False, 1),
-    (2, 1, 2, 0, False, 2),
-    (2, 1, 2, 0, False, 4),
-    (1, 1, 4, 0, False, 4),
-    (1, 2, 2, 0, False, 2),
-    (2, 2, 1, 3, False, 1),
+    (4, 1, 1, 0, "none", 1),
+    (4, 1, 1, 0, "full", 1),
+    (4, 1, 1, 1, "none", 1),
+    (4, 1, 1, 2, "none", 1),
+    (4, 1, 1, 3, "none", 1),
+    (4, 1, 1, 3, "full", 1),
+    (2, 2, 1, 0, "none", 1),
+    (2, 2, 1, 0, "full", 1),
+    (2, 2, 1, 0, "selective", 1),
+    (1, 4, 1, 0, "none", 1),
+    (2, 1, 2, 0, "none", 2),
+    (2, 1, 2, 0, "none", 4),
+    (1, 1, 4, 0, "none", 4),
+    (1, 2, 2, 0, "none", 2),
+    (2, 2, 1, 3, "none", 1),
 ]
 WORLD = 4
+
+
+def _key(lay) -> tuple:
+    """A layout's grid point: its degrees, data-side form, recompute and micro-batches."""
+    return (lay.data, lay.model, lay.pipe, lay.stage, lay.recompute, lay.micro_batches)
 
 
 def build(args):
@@ -130,7 +138,7 @@ def run_worker(args) -> None:
     from metaopt.report.pipeline_memory import estimate_pipeline_memory
 
     torch.set_num_threads(1)
-    layout = Layout(*json.loads(args.layout))
+    layout = Layout(**json.loads(args.layout))
     strategy = layout.strategy()
     fleet.init(is_collective=True, strategy=strategy)
     program, ids = export(args)
@@ -217,7 +225,6 @@ def main() -> None:
 
     from metaopt import fleet
     from metaopt.planner.calibrate import Rates
-    from metaopt.planner.search import Layout
 
     work = tempfile.mkdtemp(prefix="planner_")
     t0 = time.perf_counter()
@@ -237,7 +244,8 @@ def main() -> None:
     )
     plan_s = time.perf_counter() - t0
     by_layout = {p.layout: p for p in plans}
-    chosen = [Layout(*t) for t in LAYOUTS]
+    made = {_key(lay): lay for lay in [*by_layout, *(lay for lay, _ in plans.pruned)]}
+    chosen = [made[t] for t in LAYOUTS]
     pick = plans[0].layout
     if pick not in chosen:
         chosen.append(pick)
@@ -246,8 +254,8 @@ def main() -> None:
         if lay not in by_layout:
             rows.append({"layout": lay.describe(), "refused": True})
             continue
-        out = os.path.join(work, "run", "_".join(map(str, lay.__dict__.values())))
-        layout_json = json.dumps(list(lay.__dict__.values()))
+        out = os.path.join(work, "run", "_".join(map(str, _key(lay))))
+        layout_json = json.dumps(dataclasses.asdict(lay))
         _launch(args, "run", out, [f"--layout={layout_json}"])
         ranks = []
         for r in range(WORLD):
@@ -257,7 +265,7 @@ def main() -> None:
         rows.append(
             {
                 "layout": lay.describe(),
-                "fields": list(lay.__dict__.values()),
+                "fields": list(_key(lay)),
                 "predicted_s": by_layout[lay].step_seconds,
                 "measured_s": statistics.median(steps),
                 "steps_s": steps,
@@ -270,10 +278,10 @@ def main() -> None:
     ok = [r for r in rows if not r.get("refused")]
     rho = spearman([r["predicted_s"] for r in ok], [r["measured_s"] for r in ok])
     best = min(ok, key=lambda r: r["measured_s"])
-    picked = next(r for r in ok if r["fields"] == list(pick.__dict__.values()))
+    picked = next(r for r in ok if r["fields"] == list(_key(pick)))
     # the budget: below data parallel's peak without recompute, at or above it with full recompute
-    dp_none = next(r for r in ok if r["fields"] == [4, 1, 1, 0, False, 1])
-    dp_full = next(r for r in ok if r["fields"] == [4, 1, 1, 0, True, 1])
+    dp_none = next(r for r in ok if r["fields"] == [4, 1, 1, 0, "none", 1])
+    dp_full = next(r for r in ok if r["fields"] == [4, 1, 1, 0, "full", 1])
     budget = dp_none["planner_peak"] - 1
     capped = fleet.plan(
         program,
@@ -283,9 +291,7 @@ def main() -> None:
         rates=rates,
         compute_units=units,
     )
-    capped_pick = next(
-        (r for r in ok if capped and r["fields"] == list(capped[0].layout.__dict__.values())), None
-    )
+    capped_pick = next((r for r in ok if capped and r["fields"] == list(_key(capped[0].layout))), None)
 
     print(
         f"\nHF GPT-2 {args.width} x {args.layers}, seq {args.seq}, global batch {args.global_batch}, "

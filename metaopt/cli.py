@@ -210,7 +210,7 @@ def _add_plan_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers actio
     pl.add_argument(
         "--optimizer", default="adam", choices=_OPTIMIZERS, help="what minimize applies (default adam)"
     )
-    pl.add_argument("--top", type=int, default=None, help="print only the best N plans (default: all)")
+    pl.add_argument("--top", type=int, default=None, help="only the best N plans (default: all that fit)")
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -230,9 +230,8 @@ def _plan(args: argparse.Namespace) -> int:
         memory_per_device=args.memory,
         global_batch=args.global_batch,
         optimizer=optimizer,
+        top=args.top,
     )
-    if args.top is not None:
-        plans = fleet.Plans(plans[: args.top], plans.pruned, plans.header)
     sys.stdout.write(f"{plans}\n")
     if plans:
         sys.stdout.write(f"# best: {plans[0].describe()}\n")

@@ -35,6 +35,7 @@ identical layers solved once (each layout is rewritten whole).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import re
 from collections.abc import Iterable
@@ -48,6 +49,8 @@ from metaopt.fleet.strategy import DistributedStrategy
 from metaopt.ir import Program, roles
 from metaopt.layout.topology import AXES, Topology
 from metaopt.ops import costs, registry
+from metaopt.passes.recompute import block_outputs
+from metaopt.planner.blocks import Blocks, find_blocks, with_blocks
 from metaopt.planner.calibrate import Rates, op_cost
 
 MAX_DEVICES = 1 << 20  # a job of a million workers: beyond it a figure is surely a typo
@@ -87,21 +90,33 @@ def _count(value: Any, what: str, most: int) -> int:
     return value
 
 
+RECOMPUTE = ("none", "selective", "full")
+POINTS = (2, 3)  # blocks per stage a layout is rewritten at where its figures are extended
+
+
 @dataclass(frozen=True)
 class Layout:
-    """One point of the grid: the degrees, the data side's form, recompute and micro-batches."""
+    """One point of the grid: the degrees, the data side's form, recompute and micro-batches.
+
+    `recompute`: "none"; "full" (each repeated block's output kept, the rest of a block recomputed
+    in the backward: Megatron's full recompute); "selective" (the same segments, their matmul-class
+    outputs kept too). `blocks`: the repeated blocks' module pattern those checkpoints name
+    (``model.layers.*``); None where the model has none (checkpoints "auto"). `cuts`: the module
+    paths where pipeline stages begin (the blocks split evenly); () = balanced by estimated cost."""
 
     data: int
     model: int
     pipe: int
     stage: int  # 0: data parallel over the data side; 1-3: ZeRO (sharding) at that stage
-    recompute: bool
+    recompute: str
     micro_batches: int
+    blocks: str | None = None
+    cuts: tuple[str, ...] = ()
 
     def describe(self) -> str:
         side = f"dp={self.data}" if self.stage == 0 else f"sharding={self.data} (ZeRO-{self.stage})"
         pipe = f" pp={self.pipe} ({self.micro_batches} micro-batches, 1F1B)" if self.pipe > 1 else ""
-        return f"{side} mp={self.model}{pipe} recompute={'full' if self.recompute else 'none'}"
+        return f"{side} mp={self.model}{pipe} recompute={self.recompute}"
 
     def strategy(self) -> DistributedStrategy:
         s = DistributedStrategy()
@@ -117,13 +132,20 @@ class Layout:
             s.tensor_parallel_configs = {"column": "auto", "row": "auto"}
         if self.pipe > 1:
             s.pipeline = True
-            s.pipeline_configs = {"accumulate_steps": self.micro_batches, "micro_batch_size": None}
+            s.pipeline_configs = {
+                "accumulate_steps": self.micro_batches,
+                "micro_batch_size": None,
+                "cuts": list(self.cuts),
+            }
         if self.stage:
             s.sharding = True
             s.sharding_configs = {"stage": self.stage}
-        if self.recompute:
+        if self.recompute != "none":
             s.recompute = True
-            s.recompute_configs = {"checkpoints": "auto"}
+            s.recompute_configs = {
+                "checkpoints": [self.blocks] if self.blocks else "auto",
+                "policy": "selective" if self.recompute == "selective" else "full",
+            }
         return s
 
 
@@ -149,22 +171,26 @@ class Plan:
 class LayerActivations:
     """What one repeated block (a transformer layer) keeps for the backward on a worker, beside
     Korthikanti et al. 2022's count for its shape: ``sbh(34 + 5as/h)`` bytes without recompute,
-    ``2sbh`` with full recompute (16-bit activations, 1-byte dropout masks; s the sequence, b the
-    micro-batch, h the hidden size, a the heads)."""
+    ``34sbh`` with their selective recompute (the attention's softmax, its dropout and the scores'
+    matmuls recomputed; ours keeps the matmul-class outputs and recomputes the rest, a different
+    choice of what to keep), ``2sbh`` with full recompute (16-bit activations, 1-byte dropout
+    masks; s the sequence, b the micro-batch, h the hidden size, a the heads)."""
 
     bytes_per_layer: float  # ours: the blocks' activations alive where the backward starts, per block
     s: int
     b: int
     h: int
     a: int
-    recompute: bool
+    recompute: str  # Layout.recompute: "none", "selective", "full"
 
     def korthikanti(self) -> float:
         sbh = self.s * self.b * self.h
-        return 2.0 * sbh if self.recompute else sbh * (34 + 5 * self.a * self.s / self.h)
+        return {"full": 2.0, "selective": 34.0}.get(self.recompute, 34 + 5 * self.a * self.s / self.h) * sbh
 
     def describe(self) -> str:
-        formula = "2sbh (full recompute)" if self.recompute else "sbh(34 + 5as/h)"
+        formula = {"full": "2sbh (full recompute)", "selective": "34sbh (selective recompute)"}.get(
+            self.recompute, "sbh(34 + 5as/h)"
+        )
         return (
             f"activations per layer (s={self.s}, b={self.b}, h={self.h}, a={self.a}): "
             f"{_gib(self.bytes_per_layer)} predicted; Korthikanti et al. 2022: "
@@ -196,25 +222,37 @@ def _gib(n: float) -> str:
     return human_bytes(n)
 
 
-def grid(devices: int, global_batch: int) -> tuple[list[Layout], list[tuple[Layout, str]]]:
-    """Every layout of `devices` (module doc), and those the batch rules out, with why."""
+def grid(
+    devices: int, global_batch: int, blocks: Blocks | None = None
+) -> tuple[list[Layout], list[tuple[Layout, str]]]:
+    """Every layout of `devices` (module doc), and those the batch or the blocks rule out, with why."""
     out, pruned = [], []
+    pattern = blocks.pattern if blocks is not None else None
     for data in _divisors(devices):
         for model in _divisors(devices // data):
             pipe = devices // data // model
             micro = (1,) if pipe == 1 else (pipe, 2 * pipe)
             stages = (0,) if data == 1 else (0, 1, 2, 3)
+            cuts = _cuts(blocks.modules, pipe, blocks.count // pipe) if blocks and pipe > 1 else ()
             for stage in stages:
                 for m in micro:
-                    for recompute in (False, True):
-                        lay = Layout(data, model, pipe, stage, recompute, m)
+                    for recompute in RECOMPUTE:
+                        lay = Layout(data, model, pipe, stage, recompute, m, pattern, cuts)
                         if global_batch % (data * m):
-                            pruned.append(
-                                (lay, f"global_batch {global_batch} does not split into {data} x {m}")
-                            )
+                            why = f"global_batch {global_batch} does not split into {data} x {m}"
+                        elif blocks is not None and blocks.count % pipe:
+                            why = f"{blocks.count} blocks of {pattern!r} do not split into {pipe} stages"
                         else:
                             out.append(lay)
+                            continue
+                        pruned.append((lay, why))
     return out, pruned
+
+
+def _cuts(modules: tuple[str, ...], pipe: int, per_stage: int) -> tuple[str, ...]:
+    """Where stages 1 .. pipe-1 begin: every `per_stage`-th block (the first stage also holds
+    what comes before the blocks, the last what comes after: the embedding, the head)."""
+    return tuple(modules[k * per_stage] for k in range(1, pipe))
 
 
 def _divisors(n: int) -> list[int]:
@@ -235,13 +273,19 @@ def plan(
     link_latency_s: float = 1e-5,
     rates: Rates | None = None,
     compute_units: int | None = None,
+    top: int | None = None,
+    blocks_once: bool = True,
 ) -> Plans:
     """The layouts of a `devices`-worker job that fit `memory_per_device` each, best first
     (module doc). `program_or_module`: an exported forward program (its loss set), or a torch
     module exported here with `example_args`. `optimizer`: what minimize applies (default Adam).
     The time model's figures: `rates` (`metaopt.planner.calibrate`: measured on the device), else the four
     declared ones (a roofline without a per-op cost). `compute_units`: how many compute units the
-    workers share where they outnumber them (a CPU's cores; default: one per device, as GPUs)."""
+    workers share where they outnumber them (a CPU's cores; default: one per device, as GPUs).
+    `top`: how many plans to return, fastest first (default: every one that fits); each returned
+    plan's peaks are its whole program's, so a smaller `top` rewrites fewer whole programs.
+    `blocks_once=False`: every layout rewritten whole, never from fewer blocks (slower; the same
+    plans, the same figures: tests/planner check it)."""
     devices = _count(devices, "devices", MAX_DEVICES)
     budget = parse_bytes(memory_per_device)
     global_batch = _count(global_batch, "global_batch", 1 << 40)
@@ -254,32 +298,64 @@ def plan(
         rates = Rates(device_flops, device_bytes_per_s, 0.0, link_bytes_per_s, link_latency_s)
     if compute_units is not None:
         compute_units = _count(compute_units, "compute_units", MAX_DEVICES)
+    if top is not None:
+        top = _count(top, "top", 1 << 20)
     if not isinstance(rates, Rates):
         raise PlanError(
             f"fleet.plan: rates must be a metaopt.planner.calibrate.Rates, got {type(rates).__name__}"
         )
     program = _program(program_or_module, example_args)
-    layouts, pruned = grid(devices, global_batch)
-    plans = []
+    blocks = find_blocks(program)
+    layouts, pruned = grid(devices, global_batch, blocks)
+    job = _Job(program, blocks, devices, global_batch, optimizer, rates, compute_units, blocks_once)
+    # every layout's time (exact) and peaks (exact, or a lower bound from fewer blocks): those over
+    # the budget even so are out; the rest, fastest first, have their peaks made exact
+    screened = []
     for lay in layouts:
         try:
-            peaks, seconds, layers = _evaluate(
-                program, lay, devices, global_batch, optimizer, rates, compute_units
-            )
+            fig = job.evaluate(lay)
         except (ValueError, NotImplementedError, RuntimeError) as e:
             pruned.append((lay, f"refused: {str(e).splitlines()[0][:200]}"))
             continue
-        worst = max(peaks)
+        if max(fig.peaks) > budget:
+            bound = "" if fig.exact else "at least "
+            pruned.append((lay, f"peak {bound}{_gib(max(fig.peaks))} > {_gib(budget)}"))
+        else:
+            screened.append((fig.seconds, lay, fig))
+    plans: list[Plan] = []
+    for _, lay, fig in sorted(screened, key=lambda t: t[0]):
+        if top is not None and len(plans) >= top:
+            pruned.append((lay, f"slower than the {top} fastest plans that fit (top={top}): not made exact"))
+            continue
+        fig = fig if fig.exact else job.evaluate(lay, whole=True)
+        worst = max(fig.peaks)
         if worst > budget:
             pruned.append((lay, f"peak {_gib(worst)} > {_gib(budget)}"))
             continue
-        plans.append(Plan(lay, lay.strategy(), worst, seconds, peaks, layers))
+        plans.append(Plan(lay, lay.strategy(), worst, fig.seconds, fig.peaks, fig.layers))
     plans.sort(key=lambda p: (p.step_seconds, p.peak_bytes))
+    counted = len(layouts) + len(
+        [1 for _, w in pruned if w.startswith("global_batch") or " split into " in w]
+    )
     header = (
         f"fleet.plan: {program.name!r} on {devices} devices x {_gib(budget)}, global batch {global_batch}; "
-        f"{len(layouts) + len([1 for _, w in pruned if w.startswith('global_batch')])} layouts"
+        f"{counted} layouts; {_blocks_line(blocks)}"
     )
     return Plans(plans, pruned, header)
+
+
+def _blocks_line(blocks: Blocks | None) -> str:
+    if blocks is None:
+        return "no repeated blocks: each layout rewritten whole"
+    if blocks.why_not is not None:
+        return (
+            f"{blocks.count} blocks of {blocks.pattern!r}, not identical ({blocks.why_not}): rewritten whole"
+        )
+    return (
+        f"{blocks.count} identical blocks of {blocks.pattern!r} solved once: each layout rewritten at "
+        f"{' and '.join(map(str, POINTS))} blocks per stage and extended to the whole depth, the plans "
+        "that fit then rewritten whole"
+    )
 
 
 def _program(program_or_module: Any, example_args: tuple | None) -> Program:
@@ -303,54 +379,144 @@ def _program(program_or_module: Any, example_args: tuple | None) -> Program:
     return program
 
 
-def _evaluate(
-    program: Program,
-    lay: Layout,
-    devices: int,
-    global_batch: int,
-    optimizer: Any,
-    rates: Rates,
-    compute_units: int | None,
-) -> tuple[list[int], float, LayerActivations | None]:
-    """Each pipeline stage's first worker rewritten here (`fleet.simulate`): its peak, the
-    slowest one's step time, and (without a pipeline) its activations per repeated block."""
-    from metaopt.fleet.distributed_optimizer import distributed_optimizer
-    from metaopt.fleet.topology import from_hybrid_configs
-    from metaopt.optimizer import Adam
-    from metaopt.passes.memory_estimate import estimate_memory
-    from metaopt.report.pipeline_memory import estimate_pipeline_memory
+@dataclass
+class _Stages:
+    """One rewrite's figures: per pipeline stage (one entry without a pipeline) its first worker's
+    predicted peak, and the compute and communication seconds of its step (a pipeline stage's:
+    of one micro-batch); `kept`: the blocks' activations alive where the backward starts (no
+    pipeline). The seconds and `kept` are lines in the blocks per stage from 2 blocks on (each
+    block adds its ops; at 1 block recompute's head is that block). A peak is the largest of
+    several such lines, one per place in the step (the backward's start, the last reduce-scatter):
+    the largest of lines is convex, so the line through 2 and 3 blocks, extended, is a lower bound
+    of the whole depth's, and another place may overtake (measured: ZeRO-3's reduce-scatter at 7
+    of 12 blocks)."""
 
-    strategy = lay.strategy()
-    topo = from_hybrid_configs(strategy.hybrid_configs, devices, "fleet.plan")
-    batch = global_batch // lay.data  # each data-side replica's; a pipeline's workers get it whole
-    peaks, times, work, layers = [], [], 0.0, None
-    saved = env.snapshot()
-    try:
-        for stage in range(lay.pipe):
-            rank = _first_rank(topo, stage)
-            env.simulate(devices, rank, strategy)
-            p = program.clone()
+    peaks: list[int]
+    compute: list[float]
+    comm: list[float]
+    kept: int
+
+    def minus(self, other: _Stages) -> _Stages:
+        return _Stages(
+            [a - b for a, b in zip(self.peaks, other.peaks, strict=True)],
+            [a - b for a, b in zip(self.compute, other.compute, strict=True)],
+            [a - b for a, b in zip(self.comm, other.comm, strict=True)],
+            self.kept - other.kept,
+        )
+
+    def plus(self, step: _Stages, times: int) -> _Stages:
+        return _Stages(
+            [a + b * times for a, b in zip(self.peaks, step.peaks, strict=True)],
+            [a + b * times for a, b in zip(self.compute, step.compute, strict=True)],
+            [a + b * times for a, b in zip(self.comm, step.comm, strict=True)],
+            self.kept + step.kept * times,
+        )
+
+
+@dataclass(frozen=True)
+class Figures:
+    """A layout's predicted figures: each pipeline stage's first worker's peak (one entry without
+    a pipeline), the step's seconds, the activations per block (no pipeline) and whether the peaks
+    are exact (the whole program's) or a lower bound (extended from fewer blocks, `_Job.evaluate`)."""
+
+    peaks: list[int]
+    seconds: float
+    layers: LayerActivations | None
+    exact: bool
+
+
+@dataclass
+class _Job:
+    """What every layout of one `plan` call shares: the program, its blocks, the job's figures,
+    and the programs cut to fewer blocks (made once, rewritten by every layout)."""
+
+    program: Program
+    blocks: Blocks | None
+    devices: int
+    global_batch: int
+    optimizer: Any
+    rates: Rates
+    compute_units: int | None
+    blocks_once: bool = True
+    fewer: dict[int, Program] = field(default_factory=dict)
+
+    def evaluate(self, lay: Layout, *, whole: bool = False) -> Figures:
+        """The layout's figures (`Figures`): from its rewrites at 2 and 3 blocks per stage extended to
+        the whole depth where the blocks are identical and that is cheaper than the whole program
+        (the time exact, the peaks a lower bound: `Figures.exact` False); else, or with `whole`,
+        the whole program's."""
+        b = self.blocks
+        n = b.count // lay.pipe if b is not None else 0
+        small = b is not None and b.why_not is None and lay.pipe * sum(POINTS) < b.count
+        if self.blocks_once and small and not whole:
+            lo, hi = (self._figures(self._fewer(lay.pipe * k), lay, k) for k in POINTS)
+            fig, exact = hi.plus(hi.minus(lo), n - POINTS[-1]), False
+        else:
+            fig, exact = self._figures(self.program, lay, n), True
+        if lay.pipe > 1:
+            times = [(c + m) * (lay.micro_batches + lay.pipe - 1) for c, m in zip(fig.compute, fig.comm)]
+            work = sum(fig.compute) * lay.micro_batches * (self.devices // lay.pipe)  # each stage's workers'
+        else:
+            times, work = [fig.compute[0] + fig.comm[0]], fig.compute[0] * self.devices
+        # workers that share compute units (a CPU's cores) take turns: the step is at least all the
+        # workers' compute over the units, whatever the pipeline's bubbles leave idle
+        seconds = max(max(times), work / (self.compute_units or self.devices))
+        layers = None
+        if lay.pipe == 1:
+            shape = _block_shape(self.program, self.blocks, self.global_batch // lay.data)
+            count = b.count if b is not None else 0
+            if shape is not None and count:
+                layers = LayerActivations(fig.kept / count, *shape, lay.recompute)
+        return Figures(fig.peaks, seconds, layers, exact)
+
+    def _fewer(self, keep: int) -> Program:
+        if keep not in self.fewer:
+            self.fewer[keep] = with_blocks(self.program, self.blocks, keep)
+        return self.fewer[keep]
+
+    def _figures(self, p: Program, lay: Layout, per_stage: int) -> _Stages:
+        """`lay` rewritten on `p` for stage 0's first worker (`fleet.simulate`; a pipeline's
+        minimize makes every stage's program, each estimated), pipelines cut every `per_stage`
+        blocks of `p`."""
+        from metaopt.fleet.distributed_optimizer import distributed_optimizer
+        from metaopt.fleet.topology import from_hybrid_configs
+        from metaopt.optimizer import Adam
+        from metaopt.passes.memory_estimate import estimate_memory
+        from metaopt.report.pipeline_memory import estimate_pipeline_memory
+
+        if lay.pipe > 1 and self.blocks is not None:
+            lay = dataclasses.replace(lay, cuts=_cuts(self.blocks.modules, lay.pipe, per_stage))
+        strategy = lay.strategy()
+        topo = from_hybrid_configs(strategy.hybrid_configs, self.devices, "fleet.plan")
+        batch = self.global_batch // lay.data  # each data-side replica's; a pipeline's workers get it whole
+        saved = env.snapshot()
+        try:
+            env.simulate(self.devices, _first_rank(topo, 0), strategy)
+            q = p.clone()
             # a fresh copy each time: minimize may bind an optimizer (and its schedule) to a program
-            opt = copy.deepcopy(optimizer) if optimizer is not None else Adam(learning_rate=1e-3)
-            distributed_optimizer(opt, strategy).minimize(p.loss)
-            if lay.pipe > 1:
-                peaks.append(estimate_pipeline_memory(p, batch=batch).peak_bytes)
-                compute, comm = _seconds(p, {"batch": batch // lay.micro_batches}, rates)
-                times.append((compute + comm) * (lay.micro_batches + lay.pipe - 1))
-                work += compute * lay.micro_batches * (devices // lay.pipe)  # this stage's workers'
-            else:
-                at = _backward_start(p)
-                est = estimate_memory(p, dims={"batch": batch}, workspace=False, at=max(at, 0))
-                peaks.append(est.peak_bytes)
-                layers = _layer_activations(p, est.where if at >= 0 else None, batch, lay.recompute)
-                compute, comm = _seconds(p, {"batch": batch}, rates)
-                times.append(compute + comm)
-                work += compute * devices
-    finally:
-        env.restore(saved)
-    # workers that share compute units (a CPU's cores) take turns: the step is at least all the
-    # workers' compute over the units, whatever the pipeline's bubbles leave idle
-    return peaks, max(max(times), work / (compute_units or devices)), layers
+            opt = copy.deepcopy(self.optimizer) if self.optimizer is not None else Adam(learning_rate=1e-3)
+            dist = distributed_optimizer(opt, strategy)
+            dist.minimize(q.loss)
+        finally:
+            env.restore(saved)
+        if lay.pipe > 1:
+            micro = {"batch": batch // lay.micro_batches}
+            parts = dist.stage_programs
+            secs = [_seconds(part, micro, self.rates) for part in parts]
+            peaks = [estimate_pipeline_memory(part, batch=batch).peak_bytes for part in parts]
+            return _Stages(peaks, [c for c, _ in secs], [m for _, m in secs], 0)
+        at = _backward_start(q)
+        est = estimate_memory(q, dims={"batch": batch}, workspace=False, at=max(at, 0))
+        compute, comm = _seconds(q, {"batch": batch}, self.rates)
+        kept = _kept(q, est.where, self._scopes(q)) if at >= 0 else 0
+        return _Stages([est.peak_bytes], [compute], [comm], kept)
+
+    def _scopes(self, p: Program) -> list[str]:
+        """The module paths of `p`'s blocks (those of the blocks it was cut to keep)."""
+        if self.blocks is not None:
+            return [m for m in self.blocks.modules if m in p.modules]
+        owner = {o[0]: m for m, o in p.modules.items() if len(o) == 1}
+        return [owner[o] for o in block_outputs(p) if o in owner]
 
 
 def _backward_start(p: Program) -> int:
@@ -361,29 +527,30 @@ def _backward_start(p: Program) -> int:
     return first - 1
 
 
-def _layer_activations(p: Program, where: Any, batch: int, recompute: bool) -> LayerActivations | None:
-    """The activations alive where the backward starts (`where`), made by the ops of the model's
-    repeated blocks, per block; and the block's shape: its output [b, s, h], the heads of its
-    first attention. None where the program has no repeated blocks of that form."""
-    from metaopt.ir.program import eval_dim
-    from metaopt.passes.recompute import block_outputs
-
-    outs = block_outputs(p)
-    owner = {o[0]: m for m, o in p.modules.items() if len(o) == 1}
-    scopes = [owner[o] for o in outs if o in owner]
-    out = p.vars.get(outs[0]) if len(scopes) >= 2 else None
-    heads = next((a for op in p.ops if (a := costs.attention_heads(p, op)) is not None), None)
-    if out is None or out.shape is None or len(out.shape) != 3 or heads is None or where is None:
-        return None
-    b, s, h = (eval_dim(d, {"batch": batch}) for d in out.shape)
-    if None in (b, s, h):
-        return None
+def _kept(p: Program, where: Any, scopes: list[str]) -> int:
+    """The activations alive at `where` made by the ops of the modules `scopes` (the blocks)."""
     kept = 0
     for v in where.vars:
         scope = p.ops[v.op].scope or "" if v.op >= 0 and v.kind == "activation" else None
         if scope is not None and any(scope == m or scope.startswith(m + ".") for m in scopes):
             kept += v.nbytes
-    return LayerActivations(kept / len(scopes), int(s), int(b), int(h), heads, recompute)
+    return kept
+
+
+def _block_shape(p: Program, blocks: Blocks | None, batch: int) -> tuple[int, int, int, int] | None:
+    """(s, b, h, a) of the repeated blocks: the first one's output [b, s, h], the heads of the first
+    attention. None where the program has no blocks of that form."""
+    from metaopt.ir.program import eval_dim
+
+    outs = list(blocks.outputs) if blocks is not None else []
+    out = p.vars.get(outs[0]) if outs else None
+    heads = next((a for op in p.ops if (a := costs.attention_heads(p, op)) is not None), None)
+    if out is None or out.shape is None or len(out.shape) != 3 or heads is None:
+        return None
+    b, s, h = (eval_dim(d, {"batch": batch}) for d in out.shape)
+    if None in (b, s, h):
+        return None
+    return int(s), int(b), int(h), heads
 
 
 def _first_rank(topo: Topology, stage: int) -> int:

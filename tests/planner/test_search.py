@@ -69,7 +69,7 @@ def test_hostile_inputs_are_refused_by_name_before_any_rewrite(gpt2, kwargs, mat
     def rewrite(*args, **kw):  # noqa: ANN002, ANN003, ANN202
         raise AssertionError("a layout was rewritten before the inputs were checked")
 
-    monkeypatch.setattr(planner, "_evaluate", rewrite)
+    monkeypatch.setattr(planner._Job, "evaluate", rewrite)
     args = {"devices": 4, "memory_per_device": "1GiB", "global_batch": 8, **kwargs}
     with pytest.raises(PlanError, match=match):
         fleet.plan(gpt2, **args)
@@ -100,7 +100,7 @@ def test_every_plan_fits_and_every_pruned_layout_says_why(plans):
     tried = [lay for lay in [*(p.layout for p in plans), *(lay for lay, _ in plans.pruned)]]
     assert {lay.stage for lay in tried} == {0, 1, 2, 3}
     assert {lay.model for lay in tried} == {1, 2} and {lay.pipe for lay in tried} == {1, 2}
-    assert {lay.recompute for lay in tried} == {False, True}
+    assert {lay.recompute for lay in tried} == {"none", "selective", "full"}
 
 
 def test_the_best_plan_runs_within_the_cap_on_real_workers(plans, tmp_path):
@@ -131,11 +131,17 @@ def test_the_best_plan_runs_within_the_cap_on_real_workers(plans, tmp_path):
 
 
 def test_layouts_describe_and_make_their_strategies():
-    lay = Layout(data=2, model=2, pipe=2, stage=1, recompute=True, micro_batches=4)
+    lay = Layout(data=2, model=2, pipe=2, stage=1, recompute="full", micro_batches=4)
     s = lay.strategy()
     assert s.hybrid_configs["sharding_degree"] == 2 and s.hybrid_configs["dp_degree"] == 1
     assert s.sharding_configs["stage"] == 1 and s.tensor_parallel and s.pipeline and s.recompute
+    assert s.recompute_configs["checkpoints"] == ["auto"] and s.pipeline_configs["cuts"] == []
     assert lay.describe() == "sharding=2 (ZeRO-1) mp=2 pp=2 (4 micro-batches, 1F1B) recompute=full"
+    # on a model with repeated blocks: each block's output a checkpoint, the stages cut between blocks
+    lay = Layout(1, 1, 2, 0, "selective", 2, blocks="m.h.*", cuts=("m.h.6",))
+    s = lay.strategy()
+    assert s.recompute_configs["checkpoints"] == ["m.h.*"] and s.recompute_configs["policy"] == "selective"
+    assert s.pipeline_configs["cuts"] == ["m.h.6"]
 
 
 def test_flops_read_composite_dims_and_a_rings_whole_sequence():
@@ -195,7 +201,7 @@ def test_the_best_plans_activations_per_layer_stand_beside_korthikantis_formula(
     Korthikanti et al.'s count for that shape, and the line in the printed table."""
     plans = fleet.plan(gpt2, devices=1, memory_per_device="1GiB", global_batch=8)
     by = {p.layout.recompute: p.layers for p in plans}
-    none, full = by[False], by[True]
+    none, full = by["none"], by["full"]
     assert (none.s, none.b, none.h, none.a) == (12, 8, 32, 4)
     assert none.bytes_per_layer > full.bytes_per_layer > 0
     sbh = 12 * 8 * 32

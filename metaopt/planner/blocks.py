@@ -1,0 +1,187 @@
+"""Identical layers solved once (issue 45): a forward program's repeated blocks, whether they are
+the same computation, and the same program with fewer of them.
+
+The planner rewrites and estimates a model at two block counts, not at its whole depth. With
+identical blocks, every figure it reads is a line in the count of blocks: each block adds its
+params, their grads and optimizer state, what it keeps for the backward (times the micro-batches
+a pipeline stage holds), and its ops' time; so two points fix the line (`extend`). The tests hold
+the line to the whole program's figures, to the byte, at every layout of a grid.
+
+    blocks = find_blocks(program)        # None: no repeated blocks
+    blocks.why_not                       # None: blocks 1.. are one computation; else the first difference
+    small = with_blocks(program, blocks, 2)   # the first 2 blocks, the rest of the model as it was
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from metaopt.ir import Op, Program
+from metaopt.ir.printer import fmt_op
+from metaopt.passes.recompute import block_outputs
+
+SMALL = 64  # a constant of at most this many elements is compared by its values in the signature
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """The model's repeated blocks: module paths, output vars and forward op spans, in order."""
+
+    modules: tuple[str, ...]
+    outputs: tuple[str, ...]
+    spans: tuple[tuple[int, int], ...]  # each block's ops: [start, end) in the forward program
+    why_not: str | None  # None: blocks 1.. compute the same thing; else what differs, named
+
+    @property
+    def count(self) -> int:
+        return len(self.modules)
+
+    @property
+    def pattern(self) -> str:
+        """The family as a module pattern (``model.layers.*``): checkpoints name every block by it."""
+        parent, _, _ = self.modules[0].rpartition(".")
+        return f"{parent}.*" if parent else "*"
+
+
+def find_blocks(p: Program) -> Blocks | None:
+    """The repeated blocks of forward program `p` (`passes.recompute.block_outputs`' family of
+    numbered sibling modules), or None where it has none or their ops are not one contiguous run
+    each. `why_not` says whether blocks 1.. are identical (block 0 reads the model's input, not a
+    block's output, and may differ: it is always kept), and that each block begins where the one
+    before it ends (ops between blocks would stay behind when blocks are cut off)."""
+    outs = block_outputs(p)
+    owner: dict[str, str] = {}  # a var leaving nested modules (a Sequential, its last child): the outer
+    for m, o in p.modules.items():
+        if len(o) == 1 and (o[0] not in owner or m.count(".") < owner[o[0]].count(".")):
+            owner[o[0]] = m
+    mods = [owner.get(o) for o in outs]
+    if len(outs) < 2 or None in mods or any("@" in m for m in mods):
+        return None  # a shared module's calls (ALBERT): one set of params, nothing to drop
+    spans = []
+    for m in mods:
+        inside = [i for i, op in enumerate(p.ops) if _within(op.scope, m)]
+        if not inside or inside[-1] - inside[0] + 1 != len(inside):
+            return None
+        spans.append((inside[0], inside[-1] + 1))
+    if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+        return None
+    blocks = Blocks(tuple(mods), tuple(outs), tuple(spans), None)
+    return Blocks(blocks.modules, blocks.outputs, blocks.spans, _gap(p, blocks) or _difference(p, blocks))
+
+
+def _within(scope: str | None, module: str) -> bool:
+    return scope is not None and (scope == module or scope.startswith(module + "."))
+
+
+def _gap(p: Program, blocks: Blocks) -> str | None:
+    """The first op between two blocks (a residual add outside them): cutting blocks off would
+    leave it, so such blocks are not cut (None: each block begins where the previous one ends)."""
+    for a, b in zip(blocks.spans, blocks.spans[1:]):
+        if a[1] != b[0]:
+            return f"`{fmt_op(p.ops[a[1]])}` lies between two blocks, in neither"
+    return None
+
+
+def _difference(p: Program, blocks: Blocks) -> str | None:
+    """None if blocks 1.. are each the computation block 1 is; else the first op that differs."""
+    ref = _signature(p, blocks, 1)
+    for k in range(2, blocks.count):
+        sig = _signature(p, blocks, k)
+        if len(sig) != len(ref):
+            return f"block {blocks.modules[k]!r} has {len(sig)} ops, {blocks.modules[1]!r} {len(ref)}"
+        for j, (a, b) in enumerate(zip(sig, ref)):
+            if a != b:
+                op = p.ops[blocks.spans[k][0] + j]
+                return f"block {blocks.modules[k]!r} differs from {blocks.modules[1]!r} at `{fmt_op(op)}`"
+    return None
+
+
+def _signature(p: Program, blocks: Blocks, k: int) -> list[tuple]:
+    """Block k's ops as tokens free of its names: a var it makes by the order it made it, the
+    previous block's output as "prev", its own params by shape and dtype, small constants by value,
+    anything else read from outside (a mask, rotary tables) by name."""
+    module, (start, end) = blocks.modules[k], blocks.spans[k]
+    made: dict[str, int] = {}
+    out = []
+    for op in p.ops[start:end]:
+        ins = tuple(_token(p, x, made, blocks.outputs[k - 1], module) for x in op.inputs)
+        for o in op.outputs:
+            if o:
+                made[o] = len(made)
+        shapes = tuple(_var_token(p, o) for o in op.outputs)
+        scope = (op.scope or "")[len(module) :]
+        out.append((op.type, op.role, scope, _attrs(op), ins, shapes))
+    return out
+
+
+def _token(p: Program, x: str, made: dict[str, int], prev: str, module: str) -> tuple:
+    if not x:
+        return ("none",)
+    if x in made:
+        return ("made", made[x])
+    if x == prev:
+        return ("prev",)
+    v = p.vars.get(x)
+    if v is not None and v.kind == "param" and x.startswith(module + "."):
+        return ("own", x[len(module) :], *_var_token(p, x))
+    value = p.values.get(x)
+    if v is not None and v.kind == "constant" and value is not None:
+        return ("const", *_var_token(p, x), _value_token(value))
+    return ("outside", x)
+
+
+def _var_token(p: Program, name: str) -> tuple:
+    v = p.vars.get(name)
+    return (None,) if v is None else (v.kind, v.dtype, tuple(v.shape) if v.shape is not None else None)
+
+
+def _value_token(t: torch.Tensor) -> Any:
+    if t.is_meta:
+        return ("meta", tuple(t.shape), str(t.dtype))
+    t = t.detach().cpu().contiguous()
+    if t.numel() <= SMALL:
+        return (str(t.dtype), tuple(t.shape), tuple(t.flatten().tolist()))
+    return (str(t.dtype), tuple(t.shape), hashlib.sha1(t.view(torch.uint8).numpy().tobytes()).hexdigest())
+
+
+def _attrs(op: Op) -> tuple:
+    return tuple(
+        sorted((k, _value_token(a) if isinstance(a, torch.Tensor) else repr(a)) for k, a in op.attrs.items())
+    )
+
+
+def with_blocks(p: Program, blocks: Blocks, keep: int) -> Program:
+    """`p` with only its first `keep` blocks: the rest of the model (embedding, head, loss) reads
+    block keep-1's output where it read the last block's; what only the dropped blocks held
+    (their params, constants, activations) is gone. `p` itself is unchanged."""
+    if not 1 <= keep <= blocks.count:
+        raise ValueError(f"with_blocks: keep={keep} is not in 1 .. {blocks.count} blocks")
+    if keep == blocks.count:
+        return p
+    q = p.clone()
+    start, end = blocks.spans[keep][0], blocks.spans[-1][1]
+    last, now = blocks.outputs[-1], blocks.outputs[keep - 1]
+    q.ops = q.ops[:start] + q.ops[end:]
+    for op in q.ops[start:]:
+        op.inputs = [now if x == last else x for x in op.inputs]
+    q.outputs = [now if x == last else x for x in q.outputs]
+    dropped = blocks.modules[keep:]
+    q.modules = {
+        m: [now if o == last else o for o in outs]
+        for m, outs in q.modules.items()
+        if not any(_within(m, d) for d in dropped)
+    }
+    used = {x for op in q.ops for x in (*op.inputs, *op.outputs) if x}
+    used |= set(q.inputs) | set(q.outputs) | ({q.loss_name} if q.loss_name else set())
+    q.updates = {k: v for k, v in q.updates.items() if k in used and v in used}
+    for name in [n for n in q.vars if n not in used]:
+        del q.vars[name]
+        for table in (q.values, q.referenced, q.fills):
+            table.pop(name, None)
+    q.derived = frozenset(n for n in q.derived if n in used)
+    q.name = p.name
+    return q
