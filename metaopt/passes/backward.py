@@ -211,6 +211,17 @@ class _Backward:
         """Made by this pass, a contribution to one var only, read by no emitted op."""
         return part in self.made and self.registered.get(part) == 1 and not self.reads.get(part)
 
+    def _rename_owned(self, old: str, new: str) -> None:
+        """Rename an owned contribution (`_owned`: no emitted op reads it): only its producer
+        names it, so only that op changes (a scan of every emitted op per grad was quadratic).
+        `made` and `producer_of` keep the old name, as the scan left them: the new name is a
+        finished grad, not a fresh contribution to rename or add into again."""
+        v = self.q.vars.pop(old)
+        v.name = new
+        self.q.vars[new] = v
+        op = self.producer_of[old]
+        op.outputs = [new if o == old else o for o in op.outputs]
+
     def _fresh(self, part: str) -> bool:
         """Its producer's outputs are new storage (not a view that may share a buffer)."""
         op = self.producer_of.get(part)
@@ -247,7 +258,7 @@ class _Backward:
         owned = [p for p in parts if self._owned(p)]
         v = self.q.vars[x]
         if len(parts) == 1 and owned:
-            _rename(self.q, self.emitted, parts[0], final)  # a fresh value only this var uses
+            self._rename_owned(parts[0], final)  # a fresh value only this var uses
         elif len(parts) == 1:  # shared with another var (Add passes dy through): alias it
             self.q.add_var(Var(final, v.dtype, v.shape, kind="grad"))
             self.append(Op("Identity", list(parts), [final], role="backward", origin=x))
@@ -261,15 +272,6 @@ class _Backward:
                 self.append(Op("GradSum", list(parts), [final], role="backward", origin=x))
         self.contribs[x] = [final]
         return final
-
-
-def _rename(q: Program, ops: list[Op], old: str, new: str) -> None:
-    v = q.vars.pop(old)
-    v.name = new
-    q.vars[new] = v
-    for op in ops:
-        op.outputs = [new if o == old else o for o in op.outputs]
-        op.inputs = [new if i == old else i for i in op.inputs]
 
 
 def append_backward(

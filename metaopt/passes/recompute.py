@@ -204,6 +204,8 @@ def _call_base(m: str) -> str:
 def _match_modules(p: Program, pattern: str) -> list[str]:
     # One path component per "*": "encoder.layer.*" is each layer, not what is inside it.
     # A path names every call of its module ("layer" = layer, layer@1, ...); "layer@1" one call.
+    if not any(c in pattern for c in "*?[@") and pattern in p.modules and f"{pattern}@1" not in p.modules:
+        return [pattern]  # a module called once, named as it is: tensor parallel names thousands
     parts = pattern.split(".")
     return [
         m

@@ -63,7 +63,8 @@ def auto_layers(p: Program, *, mp_degree: int, mp_rank: int = 0) -> AutoLayers:
     from metaopt.passes.tensor_parallel import TensorParallelError, plan_tensor_parallel
 
     linears = [i for i, op in enumerate(p.ops) if sharding.linear_parts(op) is not None]
-    regions = {i: _region(p, i) for i in linears}
+    consumers = p.consumers()  # once: a region per Linear walks it (80 layers: 560 Linears)
+    regions = {i: _region(p, i, consumers) for i in linears}
     out = AutoLayers()
     used: set[int] = set()
     for block in _blocks(linears, regions):
@@ -100,9 +101,8 @@ def _name(p: Program, i: int) -> str:
     return p.ops[i].outputs[0]
 
 
-def _region(p: Program, start: int) -> _Region:
+def _region(p: Program, start: int, consumers: dict[str, list[int]]) -> _Region:
     """Where `start`'s output flows through ops that carry a split (module doc)."""
-    consumers = p.consumers()
     region = _Region(start)
     leaving = {*p.outputs, p.loss_name}
     todo, seen = [p.ops[start].outputs[0]], set()

@@ -5,17 +5,21 @@
     plans[0].strategy         # a ready DistributedStrategy
     plans[0].peak_bytes       # the worst worker's predicted device peak
 
-Nothing runs and no worker starts. For each layout of the grid the rewrite of one worker per
-pipeline stage is made in this process (`fleet.simulate`: that worker's program, exactly), and its
-peak predicted by `estimate_memory` (`estimate_pipeline_memory` for a pipeline stage, which replays
-the schedule): live bytes as the executor counts them, without kernels' own workspace. A layout
-whose worst worker's peak exceeds `memory_per_device` is pruned, as is one the rewrite refuses (the
-refusal is the reason shown).
+Nothing runs and no worker starts. For each layout of the grid stage 0's first worker is rewritten
+in this process (`fleet.simulate`: that worker's program, exactly; a pipeline's minimize makes
+every stage's program), and each stage's peak predicted by `estimate_memory`
+(`estimate_pipeline_memory` for a pipeline stage, which replays the schedule): live bytes as the
+executor counts them, without kernels' own workspace. A layout whose worst worker's peak exceeds
+`memory_per_device` is pruned, as is one the rewrite refuses (the refusal is the reason shown).
+Identical layers are solved once (`_Job.evaluate`, planner/blocks.py): a layout is first rewritten
+at 2 and 3 blocks per stage (its time exact, its peak a lower bound), and only those that fit by
+that bound are rewritten whole, fastest first; before any rewrite, a layout whose params and
+optimizer state alone exceed the budget is pruned (`_Job.floor`).
 
 The grid: every split of `devices` into data-side x model x pipe degrees; the data side as data
 parallel or as ZeRO (sharding) at stages 1, 2 and 3; tensor parallel with the column and row
 layers found by ``"auto"``; pipelines of 1F1B with as many and twice as many micro-batches as
-stages; recompute none or full (checkpoints ``"auto"``).
+stages, cut between repeated blocks (as many each); recompute none, selective or full (`Layout`).
 
 The time (`Plan.step_seconds`) is the time model of planner/calibrate.py over the worker's own
 program, every op of its step (forward, backward, recompute, optimizer): each op costs a fixed
@@ -29,7 +33,7 @@ guesses). For a layout without a pipeline, `Plan.layers` holds what one repeated
 the backward beside Korthikanti et al. 2022's count for its shape (the table prints the best
 plan's). Not built yet: the search over offload, interleaved / zero-bubble schedules, expert
 parallel, AMP and per-stage recompute; overlap of communication with compute in the time model;
-identical layers solved once (each layout is rewritten whole).
+planning an 80-layer model for 1024 devices within a minute (docs/planning.md, "Not yet").
 """
 
 from __future__ import annotations
@@ -312,6 +316,10 @@ def plan(
     # the budget even so are out; the rest, fastest first, have their peaks made exact
     screened = []
     for lay in layouts:
+        floor = job.floor(lay)
+        if floor > budget:  # no rewrite needed: what its workers hold all step is already too much
+            pruned.append((lay, f"params and optimizer state alone at least {_gib(floor)} > {_gib(budget)}"))
+            continue
         try:
             fig = job.evaluate(lay)
         except (ValueError, NotImplementedError, RuntimeError) as e:
@@ -439,15 +447,16 @@ class _Job:
     compute_units: int | None
     blocks_once: bool = True
     fewer: dict[int, Program] = field(default_factory=dict)
+    state_per_param: float | None = None  # `floor`'s: measured once, on the smallest program
 
     def evaluate(self, lay: Layout, *, whole: bool = False) -> Figures:
         """The layout's figures (`Figures`): from its rewrites at 2 and 3 blocks per stage extended to
-        the whole depth where the blocks are identical and that is cheaper than the whole program
-        (the time exact, the peaks a lower bound: `Figures.exact` False); else, or with `whole`,
-        the whole program's."""
+        the whole depth where the blocks are identical and a stage has more than 3 (the time exact,
+        the peaks a lower bound: `Figures.exact` False); else, or with `whole`, the whole
+        program's."""
         b = self.blocks
         n = b.count // lay.pipe if b is not None else 0
-        small = b is not None and b.why_not is None and lay.pipe * sum(POINTS) < b.count
+        small = b is not None and b.why_not is None and lay.pipe * POINTS[-1] < b.count
         if self.blocks_once and small and not whole:
             lo, hi = (self._figures(self._fewer(lay.pipe * k), lay, k) for k in POINTS)
             fig, exact = hi.plus(hi.minus(lo), n - POINTS[-1]), False
@@ -468,6 +477,24 @@ class _Job:
             if shape is not None and count:
                 layers = LayerActivations(fig.kept / count, *shape, lay.recompute)
         return Figures(fig.peaks, seconds, layers, exact)
+
+    def floor(self, lay: Layout) -> int:
+        """A lower bound of the layout's worst peak, before any rewrite: the params and the
+        optimizer state shaped like them (alive all step) that the model x pipe workers of a data
+        replica hold between them, so the worst holds at least its even share; ZeRO-3 splits the
+        params over the data side too, ZeRO 1-3 the state. The state per param byte is the least
+        any update of one minimized worker reads (Adam: 2), so a mixed optimizer stays below."""
+        if self.state_per_param is None:
+            self.state_per_param = _state_per_param(self._smallest(), self.optimizer)
+        params = sum(v.nbytes({}) or 0 for v in self.program.params())
+        share = lay.model * lay.pipe
+        held = params // (share * (lay.data if lay.stage == 3 else 1))
+        return held + int(params * self.state_per_param) // (share * (lay.data if lay.stage else 1))
+
+    def _smallest(self) -> Program:
+        b = self.blocks
+        usable = b is not None and b.why_not is None and b.count > POINTS[0]
+        return self._fewer(POINTS[0]) if usable else self.program
 
     def _fewer(self, keep: int) -> Program:
         if keep not in self.fewer:
@@ -517,6 +544,31 @@ class _Job:
             return [m for m in self.blocks.modules if m in p.modules]
         owner = {o[0]: m for m, o in p.modules.items() if len(o) == 1}
         return [owner[o] for o in block_outputs(p) if o in owner]
+
+
+def _state_per_param(p: Program, optimizer: Any) -> float:
+    """The least optimizer-state bytes per param byte any update of `p` reads (states shaped like
+    their param; scalars such as the step count left out), `p` minimized on one worker."""
+    from metaopt.optimizer import Adam
+
+    q = p.clone()
+    saved = env.snapshot()
+    try:
+        env.simulate(1, 0)
+        opt = copy.deepcopy(optimizer) if optimizer is not None else Adam(learning_rate=1e-3)
+        opt.minimize(q.loss)
+    finally:
+        env.restore(saved)
+    ratios = []
+    for op in q.ops:
+        param = q.vars.get(op.inputs[0]) if op.role == "optimize" and op.inputs else None
+        if param is None or param.kind != "param" or not param.nbytes({}):
+            continue
+        states = {
+            x for x in op.inputs if x and q.vars[x].kind == "opt_state" and q.vars[x].shape == param.shape
+        }
+        ratios.append(sum(q.vars[x].nbytes({}) or 0 for x in states) / param.nbytes({}))
+    return min(ratios, default=0.0)
 
 
 def _backward_start(p: Program) -> int:

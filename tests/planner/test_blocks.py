@@ -128,9 +128,22 @@ def test_extended_figures_time_exact_peak_a_lower_bound_where_another_place_over
     assert ext.peaks[0] < whole.peaks[0]
     assert math.isclose(ext.seconds, whole.seconds, rel_tol=1e-9)
     assert ext.layers.bytes_per_layer == whole.layers.bytes_per_layer
+    # the floor before any rewrite: 12 blocks' params / 4 (ZeRO-3) + Adam's 2 moments / 4, below both
+    params = sum(v.nbytes({}) for v in twelve.params())
+    assert job.floor(lay) == params // 4 + 2 * params // 4 <= ext.peaks[0]
     # where the place of the peak stays (data parallel, no recompute), the extension is exact
     lay = search.Layout(4, 1, 1, 0, "none", 1, blocks.pattern)
     assert job.evaluate(lay).peaks == job.evaluate(lay, whole=True).peaks
+
+
+def test_a_budget_below_every_floor_prunes_every_layout_before_any_rewrite(twelve, monkeypatch):
+    def rewrite(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("a layout was rewritten although its params and state exceed the budget")
+
+    monkeypatch.setattr(search._Job, "evaluate", rewrite)
+    plans = fleet.plan(twelve, devices=4, memory_per_device="100KiB", global_batch=8)
+    reasons = [why for _, why in plans.pruned]
+    assert not plans and sum(w.startswith("params and optimizer state alone at least") for w in reasons) > 40
 
 
 def test_a_pipelines_stages_extended_as_their_whole_programs(twelve):
