@@ -342,9 +342,7 @@ def plan(
             continue
         plans.append(Plan(lay, lay.strategy(), worst, fig.seconds, fig.peaks, fig.layers))
     plans.sort(key=lambda p: (p.step_seconds, p.peak_bytes))
-    counted = len(layouts) + len(
-        [1 for _, w in pruned if w.startswith("global_batch") or " split into " in w]
-    )
+    counted = len(layouts) + len([1 for _, w in pruned if " split into " in w])  # the grid's own
     header = (
         f"fleet.plan: {program.name!r} on {devices} devices x {_gib(budget)}, global batch {global_batch}; "
         f"{counted} layouts; {_blocks_line(blocks)}"
@@ -557,6 +555,8 @@ def _state_per_param(p: Program, optimizer: Any) -> float:
         env.simulate(1, 0)
         opt = copy.deepcopy(optimizer) if optimizer is not None else Adam(learning_rate=1e-3)
         opt.minimize(q.loss)
+    except (ValueError, NotImplementedError, RuntimeError):
+        return 0.0  # the floor is then the params alone; the layouts' own rewrites say what fails
     finally:
         env.restore(saved)
     ratios = []
