@@ -51,8 +51,9 @@ def find_blocks(p: Program) -> Blocks | None:
     """The repeated blocks of forward program `p` (`passes.recompute.block_outputs`' family of
     numbered sibling modules), or None where it has none or their ops are not one contiguous run
     each. `why_not` says whether blocks 1.. are identical (block 0 reads the model's input, not a
-    block's output, and may differ: it is always kept), and that each block begins where the one
-    before it ends (ops between blocks would stay behind when blocks are cut off)."""
+    block's output, and may differ: it is always kept), that each block begins where the one
+    before it ends (ops between blocks would stay behind when blocks are cut off), and that only
+    the chain reads what a block makes (`_leak`)."""
     outs = block_outputs(p)
     owner: dict[str, str] = {}  # a var leaving nested modules (a Sequential, its last child): the outer
     for m, o in p.modules.items():
@@ -70,7 +71,8 @@ def find_blocks(p: Program) -> Blocks | None:
     if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
         return None
     blocks = Blocks(tuple(mods), tuple(outs), tuple(spans), None)
-    return Blocks(blocks.modules, blocks.outputs, blocks.spans, _gap(p, blocks) or _difference(p, blocks))
+    why_not = _gap(p, blocks) or _leak(p, blocks) or _difference(p, blocks)
+    return Blocks(blocks.modules, blocks.outputs, blocks.spans, why_not)
 
 
 def _within(scope: str | None, module: str) -> bool:
@@ -84,6 +86,27 @@ def _gap(p: Program, blocks: Blocks) -> str | None:
         if a[1] != b[0]:
             return f"`{fmt_op(p.ops[a[1]])}` lies between two blocks, in neither"
     return None
+
+
+def _leak(p: Program, blocks: Blocks) -> str | None:
+    """The first read of a value made inside a block from anywhere but where the chain reads it (a
+    block's output by the next block, the last one's by the rest of the model): an auxiliary loss
+    over every layer's router, hidden states handed out, a skip across blocks. Cutting blocks off
+    would leave that reader without its value (None: the blocks are a plain chain)."""
+    inside = {i: k for k, (a, b) in enumerate(blocks.spans) for i in range(a, b)}
+    made = {o: k for i, k in inside.items() for o in p.ops[i].outputs if o}
+    last = blocks.count - 1
+    for i, op in enumerate(p.ops):
+        reader = inside.get(i)
+        for x in op.inputs:
+            k = made.get(x)
+            if k is None or k == reader:
+                continue
+            chained = x == blocks.outputs[k] and (reader == k + 1 or (k == last and reader is None))
+            if not chained:
+                return f"`{fmt_op(op)}` reads {x!r}, made inside block {blocks.modules[k]!r}"
+    out = next((x for x in p.outputs if x in made and x != blocks.outputs[last]), None)
+    return None if out is None else f"the program's output {out!r} is made inside a block"
 
 
 def _difference(p: Program, blocks: Blocks) -> str | None:
@@ -127,7 +150,7 @@ def _token(p: Program, x: str, made: dict[str, int], prev: str, module: str) -> 
         return ("prev",)
     v = p.vars.get(x)
     if v is not None and v.kind == "param" and x.startswith(module + "."):
-        return ("own", x[len(module) :], *_var_token(p, x))
+        return ("own", x[len(module) :], *_var_token(p, x), v.trainable)  # a frozen block is another
     value = p.values.get(x)
     if v is not None and v.kind == "constant" and value is not None:
         return ("const", *_var_token(p, x), _value_token(value))
@@ -156,8 +179,8 @@ def _attrs(op: Op) -> tuple:
 
 def with_blocks(p: Program, blocks: Blocks, keep: int) -> Program:
     """`p` with only its first `keep` blocks: the rest of the model (embedding, head, loss) reads
-    block keep-1's output where it read the last block's; what only the dropped blocks held
-    (their params, constants, activations) is gone. `p` itself is unchanged."""
+    block keep-1's output where it read the last block's; the dropped blocks' params, constants
+    and activations are gone (with any var no op of the rest refers to). `p` itself is unchanged."""
     if not 1 <= keep <= blocks.count:
         raise ValueError(f"with_blocks: keep={keep} is not in 1 .. {blocks.count} blocks")
     if keep == blocks.count:

@@ -335,7 +335,11 @@ def plan(
         if top is not None and len(plans) >= top:
             pruned.append((lay, f"slower than the {top} fastest plans that fit (top={top}): not made exact"))
             continue
-        fig = fig if fig.exact else job.evaluate(lay, whole=True)
+        try:
+            fig = fig if fig.exact else job.evaluate(lay, whole=True)
+        except (ValueError, NotImplementedError, RuntimeError) as e:
+            pruned.append((lay, f"refused: {str(e).splitlines()[0][:200]}"))
+            continue
         worst = max(fig.peaks)
         if worst > budget:
             pruned.append((lay, f"peak {_gib(worst)} > {_gib(budget)}"))
@@ -446,6 +450,7 @@ class _Job:
     blocks_once: bool = True
     fewer: dict[int, Program] = field(default_factory=dict)
     state_per_param: float | None = None  # `floor`'s: measured once, on the smallest program
+    param_bytes: tuple[int, int] = (0, 0)  # `floor`'s: params some op reads, those the loss needs
 
     def evaluate(self, lay: Layout, *, whole: bool = False) -> Figures:
         """The layout's figures (`Figures`): from its rewrites at 2 and 3 blocks per stage extended to
@@ -484,10 +489,11 @@ class _Job:
         any update of one minimized worker reads (Adam: 2), so a mixed optimizer stays below."""
         if self.state_per_param is None:
             self.state_per_param = _state_per_param(self._smallest(), self.optimizer)
-        params = sum(v.nbytes({}) or 0 for v in self.program.params())
+            self.param_bytes = _held_params(self.program)
+        params, trained = self.param_bytes
         share = lay.model * lay.pipe
         held = params // (share * (lay.data if lay.stage == 3 else 1))
-        return held + int(params * self.state_per_param) // (share * (lay.data if lay.stage else 1))
+        return held + int(trained * self.state_per_param) // (share * (lay.data if lay.stage else 1))
 
     def _smallest(self) -> Program:
         b = self.blocks
@@ -542,6 +548,18 @@ class _Job:
             return [m for m in self.blocks.modules if m in p.modules]
         owner = {o[0]: m for m, o in p.modules.items() if len(o) == 1}
         return [owner[o] for o in block_outputs(p) if o in owner]
+
+
+def _held_params(p: Program) -> tuple[int, int]:
+    """(bytes of the trainable params some op reads, of those on a path to the loss): a param no
+    op reads is held by no pipeline stage, one the loss does not need gets no update and no state."""
+    read = {x for op in p.ops for x in op.inputs if x}
+    needed = {p.loss_name}
+    for op in reversed(p.ops):
+        if any(o in needed for o in op.outputs if o):
+            needed.update(x for x in op.inputs if x)
+    params = [v for v in p.params() if v.name in read]
+    return sum(v.nbytes({}) or 0 for v in params), sum(v.nbytes({}) or 0 for v in params if v.name in needed)
 
 
 def _state_per_param(p: Program, optimizer: Any) -> float:

@@ -67,6 +67,18 @@ class _Blocks(torch.nn.Module):
         return x.square().mean()
 
 
+class _Tapped(_Blocks):
+    def __init__(self) -> None:
+        super().__init__((16, 16, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        taps = []
+        for b in self.blocks:
+            x = b(x)
+            taps.append(x)
+        return x.square().mean() + sum(t.mean() for t in taps)  # after the blocks: read from the tail
+
+
 @pytest.fixture(scope="module")
 def twelve() -> metaopt.Program:
     wider = dict(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=4)
@@ -113,6 +125,14 @@ def test_blocks_that_differ_or_leave_ops_between_them_are_named_and_rewritten_wh
     assert "3 blocks of 'blocks.*', not identical" in plans.header and "rewritten whole" in plans.header
     between = find_blocks(metaopt.export(_Blocks((16, 16, 16), outside=True), (torch.randn(4, 8),)))
     assert between.why_not is not None and "lies between two blocks, in neither" in between.why_not
+    # a frozen block is another computation (no grads, no optimizer state)
+    frozen = _Blocks((16, 16, 16))
+    frozen.blocks[2].requires_grad_(False)
+    why = find_blocks(metaopt.export(frozen, (torch.randn(4, 8),))).why_not
+    assert why is not None and "block 'blocks.2' differs from 'blocks.1'" in why
+    # every block's output read by the loss too (an auxiliary loss over the layers): not a chain
+    why = find_blocks(metaopt.export(_Tapped(), (torch.randn(4, 8),))).why_not
+    assert why is not None and "made inside block 'blocks.0'" in why
 
 
 def test_extended_figures_time_exact_peak_a_lower_bound_where_another_place_overtakes(twelve):
