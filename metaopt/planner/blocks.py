@@ -1,11 +1,11 @@
 """Identical layers solved once (issue 45): a forward program's repeated blocks, whether they are
 the same computation, and the same program with fewer of them.
 
-The planner rewrites and estimates a model at two block counts, not at its whole depth. With
-identical blocks, every figure it reads is a line in the count of blocks: each block adds its
-params, their grads and optimizer state, what it keeps for the backward (times the micro-batches
-a pipeline stage holds), and its ops' time; so two points fix the line (`extend`). The tests hold
-the line to the whole program's figures, to the byte, at every layout of a grid.
+The planner rewrites and estimates a model at 2 and 3 blocks per stage, not at its whole depth.
+With identical blocks each block adds its ops, so a step's time is a line in the count of blocks
+and two points extend it exactly. A peak is the largest of several such lines (one per place in
+the step), so the same extension is a lower bound of it: enough to rule layouts out, and the
+planner rewrites the rest whole (search.py, `_Job.evaluate`).
 
     blocks = find_blocks(program)        # None: no repeated blocks
     blocks.why_not                       # None: blocks 1.. are one computation; else the first difference
@@ -14,6 +14,7 @@ the line to the whole program's figures, to the byte, at every layout of a grid.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 from typing import Any
@@ -64,18 +65,18 @@ def find_blocks(p: Program) -> Blocks | None:
         return None  # a shared module's calls (ALBERT): one set of params, nothing to drop
     spans = []
     for m in mods:
-        inside = [i for i, op in enumerate(p.ops) if _within(op.scope, m)]
+        inside = [i for i, op in enumerate(p.ops) if within(op.scope, m)]
         if not inside or inside[-1] - inside[0] + 1 != len(inside):
             return None
         spans.append((inside[0], inside[-1] + 1))
     if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
         return None
     blocks = Blocks(tuple(mods), tuple(outs), tuple(spans), None)
-    why_not = _gap(p, blocks) or _leak(p, blocks) or _difference(p, blocks)
-    return Blocks(blocks.modules, blocks.outputs, blocks.spans, why_not)
+    return dataclasses.replace(blocks, why_not=_gap(p, blocks) or _leak(p, blocks) or _difference(p, blocks))
 
 
-def _within(scope: str | None, module: str) -> bool:
+def within(scope: str | None, module: str) -> bool:
+    """Is an op of `scope` inside module `module` (the module itself or one nested in it)?"""
     return scope is not None and (scope == module or scope.startswith(module + "."))
 
 
@@ -111,9 +112,15 @@ def _leak(p: Program, blocks: Blocks) -> str | None:
 
 def _difference(p: Program, blocks: Blocks) -> str | None:
     """None if blocks 1.. are each the computation block 1 is; else the first op that differs."""
-    ref = _signature(p, blocks, 1)
+    readers: dict[str, set[int]] = {}  # a param -> the blocks whose ops read it (-1: an op outside)
+    inside = {i: k for k, (a, b) in enumerate(blocks.spans) for i in range(a, b)}
+    for i, op in enumerate(p.ops):
+        for x in op.inputs:
+            if x and x in p.vars and p.vars[x].kind == "param":
+                readers.setdefault(x, set()).add(inside.get(i, -1))
+    ref = _signature(p, blocks, 1, readers)
     for k in range(2, blocks.count):
-        sig = _signature(p, blocks, k)
+        sig = _signature(p, blocks, k, readers)
         if len(sig) != len(ref):
             return f"block {blocks.modules[k]!r} has {len(sig)} ops, {blocks.modules[1]!r} {len(ref)}"
         for j, (a, b) in enumerate(zip(sig, ref)):
@@ -123,35 +130,39 @@ def _difference(p: Program, blocks: Blocks) -> str | None:
     return None
 
 
-def _signature(p: Program, blocks: Blocks, k: int) -> list[tuple]:
+def _signature(p: Program, blocks: Blocks, k: int, readers: dict[str, set[int]]) -> list[tuple]:
     """Block k's ops as tokens free of its names: a var it makes by the order it made it, the
-    previous block's output as "prev", its own params by shape and dtype, small constants by value,
-    anything else read from outside (a mask, rotary tables) by name."""
+    previous block's output as "prev", a param only it reads by the order it first read it (with
+    shape, dtype, trainable), small constants by value, anything else read from outside (a mask,
+    rotary tables, a param shared with other blocks) by name."""
     module, (start, end) = blocks.modules[k], blocks.spans[k]
     made: dict[str, int] = {}
+    own: dict[str, int] = {}
     out = []
     for op in p.ops[start:end]:
-        ins = tuple(_token(p, x, made, blocks.outputs[k - 1], module) for x in op.inputs)
+        ins = []
+        for x in op.inputs:
+            if x and readers.get(x) == {k}:
+                ins.append(("own", own.setdefault(x, len(own)), *_var_token(p, x), p.vars[x].trainable))
+            else:
+                ins.append(_token(p, x, made, blocks.outputs[k - 1]))
         for o in op.outputs:
             if o:
                 made[o] = len(made)
         shapes = tuple(_var_token(p, o) for o in op.outputs)
         scope = (op.scope or "")[len(module) :]
-        out.append((op.type, op.role, scope, _attrs(op), ins, shapes))
+        out.append((op.type, op.role, scope, _attrs(op), tuple(ins), shapes))
     return out
 
 
-def _token(p: Program, x: str, made: dict[str, int], prev: str, module: str) -> tuple:
+def _token(p: Program, x: str, made: dict[str, int], prev: str) -> tuple:
     if not x:
         return ("none",)
     if x in made:
         return ("made", made[x])
     if x == prev:
         return ("prev",)
-    v = p.vars.get(x)
-    if v is not None and v.kind == "param" and x.startswith(module + "."):
-        return ("own", x[len(module) :], *_var_token(p, x), v.trainable)  # a frozen block is another
-    value = p.values.get(x)
+    v, value = p.vars.get(x), p.values.get(x)
     if v is not None and v.kind == "constant" and value is not None:
         return ("const", *_var_token(p, x), _value_token(value))
     return ("outside", x)
@@ -179,8 +190,8 @@ def _attrs(op: Op) -> tuple:
 
 def with_blocks(p: Program, blocks: Blocks, keep: int) -> Program:
     """`p` with only its first `keep` blocks: the rest of the model (embedding, head, loss) reads
-    block keep-1's output where it read the last block's; the dropped blocks' params, constants
-    and activations are gone (with any var no op of the rest refers to). `p` itself is unchanged."""
+    block keep-1's output where it read the last block's; what only the dropped blocks referred to
+    (their params, constants, activations) is gone. `p` itself is unchanged."""
     if not 1 <= keep <= blocks.count:
         raise ValueError(f"with_blocks: keep={keep} is not in 1 .. {blocks.count} blocks")
     if keep == blocks.count:
@@ -196,15 +207,19 @@ def with_blocks(p: Program, blocks: Blocks, keep: int) -> Program:
     q.modules = {
         m: [now if o == last else o for o in outs]
         for m, outs in q.modules.items()
-        if not any(_within(m, d) for d in dropped)
+        if not any(within(m, d) for d in dropped)
     }
-    used = {x for op in q.ops for x in (*op.inputs, *op.outputs) if x}
-    used |= set(q.inputs) | set(q.outputs) | ({q.loss_name} if q.loss_name else set())
-    q.updates = {k: v for k, v in q.updates.items() if k in used and v in used}
-    for name in [n for n in q.vars if n not in used]:
+    used = _referred(q)
+    gone = _referred(p) - used  # what only the dropped ops referred to (an unused param stays)
+    q.updates = {k: v for k, v in q.updates.items() if k not in gone and v not in gone}
+    for name in [n for n in q.vars if n in gone]:
         del q.vars[name]
         for table in (q.values, q.referenced, q.fills):
             table.pop(name, None)
-    q.derived = frozenset(n for n in q.derived if n in used)
-    q.name = p.name
+    q.derived = q.derived - gone
     return q
+
+
+def _referred(p: Program) -> set[str]:
+    names = {x for op in p.ops for x in (*op.inputs, *op.outputs) if x}
+    return names | set(p.inputs) | set(p.outputs) | ({p.loss_name} if p.loss_name else set())

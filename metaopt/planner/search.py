@@ -53,8 +53,7 @@ from metaopt.fleet.strategy import DistributedStrategy
 from metaopt.ir import Program, roles
 from metaopt.layout.topology import AXES, Topology
 from metaopt.ops import costs, registry
-from metaopt.passes.recompute import block_outputs
-from metaopt.planner.blocks import Blocks, find_blocks, with_blocks
+from metaopt.planner.blocks import Blocks, find_blocks, with_blocks, within
 from metaopt.planner.calibrate import Rates, op_cost
 
 MAX_DEVICES = 1 << 20  # a job of a million workers: beyond it a figure is surely a typo
@@ -511,7 +510,6 @@ class _Job:
         blocks of `p`."""
         from metaopt.fleet.distributed_optimizer import distributed_optimizer
         from metaopt.fleet.topology import from_hybrid_configs
-        from metaopt.optimizer import Adam
         from metaopt.passes.memory_estimate import estimate_memory
         from metaopt.report.pipeline_memory import estimate_pipeline_memory
 
@@ -524,9 +522,7 @@ class _Job:
         try:
             env.simulate(self.devices, _first_rank(topo, 0), strategy)
             q = p.clone()
-            # a fresh copy each time: minimize may bind an optimizer (and its schedule) to a program
-            opt = copy.deepcopy(self.optimizer) if self.optimizer is not None else Adam(learning_rate=1e-3)
-            dist = distributed_optimizer(opt, strategy)
+            dist = distributed_optimizer(_fresh(self.optimizer), strategy)
             dist.minimize(q.loss)
         finally:
             env.restore(saved)
@@ -544,10 +540,7 @@ class _Job:
 
     def _scopes(self, p: Program) -> list[str]:
         """The module paths of `p`'s blocks (those of the blocks it was cut to keep)."""
-        if self.blocks is not None:
-            return [m for m in self.blocks.modules if m in p.modules]
-        owner = {o[0]: m for m, o in p.modules.items() if len(o) == 1}
-        return [owner[o] for o in block_outputs(p) if o in owner]
+        return [m for m in self.blocks.modules if m in p.modules] if self.blocks is not None else []
 
 
 def _held_params(p: Program) -> tuple[int, int]:
@@ -562,17 +555,22 @@ def _held_params(p: Program) -> tuple[int, int]:
     return sum(v.nbytes({}) or 0 for v in params), sum(v.nbytes({}) or 0 for v in params if v.name in needed)
 
 
+def _fresh(optimizer: Any) -> Any:
+    """A copy of the user's optimizer (default Adam) for one minimize: minimize may bind an
+    optimizer (and its schedule) to a program."""
+    from metaopt.optimizer import Adam
+
+    return copy.deepcopy(optimizer) if optimizer is not None else Adam(learning_rate=1e-3)
+
+
 def _state_per_param(p: Program, optimizer: Any) -> float:
     """The least optimizer-state bytes per param byte any update of `p` reads (states shaped like
     their param; scalars such as the step count left out), `p` minimized on one worker."""
-    from metaopt.optimizer import Adam
-
     q = p.clone()
     saved = env.snapshot()
     try:
         env.simulate(1, 0)
-        opt = copy.deepcopy(optimizer) if optimizer is not None else Adam(learning_rate=1e-3)
-        opt.minimize(q.loss)
+        _fresh(optimizer).minimize(q.loss)
     except (ValueError, NotImplementedError, RuntimeError):
         return 0.0  # the floor is then the params alone; the layouts' own rewrites say what fails
     finally:
@@ -602,7 +600,7 @@ def _kept(p: Program, where: Any, scopes: list[str]) -> int:
     kept = 0
     for v in where.vars:
         scope = p.ops[v.op].scope or "" if v.op >= 0 and v.kind == "activation" else None
-        if scope is not None and any(scope == m or scope.startswith(m + ".") for m in scopes):
+        if scope is not None and any(within(scope, m) for m in scopes):
             kept += v.nbytes
     return kept
 
