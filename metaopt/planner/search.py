@@ -14,7 +14,9 @@ executor counts them, without kernels' own workspace. A layout whose worst worke
 Identical layers are solved once (`_Job.evaluate`, planner/blocks.py): a layout is first rewritten
 at 2 and 3 blocks per stage (its time exact, its peak a lower bound), and only those that fit by
 that bound are rewritten whole, fastest first; before any rewrite, a layout whose params and
-optimizer state alone exceed the budget is pruned (`_Job.floor`).
+optimizer state alone exceed the budget is pruned (`_Job.floor`). A pipeline of more than 3 stages
+over identical blocks is rewritten as 3 (first, middle, last: `_Job._figures`), its middle stages'
+peaks from the one middle program replayed at each place of the schedule.
 
 The grid: every split of `devices` into data-side x model x pipe degrees; the data side as data
 parallel or as ZeRO (sharding) at stages 1, 2 and 3; tensor parallel with the column and row
@@ -95,6 +97,7 @@ def _count(value: Any, what: str, most: int) -> int:
 
 RECOMPUTE = ("none", "selective", "full")
 POINTS = (2, 3)  # blocks per stage a layout is rewritten at where its figures are extended
+STAND_IN = 3  # a deeper pipeline over identical blocks is rewritten as one of this many stages
 
 
 @dataclass(frozen=True)
@@ -458,12 +461,11 @@ class _Job:
         program's."""
         b = self.blocks
         n = b.count // lay.pipe if b is not None else 0
-        small = b is not None and b.why_not is None and lay.pipe * POINTS[-1] < b.count
-        if self.blocks_once and small and not whole:
-            lo, hi = (self._figures(self._fewer(lay.pipe * k), lay, k) for k in POINTS)
+        if self._identical() and lay.pipe * POINTS[-1] < b.count and not whole:
+            lo, hi = (self._figures(lay, k) for k in POINTS)
             fig, exact = hi.plus(hi.minus(lo), n - POINTS[-1]), False
         else:
-            fig, exact = self._figures(self.program, lay, n), True
+            fig, exact = self._figures(lay, n), True
         if lay.pipe > 1:
             times = [(c + m) * (lay.micro_batches + lay.pipe - 1) for c, m in zip(fig.compute, fig.comm)]
             work = sum(fig.compute) * lay.micro_batches * (self.devices // lay.pipe)  # each stage's workers'
@@ -494,44 +496,56 @@ class _Job:
         held = params // (share * (lay.data if lay.stage == 3 else 1))
         return held + int(trained * self.state_per_param) // (share * (lay.data if lay.stage else 1))
 
-    def _smallest(self) -> Program:
+    def _identical(self) -> bool:
+        """Whether the figures may come from fewer blocks (blocks_once, and the blocks identical)."""
         b = self.blocks
-        usable = b is not None and b.why_not is None and b.count > POINTS[0]
+        return self.blocks_once and b is not None and b.why_not is None
+
+    def _smallest(self) -> Program:
+        usable = self._identical() and self.blocks.count > POINTS[0]
         return self._fewer(POINTS[0]) if usable else self.program
 
     def _fewer(self, keep: int) -> Program:
+        if self.blocks is None or keep >= self.blocks.count:
+            return self.program
         if keep not in self.fewer:
             self.fewer[keep] = with_blocks(self.program, self.blocks, keep)
         return self.fewer[keep]
 
-    def _figures(self, p: Program, lay: Layout, per_stage: int) -> _Stages:
-        """`lay` rewritten on `p` for stage 0's first worker (`fleet.simulate`; a pipeline's
-        minimize makes every stage's program, each estimated), pipelines cut every `per_stage`
-        blocks of `p`."""
+    def _figures(self, lay: Layout, per_stage: int) -> _Stages:
+        """`lay` rewritten for stage 0's first worker (`fleet.simulate`; a pipeline's minimize makes
+        every stage's program, each estimated) on the program cut to `per_stage` blocks a stage
+        (the whole program where that is all of them), its pipeline cut every `per_stage` blocks.
+
+        A pipeline of more than 3 stages over identical blocks is rewritten as one of 3 (`STAND_IN`):
+        its middle stages' programs are one program (the same ops on the same shapes, only the
+        blocks' names and the ranks of their sends differ), so stage 1's stands for each, at that
+        stage's place in the schedule (`estimate_pipeline_memories`: the micro-batches it holds);
+        stage 2's for the last. Each peak and time is then the deep pipeline's own (tested against
+        its rewrite)."""
         from metaopt.fleet.distributed_optimizer import distributed_optimizer
         from metaopt.fleet.topology import from_hybrid_configs
         from metaopt.passes.memory_estimate import estimate_memory
-        from metaopt.report.pipeline_memory import estimate_pipeline_memory
 
-        if lay.pipe > 1 and self.blocks is not None:
-            lay = dataclasses.replace(lay, cuts=_cuts(self.blocks.modules, lay.pipe, per_stage))
-        strategy = lay.strategy()
-        topo = from_hybrid_configs(strategy.hybrid_configs, self.devices, "fleet.plan")
+        pipe = STAND_IN if self._identical() and lay.pipe > STAND_IN else lay.pipe
+        p = self._fewer(pipe * per_stage)
+        run = lay
+        if pipe > 1 and self.blocks is not None:
+            run = dataclasses.replace(lay, pipe=pipe, cuts=_cuts(self.blocks.modules, pipe, per_stage))
+        strategy = run.strategy()
+        devices = self.devices // lay.pipe * pipe
+        topo = from_hybrid_configs(strategy.hybrid_configs, devices, "fleet.plan")
         batch = self.global_batch // lay.data  # each data-side replica's; a pipeline's workers get it whole
         saved = env.snapshot()
         try:
-            env.simulate(self.devices, _first_rank(topo, 0), strategy)
+            env.simulate(devices, _first_rank(topo, 0), strategy)
             q = p.clone()
             dist = distributed_optimizer(_fresh(self.optimizer), strategy)
             dist.minimize(q.loss)
         finally:
             env.restore(saved)
         if lay.pipe > 1:
-            micro = {"batch": batch // lay.micro_batches}
-            parts = dist.stage_programs
-            secs = [_seconds(part, micro, self.rates) for part in parts]
-            peaks = [estimate_pipeline_memory(part, batch=batch).peak_bytes for part in parts]
-            return _Stages(peaks, [c for c, _ in secs], [m for _, m in secs], 0)
+            return _pipeline_figures(dist.stage_programs, lay, batch, self.rates)
         at = _backward_start(q)
         est = estimate_memory(q, dims={"batch": batch}, workspace=False, at=max(at, 0))
         compute, comm = _seconds(q, {"batch": batch}, self.rates)
@@ -541,6 +555,24 @@ class _Job:
     def _scopes(self, p: Program) -> list[str]:
         """The module paths of `p`'s blocks (those of the blocks it was cut to keep)."""
         return [m for m in self.blocks.modules if m in p.modules] if self.blocks is not None else []
+
+
+def _pipeline_figures(parts: list[Program], lay: Layout, batch: int, rates: Rates) -> _Stages:
+    """Each of `lay`'s stages' peak and micro-batch seconds from its stage programs `parts`: one a
+    stage, or the 3 of a stand-in (`_Job._figures`): the first, the middle stages', the last."""
+    from metaopt.report.pipeline_memory import estimate_pipeline_memories
+
+    pipe = lay.pipe
+    places = [[s] for s in range(pipe)] if len(parts) == pipe else [[0], list(range(1, pipe - 1)), [pipe - 1]]
+    micro = {"batch": batch // lay.micro_batches}
+    peaks, compute, comm = [], [], []
+    for part, stages in zip(parts, places, strict=True):
+        est = estimate_pipeline_memories(part, batch=batch, stages=stages, num_stages=pipe)
+        c, m = _seconds(part, micro, rates)
+        peaks += [e.peak_bytes for e in est]
+        compute += [c] * len(stages)
+        comm += [m] * len(stages)
+    return _Stages(peaks, compute, comm, 0)
 
 
 def _held_params(p: Program) -> tuple[int, int]:

@@ -16,6 +16,7 @@ the same (`exe.memory_stats()["peak_bytes"]`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from metaopt.ir import Program, roles
@@ -39,11 +40,25 @@ def estimate_pipeline_memory(p: Program, *, batch: int, device: str = "cpu") -> 
     batch of `batch` samples (the whole batch, as every worker is fed: `batch` / micro-batches
     per micro-batch) on `device` (`estimate_memory`'s: what only another device makes counts
     nothing)."""
-    info = p.pipeline
-    if info is None or p.phases is None or not p.phases.matches(p):
+    info = _info(p)
+    return estimate_pipeline_memories(
+        p, batch=batch, stages=(info.stage,), num_stages=info.num_stages, device=device
+    )[0]
+
+
+def estimate_pipeline_memories(
+    p: Program, *, batch: int, stages: Sequence[int], num_stages: int, device: str = "cpu"
+) -> list[PipelineMemory]:
+    """`estimate_pipeline_memory` of `p` run at each place `stages` of a pipeline of `num_stages`
+    (the schedule's actions of that place) instead of its own: the planner's figures for the
+    identical middle stages of a deep pipeline from one of them (planner/search.py). The phases'
+    own bytes are estimated once, each place's schedule replayed over them. One chunk per worker
+    only (an interleaved placement names its virtual stages by place)."""
+    info = _info(p)
+    if info.chunks != 1 and (tuple(stages), num_stages) != ((info.stage,), info.num_stages):
         raise ValueError(
-            f"estimate_pipeline_memory: program {p.name!r} is not a pipeline stage program cut into "
-            "its phases (fleet's minimize with strategy.pipeline makes one)"
+            f"estimate_pipeline_memories: program {p.name!r} holds {info.chunks} chunks a worker: "
+            "its phases belong to its own place in the pipeline"
         )
     m = info.micro_batches
     if batch % m:
@@ -52,13 +67,25 @@ def estimate_pipeline_memory(p: Program, *, batch: int, device: str = "cpu") -> 
     parts = {part.key: part for part in p.phases.parts}
     persist = estimate_memory(p, dims=dims, workspace=False, device=device).persistable_bytes
     own = {key: _own(part, dims, device) for key, part in parts.items()}
-    acts = schedule(
-        info.schedule,
-        num_stages=info.num_stages,
-        stage=info.stage,
-        micro_batches=m,
-        chunks=info.chunks,
-    )
+    return [_replay(p, parts, own, persist, stage, num_stages) for stage in stages]
+
+
+def _info(p: Program):  # noqa: ANN202 - PipelineInfo
+    info = p.pipeline
+    if info is None or p.phases is None or not p.phases.matches(p):
+        raise ValueError(
+            f"estimate_pipeline_memory: program {p.name!r} is not a pipeline stage program cut into "
+            "its phases (fleet's minimize with strategy.pipeline makes one)"
+        )
+    return info
+
+
+def _replay(p: Program, parts: dict, own: dict, persist: int, stage: int, num_stages: int) -> PipelineMemory:
+    """One worker's step at place `stage` of `num_stages`: its schedule's actions over the phases
+    of `p` (their own bytes `own`), what each hands on held until its micro-batch's last action."""
+    info = p.pipeline
+    m = info.micro_batches
+    acts = schedule(info.schedule, num_stages=num_stages, stage=stage, micro_batches=m, chunks=info.chunks)
     last = {a.micro_batch: n for n, a in enumerate(acts)}
     # per micro-batch: each held value -> the value whose storage it is on (views share one)
     held: dict[int, dict[str, str]] = {i: {} for i in range(m)}

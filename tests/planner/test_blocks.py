@@ -6,6 +6,7 @@ every layout rewritten whole."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -175,6 +176,31 @@ def test_a_pipelines_stages_extended_as_their_whole_programs(twelve):
     ext, whole = job.evaluate(lay), job.evaluate(lay, whole=True)
     assert not ext.exact and len(ext.peaks) == 2 and ext.peaks == whole.peaks
     assert math.isclose(ext.seconds, whole.seconds, rel_tol=1e-9)
+
+
+@pytest.mark.parametrize(
+    "devices, lay",
+    [
+        (8, search.Layout(1, 2, 4, 0, "full", 8)),  # tensor parallel in each stage
+        (12, search.Layout(2, 1, 6, 1, "selective", 4)),  # ZeRO-1 beside, fewer micro-batches than stages
+    ],
+    ids=["mp2-pp4", "zero1-pp6"],
+)
+def test_a_deep_pipeline_stood_in_for_by_three_stages_has_its_own_figures(twelve, devices, lay):
+    """A pipeline of 4 or 6 stages over the 12 identical blocks, rewritten as 3 stages (the first,
+    one middle one standing for each at its place in the schedule, the last) on 3 stages' blocks:
+    every stage's peak equal to the deep pipeline's own rewrite's, its time the same (the same ops:
+    1e-12)."""
+    blocks = find_blocks(twelve)
+    lay = dataclasses.replace(lay, blocks=blocks.pattern)
+    rates = search.Rates(1e12, 1e11, 1e-5, 1e10, 1e-5)
+    stand_in = search._Job(twelve, blocks, devices, 48, None, rates, None)
+    deep = search._Job(twelve, blocks, devices, 48, None, rates, None, blocks_once=False)
+    got, want = stand_in.evaluate(lay, whole=True), deep.evaluate(lay, whole=True)
+    assert set(stand_in.fewer) == {3 * 12 // lay.pipe} and not deep.fewer  # 3 stages' blocks, not 12
+    assert got.peaks == want.peaks and len(got.peaks) == lay.pipe and got.exact
+    assert len(set(got.peaks)) > 2  # the middle stages differ by their place in the schedule
+    assert math.isclose(got.seconds, want.seconds, rel_tol=1e-12)
 
 
 @pytest.mark.slow
