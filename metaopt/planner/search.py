@@ -394,35 +394,51 @@ def _program(program_or_module: Any, example_args: tuple | None) -> Program:
 @dataclass
 class _Stages:
     """One rewrite's figures: per pipeline stage (one entry without a pipeline) its first worker's
-    predicted peak, and the compute and communication seconds of its step (a pipeline stage's:
-    of one micro-batch); `kept`: the blocks' activations alive where the backward starts (no
-    pipeline). The seconds and `kept` are lines in the blocks per stage from 2 blocks on (each
-    block adds its ops; at 1 block recompute's head is that block). A peak is the largest of
-    several such lines, one per place in the step (the backward's start, the last reduce-scatter):
-    the largest of lines is convex, so the line through 2 and 3 blocks, extended, is a lower bound
-    of the whole depth's, and another place may overtake (measured: ZeRO-3's reduce-scatter at 7
-    of 12 blocks)."""
+    predicted peak, the compute and communication seconds it spends per micro-batch (`compute`,
+    `comm`: its forward and backward phases; without a pipeline, the whole step) and once a step
+    (`once`: the optimizer phase, with the grads' all-reduce, after the last micro-batch); `kept`:
+    the blocks' activations alive where the backward starts (no pipeline). The seconds and `kept`
+    are lines in the blocks per stage from 2 blocks on (each block adds its ops; at 1 block
+    recompute's head is that block). A peak is the largest of several such lines, one per place in
+    the step (the backward's start, the last reduce-scatter): the largest of lines is convex, so
+    the line through 2 and 3 blocks, extended, is a lower bound of the whole depth's, and another
+    place may overtake (measured: ZeRO-3's reduce-scatter at 7 of 12 blocks)."""
 
     peaks: list[int]
     compute: list[float]
     comm: list[float]
     kept: int
+    once: list[tuple[float, float]] = field(default_factory=list)  # (compute, comm); [] = none
+
+    def _lists(self) -> tuple[list, ...]:
+        once = self.once or [(0.0, 0.0)] * len(self.peaks)
+        return self.peaks, self.compute, self.comm, [c for c, _ in once], [m for _, m in once]
+
+    def _made(self, lists: list[list], kept: int) -> _Stages:
+        peaks, compute, comm, oc, om = lists
+        return _Stages(peaks, compute, comm, kept, list(zip(oc, om, strict=True)))
 
     def minus(self, other: _Stages) -> _Stages:
-        return _Stages(
-            [a - b for a, b in zip(self.peaks, other.peaks, strict=True)],
-            [a - b for a, b in zip(self.compute, other.compute, strict=True)],
-            [a - b for a, b in zip(self.comm, other.comm, strict=True)],
-            self.kept - other.kept,
-        )
+        pairs = zip(self._lists(), other._lists(), strict=True)
+        lists = [[a - b for a, b in zip(x, y, strict=True)] for x, y in pairs]
+        return self._made(lists, self.kept - other.kept)
 
     def plus(self, step: _Stages, times: int) -> _Stages:
-        return _Stages(
-            [a + b * times for a, b in zip(self.peaks, step.peaks, strict=True)],
-            [a + b * times for a, b in zip(self.compute, step.compute, strict=True)],
-            [a + b * times for a, b in zip(self.comm, step.comm, strict=True)],
-            self.kept + step.kept * times,
-        )
+        pairs = zip(self._lists(), step._lists(), strict=True)
+        lists = [[a + b * times for a, b in zip(x, y, strict=True)] for x, y in pairs]
+        return self._made(lists, self.kept + step.kept * times)
+
+    def step_seconds(self, micro_batches: int) -> list[float]:
+        """Each stage's step: 1F1B's (micro-batches + stages - 1) micro-batch slots (the bubble),
+        then its once-a-step work."""
+        slots = micro_batches + len(self.peaks) - 1
+        _, compute, comm, oc, om = self._lists()
+        return [(c + m) * slots + a + b for c, m, a, b in zip(compute, comm, oc, om, strict=True)]
+
+    def work(self, micro_batches: int) -> float:
+        """The compute seconds of one worker of each stage, summed."""
+        _, compute, _, oc, _ = self._lists()
+        return sum(c * micro_batches + a for c, a in zip(compute, oc, strict=True))
 
 
 @dataclass(frozen=True)
@@ -466,11 +482,8 @@ class _Job:
             fig, exact = hi.plus(hi.minus(lo), n - POINTS[-1]), False
         else:
             fig, exact = self._figures(lay, n), True
-        if lay.pipe > 1:
-            times = [(c + m) * (lay.micro_batches + lay.pipe - 1) for c, m in zip(fig.compute, fig.comm)]
-            work = sum(fig.compute) * lay.micro_batches * (self.devices // lay.pipe)  # each stage's workers'
-        else:
-            times, work = [fig.compute[0] + fig.comm[0]], fig.compute[0] * self.devices
+        times = fig.step_seconds(lay.micro_batches)
+        work = fig.work(lay.micro_batches) * (self.devices // lay.pipe)  # each stage's workers'
         # workers that share compute units (a CPU's cores) take turns: the step is at least all the
         # workers' compute over the units, whatever the pipeline's bubbles leave idle
         seconds = max(max(times), work / (self.compute_units or self.devices))
@@ -558,21 +571,27 @@ class _Job:
 
 
 def _pipeline_figures(parts: list[Program], lay: Layout, batch: int, rates: Rates) -> _Stages:
-    """Each of `lay`'s stages' peak and micro-batch seconds from its stage programs `parts`: one a
-    stage, or the 3 of a stand-in (`_Job._figures`): the first, the middle stages', the last."""
+    """Each of `lay`'s stages' peak and seconds from its stage programs `parts`: one a stage, or
+    the 3 of a stand-in (`_Job._figures`): the first, the middle stages', the last. A stage's
+    seconds are its phases': the forward and backward per micro-batch, the optimizer once."""
     from metaopt.report.pipeline_memory import estimate_pipeline_memories
 
     pipe = lay.pipe
     places = [[s] for s in range(pipe)] if len(parts) == pipe else [[0], list(range(1, pipe - 1)), [pipe - 1]]
     micro = {"batch": batch // lay.micro_batches}
-    peaks, compute, comm = [], [], []
+    fig = _Stages([], [], [], 0, [])
     for part, stages in zip(parts, places, strict=True):
         est = estimate_pipeline_memories(part, batch=batch, stages=stages, num_stages=pipe)
-        c, m = _seconds(part, micro, rates)
-        peaks += [e.peak_bytes for e in est]
-        compute += [c] * len(stages)
-        comm += [m] * len(stages)
-    return _Stages(peaks, compute, comm, 0)
+        each, once = [0.0, 0.0], [0.0, 0.0]
+        for phase in part.phases.parts:
+            secs = _seconds(phase.program, micro, rates)
+            into = once if phase.phase == roles.OPTIMIZE else each
+            into[0], into[1] = into[0] + secs[0], into[1] + secs[1]
+        fig.peaks += [e.peak_bytes for e in est]
+        fig.compute += [each[0]] * len(stages)
+        fig.comm += [each[1]] * len(stages)
+        fig.once += [tuple(once)] * len(stages)
+    return fig
 
 
 def _held_params(p: Program) -> tuple[int, int]:

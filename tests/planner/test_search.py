@@ -118,7 +118,7 @@ def test_the_best_plan_runs_within_the_cap_on_real_workers(plans, tmp_path):
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r in got:
         assert r["measured"] == r["predicted"], r
-        assert r["measured"] <= CAP, (best.describe(), r)
+        assert r["first"] <= r["measured"] <= CAP, (best.describe(), r)
         # measure_links over the 2 workers: a latency and a bandwidth a CPU's loopback can have
         latency, bandwidth = r["link"]
         assert 0 < latency < 1.0 and 1e6 < bandwidth < 1e12, r["link"]

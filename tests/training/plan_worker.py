@@ -2,10 +2,11 @@
 RANK/WORLD_SIZE/MASTER_*): ``python plan_worker.py OUT GLOBAL_BATCH LAYOUT_JSON``.
 
 HF GPT-2 from the zoo without dropout, exported as the planner saw it; fleet.init and minimize
-(Adam, as the planner's default) with the layout's strategy; one step, each data-side worker fed
+(Adam, as the planner's default) with the layout's strategy; two steps, each data-side worker fed
 its share of the global batch (a pipeline's workers the share whole); writes this worker's
-measured peak (the executor's count of live bytes) and its own prediction to ``OUT/rank<r>.json``,
-with the links' latency and bandwidth as `metaopt.planner.calibrate.measure_links` finds them.
+measured peaks (the executor's count of live bytes: the first step's and the second, steady
+one's) and its own prediction to ``OUT/rank<r>.json``, with the links' latency and bandwidth as
+`metaopt.planner.calibrate.measure_links` finds them.
 """
 
 from __future__ import annotations
@@ -38,7 +39,12 @@ def main() -> None:
     feed = {k: v[side * share : (side + 1) * share].clone() for k, v in whole.items()}
     exe = metaopt.Executor("cpu")
     last = layout.pipe == 1 or hcg.get_stage_id() == layout.pipe - 1
-    exe.run(program, feed=feed, fetch_list=[program.loss] if last else [])
+    fetch = [program.loss] if last else []
+    # the first step makes what the prediction holds all step from the start (a pipeline's
+    # optimizer state appears at its first update): the second is the steady step predicted
+    exe.run(program, feed=feed, fetch_list=fetch)
+    first = exe.memory_stats()["last_run_peak_bytes"]
+    exe.run(program, feed=feed, fetch_list=fetch)
     if layout.pipe > 1:
         predicted = estimate_pipeline_memory(program, batch=share).peak_bytes
     else:
@@ -49,6 +55,7 @@ def main() -> None:
     latency, bandwidth = measure_links(sizes=(1 << 10, 1 << 20), reps=2)  # the planner's link rates
     result = {
         "measured": exe.memory_stats()["last_run_peak_bytes"],
+        "first": first,
         "predicted": predicted,
         "rank": rank,
         "link": [latency, bandwidth],
