@@ -322,6 +322,11 @@ def plan(
         if floor > budget:  # no rewrite needed: what its workers hold all step is already too much
             pruned.append((lay, f"params and optimizer state alone at least {_gib(floor)} > {_gib(budget)}"))
             continue
+        held = job.held(lay)
+        if held > budget:  # no rewrite either: stage 0's blocks' share and what they keep exceed it
+            why = f"stage 0's blocks' params, state and activations alone at least {_gib(held)}"
+            pruned.append((lay, f"{why} > {_gib(budget)}"))
+            continue
         try:
             fig = job.evaluate(lay)
         except (ValueError, NotImplementedError, RuntimeError) as e:
@@ -469,6 +474,8 @@ class _Job:
     fewer: dict[int, Program] = field(default_factory=dict)
     state_per_param: float | None = None  # `floor`'s: measured once, on the smallest program
     param_bytes: tuple[int, int] = (0, 0)  # `floor`'s: params some op reads, those the loss needs
+    per_sample: dict[str, int] = field(default_factory=dict)  # `held`'s, per recompute form
+    block_params: tuple[int, int] | None = None  # `held`'s: one block's (read, trained) param bytes
 
     def evaluate(self, lay: Layout, *, whole: bool = False) -> Figures:
         """The layout's figures (`Figures`): from its rewrites at 2 and 3 blocks per stage extended to
@@ -536,8 +543,6 @@ class _Job:
         stage's place in the schedule (`estimate_pipeline_memories`: the micro-batches it holds);
         stage 2's for the last. Each peak and time is then the deep pipeline's own (tested against
         its rewrite)."""
-        from metaopt.fleet.distributed_optimizer import distributed_optimizer
-        from metaopt.fleet.topology import from_hybrid_configs
         from metaopt.passes.memory_estimate import estimate_memory
 
         pipe = STAND_IN if self._identical() and lay.pipe > STAND_IN else lay.pipe
@@ -545,10 +550,24 @@ class _Job:
         run = lay
         if pipe > 1 and self.blocks is not None:
             run = dataclasses.replace(lay, pipe=pipe, cuts=_cuts(self.blocks.modules, pipe, per_stage))
-        strategy = run.strategy()
-        devices = self.devices // lay.pipe * pipe
-        topo = from_hybrid_configs(strategy.hybrid_configs, devices, "fleet.plan")
+        q, dist = self._minimized(p, run, self.devices // lay.pipe * pipe)
         batch = self.global_batch // lay.data  # each data-side replica's; a pipeline's workers get it whole
+        if lay.pipe > 1:
+            return _pipeline_figures(dist.stage_programs, lay, batch, self.rates)
+        at = _backward_start(q)
+        est = estimate_memory(q, dims={"batch": batch}, workspace=False, at=max(at, 0))
+        compute, comm = _seconds(q, {"batch": batch}, self.rates)
+        kept = _kept(q, est.where, self._scopes(q)) if at >= 0 else 0
+        return _Stages([est.peak_bytes], [compute], [comm], kept)
+
+    def _minimized(self, p: Program, lay: Layout, devices: int) -> tuple[Program, Any]:
+        """A copy of `p` minimized with `lay`'s strategy for stage 0's first worker of `devices`
+        (`fleet.simulate`), and the distributed optimizer (its `stage_programs`)."""
+        from metaopt.fleet.distributed_optimizer import distributed_optimizer
+        from metaopt.fleet.topology import from_hybrid_configs
+
+        strategy = lay.strategy()
+        topo = from_hybrid_configs(strategy.hybrid_configs, devices, "fleet.plan")
         saved = env.snapshot()
         try:
             env.simulate(devices, _first_rank(topo, 0), strategy)
@@ -557,13 +576,55 @@ class _Job:
             dist.minimize(q.loss)
         finally:
             env.restore(saved)
-        if lay.pipe > 1:
-            return _pipeline_figures(dist.stage_programs, lay, batch, self.rates)
-        at = _backward_start(q)
-        est = estimate_memory(q, dims={"batch": batch}, workspace=False, at=max(at, 0))
-        compute, comm = _seconds(q, {"batch": batch}, self.rates)
-        kept = _kept(q, est.where, self._scopes(q)) if at >= 0 else 0
-        return _Stages([est.peak_bytes], [compute], [comm], kept)
+        return q, dist
+
+    def held(self, lay: Layout) -> int:
+        """A lower bound of the layout's worst peak, before its rewrite, above `floor`: what stage
+        0's first worker holds where its backward starts: its blocks' params and optimizer state
+        (its even share of them over the model degree; ZeRO's over the data side too) and the
+        activations its blocks keep for the backward, per sample as one worker keeps them with the
+        layout's recompute (`_kept_per_sample`: their even share over the model degree, a value
+        without a batch dimension left out), for the micro-batches 1F1B's first stage holds
+        (as many as stages). Where the blocks are not identical: `floor`. Tested against every
+        kind of layout's exact peak (tests/planner)."""
+        floor = self.floor(lay)
+        b = self.blocks
+        if not self._identical() or b.count < POINTS[-1]:
+            return floor
+        n = b.count // lay.pipe
+        if self.block_params is None:  # one block's: 3 blocks' less 2 blocks'
+            pairs = zip(*(_held_params(self._fewer(k)) for k in (3, 2)), strict=True)
+            self.block_params = tuple(x - y for x, y in pairs)
+        read, trained = self.block_params
+        params = n * read // (lay.model * (lay.data if lay.stage == 3 else 1))
+        state = int(n * trained * self.state_per_param) // (lay.model * (lay.data if lay.stage else 1))
+        inflight = min(lay.pipe, lay.micro_batches) if lay.pipe > 1 else 1
+        micro = self.global_batch // (lay.data * lay.micro_batches)
+        acts = self._kept_per_sample(lay.recompute) * n * inflight * micro // lay.model
+        return max(floor, params + state + acts)
+
+    def _kept_per_sample(self, recompute: str) -> int:
+        """The activations one block keeps for the backward per sample on one worker with
+        `recompute`: the slope in the batch of what 3 blocks keep less what 2 do (measured once
+        per recompute form)."""
+        from metaopt.passes.memory_estimate import estimate_memory
+
+        if recompute not in self.per_sample:
+            kept = {}
+            for k in (2, 3):
+                one = Layout(1, 1, 1, 0, recompute, 1, self.blocks.pattern)
+                try:
+                    q, _ = self._minimized(self._fewer(k), one, 1)
+                except (ValueError, NotImplementedError, RuntimeError):
+                    self.per_sample[recompute] = 0  # no bound from activations: the rewrites say why
+                    return 0
+                at = max(_backward_start(q), 0)
+                for batch in (1, 2):
+                    est = estimate_memory(q, dims={"batch": batch}, workspace=False, at=at)
+                    kept[k, batch] = _kept(q, est.where, self._scopes(q))
+            slope = (kept[3, 2] - kept[2, 2]) - (kept[3, 1] - kept[2, 1])
+            self.per_sample[recompute] = max(slope, 0)
+        return self.per_sample[recompute]
 
     def _scopes(self, p: Program) -> list[str]:
         """The module paths of `p`'s blocks (those of the blocks it was cut to keep)."""
