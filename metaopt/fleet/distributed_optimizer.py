@@ -114,6 +114,9 @@ class DistributedOptimizer:
         self.user_defined_strategy = strategy.copy()
         self.applied_meta_list: list[str] = []
         self.loss_scaling: bool | None = None
+        # False: minimize makes no `memory_report` (recompute's two estimates of the whole program)
+        # and warns of nothing it would say; the planner, which estimates every rewrite itself
+        self.memory_reports = True
         self.context: Context | None = None  # what the last minimize's steps handed each other
         self.amp_plan = self.recompute_plan = self.memory_report = None
         self.data_parallel_plan = self.pipeline_plan = self.tensor_parallel_plan = None
@@ -138,6 +141,7 @@ class DistributedOptimizer:
             world_size=env.worker_num(),
             rank=env.worker_index(),
             loss_scaling=bool(scaling),
+            reports=self.memory_reports,
         )
 
     def plan(self, loss: Var | None = None) -> TrainPlan:

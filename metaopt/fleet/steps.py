@@ -971,9 +971,10 @@ def _recompute(p: Program, plan: Any, ctx: Context) -> Program:
 
     ctx.checkpoints = list(plan.checkpoints)
     q = apply_recompute(p, plan)
-    batch = ctx.strategy.recompute_configs["budget_batch_size"]
-    ctx.memory_report = memory_report(p, plan, q, batch=batch)
-    logger.info("%s", ctx.memory_report)
+    if ctx.reports:  # two estimates of the whole program: the planner, which makes its own, skips them
+        batch = ctx.strategy.recompute_configs["budget_batch_size"]
+        ctx.memory_report = memory_report(p, plan, q, batch=batch)
+        logger.info("%s", ctx.memory_report)
     return q
 
 
@@ -983,6 +984,8 @@ def _refresh_report(after: Program, ctx: Context) -> None:
     from metaopt.passes.memory_estimate import estimate_memory
 
     report = ctx.memory_report
+    if report is None:  # none made (Context.reports)
+        return
     dims = {"batch": report.batch}
     held = {c: after.vars[s].nbytes(dims) or 0 for c, s in ctx.partition_slices.items()}
     ctx.memory_report = dataclasses.replace(
@@ -1460,7 +1463,7 @@ STEPS: tuple[Step, ...] = (
         check=_rc_check,
         doc="segments re-emitted before their grads",
         meta="recompute",
-        reads=("memory_report", "strategy"),
+        reads=("memory_report", "reports", "strategy"),
         writes=("checkpoints", "memory_report"),
     ),
     Step(

@@ -79,6 +79,7 @@ class Context(Run):
     dp_plan: Any = None  # data parallel's plan: its buckets of grads (what fp16_allreduce narrows)
     partition_slices: dict[str, str] = field(default_factory=dict)  # checkpoint -> its 1/mp slice var
     memory_report: Any = None  # recompute's predicted effect (recompute.MemoryReport), kept current
+    reports: bool = True  # False: no memory report made (the planner estimates the whole step itself)
     optimize_ops: list = field(default_factory=list)  # the update ops apply_optimizer made (Op objects)
 
     @property
@@ -123,7 +124,17 @@ class StepRow:
 # Context fields the caller fills before the first step; `plans`, `parts` and `part` are the
 # driver's (a split step sets `part`).
 INPUTS = frozenset(
-    {"strategy", "optimizer", "world_size", "rank", "parameter_list", "no_grad_set", "loss", "loss_scaling"}
+    {
+        "strategy",
+        "optimizer",
+        "world_size",
+        "rank",
+        "parameter_list",
+        "no_grad_set",
+        "loss",
+        "loss_scaling",
+        "reports",
+    }
 )
 _DRIVER = frozenset({"plans", "parts"})
 

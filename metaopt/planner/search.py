@@ -573,6 +573,7 @@ class _Job:
             env.simulate(devices, _first_rank(topo, 0), strategy)
             q = p.clone()
             dist = distributed_optimizer(_fresh(self.optimizer), strategy)
+            dist.memory_reports = False  # recompute's report: estimates this planner makes itself
             dist.minimize(q.loss)
         finally:
             env.restore(saved)
