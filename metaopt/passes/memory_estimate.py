@@ -25,7 +25,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from metaopt.ir import Op, Program, eval_dim
+from metaopt.ir import Op, Program, Var, eval_dim
 from metaopt.ir.liveness import liveness
 from metaopt.ir.printer import fmt_op
 from metaopt.ops import registry
@@ -147,6 +147,18 @@ def estimate_memory(
     return est
 
 
+def persistable_bytes(p: Program, *, dims: dict[str, int], device: str = "cpu") -> int:
+    """`estimate_memory(...).persistable_bytes` without the replay: the device bytes of the
+    persistables (state in host memory, ZeRO-Offload's, left out), alive all step."""
+    return sum(_nbytes(v, dims, device) for v in p.vars.values() if v.persistable and not v.host)
+
+
+def _nbytes(v: Var, dims: dict[str, int], device: str) -> int:
+    if v.device is not None and v.device != device:  # another device's saved output: None here
+        return 0
+    return v.nbytes(dims) or 0
+
+
 def host_memory(p: Program, dims: dict[str, int], replay: _Replay | None = None) -> dict[str, int]:
     """What this worker holds in host memory, beside the device's bytes, by what holds it:
 
@@ -214,7 +226,7 @@ class _Replay:
         self.holders: dict[str, list[str]] = defaultdict(list)  # storage -> the other vars on it
         # state held in host memory (ZeRO-Offload: Var.host) is the executor's host account
         self.on_host = {x for x in self.persistent if p.vars[x].host}
-        self.live = self.persistable = sum(self.nbytes(x) for x in self.persistent - self.on_host)
+        self.live = self.persistable = persistable_bytes(p, dims=dims, device=device)
         for x in p.inputs:
             if x in self.last:
                 self._new_storage(x, -1, host=False)
@@ -225,10 +237,7 @@ class _Replay:
         self.layouts = Layouts(p, self._shape, device)  # which view rows' kernels copy instead
 
     def nbytes(self, name: str) -> int:
-        v = self.p.vars[name]
-        if v.device is not None and v.device != self.device:  # another device's saved output: None here
-            return 0
-        return v.nbytes(self.dims) or 0
+        return _nbytes(self.p.vars[name], self.dims, self.device)
 
     def _shape(self, name: str) -> tuple | None:
         v = self.p.vars.get(name) if name else None

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from metaopt.ir import Program, roles
-from metaopt.passes.memory_estimate import estimate_memory
+from metaopt.passes.memory_estimate import estimate_memory, persistable_bytes
 from metaopt.runtime.pipeline import PHASE_OF
 from metaopt.runtime.plan import check_inplace
 from metaopt.runtime.schedules import schedule
@@ -65,7 +65,7 @@ def estimate_pipeline_memories(
         raise ValueError(f"estimate_pipeline_memory: batch {batch} does not split into {m} micro-batches")
     dims = {"batch": batch // m}
     parts = {part.key: part for part in p.phases.parts}
-    persist = estimate_memory(p, dims=dims, workspace=False, device=device).persistable_bytes
+    persist = persistable_bytes(p, dims=dims, device=device)
     own = {key: _own(part, dims, device) for key, part in parts.items()}
     return [_replay(p, parts, own, persist, stage, num_stages) for stage in stages]
 
