@@ -43,6 +43,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import multiprocessing
+import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -281,6 +283,7 @@ def plan(
     compute_units: int | None = None,
     top: int | None = None,
     blocks_once: bool = True,
+    workers: int | None = None,
 ) -> Plans:
     """The layouts of a `devices`-worker job that fit `memory_per_device` each, best first
     (module doc). `program_or_module`: an exported forward program (its loss set), or a torch
@@ -291,7 +294,9 @@ def plan(
     `top`: how many plans to return, fastest first (default: every one that fits); each returned
     plan's peaks are its whole program's, so a smaller `top` rewrites fewer whole programs.
     `blocks_once=False`: every layout rewritten whole, never from fewer blocks (slower; the same
-    plans, the same figures: tests/planner check it)."""
+    plans, the same figures: tests/planner check it). `workers`: how many processes rewrite
+    layouts at once (forked from this one; default: this machine's cores; 1: all in this
+    process). The figures do not depend on it."""
     devices = _count(devices, "devices", MAX_DEVICES)
     budget = parse_bytes(memory_per_device)
     global_batch = _count(global_batch, "global_batch", 1 << 40)
@@ -306,6 +311,7 @@ def plan(
         compute_units = _count(compute_units, "compute_units", MAX_DEVICES)
     if top is not None:
         top = _count(top, "top", 1 << 20)
+    workers = _count(workers, "workers", 1 << 10) if workers is not None else len(os.sched_getaffinity(0))
     if not isinstance(rates, Rates):
         raise PlanError(
             f"fleet.plan: rates must be a metaopt.planner.calibrate.Rates, got {type(rates).__name__}"
@@ -316,7 +322,7 @@ def plan(
     job = _Job(program, blocks, devices, global_batch, optimizer, rates, compute_units, blocks_once)
     # every layout's time (exact) and peaks (exact, or a lower bound from fewer blocks): those over
     # the budget even so are out; the rest, fastest first, have their peaks made exact
-    screened = []
+    todo = []
     for lay in layouts:
         floor = job.floor(lay)
         if floor > budget:  # no rewrite needed: what its workers hold all step is already too much
@@ -327,31 +333,37 @@ def plan(
             why = f"stage 0's blocks' params, state and activations alone at least {_gib(held)}"
             pruned.append((lay, f"{why} > {_gib(budget)}"))
             continue
-        try:
-            fig = job.evaluate(lay)
-        except (ValueError, NotImplementedError, RuntimeError) as e:
-            pruned.append((lay, f"refused: {str(e).splitlines()[0][:200]}"))
-            continue
-        if max(fig.peaks) > budget:
+        todo.append(lay)
+    screened = []
+    for lay, fig in zip(todo, _each(job, todo, workers, whole=False), strict=True):
+        if isinstance(fig, str):
+            pruned.append((lay, f"refused: {fig}"))
+        elif max(fig.peaks) > budget:
             bound = "" if fig.exact else "at least "
             pruned.append((lay, f"peak {bound}{_gib(max(fig.peaks))} > {_gib(budget)}"))
         else:
             screened.append((fig.seconds, lay, fig))
     plans: list[Plan] = []
-    for _, lay, fig in sorted(screened, key=lambda t: t[0]):
+    screened.sort(key=lambda t: t[0])
+    slower = f"slower than the {top} fastest plans that fit (top={top}): not made exact"
+    while screened:  # fastest first, as many at once as workers: each one's peaks made exact
         if top is not None and len(plans) >= top:
-            pruned.append((lay, f"slower than the {top} fastest plans that fit (top={top}): not made exact"))
-            continue
-        try:
-            fig = fig if fig.exact else job.evaluate(lay, whole=True)
-        except (ValueError, NotImplementedError, RuntimeError) as e:
-            pruned.append((lay, f"refused: {str(e).splitlines()[0][:200]}"))
-            continue
-        worst = max(fig.peaks)
-        if worst > budget:
-            pruned.append((lay, f"peak {_gib(worst)} > {_gib(budget)}"))
-            continue
-        plans.append(Plan(lay, lay.strategy(), worst, fig.seconds, fig.peaks, fig.layers))
+            pruned += [(lay, slower) for _, lay, _ in screened]
+            break
+        chunk, screened = screened[:workers], screened[workers:]
+        lays = [lay for _, lay, fig in chunk if not fig.exact]
+        made = dict(zip(lays, _each(job, lays, workers, whole=True), strict=True))
+        for _, lay, fig in chunk:
+            if top is not None and len(plans) >= top:
+                pruned.append((lay, slower))
+                continue
+            fig = made.get(lay, fig)
+            if isinstance(fig, str):
+                pruned.append((lay, f"refused: {fig}"))
+            elif max(fig.peaks) > budget:
+                pruned.append((lay, f"peak {_gib(max(fig.peaks))} > {_gib(budget)}"))
+            else:
+                plans.append(Plan(lay, lay.strategy(), max(fig.peaks), fig.seconds, fig.peaks, fig.layers))
     plans.sort(key=lambda p: (p.step_seconds, p.peak_bytes))
     counted = len(layouts) + len([1 for _, w in pruned if " split into " in w])  # the grid's own
     header = (
@@ -359,6 +371,36 @@ def plan(
         f"{counted} layouts; {_blocks_line(blocks)}"
     )
     return Plans(plans, pruned, header)
+
+
+_FORKED: tuple | None = None  # what `_each`'s forked workers rewrite: they inherit it
+
+
+def _each(job: _Job, lays: list[Layout], workers: int, *, whole: bool) -> list[Figures | str]:
+    """Each layout's figures (`_Job.evaluate`), or the first line of why its rewrite was refused:
+    over `workers` forked processes (each inherits the program and the job's figures so far), in
+    this one where there is one worker or one layout."""
+    global _FORKED
+    if workers < 2 or len(lays) < 2:
+        return [_evaluated(job, lay, whole) for lay in lays]
+    _FORKED = (job, lays, whole)
+    try:
+        with multiprocessing.get_context("fork").Pool(min(workers, len(lays))) as pool:
+            return pool.map(_forked, range(len(lays)), chunksize=1)
+    finally:
+        _FORKED = None
+
+
+def _forked(k: int) -> Figures | str:
+    job, lays, whole = _FORKED
+    return _evaluated(job, lays[k], whole)
+
+
+def _evaluated(job: _Job, lay: Layout, whole: bool) -> Figures | str:
+    try:
+        return job.evaluate(lay, whole=whole)
+    except (ValueError, NotImplementedError, RuntimeError) as e:
+        return str(e).splitlines()[0][:200]
 
 
 def _blocks_line(blocks: Blocks | None) -> str:

@@ -229,6 +229,19 @@ def test_a_deep_pipeline_stood_in_for_by_three_stages_has_its_own_figures(twelve
     assert math.isclose(got.seconds, want.seconds, rel_tol=1e-12)
 
 
+def test_forked_workers_make_the_same_plans_as_one_process(twelve):
+    """`workers=2` (layouts rewritten in 2 forked processes, the fastest made exact 2 at a time)
+    and `workers=1`: the same plans, figures and pruned layouts with their reasons, in order."""
+    kw = dict(devices=2, memory_per_device=5_500_000, global_batch=8, top=3)
+    one, two = fleet.plan(twelve, workers=1, **kw), fleet.plan(twelve, workers=2, **kw)
+    assert len(one) == 3 and any(why.startswith("slower than the 3 fastest") for _, why in one.pruned)
+    assert any(why.startswith("peak ") for _, why in one.pruned)
+    assert [(p.layout, p.peak_bytes, p.stage_peaks, p.step_seconds) for p in one] == [
+        (p.layout, p.peak_bytes, p.stage_peaks, p.step_seconds) for p in two
+    ]
+    assert one.pruned == two.pruned
+
+
 @pytest.mark.slow
 def test_the_plans_are_those_of_every_layout_rewritten_whole(twelve):
     """2 devices, a budget that some layouts exceed: the same plans, peaks (each the whole
