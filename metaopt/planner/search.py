@@ -28,8 +28,9 @@ program, every op of its step (forward, backward, recompute, optimizer): each op
 `op_seconds` (dispatch) + its FLOPs / `device_flops` + the bytes it touches / `device_bytes_per_s`,
 its FLOPs by its row's rule (ops/costs.py: MatMul, Gemm, Linear, Conv, attention and their grads,
 which are ops of the program too); each collective takes `link_latency_s` + its bytes over the
-ring (2 (n-1)/n of them for an all-reduce) / `link_bytes_per_s`; a pipeline's step is
-(micro-batches + stages - 1) times its stage's micro-batch (1F1B's bubble). The rates are
+ring (2 (n-1)/n of them for an all-reduce) / `link_bytes_per_s`; a pipeline stage's step is
+(micro-batches + stages - 1) times its forward and backward phases' seconds for one micro-batch
+(1F1B's bubble), plus its optimizer phase's (the update and the grads' all-reduce) once. The rates are
 `metaopt.planner.calibrate.calibrate`'s, measured on the device (``rates=``), or declared (a roofline's
 guesses). For a layout without a pipeline, `Plan.layers` holds what one repeated block keeps for
 the backward beside Korthikanti et al. 2022's count for its shape (the table prints the best
