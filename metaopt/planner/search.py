@@ -41,10 +41,10 @@ planning an 80-layer model for 1024 devices within a minute (docs/planning.md, "
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
-import multiprocessing
 import os
 import re
 from collections.abc import Iterable
@@ -60,6 +60,7 @@ from metaopt.layout.topology import AXES, Topology
 from metaopt.ops import costs, registry
 from metaopt.planner.blocks import Blocks, find_blocks, with_blocks, within
 from metaopt.planner.calibrate import Rates, op_cost
+from metaopt.planner.workers import Pool, evaluated
 
 MAX_DEVICES = 1 << 20  # a job of a million workers: beyond it a figure is surely a typo
 MAX_BYTES = 1 << 60  # 1 EiB per device
@@ -101,6 +102,7 @@ def _count(value: Any, what: str, most: int) -> int:
 RECOMPUTE = ("none", "selective", "full")
 POINTS = (2, 3)  # blocks per stage a layout is rewritten at where its figures are extended
 STAND_IN = 3  # a deeper pipeline over identical blocks is rewritten as one of this many stages
+MANY = 64  # layouts to rewrite from which `workers` defaults to the machine's cores
 
 
 @dataclass(frozen=True)
@@ -296,8 +298,9 @@ def plan(
     plan's peaks are its whole program's, so a smaller `top` rewrites fewer whole programs.
     `blocks_once=False`: every layout rewritten whole, never from fewer blocks (slower; the same
     plans, the same figures: tests/planner check it). `workers`: how many processes rewrite
-    layouts at once (forked from this one; default: this machine's cores; 1: all in this
-    process). The figures do not depend on it."""
+    layouts at once (planner/workers.py: fresh interpreters, each sent the job once; default:
+    this machine's cores where at least `MANY` layouts are to be rewritten, which repays their
+    start, else 1: all in this process). The figures do not depend on it."""
     devices = _count(devices, "devices", MAX_DEVICES)
     budget = parse_bytes(memory_per_device)
     global_batch = _count(global_batch, "global_batch", 1 << 40)
@@ -312,7 +315,8 @@ def plan(
         compute_units = _count(compute_units, "compute_units", MAX_DEVICES)
     if top is not None:
         top = _count(top, "top", 1 << 20)
-    workers = _count(workers, "workers", 1 << 10) if workers is not None else len(os.sched_getaffinity(0))
+    if workers is not None:
+        workers = _count(workers, "workers", 1 << 10)
     if not isinstance(rates, Rates):
         raise PlanError(
             f"fleet.plan: rates must be a metaopt.planner.calibrate.Rates, got {type(rates).__name__}"
@@ -335,8 +339,58 @@ def plan(
             pruned.append((lay, f"{why} > {_gib(budget)}"))
             continue
         todo.append(lay)
+    todo.sort(key=dataclasses.astuple)  # a pipeline's micro-batch counts side by side: one rewrite
+    if workers is None:  # a worker's start (an interpreter importing metaopt) repaid by many layouts
+        workers = len(os.sched_getaffinity(0)) if len(todo) >= MANY else 1
+    with Pool(job, workers) if workers > 1 and len(todo) > 1 else contextlib.nullcontext() as pool:
+        plans = _ranked(job, todo, pool, budget, top, pruned)
+    plans.sort(key=lambda p: (p.step_seconds, p.peak_bytes))
+    counted = len(layouts) + len([1 for _, w in pruned if " split into " in w])  # the grid's own
+    header = (
+        f"fleet.plan: {program.name!r} on {devices} devices x {_gib(budget)}, global batch {global_batch}; "
+        f"{counted} layouts; {_blocks_line(blocks)}"
+    )
+    return Plans(plans, pruned, header)
+
+
+def _each(job: _Job, lays: list[Layout], pool: Pool | None, *, whole: bool) -> list[Figures | str]:
+    """Each layout's figures (`_Job.evaluate`), or the first line of why its rewrite was refused:
+    over `pool`'s worker processes, or in this one. The layouts one rewrite serves (a pipeline at
+    its micro-batch counts: `_Job._figures`) go to one worker, one after the other."""
+    if pool is None:
+        return [evaluated(job, lay, whole) for lay in lays]
+    groups: list[list[Layout]] = []
+    for lay in lays:
+        if groups and _shared(groups[-1][0]) == _shared(lay):
+            groups[-1].append(lay)
+        else:
+            groups.append([lay])
+    return [fig for figs in pool.map(groups, whole=whole) for fig in figs]
+
+
+def _shared(lay: Layout) -> Layout:
+    """What a pipeline's rewrite depends on: its layout at any micro-batch count (only the loss
+    grad's 1/M differs, a value)."""
+    return dataclasses.replace(lay, micro_batches=1)
+
+
+def _unreferenced(p: Program) -> Program:
+    """`p` for pickling: without its weak references to a module's tensors (`Program.referenced`,
+    the export's check of a later in-place change; the planner runs nothing): a clone, whose
+    vars name it as their program."""
+    q = p.clone()
+    q.referenced = {}
+    return q
+
+
+def _ranked(
+    job: _Job, todo: list[Layout], pool: Pool | None, budget: int, top: int | None, pruned: list
+) -> list[Plan]:
+    """The plans of `todo` that fit `budget`, fastest first: every layout screened
+    (`_Job.evaluate`), then the fastest that fit by it made exact, as many at a time as `pool` has
+    workers, until `top`; each layout that fails goes to `pruned` with why."""
     screened = []
-    for lay, fig in zip(todo, _each(job, todo, workers, whole=False), strict=True):
+    for lay, fig in zip(todo, _each(job, todo, pool, whole=False), strict=True):
         if isinstance(fig, str):
             pruned.append((lay, f"refused: {fig}"))
         elif max(fig.peaks) > budget:
@@ -347,13 +401,14 @@ def plan(
     plans: list[Plan] = []
     screened.sort(key=lambda t: t[0])
     slower = f"slower than the {top} fastest plans that fit (top={top}): not made exact"
-    while screened:  # fastest first, as many at once as workers: each one's peaks made exact
+    at_once = len(pool.procs) if pool is not None else 1
+    while screened:
         if top is not None and len(plans) >= top:
             pruned += [(lay, slower) for _, lay, _ in screened]
             break
-        chunk, screened = screened[:workers], screened[workers:]
+        chunk, screened = screened[:at_once], screened[at_once:]
         lays = [lay for _, lay, fig in chunk if not fig.exact]
-        made = dict(zip(lays, _each(job, lays, workers, whole=True), strict=True))
+        made = dict(zip(lays, _each(job, lays, pool, whole=True), strict=True))
         for _, lay, fig in chunk:
             if top is not None and len(plans) >= top:
                 pruned.append((lay, slower))
@@ -365,43 +420,7 @@ def plan(
                 pruned.append((lay, f"peak {_gib(max(fig.peaks))} > {_gib(budget)}"))
             else:
                 plans.append(Plan(lay, lay.strategy(), max(fig.peaks), fig.seconds, fig.peaks, fig.layers))
-    plans.sort(key=lambda p: (p.step_seconds, p.peak_bytes))
-    counted = len(layouts) + len([1 for _, w in pruned if " split into " in w])  # the grid's own
-    header = (
-        f"fleet.plan: {program.name!r} on {devices} devices x {_gib(budget)}, global batch {global_batch}; "
-        f"{counted} layouts; {_blocks_line(blocks)}"
-    )
-    return Plans(plans, pruned, header)
-
-
-_FORKED: tuple | None = None  # what `_each`'s forked workers rewrite: they inherit it
-
-
-def _each(job: _Job, lays: list[Layout], workers: int, *, whole: bool) -> list[Figures | str]:
-    """Each layout's figures (`_Job.evaluate`), or the first line of why its rewrite was refused:
-    over `workers` forked processes (each inherits the program and the job's figures so far), in
-    this one where there is one worker or one layout."""
-    global _FORKED
-    if workers < 2 or len(lays) < 2:
-        return [_evaluated(job, lay, whole) for lay in lays]
-    _FORKED = (job, lays, whole)
-    try:
-        with multiprocessing.get_context("fork").Pool(min(workers, len(lays))) as pool:
-            return pool.map(_forked, range(len(lays)), chunksize=1)
-    finally:
-        _FORKED = None
-
-
-def _forked(k: int) -> Figures | str:
-    job, lays, whole = _FORKED
-    return _evaluated(job, lays[k], whole)
-
-
-def _evaluated(job: _Job, lay: Layout, whole: bool) -> Figures | str:
-    try:
-        return job.evaluate(lay, whole=whole)
-    except (ValueError, NotImplementedError, RuntimeError) as e:
-        return str(e).splitlines()[0][:200]
+    return plans
 
 
 def _blocks_line(blocks: Blocks | None) -> str:
@@ -519,6 +538,16 @@ class _Job:
     param_bytes: tuple[int, int] = (0, 0)  # `floor`'s: params some op reads, those the loss needs
     per_sample: dict[str, int] = field(default_factory=dict)  # `held`'s, per recompute form
     block_params: tuple[int, int] | None = None  # `held`'s: one block's (read, trained) param bytes
+    staged: dict[tuple, list[Program]] = field(default_factory=dict)  # `_figures`' stage programs
+
+    def __getstate__(self) -> dict:
+        """For the planner's workers (planner/workers.py): the programs without their weak
+        references (`_unreferenced`), no stage programs cached."""
+        state = dict(self.__dict__)
+        state["program"] = _unreferenced(self.program)
+        state["fewer"] = {k: _unreferenced(p) for k, p in self.fewer.items()}
+        state["staged"] = {}
+        return state
 
     def evaluate(self, lay: Layout, *, whole: bool = False) -> Figures:
         """The layout's figures (`Figures`): from its rewrites at 2 and 3 blocks per stage extended to
@@ -593,10 +622,16 @@ class _Job:
         run = lay
         if pipe > 1 and self.blocks is not None:
             run = dataclasses.replace(lay, pipe=pipe, cuts=_cuts(self.blocks.modules, pipe, per_stage))
-        q, dist = self._minimized(p, run, self.devices // lay.pipe * pipe)
+        devices = self.devices // lay.pipe * pipe
         batch = self.global_batch // lay.data  # each data-side replica's; a pipeline's workers get it whole
-        if lay.pipe > 1:
-            return _pipeline_figures(dist.stage_programs, lay, batch, self.rates)
+        if lay.pipe > 1:  # its stage programs serve its other micro-batch counts (`_shared`)
+            key = (_shared(run), per_stage)
+            if key not in self.staged:
+                if any(k[0] != key[0] for k in self.staged):
+                    self.staged.clear()  # those of one layout at a time (its 2 and 3 blocks a stage)
+                self.staged[key] = self._minimized(p, run, devices)[1].stage_programs
+            return _pipeline_figures(self.staged[key], lay, batch, self.rates)
+        q, _ = self._minimized(p, run, devices)
         at = _backward_start(q)
         est = estimate_memory(q, dims={"batch": batch}, workspace=False, at=max(at, 0))
         compute, comm = _seconds(q, {"batch": batch}, self.rates)
@@ -686,7 +721,9 @@ def _pipeline_figures(parts: list[Program], lay: Layout, batch: int, rates: Rate
     micro = {"batch": batch // lay.micro_batches}
     fig = _Stages([], [], [], 0, [])
     for part, stages in zip(parts, places, strict=True):
-        est = estimate_pipeline_memories(part, batch=batch, stages=stages, num_stages=pipe)
+        est = estimate_pipeline_memories(
+            part, batch=batch, stages=stages, num_stages=pipe, micro_batches=lay.micro_batches
+        )
         each, once = [0.0, 0.0], [0.0, 0.0]
         for phase in part.phases.parts:
             secs = _seconds(phase.program, micro, rates)

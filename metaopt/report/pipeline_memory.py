@@ -47,27 +47,35 @@ def estimate_pipeline_memory(p: Program, *, batch: int, device: str = "cpu") -> 
 
 
 def estimate_pipeline_memories(
-    p: Program, *, batch: int, stages: Sequence[int], num_stages: int, device: str = "cpu"
+    p: Program,
+    *,
+    batch: int,
+    stages: Sequence[int],
+    num_stages: int,
+    micro_batches: int | None = None,
+    device: str = "cpu",
 ) -> list[PipelineMemory]:
     """`estimate_pipeline_memory` of `p` run at each place `stages` of a pipeline of `num_stages`
     (the schedule's actions of that place) instead of its own: the planner's figures for the
     identical middle stages of a deep pipeline from one of them (planner/search.py). The phases'
     own bytes are estimated once, each place's schedule replayed over them. One chunk per worker
-    only (an interleaved placement names its virtual stages by place)."""
+    only (an interleaved placement names its virtual stages by place). `micro_batches`: the
+    schedule's count instead of the program's (a stage program differs between counts only in
+    the loss grad's 1/M, a value: the planner rewrites once for both of its counts)."""
     info = _info(p)
     if info.chunks != 1 and (tuple(stages), num_stages) != ((info.stage,), info.num_stages):
         raise ValueError(
             f"estimate_pipeline_memories: program {p.name!r} holds {info.chunks} chunks a worker: "
             "its phases belong to its own place in the pipeline"
         )
-    m = info.micro_batches
+    m = micro_batches or info.micro_batches
     if batch % m:
         raise ValueError(f"estimate_pipeline_memory: batch {batch} does not split into {m} micro-batches")
     dims = {"batch": batch // m}
     parts = {part.key: part for part in p.phases.parts}
     persist = persistable_bytes(p, dims=dims, device=device)
     own = {key: _own(part, dims, device) for key, part in parts.items()}
-    return [_replay(p, parts, own, persist, stage, num_stages) for stage in stages]
+    return [_replay(p, parts, own, persist, stage, num_stages, m) for stage in stages]
 
 
 def _info(p: Program):  # noqa: ANN202 - PipelineInfo
@@ -80,11 +88,13 @@ def _info(p: Program):  # noqa: ANN202 - PipelineInfo
     return info
 
 
-def _replay(p: Program, parts: dict, own: dict, persist: int, stage: int, num_stages: int) -> PipelineMemory:
+def _replay(
+    p: Program, parts: dict, own: dict, persist: int, stage: int, num_stages: int, m: int
+) -> PipelineMemory:
     """One worker's step at place `stage` of `num_stages`: its schedule's actions over the phases
-    of `p` (their own bytes `own`), what each hands on held until its micro-batch's last action."""
+    of `p` (their own bytes `own`) for `m` micro-batches, what each hands on held until its
+    micro-batch's last action."""
     info = p.pipeline
-    m = info.micro_batches
     acts = schedule(info.schedule, num_stages=num_stages, stage=stage, micro_batches=m, chunks=info.chunks)
     last = {a.micro_batch: n for n, a in enumerate(acts)}
     # per micro-batch: each held value -> the value whose storage it is on (views share one)

@@ -168,6 +168,24 @@ def test_a_budget_below_every_floor_prunes_every_layout_before_any_rewrite(twelv
     assert not plans and sum(w.startswith("params and optimizer state alone at least") for w in reasons) > 40
 
 
+def test_a_pipeline_rewritten_once_serves_its_other_micro_batch_count(twelve, monkeypatch):
+    """pp=4 at 8 micro-batches from the stage programs made for 4 (they differ only in the loss
+    grad's 1/M, a value): every stage's peak and the time as its own rewrite's (1e-12)."""
+    blocks = find_blocks(twelve)
+    rates = search.Rates(1e12, 1e11, 1e-5, 1e10, 1e-5)
+    four = Layout(2, 1, 4, 1, "selective", 4, blocks.pattern)
+    eight = dataclasses.replace(four, micro_batches=8)
+    shared = search._Job(twelve, blocks, 8, 32, None, rates, None)
+    shared.evaluate(four, whole=True)
+    rewrites = []
+    monkeypatch.setattr(search._Job, "_minimized", lambda *a: rewrites.append(a) or None)
+    got = shared.evaluate(eight, whole=True)
+    monkeypatch.undo()
+    want = search._Job(twelve, blocks, 8, 32, None, rates, None).evaluate(eight, whole=True)
+    assert not rewrites and got.peaks == want.peaks and len(set(got.peaks)) == 4
+    assert math.isclose(got.seconds, want.seconds, rel_tol=1e-12)
+
+
 LAYOUTS = [  # one of each kind: pipelines (in flight: as many micro-batches as stages), ZeRO, tp
     Layout(1, 1, 4, 0, "none", 4),
     Layout(2, 1, 2, 1, "selective", 4),
@@ -229,8 +247,8 @@ def test_a_deep_pipeline_stood_in_for_by_three_stages_has_its_own_figures(twelve
     assert math.isclose(got.seconds, want.seconds, rel_tol=1e-12)
 
 
-def test_forked_workers_make_the_same_plans_as_one_process(twelve):
-    """`workers=2` (layouts rewritten in 2 forked processes, the fastest made exact 2 at a time)
+def test_worker_processes_make_the_same_plans_as_one_process(twelve):
+    """`workers=2` (layouts rewritten in 2 worker processes, the fastest made exact 2 at a time)
     and `workers=1`: the same plans, figures and pruned layouts with their reasons, in order."""
     kw = dict(devices=2, memory_per_device=5_500_000, global_batch=8, top=3)
     one, two = fleet.plan(twelve, workers=1, **kw), fleet.plan(twelve, workers=2, **kw)
