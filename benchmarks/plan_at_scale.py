@@ -1,7 +1,7 @@
 """fleet.plan at scale (issue 45): Llama-3-70B's shape on 1024 devices of 80 GiB, exported on meta.
 
     python benchmarks/plan_at_scale.py [--model llama-3-70b] [--devices 1024] [--memory 80GiB]
-                                       [--seq 4096] [--global-batch 1024] [--top 10]
+                                       [--seq 4096] [--global-batch 1024] [--top 10] [--workers N]
                                        [--json results/plan_at_scale.json]
 
 The export (on the meta device: no value is made) is timed apart from the plan, as the issue
@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--global-batch", type=int, default=1024)
     ap.add_argument("--top", type=int, default=10)
+    ap.add_argument("--workers", type=int, default=None, help="planner processes (default: fleet.plan's)")
     ap.add_argument("--flops", type=float, default=4e14, help="declared FLOP/s per device")
     ap.add_argument("--bytes-per-s", type=float, default=3e12, help="declared memory bytes/s per device")
     ap.add_argument("--link-bytes-per-s", type=float, default=5e10)
@@ -79,6 +80,7 @@ def main() -> None:
         link_bytes_per_s=args.link_bytes_per_s,
         link_latency_s=args.link_latency,
         top=args.top,
+        workers=args.workers,
     )
     planned = time.perf_counter() - t0
     print(plans)
