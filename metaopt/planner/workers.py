@@ -8,7 +8,8 @@ stdin; then groups of layouts, one group at a time per worker, each answered wit
 (or the refusal's first line) over its stdout. Messages are length-prefixed pickles.
 
 A worker that exits or stays silent past `timeout` seconds on one group is an error naming the
-layouts it held (nothing hangs); the pool's workers are ended when it closes.
+layouts it held (nothing hangs), and every worker of the pool is killed; otherwise they end when
+the pool closes.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class Pool:
                         results[g] = receive(self.procs[w].stdout)
                     except EOFError:
                         code = self.procs[w].wait()
+                        self.close(kill=True)  # the pool is broken: its other workers go too
                         what = f"exited ({code}) while rewriting {_names(groups[g])}"
                         raise WorkerError(f"fleet.plan: planner worker {w} {what}") from None
                     if pending:
@@ -90,6 +92,7 @@ class Pool:
                 now = time.monotonic()
                 for w, (g, since) in busy.items():
                     if now - since > self.timeout:
+                        self.close(kill=True)
                         raise WorkerError(
                             f"fleet.plan: planner worker {w} answered nothing in {self.timeout:.0f} s "
                             f"rewriting {_names(groups[g])}"
