@@ -60,9 +60,13 @@ class Pool:
             subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
             for _ in range(count)
         ]
-        for p in self.procs:
-            p.stdin.write(_HEADER.pack(len(payload)) + payload)
-            p.stdin.flush()
+        try:
+            for p in self.procs:
+                p.stdin.write(_HEADER.pack(len(payload)) + payload)
+                p.stdin.flush()
+        except OSError as e:  # a worker that died starting (its traceback is on stderr)
+            self.close(kill=True)
+            raise WorkerError(f"fleet.plan: a planner worker exited before taking the job ({e})") from None
 
     def map(self, groups: list[list[Any]], *, whole: bool) -> list[list[Any]]:
         """Each group's results, in order: a group's layouts are evaluated in one worker, in turn."""
