@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from metaopt.ir import Program, roles
+from metaopt.ir.program import PipelineInfo
 from metaopt.passes.memory_estimate import estimate_memory, persistable_bytes
 from metaopt.runtime.pipeline import PHASE_OF
 from metaopt.runtime.plan import check_inplace
@@ -78,7 +79,8 @@ def estimate_pipeline_memories(
     return [_replay(p, parts, own, persist, stage, num_stages, m) for stage in stages]
 
 
-def _info(p: Program):  # noqa: ANN202 - PipelineInfo
+def _info(p: Program) -> PipelineInfo:
+    """`p`'s pipeline info, where `p` is a stage program cut into its current phases."""
     info = p.pipeline
     if info is None or p.phases is None or not p.phases.matches(p):
         raise ValueError(
