@@ -262,6 +262,7 @@ class _Aliases:
 
     def __init__(self) -> None:
         self.parent: dict[str, str] = {}
+        self.classes: dict[str, list[str]] = {}  # a root -> its class (a var never linked: none)
 
     def find(self, x: str) -> str:
         while self.parent.get(x, x) != x:
@@ -286,10 +287,13 @@ class _Aliases:
             ra, rb = self.find(a), self.find(b)
             if ra != rb:
                 self.parent[ra] = rb
+                self.classes.setdefault(rb, [rb]).extend(self.classes.pop(ra, [ra]))
 
     def members(self, x: str, among: set[str]) -> list[str]:
+        """The vars of `among` sharing storage with `x` (`x` too, if among): from its class, not
+        by searching `among` (every var defined so far, for each in-place write)."""
         r = self.find(x)
-        return [m for m in among if self.find(m) == r]
+        return [m for m in self.classes.get(r, [r]) if m in among]
 
 
 def check_inplace(p: Program, fetches: set[str]) -> tuple[_Aliases, set[str]]:
