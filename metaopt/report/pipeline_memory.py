@@ -102,12 +102,13 @@ def _replay(
     # per micro-batch: each held value -> the value whose storage it is on (views share one)
     held: dict[int, dict[str, str]] = {i: {} for i in range(m)}
     sizes: dict[str, int] = {}
+    each = [0] * m  # per micro-batch: its held values' bytes (kept as they change, not re-summed)
     peak, at, held_peak, rows = persist, "", 0, []
     for n, a in enumerate(acts):
         part = parts[(info.placement.vstage(info.stage, a.chunk), PHASE_OF[a.kind])]
         extra, made = own[part.key]
         i = a.micro_batch
-        here = persist + _held_bytes(held, sizes) + extra  # its carried-in values are held already
+        here = persist + sum(each) + extra  # its carried-in values are held already
         rows.append((str(a), here))
         if here > peak:
             peak, at = here, str(a)
@@ -116,9 +117,10 @@ def _replay(
             sizes.setdefault(held[i][x], nbytes)
         for x in part.last_use:  # after: a value made above may be a view of one let go here
             held[i].pop(x, None)
-        held_peak = max(held_peak, _held_bytes(held, sizes))
+        each[i] = _held_bytes(held[i], sizes)
+        held_peak = max(held_peak, sum(each))
         if last[i] == n:
-            held[i] = {}
+            held[i], each[i] = {}, 0
     opt = parts.get((-1, roles.OPTIMIZE))
     if opt is not None:
         here = persist + own[opt.key][0]
@@ -128,9 +130,9 @@ def _replay(
     return PipelineMemory(peak, persist, at, held_peak, tuple(rows))
 
 
-def _held_bytes(held: dict[int, dict[str, str | None]], sizes: dict[str, int]) -> int:
-    """The device bytes of the held values: each storage once (None: a persistable's)."""
-    return sum(sizes[o] for h in held.values() for o in set(h.values()) if o is not None)
+def _held_bytes(held: dict[str, str | None], sizes: dict[str, int]) -> int:
+    """The device bytes of one micro-batch's held values: each storage once (None: a persistable's)."""
+    return sum(sizes[o] for o in set(held.values()) if o is not None)
 
 
 def _own(part, dims: dict[str, int], device: str) -> tuple[int, dict[str, tuple[str | None, int]]]:  # noqa: ANN001
