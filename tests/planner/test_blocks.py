@@ -211,6 +211,28 @@ def test_the_bound_before_a_rewrite_is_below_each_layouts_exact_peak(twelve):
     assert above_floor == len(LAYOUTS)
 
 
+def test_a_layout_over_the_budget_at_two_blocks_a_stage_is_not_rewritten_at_three(twelve, monkeypatch):
+    """Above `budget` at 2 blocks a stage, a layout's screen stops there (more blocks never lower a
+    peak): its peaks and time are then below the whole program's, a pipeline's stage by stage."""
+    blocks = find_blocks(twelve)
+    job = search._Job(twelve, blocks, 4, 16, None, search.Rates(1e12, 1e11, 1e-5, 1e10, 1e-5), None)
+    figures = search._Job._figures
+    for lay in (LAYOUTS[1], LAYOUTS[3]):  # a ZeRO-1 pipeline; ZeRO-3, where another place overtakes
+        lay = dataclasses.replace(lay, blocks=blocks.pattern, cuts=search._cuts(blocks.modules, lay.pipe, 6))
+        whole = job.evaluate(lay, whole=True)
+        job.budget = max(job._figures(lay, 2).peaks) - 1
+        per_stage = []
+        monkeypatch.setattr(search._Job, "_figures", lambda j, lay, k: per_stage.append(k) or figures(j, lay, k))
+        two = job.evaluate(lay)
+        monkeypatch.undo()
+        assert per_stage == [2], lay.describe()
+        assert max(two.peaks) > job.budget and not two.exact and two.layers is None
+        assert all(a <= b for a, b in zip(two.peaks, whole.peaks, strict=True)), lay.describe()
+        assert two.seconds < whole.seconds
+        job.budget += 1  # at the 2-block peak: screened at 2 and 3 blocks a stage, as without a budget
+        assert job.evaluate(lay).peaks == dataclasses.replace(job, budget=None).evaluate(lay).peaks
+
+
 def test_a_pipelines_stages_extended_as_their_whole_programs(twelve):
     """pp=2 of 6 blocks a stage, full recompute, 4 micro-batches: each stage's peak from 2 and 3
     blocks a stage is its whole program's here, the time the same (1e-9)."""
