@@ -35,8 +35,8 @@ ring (2 (n-1)/n of them for an all-reduce) / `link_bytes_per_s`; a pipeline stag
 guesses). For a layout without a pipeline, `Plan.layers` holds what one repeated block keeps for
 the backward beside Korthikanti et al. 2022's count for its shape (the table prints the best
 plan's). Not built yet: the search over offload, interleaved / zero-bubble schedules, expert
-parallel, AMP and per-stage recompute; overlap of communication with compute in the time model;
-planning an 80-layer model for 1024 devices within a minute (docs/planning.md, "Not yet").
+parallel, AMP and per-stage recompute; overlap of communication with compute in the time model
+(docs/planning.md, "Not yet").
 """
 
 from __future__ import annotations

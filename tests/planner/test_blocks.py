@@ -216,13 +216,18 @@ def test_a_layout_over_the_budget_at_two_blocks_a_stage_is_not_rewritten_at_thre
     peak): its peaks and time are then below the whole program's, a pipeline's stage by stage."""
     blocks = find_blocks(twelve)
     job = search._Job(twelve, blocks, 4, 16, None, search.Rates(1e12, 1e11, 1e-5, 1e10, 1e-5), None)
-    figures = search._Job._figures
+    figures, per_stage = search._Job._figures, []
+
+    def counted(j: search._Job, lay: Layout, k: int) -> search._Stages:
+        per_stage.append(k)
+        return figures(j, lay, k)
+
     for lay in (LAYOUTS[1], LAYOUTS[3]):  # a ZeRO-1 pipeline; ZeRO-3, where another place overtakes
         lay = dataclasses.replace(lay, blocks=blocks.pattern, cuts=search._cuts(blocks.modules, lay.pipe, 6))
         whole = job.evaluate(lay, whole=True)
         job.budget = max(job._figures(lay, 2).peaks) - 1
-        per_stage = []
-        monkeypatch.setattr(search._Job, "_figures", lambda j, lay, k: per_stage.append(k) or figures(j, lay, k))
+        per_stage.clear()
+        monkeypatch.setattr(search._Job, "_figures", counted)
         two = job.evaluate(lay)
         monkeypatch.undo()
         assert per_stage == [2], lay.describe()
