@@ -90,6 +90,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(skip)
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What the test process holds by now (torch, transformers, the collected modules) is frozen
+    out of the cyclic collector's passes, and its young generation collected 14x less often:
+    every test builds and drops programs of thousands of small objects, and the default
+    threshold (700) collected them again and again (in-process tests 14% faster measured on
+    tests/passes/test_recompute.py and test_fuse_norm_silu.py, the process 6% larger). No test
+    depends on when a cycle is collected: tensors go by reference counting, and the memory
+    figures are the executor's own accounting or fresh processes' RSS."""
+    import gc
+
+    gc.freeze()
+    gc.set_threshold(10_000, 20, 20)
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     spent = _SPENT.get("files")
     if spent is not None:
