@@ -1,6 +1,6 @@
 """Rewriting a plan's layouts in worker processes (`fleet.plan(..., workers=N)`).
 
-Each worker is a fresh interpreter (``python -m metaopt.planner.workers``), not a fork: a fork of
+Each worker is a fresh interpreter (`COMMAND`: `main` of this module), not a fork: a fork of
 a process with threads (torch's, gloo's) can inherit a lock another thread held, and wait on it
 forever; a fresh interpreter imports only metaopt, never the user's script. The job (the program,
 its blocks, what the planner measured on it so far) goes to each worker once, pickled over its
@@ -24,6 +24,9 @@ import time
 from typing import IO, Any
 
 _HEADER = struct.Struct("<Q")
+# `-c`, not `-m metaopt.planner.workers`: runpy would run this module a second time beside the
+# copy `import metaopt.planner` already made, and warn so on every worker's stderr
+COMMAND = "import metaopt; from metaopt.planner.workers import main; main()"
 
 
 def send(stream: IO[bytes], obj: Any) -> None:
@@ -55,7 +58,7 @@ class Pool:
         self.timeout = timeout
         payload = pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, "-m", "metaopt.planner.workers"]
+        cmd = [sys.executable, "-c", COMMAND]
         self.procs = [
             subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
             for _ in range(count)
@@ -155,9 +158,3 @@ def evaluated(job: Any, lay: Any, whole: bool) -> Any:
         return job.evaluate(lay, whole=whole)
     except (ValueError, NotImplementedError, RuntimeError) as e:
         return str(e).splitlines()[0][:200]
-
-
-if __name__ == "__main__":
-    import metaopt  # noqa: F401 - its passes and ops register on import
-
-    main()
