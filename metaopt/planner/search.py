@@ -19,7 +19,8 @@ over identical blocks is rewritten as 3 (first, middle, last: `_Job._figures`), 
 peaks from the one middle program replayed at each place of the schedule.
 
 The grid: every split of `devices` into data-side x model x pipe degrees; the data side as data
-parallel or as ZeRO (sharding) at stages 1, 2 and 3; tensor parallel with the column and row
+parallel or as ZeRO (sharding) at stages 1, 2 and 3, and on a MoE model also as expert parallel
+over each divisor splitting its experts (tp and pp 1); tensor parallel with the column and row
 layers found by ``"auto"``; pipelines of 1F1B with as many and twice as many micro-batches as
 stages, cut between repeated blocks (as many each); recompute none, selective or full (`Layout`).
 
@@ -35,8 +36,8 @@ ring (2 (n-1)/n of them for an all-reduce) / `link_bytes_per_s`; a pipeline stag
 guesses). For a layout without a pipeline, `Plan.layers` holds what one repeated block keeps for
 the backward beside Korthikanti et al. 2022's count for its shape (the table prints the best
 plan's). Not built yet: the search over offload, interleaved / zero-bubble schedules, expert
-parallel, AMP and per-stage recompute; overlap of communication with compute in the time model
-(docs/planning.md, "Not yet").
+parallel beside tp or pp, AMP and per-stage recompute; overlap of communication with compute in
+the time model (docs/planning.md, "Not yet").
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import itertools
 import math
 import os
 import re
@@ -124,11 +126,13 @@ class Layout:
     micro_batches: int
     blocks: str | None = None
     cuts: tuple[str, ...] = ()
+    expert: int = 1  # ep_degree: each MoE layer's experts split over this many data-side workers
 
     def describe(self) -> str:
         side = f"dp={self.data}" if self.stage == 0 else f"sharding={self.data} (ZeRO-{self.stage})"
+        ep = f" ep={self.expert}" if self.expert > 1 else ""
         pipe = f" pp={self.pipe} ({self.micro_batches} micro-batches, 1F1B)" if self.pipe > 1 else ""
-        return f"{side} mp={self.model}{pipe} recompute={self.recompute}"
+        return f"{side}{ep} mp={self.model}{pipe} recompute={self.recompute}"
 
     def strategy(self) -> DistributedStrategy:
         s = DistributedStrategy()
@@ -138,6 +142,7 @@ class Layout:
             "mp_degree": self.model,
             "pp_degree": self.pipe,
             "sharding_degree": sh,
+            **({"ep_degree": self.expert} if self.expert > 1 else {}),
         }
         if self.model > 1:
             s.tensor_parallel = True
@@ -235,9 +240,12 @@ def _gib(n: float) -> str:
 
 
 def grid(
-    devices: int, global_batch: int, blocks: Blocks | None = None
+    devices: int, global_batch: int, blocks: Blocks | None = None, experts: int = 0
 ) -> tuple[list[Layout], list[tuple[Layout, str]]]:
-    """Every layout of `devices` (module doc), and those the batch or the blocks rule out, with why."""
+    """Every layout of `devices` (module doc), and those the batch or the blocks rule out, with why.
+    `experts`: the MoE layers' expert count (their gcd; 0: none): the data side also as expert
+    parallel over each of its divisors that splits them, where neither tp nor pp is above 1
+    (the rewrite refuses ep beside them)."""
     out, pruned = [], []
     pattern = blocks.pattern if blocks is not None else None
     for data in _divisors(devices):
@@ -246,18 +254,18 @@ def grid(
             micro = (1,) if pipe == 1 else (pipe, 2 * pipe)
             stages = (0,) if data == 1 else (0, 1, 2, 3)
             cuts = _cuts(blocks.modules, pipe, blocks.count // pipe) if blocks and pipe > 1 else ()
-            for stage in stages:
-                for m in micro:
-                    for recompute in RECOMPUTE:
-                        lay = Layout(data, model, pipe, stage, recompute, m, pattern, cuts)
-                        if global_batch % (data * m):
-                            why = f"global_batch {global_batch} does not split into {data} x {m}"
-                        elif blocks is not None and blocks.count % pipe:
-                            why = f"{blocks.count} blocks of {pattern!r} do not split into {pipe} stages"
-                        else:
-                            out.append(lay)
-                            continue
-                        pruned.append((lay, why))
+            alone = experts and model == pipe == 1
+            eps = [1, *(e for e in _divisors(data) if e > 1 and experts % e == 0)] if alone else [1]
+            for stage, m, recompute, ep in itertools.product(stages, micro, RECOMPUTE, eps):
+                lay = Layout(data, model, pipe, stage, recompute, m, pattern, cuts, ep)
+                if global_batch % (data * m):
+                    why = f"global_batch {global_batch} does not split into {data} x {m}"
+                elif blocks is not None and blocks.count % pipe:
+                    why = f"{blocks.count} blocks of {pattern!r} do not split into {pipe} stages"
+                else:
+                    out.append(lay)
+                    continue
+                pruned.append((lay, why))
     return out, pruned
 
 
@@ -324,7 +332,7 @@ def plan(
         )
     program = _program(program_or_module, example_args)
     blocks = find_blocks(program)
-    layouts, pruned = grid(devices, global_batch, blocks)
+    layouts, pruned = grid(devices, global_batch, blocks, _experts(program))
     job = _Job(program, blocks, devices, global_batch, optimizer, rates, compute_units, blocks_once)
     job.budget = budget
     # every layout's time (exact) and peaks (exact, or a lower bound from fewer blocks): those over
@@ -538,6 +546,7 @@ class _Job:
     fewer: dict[int, Program] = field(default_factory=dict)
     state_per_param: float | None = None  # `floor`'s: measured once, on the smallest program
     param_bytes: tuple[int, int] = (0, 0)  # `floor`'s: params some op reads, those the loss needs
+    expert_bytes: tuple[int, int] = (0, 0)  # `floor`'s: the same of the expert params
     per_sample: dict[str, int] = field(default_factory=dict)  # `held`'s, per recompute form
     block_params: tuple[int, int] | None = None  # `held`'s: one block's (read, trained) param bytes
     staged: dict[tuple, list[Program]] = field(default_factory=dict)  # `_figures`' stage programs
@@ -591,15 +600,20 @@ class _Job:
         """A lower bound of the layout's worst peak, before any rewrite: the params and the
         optimizer state shaped like them (alive all step) that the model x pipe workers of a data
         replica hold between them, so the worst holds at least its even share; ZeRO-3 splits the
-        params over the data side too, ZeRO 1-3 the state. The state per param byte is the least
-        any update of one minimized worker reads (Adam: 2), so a mixed optimizer stays below."""
+        params over the data side too, ZeRO 1-3 the state. With expert parallel the expert params
+        and their state are split over `expert` workers instead (each updates its own experts
+        whole, docs/moe.md). The state per param byte is the least any update of one minimized
+        worker reads (Adam: 2), so a mixed optimizer stays below."""
         if self.state_per_param is None:
             self.state_per_param = _state_per_param(self._smallest(), self.optimizer)
             self.param_bytes = _held_params(self.program)
+            self.expert_bytes = _held_params(self.program, _expert_params(self.program))
         params, trained = self.param_bytes
+        ep_read, ep_trained = self.expert_bytes if lay.expert > 1 else (0, 0)
         share = lay.model * lay.pipe
-        held = params // (share * (lay.data if lay.stage == 3 else 1))
-        return held + int(trained * self.state_per_param) // (share * (lay.data if lay.stage else 1))
+        held = (params - ep_read) // (share * (lay.data if lay.stage == 3 else 1)) + ep_read // lay.expert
+        state = int((trained - ep_trained) * self.state_per_param) // (share * (lay.data if lay.stage else 1))
+        return held + state + int(ep_trained * self.state_per_param) // lay.expert
 
     def _identical(self) -> bool:
         """Whether the figures may come from fewer blocks (blocks_once, and the blocks identical)."""
@@ -681,7 +695,7 @@ class _Job:
         kind of layout's exact peak (tests/planner)."""
         floor = self.floor(lay)
         b = self.blocks
-        if not self._identical() or b.count < POINTS[-1]:
+        if not self._identical() or b.count < POINTS[-1] or lay.expert > 1:  # ep: `floor`'s split
             return floor
         n = b.count // lay.pipe
         if self.block_params is None:  # one block's: 3 blocks' less 2 blocks'
@@ -750,16 +764,33 @@ def _pipeline_figures(parts: list[Program], lay: Layout, batch: int, rates: Rate
     return fig
 
 
-def _held_params(p: Program) -> tuple[int, int]:
-    """(bytes of the trainable params some op reads, of those on a path to the loss): a param no
-    op reads is held by no pipeline stage, one the loss does not need gets no update and no state."""
+def _held_params(p: Program, among: set[str] | None = None) -> tuple[int, int]:
+    """(bytes of the trainable params some op reads, of those on a path to the loss), of those
+    named `among` (default: all): a param no op reads is held by no pipeline stage, one the loss
+    does not need gets no update and no state."""
     read = {x for op in p.ops for x in op.inputs if x}
     needed = {p.loss_name}
     for op in reversed(p.ops):
         if any(o in needed for o in op.outputs if o):
             needed.update(x for x in op.inputs if x)
-    params = [v for v in p.params() if v.name in read]
+    params = [v for v in p.params() if v.name in read and (among is None or v.name in among)]
     return sum(v.nbytes({}) or 0 for v in params), sum(v.nbytes({}) or 0 for v in params if v.name in needed)
+
+
+def _expert_params(p: Program) -> dict[str, int]:
+    """The MoE layers' expert params -> their expert count (expert parallel's plan, which splits
+    them); {} where the program has no expert layer."""
+    from metaopt.passes.expert_parallel import ExpertParallelError, plan_expert_parallel
+
+    try:
+        return plan_expert_parallel(p, ep_degree=1, ep_rank=0, group=[0]).params
+    except ExpertParallelError:
+        return {}  # experts it cannot split: no ep in the grid (a layout's rewrite would say why)
+
+
+def _experts(p: Program) -> int:
+    """The expert count every MoE layer's experts split by (their gcd; 0: no expert layer)."""
+    return math.gcd(*_expert_params(p).values())  # gcd() of nothing: 0
 
 
 def _fresh(optimizer: Any) -> Any:

@@ -145,6 +145,41 @@ def test_layouts_describe_and_make_their_strategies():
     assert s.pipeline_configs["cuts"] == ["m.h.6"]
 
 
+def test_a_moe_models_grid_splits_its_experts_over_the_data_side():
+    """The zoo's tiny Mixtral (4 experts a layer) on 4 devices: the data side also as expert parallel
+    (ep 2 and 4, Paddle's ep_degree) where tp and pp are 1 (the rewrite refuses ep beside them);
+    an ep layout's floor counts its own experts' params and state only, below its exact peak and
+    below the same layout's with every expert on every worker; its figures are its rewrite's."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "zoo"))
+    import harness
+    import models
+
+    from metaopt.planner import search
+    from metaopt.planner.blocks import find_blocks
+
+    _, program = harness.export(models.get("hf-mixtral"), 0.0)
+    assert search._experts(program) == 4
+    layouts, _ = search.grid(4, 8, find_blocks(program), search._experts(program))
+    eps = {(lay.data, lay.expert) for lay in layouts if lay.expert > 1}
+    assert eps == {(4, 2), (4, 4)}  # at data 2, tp or pp is 2
+    assert all(lay.model == lay.pipe == 1 for lay in layouts if lay.expert > 1)
+    lay = Layout(4, 1, 1, 1, "none", 1, expert=4)  # no repeated blocks found: recompute "auto" refuses
+    assert lay.strategy().hybrid_configs["ep_degree"] == 4
+    assert lay.describe() == "sharding=4 (ZeRO-1) ep=4 mp=1 recompute=none"
+    rates = search.Rates(1e12, 1e11, 1e-5, 1e10, 1e-5)
+    job = search._Job(program, find_blocks(program), 4, 8, None, rates, None)
+    replicated = dataclasses.replace(lay, expert=1)
+    ep_peak, peak = (max(job.evaluate(x, whole=True).peaks) for x in (lay, replicated))
+    assert job.floor(lay) < job.floor(replicated) <= peak, (job.floor(lay), job.floor(replicated))
+    assert job.floor(lay) <= job.held(lay) <= ep_peak
+    # the experts' share: the floor is the dense params and ZeRO-1's state share, + a quarter of the experts'
+    experts = sum(program.vars[w].nbytes({}) for w in search._expert_params(program))
+    dense = sum(v.nbytes({}) for v in program.params()) - experts
+    assert job.floor(lay) == dense + 2 * dense // 4 + (experts + 2 * experts) // 4
+    plans = fleet.plan(program, devices=4, memory_per_device="64MiB", global_batch=8)
+    assert any(p.layout.expert > 1 for p in plans), str(plans)
+
+
 def test_flops_read_composite_dims_and_a_rings_whole_sequence():
     """The roofline's FLOPs (ops/costs.py): GPT-2's Conv1D Gemms have rows "12*batch" (evaluated,
     not counted as 1), and a ring's queries attend over the whole sequence its `length` names."""
