@@ -27,6 +27,11 @@
   scaled by 1/(1-p)), so an eval program's Identity leaves the input as it is. ``alpha_dropout``
   keeps the stock route (its eval form is not an identity of the mask: see docs/evaluation.md).
 
+* ``aten.histc`` of integers: HF's mixture-of-experts layers count the tokens of each expert with
+  ``histc`` of the expert ids, as floats on a CPU but as ints elsewhere, the meta device too;
+  the stock translation takes floats only (an assertion: DeepSeek-V3 did not export on meta).
+  Ours counts the ids as floats (exact below 2^24) and returns the input's type, as torch does.
+
 The exporter needs an ONNX schema for any op a translation emits; ours are registered in the
 ``metaopt`` domain once per process.
 """
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import onnx
 import torch
 from onnx import defs
@@ -132,6 +138,23 @@ def _grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
     return _opset().GroupedMatMul(self, mat2, offs)
 
 
+def _histc(self, bins: int = 100, min: float = 0.0, max: float = 0.0):  # noqa: A002 - torch's names
+    # torch's own rule: `bins` equal bins over [min, max], max included, values outside (and NaN)
+    # dropped; counted in float32 (exact below 2^24) as how many values lie below each edge
+    if min == max:
+        raise NotImplementedError(f"metaopt translates aten.histc with min < max only, got {min} == {max}")
+    edges = np.array([min + (max - min) / bins * i for i in range(bins + 1)], dtype=np.float32)
+    edges[-1] = np.nextafter(edges[-1], np.float32(np.inf))  # max itself in the last bin
+    column = onnx_op.Constant(value=onnx.numpy_helper.from_array(edges.reshape(-1, 1)))
+    flat = onnx_op.Reshape(onnx_op.Cast(self, to=onnx.TensorProto.FLOAT), [-1])
+    inside = onnx_op.And(onnx_op.GreaterOrEqual(flat, [float(min)]), onnx_op.LessOrEqual(flat, [float(max)]))
+    clipped = onnx_op.Where(inside, flat, [float(min) - 1.0])  # below every edge: in no bin
+    below = onnx_op.Cast(onnx_op.Less(onnx_op.Unsqueeze(clipped, [0]), column), to=onnx.TensorProto.FLOAT)
+    sums = onnx_op.ReduceSum(below, [1], keepdims=0)
+    counts = onnx_op.Sub(onnx_op.Slice(sums, [1], [bins + 1]), onnx_op.Slice(sums, [0], [bins]))
+    return onnx_op.Cast(counts, to=int(self.dtype))
+
+
 def _transformers_ops() -> dict:
     """transformers' custom ops, where this process has registered them (importing its MoE code)."""
     ns = getattr(torch.ops, "transformers", None)
@@ -222,5 +245,6 @@ def translation_table() -> dict:
         aten.softmax.int: _softmax,
         aten.log_softmax.int: _log_softmax,
         aten._grouped_mm.default: _grouped_mm,
+        aten.histc.default: _histc,
         **_transformers_ops(),
     }
