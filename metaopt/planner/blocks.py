@@ -8,7 +8,8 @@ the step), so the same extension is a lower bound of it: enough to rule layouts 
 planner rewrites the rest whole (search.py, `_Job.evaluate`).
 
     blocks = find_blocks(program)        # None: no repeated blocks
-    blocks.why_not                       # None: blocks 1.. are one computation; else the first difference
+    blocks.why_not                       # None: blocks first.. are one computation; else the first difference
+    blocks.first                         # where that run begins (1; 3 for DeepSeek-V3's dense first layers)
     small = with_blocks(program, blocks, 2)   # the first 2 blocks, the rest of the model as it was
 """
 
@@ -26,6 +27,7 @@ from metaopt.ir.printer import fmt_op
 from metaopt.passes.recompute import block_outputs
 
 SMALL = 64  # a constant of at most this many elements is compared by its values in the signature
+RUN = 4  # identical blocks ending the chain, after others, that are solved once (2 + 2 to extend over)
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,8 @@ class Blocks:
     modules: tuple[str, ...]
     outputs: tuple[str, ...]
     spans: tuple[tuple[int, int], ...]  # each block's ops: [start, end) in the forward program
-    why_not: str | None  # None: blocks 1.. compute the same thing; else what differs, named
+    why_not: str | None  # None: blocks first.. compute the same thing; else what differs, named
+    first: int = 1  # the identical run's first block (those before it always kept, as they are)
 
     @property
     def count(self) -> int:
@@ -51,10 +54,11 @@ class Blocks:
 def find_blocks(p: Program) -> Blocks | None:
     """The repeated blocks of forward program `p` (`passes.recompute.block_outputs`' family of
     numbered sibling modules), or None where it has none or their ops are not one contiguous run
-    each. `why_not` says whether blocks 1.. are identical (block 0 reads the model's input, not a
-    block's output, and may differ: it is always kept), that each block begins where the one
-    before it ends (ops between blocks would stay behind when blocks are cut off), and that only
-    the chain reads what a block makes (`_leak`)."""
+    each. `why_not` says whether blocks `first`.. are identical (block 0 reads the model's input,
+    not a block's output, and may differ: it is always kept; so are the blocks before a run of at
+    least `RUN` identical ones that ends the chain: DeepSeek-V3's 3 dense layers before its 58 MoE
+    ones), that each block begins where the one before it ends (ops between blocks would stay
+    behind when blocks are cut off), and that only the chain reads what a block makes (`_leak`)."""
     outs = block_outputs(p)
     owner: dict[str, str] = {}  # a var leaving nested modules (a Sequential, its last child): the outer
     for m, o in p.modules.items():
@@ -72,7 +76,11 @@ def find_blocks(p: Program) -> Blocks | None:
     if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
         return None
     blocks = Blocks(tuple(mods), tuple(outs), tuple(spans), None)
-    return dataclasses.replace(blocks, why_not=_gap(p, blocks) or _leak(p, blocks) or _difference(p, blocks))
+    why = _gap(p, blocks) or _leak(p, blocks)
+    if why is not None:
+        return dataclasses.replace(blocks, why_not=why)
+    first, why = _identical_run(p, blocks)
+    return dataclasses.replace(blocks, why_not=why, first=first)
 
 
 def within(scope: str | None, module: str) -> bool:
@@ -110,24 +118,30 @@ def _leak(p: Program, blocks: Blocks) -> str | None:
     return None if out is None else f"the program's output {out!r} is made inside a block"
 
 
-def _difference(p: Program, blocks: Blocks) -> str | None:
-    """None if blocks 1.. are each the computation block 1 is; else the first op that differs."""
+def _identical_run(p: Program, blocks: Blocks) -> tuple[int, str | None]:
+    """(where the run of identical blocks that ends the chain begins, None) where it is blocks 1..
+    or at least `RUN` blocks long; else (1, the first op of a block that differs from block 1)."""
     readers: dict[str, set[int]] = {}  # a param -> the blocks whose ops read it (-1: an op outside)
     inside = {i: k for k, (a, b) in enumerate(blocks.spans) for i in range(a, b)}
     for i, op in enumerate(p.ops):
         for x in op.inputs:
             if x and x in p.vars and p.vars[x].kind == "param":
                 readers.setdefault(x, set()).add(inside.get(i, -1))
-    ref = _signature(p, blocks, 1, readers)
+    sigs = [_signature(p, blocks, k, readers) if k else [] for k in range(blocks.count)]
+    first = blocks.count - 1
+    while first > 1 and sigs[first - 1] == sigs[-1]:
+        first -= 1
+    if first == 1 or blocks.count - first >= RUN:
+        return first, None
+    ref = sigs[1]
     for k in range(2, blocks.count):
-        sig = _signature(p, blocks, k, readers)
-        if len(sig) != len(ref):
-            return f"block {blocks.modules[k]!r} has {len(sig)} ops, {blocks.modules[1]!r} {len(ref)}"
-        for j, (a, b) in enumerate(zip(sig, ref)):
+        if len(sigs[k]) != len(ref):
+            return 1, f"block {blocks.modules[k]!r} has {len(sigs[k])} ops, {blocks.modules[1]!r} {len(ref)}"
+        for j, (a, b) in enumerate(zip(sigs[k], ref)):
             if a != b:
                 op = p.ops[blocks.spans[k][0] + j]
-                return f"block {blocks.modules[k]!r} differs from {blocks.modules[1]!r} at `{fmt_op(op)}`"
-    return None
+                return 1, f"block {blocks.modules[k]!r} differs from {blocks.modules[1]!r} at `{fmt_op(op)}`"
+    raise AssertionError("unreachable: blocks 1.. equal block 1 but the run from the end is shorter")
 
 
 def _signature(p: Program, blocks: Blocks, k: int, readers: dict[str, set[int]]) -> list[tuple]:

@@ -440,6 +440,13 @@ def _blocks_line(blocks: Blocks | None) -> str:
         return (
             f"{blocks.count} blocks of {blocks.pattern!r}, not identical ({blocks.why_not}): rewritten whole"
         )
+    if blocks.first > 1:
+        run = blocks.count - blocks.first
+        return (
+            f"{run} identical blocks of {blocks.pattern!r} after {blocks.first} others solved once: each "
+            f"layout without a pipeline rewritten at the {blocks.first} and 1 and 2 of them and extended "
+            "to the whole depth, pipelines rewritten whole, the plans that fit then rewritten whole"
+        )
     return (
         f"{blocks.count} identical blocks of {blocks.pattern!r} solved once: each layout rewritten at "
         f"{' and '.join(map(str, POINTS))} blocks per stage and extended to the whole depth, the plans "
@@ -575,12 +582,13 @@ class _Job:
         b = self.blocks
         n = b.count // lay.pipe if b is not None else 0
         whole_depth = True  # the figures are the whole depth's (exact or extended to it)
-        if self._identical() and lay.pipe * POINTS[-1] < b.count and not whole:
-            fig, exact = self._figures(lay, POINTS[0]), False
+        points = None if whole else self._points(lay)
+        if points is not None:
+            fig, exact = self._figures(lay, points[0]), False
             whole_depth = self.budget is None or max(fig.peaks) <= self.budget
             if whole_depth:
-                hi = self._figures(lay, POINTS[1])
-                fig = hi.plus(hi.minus(fig), n - POINTS[-1])
+                hi = self._figures(lay, points[1])
+                fig = hi.plus(hi.minus(fig), n - points[1])
         else:
             fig, exact = self._figures(lay, n), True
         times = fig.step_seconds(lay.micro_batches)
@@ -620,9 +628,25 @@ class _Job:
         b = self.blocks
         return self.blocks_once and b is not None and b.why_not is None
 
+    def _points(self, lay: Layout) -> tuple[int, int] | None:
+        """The blocks per stage `lay` is rewritten at, its figures extended from (`evaluate`), or
+        None: rewritten whole. 2 and 3; without a pipeline, where identical blocks begin later
+        (`Blocks.first`), the blocks before them and 1 and 2 of them. A pipeline's stages are
+        extended only where every block but the first is the same."""
+        if not self._identical():
+            return None
+        b = self.blocks
+        if lay.pipe == 1:
+            lo = b.first + 1
+        elif b.first == 1:
+            lo = POINTS[0]
+        else:
+            return None
+        return (lo, lo + 1) if lay.pipe * (lo + 1) < b.count else None
+
     def _smallest(self) -> Program:
-        usable = self._identical() and self.blocks.count > POINTS[0]
-        return self._fewer(POINTS[0]) if usable else self.program
+        usable = self._identical() and self.blocks.count > self.blocks.first + 1
+        return self._fewer(self.blocks.first + 1) if usable else self.program
 
     def _fewer(self, keep: int) -> Program:
         if self.blocks is None or keep >= self.blocks.count:
@@ -644,7 +668,8 @@ class _Job:
         its rewrite)."""
         from metaopt.passes.memory_estimate import estimate_memory
 
-        pipe = STAND_IN if self._identical() and lay.pipe > STAND_IN else lay.pipe
+        deep = self._identical() and self.blocks.first == 1 and lay.pipe > STAND_IN
+        pipe = STAND_IN if deep else lay.pipe
         p = self._fewer(pipe * per_stage)
         run = lay
         if pipe > 1 and self.blocks is not None:
@@ -695,11 +720,12 @@ class _Job:
         kind of layout's exact peak (tests/planner)."""
         floor = self.floor(lay)
         b = self.blocks
-        if not self._identical() or b.count < POINTS[-1] or lay.expert > 1:  # ep: `floor`'s split
+        if not self._identical() or b.count < b.first + 2 or lay.expert > 1:  # ep: `floor`'s split
             return floor
-        n = b.count // lay.pipe
-        if self.block_params is None:  # one block's: 3 blocks' less 2 blocks'
-            pairs = zip(*(_held_params(self._fewer(k)) for k in (3, 2)), strict=True)
+        # stage 0's identical blocks (where they begin later, those before them counted as none)
+        n = b.count // lay.pipe if b.first == 1 else max(b.count // lay.pipe - b.first, 0)
+        if self.block_params is None:  # one block's: first+2 blocks' less first+1 blocks'
+            pairs = zip(*(_held_params(self._fewer(b.first + k)) for k in (2, 1)), strict=True)
             self.block_params = tuple(x - y for x, y in pairs)
         read, trained = self.block_params
         params = n * read // (lay.model * (lay.data if lay.stage == 3 else 1))
@@ -718,7 +744,8 @@ class _Job:
 
         if recompute not in self.per_sample:
             kept = {}
-            for k in (2, 3):
+            two, three = self.blocks.first + 1, self.blocks.first + 2  # 1 and 2 identical blocks
+            for k in (two, three):
                 one = Layout(1, 1, 1, 0, recompute, 1, self.blocks.pattern)
                 try:
                     q, _ = self._minimized(self._fewer(k), one, 1)
@@ -729,7 +756,7 @@ class _Job:
                 for batch in (1, 2):
                     est = estimate_memory(q, dims={"batch": batch}, workspace=False, at=at)
                     kept[k, batch] = _kept(q, est.where, self._scopes(q))
-            slope = (kept[3, 2] - kept[2, 2]) - (kept[3, 1] - kept[2, 1])
+            slope = (kept[three, 2] - kept[two, 2]) - (kept[three, 1] - kept[two, 1])
             self.per_sample[recompute] = max(slope, 0)
         return self.per_sample[recompute]
 

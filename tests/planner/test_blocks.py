@@ -137,6 +137,31 @@ def test_blocks_that_differ_or_leave_ops_between_them_are_named_and_rewritten_wh
     assert why is not None and "made inside block 'blocks.0'" in why
 
 
+def test_identical_blocks_after_others_are_solved_once_too():
+    """2 wider blocks, then 6 identical ones (DeepSeek-V3's 3 dense layers before 58 MoE ones):
+    the run is found where it begins; without a pipeline a layout is rewritten at the 2 others and
+    1 and 2 of the run, its time extended exactly (1e-9), its peak a lower bound (exact where the
+    peak's place stays), the bound before rewrites below the exact peak; a pipeline is rewritten
+    whole."""
+    p = metaopt.export(_Blocks((32, 32, 16, 16, 16, 16, 16, 16)), (torch.randn(4, 8),))
+    blocks = find_blocks(p)
+    assert blocks.why_not is None and blocks.first == 2 and blocks.count == 8
+    job = search._Job(p, blocks, 2, 8, None, search.Rates(1e12, 1e11, 1e-5, 1e10, 1e-5), None)
+    for lay in (Layout(2, 1, 1, 0, "none", 1, "blocks.*"), Layout(2, 1, 1, 3, "full", 1, "blocks.*")):
+        assert job._points(lay) == (3, 4)
+        ext, whole = job.evaluate(lay), job.evaluate(lay, whole=True)
+        assert not ext.exact and whole.exact
+        assert ext.peaks[0] <= whole.peaks[0] and math.isclose(ext.seconds, whole.seconds, rel_tol=1e-9)
+        assert job.floor(lay) <= job.held(lay) <= whole.peaks[0], lay.describe()
+    none = Layout(2, 1, 1, 0, "none", 1, "blocks.*")
+    assert job.evaluate(none).peaks == job.evaluate(none, whole=True).peaks
+    pipe = Layout(1, 1, 2, 0, "none", 2, "blocks.*", ("blocks.4",))
+    assert job._points(pipe) is None and job.evaluate(pipe).exact
+    plans = fleet.plan(p, devices=2, memory_per_device="1GiB", global_batch=8)
+    assert "6 identical blocks of 'blocks.*' after 2 others solved once" in plans.header, plans.header
+    assert plans
+
+
 def test_extended_figures_time_exact_peak_a_lower_bound_where_another_place_overtakes(twelve):
     """ZeRO-3 over 4 workers, every block recomputed, a batch of 2 per worker: at 2 and 3 blocks the
     peak is in the backward of the last block, from 7 blocks on it is at the last reduce-scatter,

@@ -176,8 +176,8 @@ def test_a_moe_models_grid_splits_its_experts_over_the_data_side():
     experts = sum(program.vars[w].nbytes({}) for w in search._expert_params(program))
     dense = sum(v.nbytes({}) for v in program.params()) - experts
     assert job.floor(lay) == dense + 2 * dense // 4 + (experts + 2 * experts) // 4
-    plans = fleet.plan(program, devices=4, memory_per_device="64MiB", global_batch=8)
-    assert any(p.layout.expert > 1 for p in plans), str(plans)
+    plans = fleet.plan(program, devices=2, memory_per_device="64MiB", global_batch=8)  # 2: fewer layouts
+    assert any(p.layout.expert == 2 for p in plans), str(plans)
 
 
 def test_flops_read_composite_dims_and_a_rings_whole_sequence():
