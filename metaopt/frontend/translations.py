@@ -141,6 +141,11 @@ def _grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
 def _histc(self, bins: int = 100, min: float = 0.0, max: float = 0.0):  # noqa: A002 - torch's names
     # torch's own rule: `bins` equal bins over [min, max], max included, values outside (and NaN)
     # dropped; counted in float32 (exact below 2^24) as how many values lie below each edge
+    ints = (onnx.TensorProto.INT8, onnx.TensorProto.INT16, onnx.TensorProto.INT32, onnx.TensorProto.INT64)
+    if int(self.dtype) not in ints:  # floats: torch's own translation, as before
+        from onnxscript.function_libs.torch_lib.ops.core import aten_histc
+
+        return aten_histc(self, bins, min, max)
     if min == max:
         raise NotImplementedError(f"metaopt translates aten.histc with min < max only, got {min} == {max}")
     edges = np.array([min + (max - min) / bins * i for i in range(bins + 1)], dtype=np.float32)

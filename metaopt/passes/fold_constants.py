@@ -232,6 +232,25 @@ def _fold_shape_value(
     return None
 
 
+def shape_values(p: Program) -> set[str]:
+    """The int64 scalars and vectors no data flows into, whichever module's op computes them: made
+    from shapes (an op whose row reads only its inputs' shapes: Shape, Size) and constants alone (a
+    symbolic batch times a sequence). The exporter makes such a value once and later layers read
+    it (DeepSeek-V3's tokens x top-k of its first MoE layer, read by the 57 after it)."""
+    out: set[str] = set()
+    for op in p.ops:
+        row = registry.get(op.type)
+        reads_shapes = row is not None and row.shape_value is not None and row.host_outputs
+        free = reads_shapes or all(
+            not x or x in out or (x in p.vars and p.vars[x].kind == "constant") for x in op.inputs
+        )
+        for o in op.outputs if free else ():
+            v = p.vars.get(o) if o else None
+            if v is not None and v.dtype == "int64" and v.shape is not None and len(v.shape) <= 1:
+                out.add(o)
+    return out
+
+
 def _drop_zero_bias(op: Op, consts: dict[str, torch.Tensor]) -> None:
     row = registry.get(op.type)
     k = row.zero_bias_input if row is not None else None

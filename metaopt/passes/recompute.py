@@ -139,11 +139,16 @@ def resolve_checkpoints(p: Program, checkpoints: list, **auto: Any) -> list[str]
 def block_outputs(p: Program) -> list[str]:
     """The outputs of the model's repeated blocks, in program order: the largest family of
     sibling modules with numbered names (``encoder.layer.0``, ``.1`` ...), or of the calls of
-    one module called several times (ALBERT's shared ``layer``, ``layer@1`` ...)."""
+    one module called several times (ALBERT's shared ``layer``, ``layer@1`` ...). A shape
+    expression a module makes for later ones (`shape_values`) is not one of its outputs here."""
+    from metaopt.passes.fold_constants import shape_values
+
+    shaped = shape_values(p)
     families: dict[str, list[str]] = {}
     for m, outs in p.modules.items():
         base = _call_base(m)
         parent, _, last = base.rpartition(".")
+        outs = [o for o in outs if o not in shaped]
         if len(outs) != 1:
             continue
         if last.isdigit() and base == m:

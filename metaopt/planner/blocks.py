@@ -59,9 +59,12 @@ def find_blocks(p: Program) -> Blocks | None:
     least `RUN` identical ones that ends the chain: DeepSeek-V3's 3 dense layers before its 58 MoE
     ones), that each block begins where the one before it ends (ops between blocks would stay
     behind when blocks are cut off), and that only the chain reads what a block makes (`_leak`)."""
-    outs = block_outputs(p)
+    from metaopt.passes.fold_constants import shape_values
+
+    outs, shaped = block_outputs(p), shape_values(p)
     owner: dict[str, str] = {}  # a var leaving nested modules (a Sequential, its last child): the outer
     for m, o in p.modules.items():
+        o = [x for x in o if x not in shaped]  # a shape expression later blocks read: not an output
         if len(o) == 1 and (o[0] not in owner or m.count(".") < owner[o[0]].count(".")):
             owner[o[0]] = m
     mods = [owner.get(o) for o in outs]
@@ -101,15 +104,20 @@ def _leak(p: Program, blocks: Blocks) -> str | None:
     """The first read of a value made inside a block from anywhere but where the chain reads it (a
     block's output by the next block, the last one's by the rest of the model): an auxiliary loss
     over every layer's router, hidden states handed out, a skip across blocks. Cutting blocks off
-    would leave that reader without its value (None: the blocks are a plain chain)."""
+    would leave that reader without its value (None: the blocks are a plain chain). A shape
+    expression a block makes and later blocks read is no leak (`shape_values`: the exporter makes
+    one once for every layer): cutting blocks off drops a suffix, its later readers with it."""
+    from metaopt.passes.fold_constants import shape_values
+
     inside = {i: k for k, (a, b) in enumerate(blocks.spans) for i in range(a, b)}
     made = {o: k for i, k in inside.items() for o in p.ops[i].outputs if o}
+    shaped = shape_values(p)  # (find_blocks made it too: twice over 11k ops is 0.3 s)
     last = blocks.count - 1
     for i, op in enumerate(p.ops):
         reader = inside.get(i)
         for x in op.inputs:
             k = made.get(x)
-            if k is None or k == reader:
+            if k is None or k == reader or (x in shaped and reader is not None and reader > k):
                 continue
             chained = x == blocks.outputs[k] and (reader == k + 1 or (k == last and reader is None))
             if not chained:
@@ -121,11 +129,11 @@ def _leak(p: Program, blocks: Blocks) -> str | None:
 def _identical_run(p: Program, blocks: Blocks) -> tuple[int, str | None]:
     """(where the run of identical blocks that ends the chain begins, None) where it is blocks 1..
     or at least `RUN` blocks long; else (1, the first op of a block that differs from block 1)."""
-    readers: dict[str, set[int]] = {}  # a param -> the blocks whose ops read it (-1: an op outside)
+    readers: dict[str, set[int]] = {}  # a param or buffer -> the blocks whose ops read it (-1: outside)
     inside = {i: k for k, (a, b) in enumerate(blocks.spans) for i in range(a, b)}
     for i, op in enumerate(p.ops):
         for x in op.inputs:
-            if x and x in p.vars and p.vars[x].kind == "param":
+            if x and x in p.vars and p.vars[x].kind in ("param", "buffer"):
                 readers.setdefault(x, set()).add(inside.get(i, -1))
     sigs = [_signature(p, blocks, k, readers) if k else [] for k in range(blocks.count)]
     first = blocks.count - 1
@@ -146,9 +154,10 @@ def _identical_run(p: Program, blocks: Blocks) -> tuple[int, str | None]:
 
 def _signature(p: Program, blocks: Blocks, k: int, readers: dict[str, set[int]]) -> list[tuple]:
     """Block k's ops as tokens free of its names: a var it makes by the order it made it, the
-    previous block's output as "prev", a param only it reads by the order it first read it (with
-    shape, dtype, trainable), small constants by value, anything else read from outside (a mask,
-    rotary tables, a param shared with other blocks) by name."""
+    previous block's output as "prev", a param or buffer only it reads by the order it first read it
+    (with shape, dtype, trainable), small constants by value, anything else read from outside (a mask,
+    rotary tables, a param shared with other blocks) by name. A buffer only it reads (DeepSeek-V3's
+    router bias) is its own as a param is."""
     module, (start, end) = blocks.modules[k], blocks.spans[k]
     made: dict[str, int] = {}
     own: dict[str, int] = {}
