@@ -327,3 +327,26 @@ def test_the_plans_are_those_of_every_layout_rewritten_whole(twelve):
         assert (a.peak_bytes, a.stage_peaks) == (b.peak_bytes, b.stage_peaks), a.layout
         assert math.isclose(a.step_seconds, b.step_seconds, rel_tol=1e-9), a.layout
     assert {lay for lay, _ in fast.pruned} == {lay for lay, _ in slow.pruned}
+
+
+@pytest.mark.slow  # 13 s of export (torch's tracing of MLA and the MoE layers)
+def test_deepseek_v3s_moe_layers_after_its_dense_ones_are_one_run():
+    """A 6-layer DeepSeek-V3 (the zoo's shape, a dense first layer) exported on meta: the exporter
+    makes the tokens x top-k shape expression once, in the first MoE layer, and every later one
+    reads it, and each layer has its own router bias (a buffer): neither breaks the run, which
+    begins after the first MoE layer (it makes that expression)."""
+    import transformers
+    from zoo.hf import LLAMAISH, LMLoss
+
+    cfg = transformers.DeepseekV3Config(
+        **dict(LLAMAISH, attention_dropout=0.0, num_hidden_layers=6, num_key_value_heads=4),
+        num_experts_per_tok=2,
+        n_routed_experts=8, moe_intermediate_size=16, n_group=2, topk_group=1, n_shared_experts=1,
+        first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4,
+        qk_nope_head_dim=8, v_head_dim=8,
+    )  # fmt: skip
+    with torch.device("meta"):
+        module = LMLoss(transformers.DeepseekV3ForCausalLM(cfg)).train()
+    ids = torch.zeros(2, 12, dtype=torch.long, device="meta")
+    blocks = find_blocks(metaopt.export(module, (ids, ids)))
+    assert blocks.count == 6 and blocks.why_not is None and blocks.first == 2, blocks.why_not
