@@ -1,6 +1,6 @@
 """fleet.plan at scale (issue 45): Llama-3-70B's shape on 1024 devices of 80 GiB, exported on meta.
 
-    python benchmarks/plan_at_scale.py [--model llama-3-70b] [--devices 1024] [--memory 80GiB]
+    python benchmarks/plan_at_scale.py [--model llama-3-70b | deepseek-v3] [--devices 1024] [--memory 80GiB]
                                        [--seq 4096] [--global-batch 1024] [--top 10] [--workers N]
                                        [--json results/plan_at_scale.json]
 
@@ -24,16 +24,23 @@ from common import RESULTS, LMLoss, machine
 
 MODELS = {
     # Llama-3-70B (Meta's config.json): 80 layers, width 8192, GQA 64 heads / 8 KV heads
-    "llama-3-70b": dict(
-        vocab_size=128256,
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_hidden_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
+    "llama-3-70b": (
+        "LlamaForCausalLM",
+        "LlamaConfig",
+        dict(
+            vocab_size=128256,
+            hidden_size=8192,
+            intermediate_size=28672,
+            num_hidden_layers=80,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            max_position_embeddings=8192,
+            rope_theta=500000.0,
+        ),
     ),
+    # DeepSeek-V3 (transformers' DeepseekV3Config defaults are its config.json's): 61 layers, the
+    # first 3 dense, 256 routed experts (8 a token) + 1 shared, MLA; 671B params
+    "deepseek-v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", {}),
 }
 
 
@@ -41,8 +48,10 @@ def export(name: str, seq: int):
     import metaopt
 
     transformers = __import__("transformers")
+    model_class, config_class, config = MODELS[name]
+    config = getattr(transformers, config_class)(**config)
     with torch.device("meta"):
-        model = LMLoss(transformers.LlamaForCausalLM(transformers.LlamaConfig(**MODELS[name]))).train()
+        model = LMLoss(getattr(transformers, model_class)(config)).train()
     ids = torch.zeros(2, seq, dtype=torch.long, device="meta")
     return metaopt.export(model, (ids, ids))
 
