@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 
+import pytest
 import torch
 from zoo import harness, models
 from zoo.hf import MOEISH, LMLoss, _clm
@@ -56,6 +57,32 @@ def test_routing_ops_have_their_own_grad_rules():
     assert {"GroupedMatMulGrad", "TopKGrad", "ReduceGrad", "GatherNDGrad"} <= grad_types
 
 
+class _Counts(torch.nn.Module):
+    """Each expert's weight times how many ids chose it: histc of int ids, as HF's experts count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 3))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return (self.w.sum(1) * torch.histc(ids.int(), bins=4, min=0, max=3).float()).sum()
+
+
+def test_histc_of_int_ids_exports_on_meta_and_counts_as_torch_does():
+    """torch's CPU histc takes floats only, so a module counting int ids exports on meta (as on a
+    GPU) only: there the program counts each bin as torch.histc of the same ids as floats does,
+    values outside [min, max] dropped, max in the last bin (exact: small integer counts)."""
+    with torch.device("meta"):
+        program = metaopt.export(_Counts(), (torch.zeros(6, dtype=torch.long, device="meta"),))
+    w = torch.randn(4, 3)
+    program.values[next(v.name for v in program.params())] = w
+    ids = torch.tensor([0, 1, 1, 3, 3, 3, 2, 7, -1])
+    exe = metaopt.Executor("cpu")
+    (loss,) = exe.run(program, feed={program.inputs[0]: ids}, fetch_list=[program.loss_name])
+    assert float(loss) == float((w.sum(1) * torch.histc(ids.float(), bins=4, min=0, max=3)).sum())
+
+
+@pytest.mark.slow  # two exports of the Mixtral: 14 s
 def test_a_mixtral_exported_on_meta_computes_what_its_export_with_values_does():
     """On the meta device (as on a GPU) HF's experts count each expert's tokens with histc of int
     ids (floats only on a CPU), which torch's ONNX translation refused: DeepSeek-V3 did not export
