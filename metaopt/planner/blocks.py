@@ -79,7 +79,7 @@ def find_blocks(p: Program) -> Blocks | None:
     if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
         return None
     blocks = Blocks(tuple(mods), tuple(outs), tuple(spans), None)
-    why = _gap(p, blocks) or _leak(p, blocks)
+    why = _gap(p, blocks) or _leak(p, blocks, shaped)
     if why is not None:
         return dataclasses.replace(blocks, why_not=why)
     first, why = _identical_run(p, blocks)
@@ -100,18 +100,16 @@ def _gap(p: Program, blocks: Blocks) -> str | None:
     return None
 
 
-def _leak(p: Program, blocks: Blocks) -> str | None:
+def _leak(p: Program, blocks: Blocks, shaped: set[str]) -> str | None:
     """The first read of a value made inside a block from anywhere but where the chain reads it (a
     block's output by the next block, the last one's by the rest of the model): an auxiliary loss
     over every layer's router, hidden states handed out, a skip across blocks. Cutting blocks off
     would leave that reader without its value (None: the blocks are a plain chain). A shape
-    expression a block makes and later blocks read is no leak (`shape_values`: the exporter makes
-    one once for every layer): cutting blocks off drops a suffix, its later readers with it."""
-    from metaopt.passes.fold_constants import shape_values
-
+    expression a block makes and later blocks read is no leak (`shaped`: `shape_values`; the
+    exporter makes one once for every layer): cutting blocks off drops a suffix, its later readers
+    with it."""
     inside = {i: k for k, (a, b) in enumerate(blocks.spans) for i in range(a, b)}
     made = {o: k for i, k in inside.items() for o in p.ops[i].outputs if o}
-    shaped = shape_values(p)  # (find_blocks made it too: twice over 11k ops is 0.3 s)
     last = blocks.count - 1
     for i, op in enumerate(p.ops):
         reader = inside.get(i)
