@@ -24,6 +24,7 @@ import difflib
 import fcntl
 import hashlib
 import inspect
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -40,8 +41,7 @@ _PLAIN = (bool, int, float, str, type(None))
 def export(module: torch.nn.Module, *args: Any, **kwargs: Any) -> metaopt.Program:
     """`metaopt.export(module, *args, **kwargs)`, once per session: its arguments, defaults
     included, are the ones the key digests."""
-    meta = any(t.is_meta for t in [*module.parameters(), *module.buffers()])
-    if not os.environ.get(ENV) or meta:  # a module on meta has no values to save: exported as is
+    if not os.environ.get(ENV):
         return metaopt.export(module, *args, **kwargs)
     bound = inspect.signature(torch_export.export).bind(module, *args, **kwargs)
     bound.apply_defaults()
@@ -51,20 +51,52 @@ def export(module: torch.nn.Module, *args: Any, **kwargs: Any) -> metaopt.Progra
     with _locked(path.with_suffix(".lock")):
         if not path.exists():
             _save_checked(metaopt.export(module, *args, **kwargs), path)
-    return metaopt.load(path)
+    names = _meta_names(path)
+    return metaopt.load(path) if names is None else _on_meta(metaopt.load(path), names)
+
+
+def _on_meta(program: metaopt.Program, names: list[str]) -> metaopt.Program:
+    """A meta export's program as loaded: the values that were on the meta device (`names`,
+    saved as zeros) back on it; the rest (the export's own constants) as saved."""
+    program.values = {
+        k: torch.empty_like(v, device="meta") if k in names else v for k, v in program.values.items()
+    }
+    return program
+
+
+def _meta_names(path: Path) -> list[str] | None:
+    """The meta values of the program saved at `path` (None: a program with values)."""
+    names = path.with_suffix(".meta.json")
+    return json.loads(names.read_text()) if names.exists() else None
 
 
 def _save_checked(program: metaopt.Program, path: Path) -> None:
     """Save, then keep the file only if it loads back as `program`: a difference is a bug of
-    save or load, reported here rather than tested around."""
+    save or load, reported here rather than tested around. A meta export's values on the meta
+    device (nothing to save) are saved as zeros of their shapes and dtypes and their names beside
+    the file, so the load puts them back on meta: the workers' meta exports (4-8 s each) shared too."""
     from metaopt.frontend.onnx_save import save
 
     tmp = path.with_suffix(f".{os.getpid()}.onnx")
-    save(program, tmp)
-    problem = differences(metaopt.load(tmp), program)
+    names = [k for k, v in program.values.items() if v.is_meta]
+    if names:
+        values = program.values
+        program.values = {
+            k: torch.zeros(v.shape, dtype=v.dtype) if v.is_meta else v for k, v in values.items()
+        }
+        try:
+            save(program, tmp)
+        finally:
+            program.values = values
+    else:
+        save(program, tmp)
+    got = metaopt.load(tmp)
+    problem = differences(_on_meta(got, names) if names else got, program)
     if problem:
         tmp.unlink()
         raise AssertionError(f"{program.name!r} does not load back as exported: {problem}")
+    if names:  # before the program's file: its presence says the entry is whole
+        path.with_suffix(".meta.json").write_text(json.dumps(names))
     os.replace(tmp, path)
 
 
@@ -73,13 +105,15 @@ def differences(got: metaopt.Program, want: metaopt.Program) -> str | None:
     if str(got) != str(want):
         diff = difflib.unified_diff(str(want).splitlines(), str(got).splitlines(), "exported", "loaded", n=1)
         return "\n" + "\n".join(list(diff)[:40])
-    for field in ("name", "inputs", "outputs", "loss_name", "modules", "updates", "donated"):
+    for field in ("name", "inputs", "outputs", "loss_name", "modules", "updates", "donated", "derived"):
         if getattr(got, field) != getattr(want, field):
             return f"{field}: {getattr(got, field)!r} != {getattr(want, field)!r}"
     if set(got.values) != set(want.values):
         return f"values named {sorted(set(got.values) ^ set(want.values))[:5]} in only one"
     for name, t in want.values.items():
-        if got.values[name].dtype != t.dtype or not torch.equal(got.values[name], t):
+        g = got.values[name]
+        same = g.shape == t.shape and g.is_meta if t.is_meta else torch.equal(g, t)
+        if g.dtype != t.dtype or not same:
             return f"value {name!r}"
     return None
 
@@ -106,7 +140,10 @@ def _key(module: torch.nn.Module, args: Any, kwargs: Any, options: dict[str, Any
 
     def tensor(t: torch.Tensor) -> None:
         add(tuple(t.shape), t.dtype, t.requires_grad)
-        add(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        if t.is_meta:  # no values: the shape and dtype decide the program
+            add(b"meta")
+        else:
+            add(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
 
     add(type(module).__module__, type(module).__qualname__, str(module), sorted(options.items()))
     for path, sub in module.named_modules():

@@ -380,6 +380,8 @@ def to_program(
             p.updates[key[len(onnx_save.UPDATE_PREFIX) :]] = value
         elif key == onnx_save.MODULES_KEY:
             p.modules = _modules(value)
+        elif key == onnx_save.DERIVED_KEY:
+            p.derived = _derived(value, p)
         elif key == onnx_save.PIPELINE_KEY:
             p.pipeline = _model_meta(key, value, PipelineInfo.parse, _check_pipeline)
         elif key == onnx_save.GRADIENT_MERGE_KEY:
@@ -475,6 +477,21 @@ def _modules(text: str) -> dict[str, list[str]]:
             f"model metadata {onnx_save.MODULES_KEY!r} must map module paths to lists of names"
         )
     return {str(k): [str(x) for x in v] for k, v in mods.items()}
+
+
+def _derived(text: str, p: Program) -> frozenset[str]:
+    try:
+        names = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise ImportError_(f"model metadata {onnx_save.DERIVED_KEY!r} is not valid JSON: {e}") from None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ImportError_(f"model metadata {onnx_save.DERIVED_KEY!r} must be a list of names")
+    unknown = [n for n in names if n not in p.vars or not p.vars[n].persistable]
+    if unknown:
+        raise ImportError_(
+            f"model metadata {onnx_save.DERIVED_KEY!r} names {unknown[0]!r}, not an initializer of the graph"
+        )
+    return frozenset(names)
 
 
 def _mixed_list(text: str) -> list:

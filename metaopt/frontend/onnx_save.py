@@ -34,6 +34,7 @@ UPDATE_PREFIX = "metaopt.update."
 GRADIENT_MERGE_KEY = "metaopt.gradient_merge"  # a gradient-merge program's GradientMergeInfo
 PIPELINE_KEY = "metaopt.pipeline"  # a pipeline stage program's PipelineInfo, as printed
 MODULES_KEY = "metaopt.modules"
+DERIVED_KEY = "metaopt.derived"  # Program.derived: the non-persistent buffers, JSON names
 ATTR_PREFIX = "metaopt.attr."
 # attrs metaopt adds to a standard op (a random op's RNG stream under tensor parallel: rng, group)
 # that its ONNX schema lacks: kept as node metadata, JSON, or the checker refuses the file
@@ -179,6 +180,8 @@ def to_model_proto(p: Program, values: Mapping[str, torch.Tensor] | None = None)
     model.ir_version = IR_VERSION
     if p.modules:
         model.metadata_props.add(key=MODULES_KEY, value=json.dumps(p.modules))
+    if p.derived:  # not a checkpoint's state: save_pretrained of the loaded program leaves them out
+        model.metadata_props.add(key=DERIVED_KEY, value=json.dumps(sorted(p.derived)))
     for target, new in p.updates.items():
         model.metadata_props.add(key=UPDATE_PREFIX + target, value=new)
     if p.pipeline is not None:

@@ -101,7 +101,8 @@ def fmt_var(var: Var, value: torch.Tensor | None) -> str:
         s += " host"
     if var.device is not None:  # made by kernels on that kind of device alone
         s += f" on {var.device}"
-    if var.kind == "constant" and value is not None and value.numel() <= INLINE_VALUES:
+    # a constant of a meta export may be on meta (no data): printed like a large one, by type
+    if var.kind == "constant" and value is not None and not value.is_meta and value.numel() <= INLINE_VALUES:
         t = value.detach().cpu()
         if t.dtype in (torch.bfloat16, torch.float16):
             t = t.float()

@@ -404,6 +404,8 @@ def _model_meta(model, key, value):
         (onnx_save.GRADIENT_MERGE_KEY, "k_steps=2 avg=1", r"is malformed \(KeyError"),
         (onnx_save.GRADIENT_MERGE_KEY, "k_steps=2 avg=1 step=ghost", "names step counter 'ghost'"),
         (onnx_save.MODULES_KEY, "[" * 100_000, "is not valid JSON"),
+        (onnx_save.DERIVED_KEY, '{"w": 1}', "must be a list of names"),
+        (onnx_save.DERIVED_KEY, '["h"]', "names 'h', not an initializer"),
     ],
     ids=[
         "pipeline-missing-key",
@@ -416,6 +418,8 @@ def _model_meta(model, key, value):
         "gm-missing-step",
         "gm-unknown-step",
         "modules-nested-json",
+        "derived-not-a-list",
+        "derived-an-activation",
     ],
 )
 def test_tampered_model_metadata_is_a_load_error(tmp_path, key, value, message):
@@ -443,6 +447,16 @@ def test_deeply_nested_torch_scope_metadata_is_ignored(tmp_path):
     _node_meta(model, 0, "pkg.torch.onnx.name_scopes", "[" * 100_000 + "]" * 100_000)
     p = metaopt.load(_rewrite(model, path))
     assert p.ops[0].scope == ""
+
+
+def test_derived_buffers_load_back_as_saved(tmp_path):
+    """Program.derived (the non-persistent buffers an export made) survives a save: without it,
+    save_pretrained of the loaded program wrote them as checkpoint state."""
+    model, path = _saved(tmp_path)
+    p = metaopt.load(model)
+    p.derived = frozenset({"w"})
+    onnx_save.save(p, tmp_path / "again.onnx")
+    assert metaopt.load(tmp_path / "again.onnx").derived == {"w"}
 
 
 def test_modules_metadata_must_be_a_mapping(tmp_path):

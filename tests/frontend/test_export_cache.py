@@ -77,3 +77,27 @@ def test_differences_names_what_differs():
     got = want.clone()
     got.ops[0].attrs["extra"] = 1
     assert "exported" in export_cache.differences(got, want)
+
+
+def test_a_meta_export_loads_back_on_meta_and_keys_apart_from_the_valued_one(tmp_path, monkeypatch):
+    """The workers' meta exports are cached too: saved with zeros for their meta values, loaded
+    with those values back on the meta device (the export's own constants kept as made)."""
+    import torch
+
+    monkeypatch.setenv(export_cache.ENV, str(tmp_path))
+    mod = programs.get("mlp")
+    inputs = mod.example_inputs("tiny", 4, seed=1)
+    with torch.device("meta"):
+        module = mod.build("tiny", seed=0)
+    exported = metaopt.export(module, inputs, name="mlp")
+    assert any(v.is_meta for v in exported.values.values())
+    first = export_cache.export(module, inputs, name="mlp")
+    again = export_cache.export(module, inputs, name="mlp")
+    for got in (first, again):
+        _same_program(got, exported)
+        assert {k for k, v in got.values.items() if v.is_meta} == {
+            k for k, v in exported.values.items() if v.is_meta
+        }
+    export_cache.export(mod.build("tiny", seed=0), inputs, name="mlp")  # the same shapes, with values
+    assert len(list(tmp_path.glob("*.onnx"))) == 2
+    assert len(list(tmp_path.glob("*.meta.json"))) == 1

@@ -188,6 +188,15 @@ def test_fmt_value_rejects_unknown_types():
         fmt_value({"a": 1})
 
 
+def test_a_small_constant_on_meta_prints_by_type_where_one_with_data_prints_its_values():
+    """A meta export's constant may have no data: the program still prints (it raised before)."""
+    from metaopt.ir.printer import fmt_var
+
+    var = Var("c", "float32", [2], kind="constant")
+    assert fmt_var(var, torch.zeros(2, device="meta")) == "c: float32[2] constant"
+    assert fmt_var(var, torch.zeros(2)) == "c: float32[2] constant = [0.0, 0.0]"
+
+
 def test_fmt_op_layout():
     op = Op("Relu", ["h"], ["a"], role="forward", scope="act")
     line = fmt_op(op)

@@ -18,6 +18,7 @@ import os
 import sys
 from pathlib import Path
 
+import export_cache
 import torch
 import tp_worker
 from training_cases import HELD_OUT, INIT_SEED, _module, evaluate, pretrained_path
@@ -57,7 +58,7 @@ def train(s: fleet.DistributedStrategy, opt: str, ckpt: str, out: str) -> dict:
     module = None
     if opt.endswith("-init"):
         module, inputs, kwargs = _module(NAME, meta=True)
-        program = metaopt.export(module, inputs, **kwargs)
+        program = export_cache.export(module, inputs, **kwargs)
     else:
         program = tp_worker.export(NAME, meta=meta)
     optimizer = (

@@ -33,6 +33,7 @@ import sys
 from pathlib import Path
 
 import ckpt_tamper
+import export_cache
 import torch
 from training_cases import (
     BATCH,
@@ -61,7 +62,7 @@ def train_case(case: str, rank: int, world: int, out: str) -> dict:
     module = None
     if "init" in extra:  # built on meta, the values made from the module's own initializers
         module, inputs, kwargs = _module(name, meta=True)
-        main = metaopt.export(module, inputs, **kwargs)
+        main = export_cache.export(module, inputs, **kwargs)
     else:
         main = export(name, meta="meta" in extra)
     strategy = build_strategy(name, [opt, *extra])

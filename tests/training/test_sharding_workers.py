@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import ckpt_tamper
+import export_cache
 import pytest
 import torch
 from workers import start_workers, wait_workers
@@ -169,7 +170,7 @@ def _one_process(case: str) -> dict:
     try:
         if "init" in extra:  # the module built on meta, its values from its own initializers
             module, inputs, kwargs = _module(name, meta=True)
-            main = metaopt.export(module, inputs, **kwargs)
+            main = export_cache.export(module, inputs, **kwargs)
         else:
             main = export(name)
         strategy = build_strategy(name, [opt, *extra])

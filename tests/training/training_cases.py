@@ -52,7 +52,7 @@ def export(name: str, dropout: float = 0.0, *, meta: bool = False) -> metaopt.Pr
     so (no values: fleet.load_pretrained gives them, from `save_pretrained_files`)."""
     if meta:
         module, inputs, kwargs = _module(name, dropout, meta=True)
-        return metaopt.export(module, inputs, **kwargs)
+        return export_cache.export(module, inputs, **kwargs)
     if name.startswith("hf-"):
         harness, entry = _zoo(name)
         torch.manual_seed(SEED)
@@ -121,7 +121,7 @@ def seeded_values(name: str) -> dict[str, torch.Tensor]:
     """The values fleet.init_from_module gives `name`'s meta-built program in one process
     (seed INIT_SEED), by the file key save_pretrained writes (PRETRAINED_PREFIX taken off)."""
     module, inputs, kwargs = _module(name, meta=True)
-    main = metaopt.export(module, inputs, **kwargs)
+    main = export_cache.export(module, inputs, **kwargs)
     exe = metaopt.Executor("cpu")
     filled = fleet.init_from_module(exe, main, module, seed=INIT_SEED)
     prefix = PRETRAINED_PREFIX.get(name, "")
