@@ -304,6 +304,20 @@ def test_kernels_do_not_mutate_inputs(op, args, attrs) -> None:
     assert_unchanged(before, args)
 
 
+@pytest.mark.parametrize(
+    "op,args,attrs", list(_mutation_cases()), ids=lambda v: v if isinstance(v, str) else ""
+)
+def test_kernel_outputs_hold_no_more_storage_than_their_shapes_say(op, args, attrs) -> None:
+    """The executor counts an output's whole storage; estimate_memory counts its shape's bytes.
+    A view into a larger temporary (TopK's first k of a whole sort, a partial reversed Slice of a
+    whole flipped copy) kept that temporary alive: measured above predicted."""
+    out = kernel(op)(*args, **attrs)
+    inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+    for o in out if isinstance(out, (tuple, list)) else (out,):
+        if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in inputs:
+            assert o.untyped_storage().nbytes() <= o.numel() * o.element_size(), tuple(o.shape)
+
+
 # --------------------------------------------------------------------------- shape operands
 
 

@@ -193,4 +193,8 @@ def top_k(
     n = int(K) if K is not None else k  # K is an input since opset 10, an attribute before
     # A stable sort gives ONNX's tie rule (the lower index first); topk does not promise it.
     values, indices = torch.sort(x, dim=axis, descending=bool(largest), stable=True)
-    return values.narrow(axis, 0, n), indices.narrow(axis, 0, n)
+    if n == x.shape[axis]:
+        return values, indices
+    # copies of the first k: views would keep the whole sort alive (k of n experts: n / k times
+    # the bytes its outputs' shapes say, what estimate_memory counts)
+    return values.narrow(axis, 0, n).clone(), indices.narrow(axis, 0, n).clone()

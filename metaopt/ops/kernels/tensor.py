@@ -189,9 +189,10 @@ def slice_(data: torch.Tensor, starts, ends, axes=None, steps=None) -> torch.Ten
         end = min(max(end + n if end < 0 else end, -1), n - 1)
         index[ax] = slice(n - 1 - start, n - 1 - end, -step)
         flips.append(ax)
-    if flips:
-        data = data.flip(flips)
-    return data[tuple(index)]
+    if not flips:
+        return data[tuple(index)]
+    out = data.flip(flips)[tuple(index)]  # a view of a whole flipped copy: keep only the part
+    return out.clone() if out.numel() < data.numel() else out
 
 
 @register("Expand", host_inputs=(1,), aliases=SAME, view=True, static_target=_static_expand_target)
