@@ -69,6 +69,11 @@ def main() -> None:
     ap.add_argument("--bytes-per-s", type=float, default=3e12, help="declared memory bytes/s per device")
     ap.add_argument("--link-bytes-per-s", type=float, default=5e10)
     ap.add_argument("--link-latency", type=float, default=1e-5)
+    ap.add_argument(
+        "--capacity-factors",
+        default="",
+        help="expert capacities the MoE layouts may also take, e.g. 1.25,2 (default: none)",
+    )
     ap.add_argument("--json", default=str(os.path.join(RESULTS, "plan_at_scale.json")))
     args = ap.parse_args()
 
@@ -90,6 +95,7 @@ def main() -> None:
         link_latency_s=args.link_latency,
         top=args.top,
         workers=args.workers,
+        capacity_factors=[float(f) for f in args.capacity_factors.split(",") if f],
     )
     planned = time.perf_counter() - t0
     print(plans)

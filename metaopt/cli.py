@@ -211,6 +211,20 @@ def _add_plan_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers actio
         "--optimizer", default="adam", choices=_OPTIMIZERS, help="what minimize applies (default adam)"
     )
     pl.add_argument("--top", type=int, default=None, help="only the best N plans (default: all that fit)")
+    pl.add_argument(
+        "--capacity-factors",
+        type=_factors,
+        default=(),
+        help="on a MoE model, expert capacities its expert-parallel layouts may also take, e.g. 1.25,2 "
+        "(rows past an expert's capacity are dropped; default: none)",
+    )
+
+
+def _factors(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(f) for f in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a comma-separated list of numbers, got {text!r}") from None
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -231,6 +245,7 @@ def _plan(args: argparse.Namespace) -> int:
         global_batch=args.global_batch,
         optimizer=optimizer,
         top=args.top,
+        capacity_factors=args.capacity_factors,
     )
     sys.stdout.write(f"{plans}\n")
     if plans:

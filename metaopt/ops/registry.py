@@ -220,6 +220,10 @@ class OpDef:
     # weight on its run of rows sorted by expert (GroupedMatMul): expert parallel cuts the weight
     # to a worker's experts and sends the rows to their owners (passes/expert_parallel.py).
     expert_inputs: tuple[int, int, int] | None = None
+    # The output (by index) that is offsets [E] of equal runs, every expert the same rows
+    # (CapacityRoute's slots: C each): an expert-parallel worker then receives exactly the rows it
+    # sends, so its shapes are exact where routed rows otherwise take their bound.
+    equal_runs: int | None = None
     # The gradient rule (ops/grads.py attaches it); None: torch.autograd's vjp of the kernel.
     grad: Callable[..., Any] | None = None
     # Estimated forward work of one op, (program, op) -> float in byte-equivalents (`op_cost`

@@ -23,6 +23,9 @@ EP, Paddle's ``ep_degree``).
   travel out once before the first matmul and back once after the last row-wise op.
 * A local value's dim 0 is written as its bound, every row of every worker of the group
   (``ep*(n)``): `estimate_memory` predicts the worst routing (all k x tokens to one worker).
+  Where the offsets give every expert the same rows (expert capacity's slots, a row's
+  ``equal_runs``) each worker receives exactly the rows it sends (``n``: experts x capacity), and
+  the shapes, the estimate and the traffic are exact.
 * Random ops on local rows (dropout inside the experts) are refused: their mask would differ
   from one process's.
 
@@ -73,25 +76,37 @@ class ExpertParallelPlan(ExpertRows):
     ep_rank: int = 0
     group: list[int] | str = field(default_factory=list)
     params: dict[str, int] = field(default_factory=dict)  # expert param -> its E
+    # layers whose offsets give every expert the same rows (capacity slots): exact, not bound
+    equal: set[str] = field(default_factory=set)
     views: dict[str, int] = field(default_factory=dict)  # Transposes of them -> E
     # bytes a worker's exchanges may send per step, a dim expression (`traffic`; not the program
     # itself: holding it would keep the whole expert params alive beside the cut ones)
     all_to_all_bytes: str = "0"
 
     def traffic(self, p: Program) -> str:
-        """The bytes a worker's exchanges may send per step, as a dim expression: every row of
-        each dispatched var (this worker's tokens) and of each combined one (at its bound), in the
-        forward, and as many in the backward (the grads go back the same ways), plus each layer's
-        row counts."""
-        terms = []
-        for i, js in [*self.dispatch.items(), *self.combine.items()]:
+        """The bytes a worker's exchanges may send to the others per step, as a dim expression:
+        every row of each dispatched var (this worker's tokens) and of each combined one (at its
+        bound), in the forward, and as many in the backward (the grads go back the same ways),
+        plus each layer's row counts (the share for other workers: (ep-1)/ep). Exact for a layer
+        with equal runs (capacity slots): the (ep-1)/ep of its rows that leave the worker."""
+        ep, terms = self.ep_degree, []
+
+        def add(x: str, offsets: str) -> None:
+            v = p.vars[x]
+            rows = v.shape[0] if x not in self.local else _bound_of(self, p, offsets)
+            row_bytes = math.prod(v.shape[1:]) * torch_dtype(v.dtype).itemsize
+            share = f"*{ep - 1}//{ep}" if offsets in self.equal else ""
+            terms.append(f"({rows})*{row_bytes}{share}")
+
+        for i, js in self.dispatch.items():
+            op = p.ops[i]
+            offsets = self.offsets_of.get(i) or next(self.local[y] for y in op.inputs if y in self.local)
             for j in js:
-                x = p.ops[i].inputs[j]
-                v = p.vars[x]
-                rows = v.shape[0] if x not in self.local else _bound_of(self, p, self.local[x])
-                row_bytes = math.prod(v.shape[1:]) * torch_dtype(v.dtype).itemsize
-                terms.append(f"({rows})*{row_bytes}")
-        counts = sum(p.vars[o].shape[0] * 8 for o in self.routes)  # ExpertRoute's int64 counts, once
+                add(op.inputs[j], offsets)
+        for i, js in self.combine.items():
+            for j in js:
+                add(p.ops[i].inputs[j], self.local[p.ops[i].inputs[j]])
+        counts = sum(p.vars[o].shape[0] * 8 for o in self.routes) * (ep - 1) // ep  # ExpertRoute's, once
         return f"2*({' + '.join(terms)}) + {counts}" if terms else "0"
 
     def __str__(self) -> str:
@@ -105,10 +120,15 @@ class ExpertParallelPlan(ExpertRows):
         lines += [f"  {m}" for m in self.moves]
         if self.routes:
             lines.append(f"  all-to-all bytes per step, at most: {self.all_to_all_bytes}")
-        if self.routes:
+        if set(self.routes) - self.equal:
             lines.append(
                 "  rows an expert layer receives: data (the routing); shapes and estimate_memory use their "
                 f"bound, every row of the {self.ep_degree} workers (all tokens to this worker's experts)"
+            )
+        if self.equal:
+            lines.append(
+                f"  rows {len(self.equal)} layer(s) receive: exact, their experts' fixed slots (as many "
+                "as each worker sends)"
             )
         lines += [f"  skipped: {s}" for s in self.skipped]
         return "\n".join(lines)
@@ -140,8 +160,14 @@ def plan_expert_parallel(
     for i in matmuls:
         _plan_weight(p, plan, i, producer, readers)
     find_expert_rows(p, plan)
+    plan.equal = {o for o in plan.routes if o in producer and _equal_runs(p.ops[producer[o]], o)}
     plan.all_to_all_bytes = plan.traffic(p)
     return plan
+
+
+def _equal_runs(op: Op, offsets: str) -> bool:
+    row = registry.get(op.type)
+    return row is not None and row.equal_runs is not None and op.outputs.index(offsets) == row.equal_runs
 
 
 def find_expert_rows(p: Program, rows: ExpertRows) -> None:
@@ -368,8 +394,11 @@ def _bound(q: Program, plan: ExpertParallelPlan, offsets: str):  # noqa: ANN202 
 
 
 def _bound_of(plan: ExpertParallelPlan, q: Program, offsets: str):  # noqa: ANN202 - a Dim
-    """Rows an expert layer may receive: every row of every worker of the group."""
+    """Rows an expert layer may receive: every row of every worker of the group; exactly a
+    worker's own where every expert has the same rows (each then receives what it sends)."""
     n = q.vars[plan.route_x[offsets]].shape[0]
+    if offsets in plan.equal:
+        return n
     return plan.ep_degree * n if isinstance(n, int) else f"{plan.ep_degree}*({n})"
 
 

@@ -20,9 +20,13 @@ peaks from the one middle program replayed at each place of the schedule.
 
 The grid: every split of `devices` into data-side x model x pipe degrees; the data side as data
 parallel or as ZeRO (sharding) at stages 1, 2 and 3, and on a MoE model also as expert parallel
-over each divisor splitting its experts (tp and pp 1); tensor parallel with the column and row
-layers found by ``"auto"``; pipelines of 1F1B with as many and twice as many micro-batches as
-stages, cut between repeated blocks (as many each); recompute none, selective or full (`Layout`).
+over each divisor splitting its experts (tp and pp 1), without an expert capacity (the rows a
+worker's experts receive are data: its peak is predicted at their bound, every row of the group)
+and with each of the `capacity_factors` the caller allows (fixed slots: exact, but rows past an
+expert's capacity are dropped, which changes what is trained: none unless asked); tensor
+parallel with the column and row layers found by ``"auto"``; pipelines of 1F1B with as many and
+twice as many micro-batches as stages, cut between repeated blocks (as many each); recompute
+none, selective or full (`Layout`).
 
 The time (`Plan.step_seconds`) is the time model of planner/calibrate.py over the worker's own
 program, every op of its step (forward, backward, recompute, optimizer): each op costs a fixed
@@ -127,10 +131,12 @@ class Layout:
     blocks: str | None = None
     cuts: tuple[str, ...] = ()
     expert: int = 1  # ep_degree: each MoE layer's experts split over this many data-side workers
+    capacity: float = 0.0  # moe_configs capacity_factor of an ep layout (0: no capacity)
 
     def describe(self) -> str:
         side = f"dp={self.data}" if self.stage == 0 else f"sharding={self.data} (ZeRO-{self.stage})"
         ep = f" ep={self.expert}" if self.expert > 1 else ""
+        ep += f" capacity={self.capacity:g}" if self.capacity else ""
         pipe = f" pp={self.pipe} ({self.micro_batches} micro-batches, 1F1B)" if self.pipe > 1 else ""
         return f"{side}{ep} mp={self.model}{pipe} recompute={self.recompute}"
 
@@ -157,6 +163,8 @@ class Layout:
         if self.stage:
             s.sharding = True
             s.sharding_configs = {"stage": self.stage}
+        if self.capacity:
+            s.moe_configs = {"capacity_factor": self.capacity}
         if self.recompute != "none":
             s.recompute = True
             s.recompute_configs = {
@@ -240,12 +248,17 @@ def _gib(n: float) -> str:
 
 
 def grid(
-    devices: int, global_batch: int, blocks: Blocks | None = None, experts: int = 0
+    devices: int,
+    global_batch: int,
+    blocks: Blocks | None = None,
+    experts: int = 0,
+    capacities: tuple[float, ...] = (),
 ) -> tuple[list[Layout], list[tuple[Layout, str]]]:
     """Every layout of `devices` (module doc), and those the batch or the blocks rule out, with why.
     `experts`: the MoE layers' expert count (their gcd; 0: none): the data side also as expert
     parallel over each of its divisors that splits them, where neither tp nor pp is above 1
-    (the rewrite refuses ep beside them)."""
+    (the rewrite refuses ep beside them); each such layout without a capacity and with each of
+    `capacities`."""
     out, pruned = [], []
     pattern = blocks.pattern if blocks is not None else None
     for data in _divisors(devices):
@@ -256,8 +269,9 @@ def grid(
             cuts = _cuts(blocks.modules, pipe, blocks.count // pipe) if blocks and pipe > 1 else ()
             alone = experts and model == pipe == 1
             eps = [1, *(e for e in _divisors(data) if e > 1 and experts % e == 0)] if alone else [1]
-            for stage, m, recompute, ep in itertools.product(stages, micro, RECOMPUTE, eps):
-                lay = Layout(data, model, pipe, stage, recompute, m, pattern, cuts, ep)
+            variants = [(1, 0.0), *((e, c) for e in eps if e > 1 for c in (0.0, *capacities))]
+            for stage, m, recompute, (ep, cap) in itertools.product(stages, micro, RECOMPUTE, variants):
+                lay = Layout(data, model, pipe, stage, recompute, m, pattern, cuts, ep, cap)
                 if global_batch % (data * m):
                     why = f"global_batch {global_batch} does not split into {data} x {m}"
                 elif blocks is not None and blocks.count % pipe:
@@ -267,6 +281,16 @@ def grid(
                     continue
                 pruned.append((lay, why))
     return out, pruned
+
+
+def _capacities(factors: Iterable[float]) -> tuple[float, ...]:
+    if isinstance(factors, (str, bytes)) or not isinstance(factors, Iterable):
+        raise PlanError(f"fleet.plan: capacity_factors must be a list of numbers > 0, got {factors!r}")
+    out = tuple(factors)
+    for f in out:
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < math.inf:
+            raise PlanError(f"fleet.plan: capacity_factors must be numbers > 0, got {f!r}")
+    return tuple(sorted({float(f) for f in out}))
 
 
 def _cuts(modules: tuple[str, ...], pipe: int, per_stage: int) -> tuple[str, ...]:
@@ -296,6 +320,7 @@ def plan(
     top: int | None = None,
     blocks_once: bool = True,
     workers: int | None = None,
+    capacity_factors: Iterable[float] = (),
 ) -> Plans:
     """The layouts of a `devices`-worker job that fit `memory_per_device` each, best first
     (module doc). `program_or_module`: an exported forward program (its loss set), or a torch
@@ -309,7 +334,10 @@ def plan(
     plans, the same figures: tests/planner check it). `workers`: how many processes rewrite
     layouts at once (planner/workers.py: fresh interpreters, each sent the job once; default:
     this machine's cores where at least `MANY` layouts are to be rewritten, which repays their
-    start, else 1: all in this process). The figures do not depend on it."""
+    start, else 1: all in this process). The figures do not depend on it. `capacity_factors`: on a
+    MoE model, the expert capacities (moe_configs capacity_factor) its expert-parallel layouts may
+    also take: fixed slots make their peaks exact where routed rows otherwise take their bound,
+    but drop the rows past an expert's capacity (default: none; 1.25 is GShard's)."""
     devices = _count(devices, "devices", MAX_DEVICES)
     budget = parse_bytes(memory_per_device)
     global_batch = _count(global_batch, "global_batch", 1 << 40)
@@ -330,9 +358,10 @@ def plan(
         raise PlanError(
             f"fleet.plan: rates must be a metaopt.planner.calibrate.Rates, got {type(rates).__name__}"
         )
+    capacities = _capacities(capacity_factors)
     program = _program(program_or_module, example_args)
     blocks = find_blocks(program)
-    layouts, pruned = grid(devices, global_batch, blocks, _experts(program))
+    layouts, pruned = grid(devices, global_batch, blocks, _experts(program), capacities)
     job = _Job(program, blocks, devices, global_batch, optimizer, rates, compute_units, blocks_once)
     job.budget = budget
     # every layout's time (exact) and peaks (exact, or a lower bound from fewer blocks): those over

@@ -191,9 +191,12 @@ def _check_fleet(out: Path, name: str, dp: int, ep: int, kind: str = "dp") -> No
                 torch.testing.assert_close(v, want[k], **tol)
         # each worker holds its own experts and the dense params, as estimate_memory says
         assert g["measured_persistable"] == g["predicted_persistable"]
-        assert 0 < g["all_to_all_bytes"] <= g["all_to_all_bound"]
-        # the rows an expert layer receives are data: the estimate takes their bound
-        assert g["measured_peak"] <= g["predicted_peak"]
+        if kind == "dp-cap":  # fixed slots: each worker receives the rows it sends, so all exact
+            assert g["measured_peak"] == g["predicted_peak"]
+            assert g["all_to_all_bytes"] == g["all_to_all_bound"]
+        else:  # the rows an expert layer receives are data: the estimate takes their bound
+            assert 0 < g["all_to_all_bytes"] <= g["all_to_all_bound"]
+            assert g["measured_peak"] <= g["predicted_peak"]
     expert_bytes = sum(v.numel() * v.element_size() for k, v in want.items() if k in got[0]["experts"])
     dense_bytes = sum(v.numel() * v.element_size() for k, v in want.items() if k not in got[0]["experts"])
     held = sum(v.numel() * v.element_size() for v in got[0]["params"].values())
@@ -269,3 +272,26 @@ def test_a_workers_program_runs_on_meta_at_its_bound():
     assert loss.is_meta and rows.is_meta
     n = program.vars[next(op for op in program.ops if op.type == "GroupedMatMul").inputs[0]].shape[0]
     assert rows.shape[0] == 2 * eval_dim(n, {"batch": 3})
+
+
+def test_beside_expert_capacity_a_workers_rows_are_exact_on_meta_too():
+    """Capacity slots give every expert the same rows: each worker receives what it sends (E x C
+    rows), which the program's shapes say (no bound) and a meta step gives."""
+    import metaopt
+    from metaopt.passes.expert_capacity import expert_capacity, plan_expert_capacity
+
+    entry = models.get("hf-mixtral")
+    module, program = harness.export(entry, 0.0)
+    slotted = expert_capacity(program, plan=plan_expert_capacity(program, capacity_factor=1.5))
+    plan = plan_expert_parallel(slotted, ep_degree=2, ep_rank=1, group=[0, 1])
+    assert plan.equal == set(plan.routes) and "exact, their experts' fixed slots" in str(plan)
+    q = expert_parallel(slotted, plan=plan)
+    metaopt.optimizer.SGD(learning_rate=0.1).minimize(q.loss)
+    first = next(op for op in slotted.ops if op.type == "GroupedMatMul")
+    slots = slotted.vars[first.inputs[0]].shape[0]  # E x C: the rows each worker sends
+    mm = next(op for op in q.ops if op.type == "GroupedMatMul")
+    assert q.vars[mm.inputs[0]].shape[0] == q.vars[mm.outputs[0]].shape[0] == slots
+    real = harness._feed(module, entry.inputs(3, 0))
+    feed = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in real.items()}
+    (rows,) = metaopt.Executor("meta").run(q, feed=feed, fetch_list=[mm.outputs[0]])
+    assert rows.is_meta and rows.shape[0] == eval_dim(slots, {"batch": 3})

@@ -178,6 +178,58 @@ def test_a_moe_models_grid_splits_its_experts_over_the_data_side():
     assert job.floor(lay) == dense + 2 * dense // 4 + (experts + 2 * experts) // 4
     plans = fleet.plan(program, devices=2, memory_per_device="64MiB", global_batch=8)  # 2: fewer layouts
     assert any(p.layout.expert == 2 for p in plans), str(plans)
+    assert not any(p.layout.capacity for p in plans)  # capacity drops rows: only where asked
+
+
+def test_expert_capacities_the_caller_allows_are_tried_on_each_ep_layout_with_exact_rows():
+    """capacity_factors: each ep layout also with each capacity (moe_configs), fixed slots whose
+    rows each worker receives exactly: its peak below the same layout's without a capacity, whose
+    received rows take their bound (every row of the group)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "zoo"))
+    import harness
+    import models
+
+    from metaopt.planner import search
+    from metaopt.planner.blocks import find_blocks
+
+    _, program = harness.export(models.get("hf-mixtral"), 0.0)
+    blocks = find_blocks(program)
+    plain, _ = search.grid(4, 8, blocks, 4)
+    layouts, _ = search.grid(4, 8, blocks, 4, (1.25, 2.0))
+    ep = [lay for lay in plain if lay.expert > 1]
+    assert len(layouts) == len(plain) + 2 * len(ep)
+    assert {lay.capacity for lay in layouts if lay.expert == 1} == {0.0}
+    lay = Layout(4, 1, 1, 0, "none", 1, expert=4, capacity=1.25)
+    assert lay.strategy().moe_configs["capacity_factor"] == 1.25
+    assert lay.describe() == "dp=4 ep=4 capacity=1.25 mp=1 recompute=none"
+    rates = search.Rates(1e12, 1e11, 1e-5, 1e10, 1e-5)
+    job = search._Job(program, blocks, 4, 8, None, rates, None)
+    capped, bound = (job.evaluate(x, whole=True) for x in (lay, dataclasses.replace(lay, capacity=0.0)))
+    assert max(capped.peaks) < max(bound.peaks)
+    plans = fleet.plan(program, devices=2, memory_per_device="64MiB", global_batch=8, capacity_factors=[1.25])
+    assert any(p.layout.capacity == 1.25 and p.strategy.moe_configs["capacity_factor"] == 1.25 for p in plans)
+    for bad in ([0], ["1.25"], 1.25):
+        with pytest.raises(PlanError, match="capacity_factors must be"):
+            fleet.plan(program, devices=2, memory_per_device="64MiB", global_batch=8, capacity_factors=bad)
+
+
+def test_an_expert_exchange_is_timed_at_a_balanced_routing_not_at_its_rows_bound():
+    """The dispatch's output (and the combine's input) is written at its bound, every row of the
+    group; the time model prices the rows the worker sends itself (its other side)."""
+    from metaopt.ir import Op, Program, Var
+    from metaopt.ops.costs import comm_bytes
+
+    p = Program("ep")
+    for name, rows in (("x", "6*batch"), ("layout", 7), ("y", "4*(6*batch)"), ("back", "6*batch")):
+        p.add_var(
+            Var(name, "float32" if name != "layout" else "int64", (rows, 8) if name != "layout" else (rows,))
+        )
+    sizes = {"x": 6 * 2 * 32, "y": 4 * 6 * 2 * 32, "back": 6 * 2 * 32, "layout": 56}
+    group = {"group": [0, 1, 2, 3]}
+    dispatch = Op("ExpertExchange", ["x", "layout"], ["y"], {**group, "reverse": 0})
+    combine = Op("ExpertExchange", ["y", "layout"], ["back"], {**group, "reverse": 1})
+    for op in (dispatch, combine):
+        assert comm_bytes(p, op, {"batch": 2}, sizes.__getitem__) == 6 * 2 * 32 * 3 / 4
 
 
 def test_flops_read_composite_dims_and_a_rings_whole_sequence():

@@ -92,6 +92,7 @@ def train_fleet(out: str, name: str, mode: str) -> None:
         losses.append(float(loss))
         if names.loss_scaling() in exe.scope:
             scales.append(float(exe.scope[names.loss_scaling()]))
+    sent = exe.memory_stats()["all_to_all_bytes"]  # the last training step's (the evals run later)
     experts = {v.name for v in program.params() if v.split is not None and v.split.group == "expert"}
     try:  # a checkpoint of expert-split params is refused, never written with the wrong parts
         fleet.save_persistables(exe, f"{out}/ckpt.{kind}.{name}", program)
@@ -120,7 +121,7 @@ def train_fleet(out: str, name: str, mode: str) -> None:
             "applied": opt.applied_meta_list,
             "save_refused": refused,
             "measured_persistable": exe.memory_stats()["persistable_bytes"],
-            "all_to_all_bytes": exe.memory_stats()["all_to_all_bytes"],
+            "all_to_all_bytes": sent,
             # the plan's bound on what may travel per step
             "all_to_all_bound": eval_dim(opt.expert_parallel_plan.all_to_all_bytes, {"batch": BATCH}),
             "predicted_persistable": predicted.persistable_bytes,

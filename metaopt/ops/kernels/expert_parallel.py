@@ -20,7 +20,9 @@ undone and the rows sent back, rows past the routed ones zero. Each is the other
 (a permutation's transpose): the backward trades grads by the same layout, no new counts.
 
 The received row count is data (the routing): on the meta device the dispatch returns its
-bound, every row of every worker of the group (`ep * n`), and issues no collective.
+bound, every row of every worker of the group (`ep * n`), and issues no collective; where the
+offsets are known there and give every expert the same rows (expert capacity's slots: host
+values), every worker sends the same counts, so each receives what it sends: exactly `n` rows.
 """
 
 from __future__ import annotations
@@ -61,16 +63,28 @@ def expert_route(
         raise ValueError(f"ExpertRoute: {experts} experts do not split over an expert-parallel group of {ep}")
     local = experts // ep
     head = torch.tensor([n, ep, local], dtype=torch.int64)
-    if offsets.device.type == "meta":  # shapes only: no routing to trade
-        return torch.cat([head, torch.zeros(2 * ep * local, dtype=torch.int64)]), torch.zeros(
-            local, dtype=offsets.dtype
-        )
+    if x.device.type == "meta" or offsets.device.type == "meta":  # shapes only: no routing to trade
+        return _route_on_meta(offsets, n, head, ep, local)
     counts = offset_counts(offsets, n, "ExpertRoute")
     send = counts.reshape(ep, local)
     if ep == 1:
         recv = send.clone()
     else:
         recv = _rt.comm.all_to_all(send, [1] * ep, [1] * ep, f"row counts of {_key}", ranks)
+    local_offsets = torch.cumsum(recv.sum(0), 0).to(offsets.dtype)
+    return torch.cat([head, send.reshape(-1), recv.reshape(-1)]), local_offsets
+
+
+def _route_on_meta(
+    offsets: torch.Tensor, n: int, head: torch.Tensor, ep: int, local: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layout with no collective: received counts zero (unknown: the dispatch takes its bound),
+    or, for offsets known here with equal runs, each worker's own counts (all send the same)."""
+    send = recv = torch.zeros((ep, local), dtype=torch.int64)
+    if offsets.device.type != "meta":
+        counts = offset_counts(offsets, n, "ExpertRoute")
+        if bool((counts == counts[0]).all()):
+            send = recv = counts.reshape(ep, local)
     local_offsets = torch.cumsum(recv.sum(0), 0).to(offsets.dtype)
     return torch.cat([head, send.reshape(-1), recv.reshape(-1)]), local_offsets
 
@@ -122,8 +136,8 @@ def expert_exchange(
 ) -> torch.Tensor:
     ranks = group_ranks(group, "ExpertExchange")
     n, send, recv = unpack(layout)
-    if x.device.type == "meta":
-        rows = n if reverse else len(ranks) * n
+    if x.device.type == "meta":  # its bound, or the rows received where the layout knows them
+        rows = n if reverse else int(recv.sum()) or len(ranks) * n
         return torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
     order = regroup(recv).to(x.device)
     what = f"{_key} over expert-parallel group {ranks}"

@@ -118,7 +118,9 @@ def capacity_ratio(capacity_factor: float) -> tuple[int, int]:
     return f.numerator, f.denominator
 
 
-@register("CapacityRoute", domain="metaopt", host_outputs=True, recomputable=False, needs_runtime=True)
+@register(
+    "CapacityRoute", domain="metaopt", host_outputs=True, recomputable=False, needs_runtime=True, equal_runs=1
+)
 def capacity_route(
     offsets: torch.Tensor, x: torch.Tensor, *, capacity_factor: float, _rt, _key: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
