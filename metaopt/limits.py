@@ -70,6 +70,13 @@ class RunTooLarge(RuntimeError):
 # The process-wide limits `metaopt.load` uses when no `limits=` is given.
 LIMITS = LoadLimits()
 
+# `max_shape_data` of `metaopt.export`: the file is torch's export of the caller's own module, not
+# one from elsewhere, so only its size bounds data propagation (~140 bytes an element: 2.3 GB at
+# most). Llama-3-70B's 80 layers hold ~1.3M elements of rank-1 values (two 8192-wide norm weights
+# a layer), DeepSeek-V3's 61 over 1M too: at the load default their reshapes' dims stayed
+# symbolic and their attentions unfused (the planner then counted every layer's S x S scores).
+EXPORT_SHAPE_DATA = 1 << 24
+
 
 def how_to_raise(field: str) -> str:
     """The sentence every limit error ends with: which knob, and both ways to turn it."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,8 @@ from metaopt.ir import Op, Program, Var, did_you_mean, dtype_name, torch_dtype_f
 from metaopt.ir.program import PERSISTABLE_KINDS, GradientMergeInfo, PipelineInfo, Split, ZeroShard
 from metaopt.ir.roles import ROLES
 from metaopt.ops import registry
+
+_LOG = logging.getLogger("metaopt.load")
 
 CONTROL_FLOW = frozenset({"If", "Loop", "Scan", "SequenceMap"})
 _SCOPES_KEY = "pkg.torch.onnx.name_scopes"
@@ -145,7 +148,16 @@ def _with_inferred_types(model: onnx.ModelProto, dims: dict[str, str]) -> tuple[
         # make it allocate; its answer tells whether propagation would stay bounded.
         plain = onnx.shape_inference.infer_shapes(model, data_prop=False)
         types = _value_types(plain.graph, dims)
-        if _all_static(needed, types) or _data_prop_risk(plain, _limits.active().max_shape_data) is not None:
+        if _all_static(needed, types):
+            return plain, types
+        risk = _data_prop_risk(plain, _limits.active().max_shape_data)
+        if risk is not None:  # the load goes on, some dims symbolic: said, never silent
+            _LOG.warning(
+                "shape inference without data propagation: %s; some dims stay symbolic (an attention "
+                "or a reshape may then stay unfused). %s",
+                risk,
+                _limits.how_to_raise("max_shape_data"),
+            )
             return plain, types
         full = onnx.shape_inference.infer_shapes(model, data_prop=True)
         return full, _value_types(full.graph, dims)

@@ -14,6 +14,7 @@ argument makes one program run any batch size.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import io
 import logging
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from metaopt import limits
 from metaopt.frontend.capture import ExportError, capture, explain_failure
 from metaopt.frontend.experts import grouped_experts
 from metaopt.frontend.importer import import_model
@@ -89,7 +91,8 @@ def export(
             raise NotImplementedError(
                 f"BatchNorm {path!r} with momentum=None (cumulative average) in train mode"
             )
-    with timed(_LOG, "export: import as a program"):
+    exported = dataclasses.replace(limits.active(), max_shape_data=limits.EXPORT_SHAPE_DATA)
+    with timed(_LOG, "export: import as a program"), limits.using(exported):
         opts.values = by_reference(onnx_program.model)
         program = import_model(
             _serialize(onnx_program.model),

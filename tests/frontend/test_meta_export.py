@@ -119,3 +119,33 @@ def test_llama_3_70b_s_shape_on_meta_in_one_process_within_300_s_and_8_gb():
         f"predicted peak {est.peak_bytes / 1e9:.0f} GB"
     )
     assert rss < 8e9, rss
+
+
+def test_export_propagates_shape_data_past_the_load_default_and_a_load_that_cannot_says_so(
+    monkeypatch, caplog
+):
+    """Llama-3-70B's 80 layers and DeepSeek-V3's 61 hold more rank-0/1 elements (norm weights)
+    than `metaopt.load`'s max_shape_data (a bound for files from elsewhere): their reshapes' dims
+    stayed symbolic and their attentions unfused (32 GiB of scores a layer at seq 4096 in the
+    planner's estimates). An export (torch's file of the caller's own module) propagates up to
+    EXPORT_SHAPE_DATA; where a load cannot, it logs why. A 2-layer Llama with the bounds lowered
+    stands in for them."""
+    import logging
+
+    from metaopt import limits
+
+    model = _llama(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=32,
+    )  # fmt: skip
+    ids = torch.zeros(2, 8, dtype=torch.long, device="meta")
+
+    def attentions() -> int:
+        return sum(op.type == "ScaledDotProductAttention" for op in metaopt.export(model, (ids, ids)).ops)
+
+    monkeypatch.setattr(limits.LIMITS, "max_shape_data", 1)  # the load default, far below this model
+    assert attentions() == 2
+    monkeypatch.setattr(limits, "EXPORT_SHAPE_DATA", 1)
+    with caplog.at_level(logging.WARNING, logger="metaopt.load"):
+        assert attentions() == 0
+    assert "over max_shape_data=1" in caplog.text and "LoadLimits(max_shape_data=" in caplog.text
