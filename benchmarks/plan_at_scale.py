@@ -74,6 +74,7 @@ def main() -> None:
         default="",
         help="expert capacities the MoE layouts may also take, e.g. 1.25,2 (default: none)",
     )
+    ap.add_argument("--amp", choices=("bfloat16", "float16"), default=None, help="every layout's precision")
     ap.add_argument("--json", default=str(os.path.join(RESULTS, "plan_at_scale.json")))
     args = ap.parse_args()
 
@@ -96,6 +97,7 @@ def main() -> None:
         top=args.top,
         workers=args.workers,
         capacity_factors=[float(f) for f in args.capacity_factors.split(",") if f],
+        amp=args.amp,
     )
     planned = time.perf_counter() - t0
     print(plans)

@@ -218,6 +218,12 @@ def _add_plan_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers actio
         help="on a MoE model, expert capacities its expert-parallel layouts may also take, e.g. 1.25,2 "
         "(rows past an expert's capacity are dropped; default: none)",
     )
+    pl.add_argument(
+        "--amp",
+        choices=("bfloat16", "float16"),
+        default=None,
+        help="the training's precision on every layout (strategy.amp; default: float32 throughout)",
+    )
 
 
 def _factors(text: str) -> tuple[float, ...]:
@@ -246,6 +252,7 @@ def _plan(args: argparse.Namespace) -> int:
         optimizer=optimizer,
         top=args.top,
         capacity_factors=args.capacity_factors,
+        amp=args.amp,
     )
     sys.stdout.write(f"{plans}\n")
     if plans:

@@ -132,13 +132,15 @@ class Layout:
     cuts: tuple[str, ...] = ()
     expert: int = 1  # ep_degree: each MoE layer's experts split over this many data-side workers
     capacity: float = 0.0  # moe_configs capacity_factor of an ep layout (0: no capacity)
+    amp: str = ""  # amp_configs dtype ("bfloat16", "float16"; "": float32 throughout)
 
     def describe(self) -> str:
         side = f"dp={self.data}" if self.stage == 0 else f"sharding={self.data} (ZeRO-{self.stage})"
         ep = f" ep={self.expert}" if self.expert > 1 else ""
         ep += f" capacity={self.capacity:g}" if self.capacity else ""
         pipe = f" pp={self.pipe} ({self.micro_batches} micro-batches, 1F1B)" if self.pipe > 1 else ""
-        return f"{side}{ep} mp={self.model}{pipe} recompute={self.recompute}"
+        amp = f" amp={self.amp}" if self.amp else ""
+        return f"{side}{ep} mp={self.model}{pipe} recompute={self.recompute}{amp}"
 
     def strategy(self) -> DistributedStrategy:
         s = DistributedStrategy()
@@ -165,6 +167,9 @@ class Layout:
             s.sharding_configs = {"stage": self.stage}
         if self.capacity:
             s.moe_configs = {"capacity_factor": self.capacity}
+        if self.amp:  # O1: white ops in the low dtype, float32 params; bf16 needs no loss scaling
+            s.amp = True
+            s.amp_configs = {"dtype": self.amp, "use_dynamic_loss_scaling": self.amp == "float16"}
         if self.recompute != "none":
             s.recompute = True
             s.recompute_configs = {
@@ -253,12 +258,13 @@ def grid(
     blocks: Blocks | None = None,
     experts: int = 0,
     capacities: tuple[float, ...] = (),
+    amp: str = "",
 ) -> tuple[list[Layout], list[tuple[Layout, str]]]:
     """Every layout of `devices` (module doc), and those the batch or the blocks rule out, with why.
     `experts`: the MoE layers' expert count (their gcd; 0: none): the data side also as expert
     parallel over each of its divisors that splits them, where neither tp nor pp is above 1
     (the rewrite refuses ep beside them); each such layout without a capacity and with each of
-    `capacities`."""
+    `capacities`. `amp`: every layout's AMP dtype (not searched: the caller's precision)."""
     out, pruned = [], []
     pattern = blocks.pattern if blocks is not None else None
     for data in _divisors(devices):
@@ -271,7 +277,7 @@ def grid(
             eps = [1, *(e for e in _divisors(data) if e > 1 and experts % e == 0)] if alone else [1]
             variants = [(1, 0.0), *((e, c) for e in eps if e > 1 for c in (0.0, *capacities))]
             for stage, m, recompute, (ep, cap) in itertools.product(stages, micro, RECOMPUTE, variants):
-                lay = Layout(data, model, pipe, stage, recompute, m, pattern, cuts, ep, cap)
+                lay = Layout(data, model, pipe, stage, recompute, m, pattern, cuts, ep, cap, amp)
                 if global_batch % (data * m):
                     why = f"global_batch {global_batch} does not split into {data} x {m}"
                 elif blocks is not None and blocks.count % pipe:
@@ -321,6 +327,7 @@ def plan(
     blocks_once: bool = True,
     workers: int | None = None,
     capacity_factors: Iterable[float] = (),
+    amp: str | None = None,
 ) -> Plans:
     """The layouts of a `devices`-worker job that fit `memory_per_device` each, best first
     (module doc). `program_or_module`: an exported forward program (its loss set), or a torch
@@ -337,7 +344,9 @@ def plan(
     start, else 1: all in this process). The figures do not depend on it. `capacity_factors`: on a
     MoE model, the expert capacities (moe_configs capacity_factor) its expert-parallel layouts may
     also take: fixed slots make their peaks exact where routed rows otherwise take their bound,
-    but drop the rows past an expert's capacity (default: none; 1.25 is GShard's)."""
+    but drop the rows past an expert's capacity (default: none; 1.25 is GShard's). `amp`: the
+    training's precision, on every layout ("bfloat16" or "float16": strategy.amp at that dtype,
+    float32 params; default None: float32 throughout)."""
     devices = _count(devices, "devices", MAX_DEVICES)
     budget = parse_bytes(memory_per_device)
     global_batch = _count(global_batch, "global_batch", 1 << 40)
@@ -359,9 +368,11 @@ def plan(
             f"fleet.plan: rates must be a metaopt.planner.calibrate.Rates, got {type(rates).__name__}"
         )
     capacities = _capacities(capacity_factors)
+    if amp not in (None, "bfloat16", "float16"):
+        raise PlanError(f"fleet.plan: amp must be None, 'bfloat16' or 'float16', got {amp!r}")
     program = _program(program_or_module, example_args)
     blocks = find_blocks(program)
-    layouts, pruned = grid(devices, global_batch, blocks, _experts(program), capacities)
+    layouts, pruned = grid(devices, global_batch, blocks, _experts(program), capacities, amp or "")
     job = _Job(program, blocks, devices, global_batch, optimizer, rates, compute_units, blocks_once)
     job.budget = budget
     # every layout's time (exact) and peaks (exact, or a lower bound from fewer blocks): those over
@@ -583,7 +594,7 @@ class _Job:
     state_per_param: float | None = None  # `floor`'s: measured once, on the smallest program
     param_bytes: tuple[int, int] = (0, 0)  # `floor`'s: params some op reads, those the loss needs
     expert_bytes: tuple[int, int] = (0, 0)  # `floor`'s: the same of the expert params
-    per_sample: dict[str, int] = field(default_factory=dict)  # `held`'s, per recompute form
+    per_sample: dict[tuple[str, str], int] = field(default_factory=dict)  # `held`'s: (recompute, amp)
     block_params: tuple[int, int] | None = None  # `held`'s: one block's (read, trained) param bytes
     staged: dict[tuple, list[Program]] = field(default_factory=dict)  # `_figures`' stage programs
     budget: int | None = None  # the plan's memory_per_device: `evaluate` stops at 2 blocks above it
@@ -761,33 +772,33 @@ class _Job:
         state = int(n * trained * self.state_per_param) // (lay.model * (lay.data if lay.stage else 1))
         inflight = min(lay.pipe, lay.micro_batches) if lay.pipe > 1 else 1
         micro = self.global_batch // (lay.data * lay.micro_batches)
-        acts = self._kept_per_sample(lay.recompute) * n * inflight * micro // lay.model
+        acts = self._kept_per_sample(lay.recompute, lay.amp) * n * inflight * micro // lay.model
         return max(floor, params + state + acts)
 
     @without_gc
-    def _kept_per_sample(self, recompute: str) -> int:
+    def _kept_per_sample(self, recompute: str, amp: str = "") -> int:
         """The activations one block keeps for the backward per sample on one worker with
-        `recompute`: the slope in the batch of what 3 blocks keep less what 2 do (measured once
-        per recompute form)."""
+        `recompute` and `amp`: the slope in the batch of what 3 blocks keep less what 2 do (measured
+        once per recompute form and precision)."""
         from metaopt.passes.memory_estimate import estimate_memory
 
-        if recompute not in self.per_sample:
+        if (recompute, amp) not in self.per_sample:
             kept = {}
             two, three = self.blocks.first + 1, self.blocks.first + 2  # 1 and 2 identical blocks
             for k in (two, three):
-                one = Layout(1, 1, 1, 0, recompute, 1, self.blocks.pattern)
+                one = Layout(1, 1, 1, 0, recompute, 1, self.blocks.pattern, amp=amp)
                 try:
                     q, _ = self._minimized(self._fewer(k), one, 1)
                 except (ValueError, NotImplementedError, RuntimeError):
-                    self.per_sample[recompute] = 0  # no bound from activations: the rewrites say why
+                    self.per_sample[recompute, amp] = 0  # no bound from activations: the rewrites say why
                     return 0
                 at = max(_backward_start(q), 0)
                 for batch in (1, 2):
                     est = estimate_memory(q, dims={"batch": batch}, workspace=False, at=at)
                     kept[k, batch] = _kept(q, est.where, self._scopes(q))
             slope = (kept[three, 2] - kept[two, 2]) - (kept[three, 1] - kept[two, 1])
-            self.per_sample[recompute] = max(slope, 0)
-        return self.per_sample[recompute]
+            self.per_sample[recompute, amp] = max(slope, 0)
+        return self.per_sample[recompute, amp]
 
     def _scopes(self, p: Program) -> list[str]:
         """The module paths of `p`'s blocks (those of the blocks it was cut to keep)."""

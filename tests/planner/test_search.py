@@ -295,3 +295,31 @@ def test_the_best_plans_activations_per_layer_stand_beside_korthikantis_formula(
     sbh = 12 * 8 * 32
     assert none.korthikanti() == sbh * (34 + 5 * 4 * 12 / 32) and full.korthikanti() == 2 * sbh
     assert "the best plan's activations per layer (s=12, b=8, h=32, a=4)" in str(plans)
+
+
+def test_amp_is_the_callers_precision_on_every_layout_its_activations_below_float32s(gpt2):
+    """amp="bfloat16": every layout with strategy.amp at that dtype (not searched: the caller's
+    precision); one device (3 recompute layouts): each plan's peak below the same layout's in
+    float32, and `held` (the bound before rewrites, from bfloat16 blocks) at most its exact peak."""
+    from metaopt.planner import search
+    from metaopt.planner.blocks import find_blocks
+
+    lay = Layout(1, 1, 1, 0, "none", 1, amp="bfloat16")
+    assert lay.describe().endswith("recompute=none amp=bfloat16")
+    s = lay.strategy()
+    assert s.amp and s.amp_configs["dtype"] == "bfloat16" and not s.amp_configs["use_dynamic_loss_scaling"]
+    fp32 = {
+        p.layout.recompute: p.peak_bytes
+        for p in fleet.plan(gpt2, devices=1, memory_per_device="1GiB", global_batch=8)
+    }
+    bf16 = fleet.plan(gpt2, devices=1, memory_per_device="1GiB", global_batch=8, amp="bfloat16")
+    assert {p.layout.amp for p in bf16} == {"bfloat16"} and len(bf16) == len(fp32) == 3
+    for p in bf16:
+        assert p.peak_bytes < fp32[p.layout.recompute], p.layout.describe()
+        assert p.strategy.amp_configs["dtype"] == "bfloat16"
+    rates = search.Rates(1e12, 1e11, 1e-5, 1e10, 1e-5)
+    job = search._Job(gpt2, find_blocks(gpt2), 1, 8, None, rates, None)
+    for p in bf16:
+        assert job.held(p.layout) <= p.peak_bytes
+    with pytest.raises(PlanError, match="amp must be None, 'bfloat16' or 'float16', got 'fp8'"):
+        fleet.plan(gpt2, devices=1, memory_per_device="1GiB", global_batch=8, amp="fp8")
