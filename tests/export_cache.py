@@ -58,8 +58,9 @@ def export(module: torch.nn.Module, *args: Any, **kwargs: Any) -> metaopt.Progra
 def _on_meta(program: metaopt.Program, names: list[str]) -> metaopt.Program:
     """A meta export's program as loaded: the values that were on the meta device (`names`,
     saved as zeros) back on it; the rest (the export's own constants) as saved."""
+    meta = set(names)
     program.values = {
-        k: torch.empty_like(v, device="meta") if k in names else v for k, v in program.values.items()
+        k: torch.empty_like(v, device="meta") if k in meta else v for k, v in program.values.items()
     }
     return program
 

@@ -180,8 +180,9 @@ def to_model_proto(p: Program, values: Mapping[str, torch.Tensor] | None = None)
     model.ir_version = IR_VERSION
     if p.modules:
         model.metadata_props.add(key=MODULES_KEY, value=json.dumps(p.modules))
-    if p.derived:  # not a checkpoint's state: save_pretrained of the loaded program leaves them out
-        model.metadata_props.add(key=DERIVED_KEY, value=json.dumps(sorted(p.derived)))
+    derived = sorted(n for n in p.derived if n in p.vars)  # a pass may have dropped one
+    if derived:  # not a checkpoint's state: save_pretrained of the loaded program leaves them out
+        model.metadata_props.add(key=DERIVED_KEY, value=json.dumps(derived))
     for target, new in p.updates.items():
         model.metadata_props.add(key=UPDATE_PREFIX + target, value=new)
     if p.pipeline is not None:

@@ -91,7 +91,8 @@ def export(
             raise NotImplementedError(
                 f"BatchNorm {path!r} with momentum=None (cumulative average) in train mode"
             )
-    exported = dataclasses.replace(limits.active(), max_shape_data=limits.EXPORT_SHAPE_DATA)
+    shape_data = max(limits.active().max_shape_data, limits.EXPORT_SHAPE_DATA)  # never below the caller's
+    exported = dataclasses.replace(limits.active(), max_shape_data=shape_data)
     with timed(_LOG, "export: import as a program"), limits.using(exported):
         opts.values = by_reference(onnx_program.model)
         program = import_model(

@@ -138,10 +138,23 @@ del _type, _rule
 # what a ring collective moves per worker, as a share of its largest tensor x (n - 1) / n: an
 # all-reduce sends and receives its data twice (reduce-scatter, then all-gather), the others once
 _ALL_REDUCES = frozenset({"AllReduce", "TPReduce"})
-# An expert exchange's received side is written at its bound (every row of the group: the routing
-# is data); its time is priced at a balanced routing's, each worker receiving the rows it sends
-# (its own side, the smaller; exact beside an expert capacity, whose two sides are equal).
-_BALANCED = frozenset({"ExpertExchange"})
+
+
+def _own_side(op: Any, nbytes: Any) -> int:
+    # An expert exchange's received side is written at its bound (every row of the group: the
+    # routing is data); priced at a balanced routing's, each worker receiving the rows it sends
+    # (its own side, the smaller known one; exact beside an expert capacity: both sides equal).
+    sides = [b for b in (nbytes(op.inputs[0]), nbytes(op.outputs[0])) if b]
+    return min(sides, default=0)
+
+
+def _counts(op: Any, nbytes: Any) -> int:
+    # ExpertRoute trades each expert's row count, not the rows it reads for their number
+    return nbytes(op.inputs[0])
+
+
+# collectives whose largest tensor is not what they send: what they send, from (op, nbytes)
+_SENDS = {"ExpertExchange": _own_side, "ExpertRoute": _counts}
 
 
 def op_flops(p: Any, op: Any, dims: dict) -> float:
@@ -153,11 +166,9 @@ def op_flops(p: Any, op: Any, dims: dict) -> float:
 def comm_bytes(p: Any, op: Any, dims: dict, nbytes: Any) -> float:
     """Bytes a collective op sends and receives per worker over a ring of its group (`nbytes`:
     name -> bytes under `dims`); a named group counts its op's ``parts`` (ZeRO's), else 2 workers;
-    an expert exchange at a balanced routing (`_BALANCED`)."""
-    sides = [nbytes(x) for x in [*op.inputs, *op.outputs] if x]
-    if op.type in _BALANCED:
-        sides = [min(nbytes(op.inputs[0]), nbytes(op.outputs[0]))]
-    data = max(sides, default=0)
+    an expert exchange at a balanced routing, an expert route its counts (`_SENDS`)."""
+    sends = _SENDS.get(op.type)
+    data = sends(op, nbytes) if sends else max((nbytes(x) for x in [*op.inputs, *op.outputs] if x), default=0)
     group = op.attrs.get("group") or op.attrs.get("ranks")
     n = len(group) if isinstance(group, (list, tuple)) else int(op.attrs.get("parts") or 2)
     return data * (n - 1) / max(n, 1) * (2.0 if op.type in _ALL_REDUCES else 1.0)

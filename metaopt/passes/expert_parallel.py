@@ -87,11 +87,16 @@ class ExpertParallelPlan(ExpertRows):
         """The bytes a worker's exchanges may send to the others per step, as a dim expression:
         every row of each dispatched var (this worker's tokens) and of each combined one (at its
         bound), in the forward, and as many in the backward (the grads go back the same ways),
-        plus each layer's row counts (the share for other workers: (ep-1)/ep). Exact for a layer
-        with equal runs (capacity slots): the (ep-1)/ep of its rows that leave the worker."""
-        ep, terms = self.ep_degree, []
+        plus each layer's row counts (the share for other workers: (ep-1)/ep). Each var counted
+        once per way (`move_rows` moves it once, whatever reads it). Exact for a layer with equal
+        runs (capacity slots): the (ep-1)/ep of its rows that leave the worker, where every moved
+        var has a grad and nothing recomputes the exchanges (recompute sends them again)."""
+        ep, terms, seen = self.ep_degree, [], set()
 
         def add(x: str, offsets: str) -> None:
+            if (x, x in self.local) in seen:
+                return
+            seen.add((x, x in self.local))
             v = p.vars[x]
             rows = v.shape[0] if x not in self.local else _bound_of(self, p, offsets)
             row_bytes = math.prod(v.shape[1:]) * torch_dtype(v.dtype).itemsize

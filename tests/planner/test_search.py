@@ -230,6 +230,10 @@ def test_an_expert_exchange_is_timed_at_a_balanced_routing_not_at_its_rows_bound
     combine = Op("ExpertExchange", ["y", "layout"], ["back"], {**group, "reverse": 1})
     for op in (dispatch, combine):
         assert comm_bytes(p, op, {"batch": 2}, sizes.__getitem__) == 6 * 2 * 32 * 3 / 4
+    # the route trades the experts' row counts (its offsets' bytes), not the rows it sizes them by
+    p.add_var(Var("offsets", "int64", (4,)))
+    route = Op("ExpertRoute", ["offsets", "x"], ["layout"], group)
+    assert comm_bytes(p, route, {"batch": 2}, {**sizes, "offsets": 32}.__getitem__) == 32 * 3 / 4
 
 
 def test_flops_read_composite_dims_and_a_rings_whole_sequence():
