@@ -372,7 +372,8 @@ def plan(
         raise PlanError(f"fleet.plan: amp must be None, 'bfloat16' or 'float16', got {amp!r}")
     program = _program(program_or_module, example_args)
     blocks = find_blocks(program)
-    layouts, pruned = grid(devices, global_batch, blocks, _experts(program), capacities, amp or "")
+    experts = _experts(program)
+    layouts, pruned = grid(devices, global_batch, blocks, experts, capacities, amp or "")
     job = _Job(program, blocks, devices, global_batch, optimizer, rates, compute_units, blocks_once)
     job.budget = budget
     # every layout's time (exact) and peaks (exact, or a lower bound from fewer blocks): those over
@@ -400,6 +401,8 @@ def plan(
         f"fleet.plan: {program.name!r} on {devices} devices x {_gib(budget)}, global batch {global_batch}; "
         f"{counted} layouts; {_blocks_line(blocks)}"
     )
+    if capacities and not experts:  # asked for, and nothing to give one: said, not dropped
+        header += f"; capacity_factors {list(capacities)} unused: the model has no expert layers"
     return Plans(plans, pruned, header)
 
 

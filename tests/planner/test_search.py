@@ -325,5 +325,7 @@ def test_amp_is_the_callers_precision_on_every_layout_its_activations_below_floa
     job = search._Job(gpt2, find_blocks(gpt2), 1, 8, None, rates, None)
     for p in bf16:
         assert job.held(p.layout) <= p.peak_bytes
+    unused = fleet.plan(gpt2, devices=1, memory_per_device="1GiB", global_batch=8, capacity_factors=[1.25])
+    assert "capacity_factors [1.25] unused: the model has no expert layers" in str(unused)
     with pytest.raises(PlanError, match="amp must be None, 'bfloat16' or 'float16', got 'fp8'"):
         fleet.plan(gpt2, devices=1, memory_per_device="1GiB", global_batch=8, amp="fp8")
