@@ -154,7 +154,9 @@ def _counts(op: Any, nbytes: Any) -> int:
 
 
 # collectives whose largest tensor is not what they send: what they send, from (op, nbytes)
-_SENDS = {"ExpertExchange": _own_side, "ExpertRoute": _counts}
+for _type, _rule in {"ExpertExchange": _own_side, "ExpertRoute": _counts}.items():
+    registry.extend(_type, sends=_rule)
+del _type, _rule
 
 
 def op_flops(p: Any, op: Any, dims: dict) -> float:
@@ -166,9 +168,12 @@ def op_flops(p: Any, op: Any, dims: dict) -> float:
 def comm_bytes(p: Any, op: Any, dims: dict, nbytes: Any) -> float:
     """Bytes a collective op sends and receives per worker over a ring of its group (`nbytes`:
     name -> bytes under `dims`); a named group counts its op's ``parts`` (ZeRO's), else 2 workers;
-    an expert exchange at a balanced routing, an expert route its counts (`_SENDS`)."""
-    sends = _SENDS.get(op.type)
-    data = sends(op, nbytes) if sends else max((nbytes(x) for x in [*op.inputs, *op.outputs] if x), default=0)
+    what a row's `sends` says where it has one (an expert exchange at a balanced routing)."""
+    row = registry.get(op.type)
+    if row is not None and row.sends is not None:
+        data = row.sends(op, nbytes)
+    else:
+        data = max((nbytes(x) for x in [*op.inputs, *op.outputs] if x), default=0)
     group = op.attrs.get("group") or op.attrs.get("ranks")
     n = len(group) if isinstance(group, (list, tuple)) else int(op.attrs.get("parts") or 2)
     return data * (n - 1) / max(n, 1) * (2.0 if op.type in _ALL_REDUCES else 1.0)

@@ -107,6 +107,9 @@ class OpDef:
     # dims): set for the matmul-class ops (ops/costs.py), whose time a roofline takes from them;
     # None: the op's time is the bytes it moves.
     flops: Callable[[Any, Any, dict], float] | None = field(default=None, compare=False)
+    # A collective whose largest tensor is not what it sends (ops/costs.py sets it): (op, nbytes:
+    # name -> bytes) -> the bytes it sends, for `comm_bytes`; None: its largest input or output.
+    sends: Callable[[Any, Any], float] | None = field(default=None, compare=False)
     # An additive bias input that may be dropped when it is a constant of zeros (torch
     # exports bias-free convs with a zero bias: adding it, and its grad, is wasted work).
     zero_bias_input: int | None = None
